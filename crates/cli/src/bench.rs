@@ -1,0 +1,106 @@
+//! `ferry bench`: scenarios end to end, one JSON object per migration on stdout.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use ferry_lab::baseline::QemuMode;
+use ferry_lab::bench::{run_scenario, Scenario, Workload};
+use ferry_lab::{accel, image, vm, Lab};
+
+use crate::lab_cmd::LinkArgs;
+use crate::migrate::MigrationFlags;
+use crate::report;
+use crate::vm_cmd::VmShape;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    link: LinkArgs,
+    #[command(flatten)]
+    shape: VmShape,
+    #[command(flatten)]
+    migration: MigrationFlags,
+    /// QEMU modes to compare (comma-separated); overrides --mode.
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<String>,
+    /// Workloads (comma-separated): zero, delta, ws, hot, idle.
+    #[arg(long, value_delimiter = ',', default_value = "ws")]
+    workloads: Vec<String>,
+    /// Memory each workload owns, MiB.
+    #[arg(long, default_value_t = 128)]
+    dirty_mib: u32,
+    /// Dirtying rate, MiB/s.
+    #[arg(long, default_value_t = 4.0)]
+    dirty_rate_mib_s: f64,
+    /// Runs per (workload, mode).
+    #[arg(long, default_value_t = 3)]
+    runs: u32,
+    /// Seconds the workload runs before each migration.
+    #[arg(long, default_value_t = 5)]
+    warmup_s: u64,
+    /// One JSON object per line (the default output; kept for scripts that pass it).
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(a: BenchArgs) -> Result<ExitCode> {
+    let link = a.link.config();
+    link.validate()?;
+    let base = a.migration.options()?;
+    let modes: Vec<QemuMode> = if a.modes.is_empty() {
+        vec![base.mode]
+    } else {
+        a.modes.iter().map(|m| QemuMode::parse(m)).collect::<Result<_>>()?
+    };
+    let workloads: Vec<Workload> =
+        a.workloads.iter().map(|p| Workload { pattern: p.clone(), dirty_mib: a.dirty_mib, rate_mib_s: a.dirty_rate_mib_s }).collect();
+    for w in &workloads {
+        w.validate(a.shape.mem_mib)?;
+    }
+    ferry_lab::topology::require_root()?;
+    let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
+    let (accel, why) = tokio::task::spawn_blocking({
+        let img = img.clone();
+        move || accel::detect(&img)
+    })
+    .await??;
+    eprintln!("bench: accelerator {} ({why})", accel.as_str());
+    let lab = Lab { name: "ferry-bench".to_owned() };
+    let exe = std::env::current_exe()?;
+    {
+        let lab = lab.clone();
+        tokio::task::spawn_blocking(move || {
+            lab.down(true)?;
+            lab.up(link, &exe)
+        })
+        .await??;
+    }
+    let mut failures = 0;
+    for w in &workloads {
+        for run in 1..=a.runs {
+            // Modes interleave within a run so slow drifts of the machine hit every mode alike.
+            for &mode in &modes {
+                let sc = Scenario {
+                    mode,
+                    workload: w.clone(),
+                    vm: vm::VmOptions { mem_mib: a.shape.mem_mib, vcpus: a.shape.vcpus, disk: a.shape.disk, accel },
+                    link,
+                    warmup: Duration::from_secs(a.warmup_s),
+                    migrate: base.clone(),
+                    run,
+                };
+                match run_scenario(&lab, &img, &sc).await {
+                    Ok(r) => println!("{}", serde_json::to_string(&r)?),
+                    Err(e) => {
+                        failures += 1;
+                        eprintln!("bench: {} {} run {run}: {}", w.pattern, mode.name(), report::error_chain(&e));
+                    }
+                }
+            }
+        }
+    }
+    let _ = tokio::task::spawn_blocking(move || lab.down(true)).await?;
+    Ok(if failures == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

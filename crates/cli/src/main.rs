@@ -1,0 +1,93 @@
+//! `ferry`: live migration of QEMU VMs across wide-area links.
+//!
+//! Exit codes (stable, see docs/cli.md): 0 success; 1 the command failed (the message says
+//! why); 2 bad usage; 3 a migration did not complete or the guest's verifier found errors.
+
+mod bench;
+mod demo;
+mod lab_cmd;
+mod migrate;
+mod report;
+mod vm_cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit code when a migration did not complete or verification failed.
+pub const EXIT_MIGRATION_FAILED: u8 = 3;
+
+#[derive(Parser)]
+#[command(name = "ferry", version = concat!(env!("CARGO_PKG_VERSION"), " (lab protocol: guest serial v1; QEMU >= 10)"))]
+#[command(about = "Live migration of QEMU VMs across wide-area links")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the demo: a live migration across an emulated 100 Mbit/s, 50 ms WAN.
+    Demo(demo::DemoArgs),
+    /// The guest image.
+    #[command(subcommand)]
+    Image(ImageCmd),
+    /// The two-site lab: namespaces, WAN emulator, bridges.
+    #[command(subcommand)]
+    Lab(lab_cmd::LabCmd),
+    /// The lab's VMs.
+    #[command(subcommand)]
+    Vm(vm_cmd::VmCmd),
+    /// Send one command to a VM's guest agent and print its reply (e.g. `mem verify`).
+    Guest(vm_cmd::GuestArgs),
+    /// Migrate a VM to another site.
+    Migrate(migrate::MigrateArgs),
+    /// Run benchmark scenarios and print one JSON object per migration.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Build the tiny guest image (cached; rebuilt only when its inputs change).
+    Build {
+        /// Rebuild even if the cached image is current.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let result = rt.block_on(async {
+        match cli.command {
+            Cmd::Demo(a) => demo::run(a).await,
+            Cmd::Image(ImageCmd::Build { force }) => {
+                let (img, rebuilt) = tokio::task::spawn_blocking(move || ferry_lab::image::build(force)).await??;
+                println!(
+                    "guest image {} (kernel {}): {}",
+                    if rebuilt { "built" } else { "up to date" },
+                    img.kernel_version,
+                    img.kernel.parent().map_or_else(String::new, |p| p.display().to_string())
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+            Cmd::Lab(c) => lab_cmd::run(c).await,
+            Cmd::Vm(c) => vm_cmd::run(c).await,
+            Cmd::Guest(a) => vm_cmd::guest(a).await,
+            Cmd::Migrate(a) => migrate::run(a).await,
+            Cmd::Bench(a) => bench::run(a).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ferry: {}", report::error_chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}

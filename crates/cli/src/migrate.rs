@@ -1,0 +1,123 @@
+//! `ferry migrate VM --to SITE`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use ferry_lab::baseline::{self, MigrateOptions, MigrationOutcome, Progress, QemuMode};
+use ferry_lab::guest::{self, GuestLink, Heartbeats, VerifyOutcome};
+use ferry_lab::{vm, Lab, Site};
+use tokio::sync::watch;
+
+use crate::report;
+
+/// Migration flags shared by `migrate`, `bench` and `demo`.
+#[derive(Args, Debug, Clone)]
+pub struct MigrationFlags {
+    /// Which system migrates: `qemu` (QEMU's own migration straight across the WAN). The ferry
+    /// path arrives with issue 3.
+    #[arg(long, default_value = "qemu")]
+    pub system: String,
+    /// QEMU's migration mode: plain, xbzrle, multifd or multifd-zstd.
+    #[arg(long, default_value = "plain")]
+    pub mode: String,
+    /// Downtime target, ms (QEMU's downtime-limit; 300 is QEMU's default).
+    #[arg(long, default_value_t = 300)]
+    pub downtime_ms: u64,
+    /// Give up after this many seconds; the source keeps running.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_s: u64,
+}
+
+impl MigrationFlags {
+    /// Validated options.
+    pub fn options(&self) -> Result<MigrateOptions> {
+        match self.system.as_str() {
+            "qemu" => {}
+            "ferry" => bail!("--system ferry is not built yet (issue 3); use --system qemu"),
+            other => bail!("unknown --system {other:?} (known: qemu)"),
+        }
+        if !(1..=60_000).contains(&self.downtime_ms) {
+            bail!("--downtime-ms {} is out of range; use 1 to 60000", self.downtime_ms);
+        }
+        if self.timeout_s == 0 {
+            bail!("--timeout-s must be at least 1");
+        }
+        Ok(MigrateOptions {
+            mode: QemuMode::parse(&self.mode)?,
+            downtime_limit_ms: self.downtime_ms,
+            timeout_s: self.timeout_s,
+            ..MigrateOptions::default()
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct MigrateArgs {
+    /// The VM to move.
+    vm: String,
+    /// The site to move it to.
+    #[arg(long)]
+    to: String,
+    #[command(flatten)]
+    flags: MigrationFlags,
+    /// Skip the guest's verifiers after the migration.
+    #[arg(long)]
+    no_verify: bool,
+    /// Print the outcome as JSON instead of the report.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
+    let opts = a.flags.options()?;
+    let to = Site::parse(&a.to)?;
+    let lab = Lab::from_env();
+    let rec = vm::load(&lab, &a.vm)?;
+    if rec.site == to {
+        bail!("VM {:?} already runs at site {}", a.vm, to.name());
+    }
+    let src = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
+    let (outcome, verify) = migrate_with_progress(&lab, &a.vm, to, &opts, src, !a.no_verify && !a.json, !a.no_verify).await?;
+    let system = format!("qemu-{}", opts.mode.name());
+    if a.json {
+        let v = serde_json::json!({ "system": system, "outcome": outcome, "verify": verify });
+        println!("{v}");
+    } else {
+        report::print_report(&system, &outcome, verify.as_ref(), None);
+    }
+    Ok(exit_code(&outcome, verify.as_ref()))
+}
+
+/// 0 when the migration completed and the verifiers found nothing, else 3.
+pub fn exit_code(o: &MigrationOutcome, v: Option<&VerifyOutcome>) -> ExitCode {
+    if o.completed && v.is_none_or(|v| v.errors() == 0) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(crate::EXIT_MIGRATION_FAILED)
+    }
+}
+
+/// Migrates with a live progress bar (when `bar`), then runs the verifiers (when `verify`).
+pub async fn migrate_with_progress(
+    lab: &Lab,
+    name: &str,
+    to: Site,
+    opts: &MigrateOptions,
+    src: GuestLink,
+    bar: bool,
+    verify: bool,
+) -> Result<(MigrationOutcome, Option<VerifyOutcome>)> {
+    let (tx, rx) = watch::channel(Progress::default());
+    let drawer = bar.then(|| tokio::spawn(report::progress_bar(rx)));
+    let has_disk = vm::load(lab, name)?.has_disk();
+    let result = baseline::migrate(lab, name, to, opts, src, &tx).await;
+    drop(tx);
+    if let Some(d) = drawer {
+        let _ = d.await;
+    }
+    let (outcome, link) = result?;
+    let verify = if verify && outcome.completed { Some(guest::verify(&link, has_disk).await?) } else { None };
+    Ok((outcome, verify))
+}

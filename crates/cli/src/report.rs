@@ -1,0 +1,93 @@
+//! Human output: error chains, the live progress bar and the migration report.
+
+use std::time::Duration;
+
+use ferry_lab::baseline::{MigrationOutcome, Progress};
+use ferry_lab::guest::VerifyOutcome;
+use ferry_lab::tcpseq::TcpSeqStats;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio::sync::watch;
+
+/// `outer: cause: root cause`, each message once.
+pub fn error_chain(e: &anyhow::Error) -> String {
+    e.chain().map(ToString::to_string).collect::<Vec<_>>().join(": ")
+}
+
+/// Formats a byte count with binary units.
+pub fn bytes(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} GiB", n / (1024.0 * 1024.0 * 1024.0))
+    } else if n >= 1024.0 * 1024.0 {
+        format!("{:.1} MiB", n / (1024.0 * 1024.0))
+    } else if n >= 1024.0 {
+        format!("{:.1} KiB", n / 1024.0)
+    } else {
+        format!("{n} B")
+    }
+}
+
+/// Draws `rx` as a progress bar until the sender is dropped. The bar tracks QEMU's RAM
+/// transferred against RAM transferred plus remaining, which grows while the guest dirties.
+pub async fn progress_bar(mut rx: watch::Receiver<Progress>) {
+    let bar = ProgressBar::new(1);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {percent:>3}% {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    while rx.changed().await.is_ok() {
+        let p = rx.borrow_and_update().clone();
+        let total = (p.ram_transferred + p.ram_remaining).max(1);
+        bar.set_length(total);
+        bar.set_position(p.ram_transferred.min(total));
+        let eta = p.eta_s.map_or_else(|| "-".to_owned(), |s| format!("{s:.0}s"));
+        bar.set_message(format!(
+            "{} | WAN {} at {:.1} Mbit/s | remaining {} | pass {} | ETA {eta}",
+            p.phase,
+            bytes(p.wan_bytes),
+            p.wan_mbit,
+            bytes(p.ram_remaining),
+            p.iteration
+        ));
+    }
+    bar.finish_and_clear();
+}
+
+/// Prints the report of one migration.
+pub fn print_report(system: &str, o: &MigrationOutcome, verify: Option<&VerifyOutcome>, tcp: Option<&TcpSeqStats>) {
+    let ms = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0} ms"));
+    println!("migration report ({system})");
+    println!("  completed            {}", if o.completed { "yes" } else { "NO" });
+    if let Some(e) = &o.error {
+        println!("  reason               {e}");
+    }
+    println!("  total time           {:.1} s", o.total_ms as f64 / 1000.0);
+    println!("  downtime             {} (source STOP to destination RESUME)", ms(o.downtime_ms));
+    println!("  QEMU's own downtime  {}", ms(o.qemu_downtime_ms.map(|v| v as f64)));
+    println!("  guest-observed gap   {} (longest heartbeat gap)", ms(o.guest_gap_ms));
+    println!("  bytes on the WAN     {} ({} bytes, both directions, counted by the emulator)", bytes(o.wan_bytes), o.wan_bytes);
+    println!("  precopy passes       {}", o.iterations);
+    if let Some(v) = verify {
+        println!(
+            "  verifier             {} ({} pages{})",
+            if v.errors() == 0 { "OK, no lost or stale pages".to_owned() } else { format!("{} ERRORS", v.errors()) },
+            v.mem_pages,
+            if v.disk_blocks > 0 { format!(", {} disk blocks", v.disk_blocks) } else { String::new() }
+        );
+    }
+    if let Some(t) = tcp {
+        println!(
+            "  TCP connection       {} ({} numbers, last {}, longest stall {} ms{})",
+            if t.intact() { "intact: kept every sequence number" } else { "BROKEN" },
+            t.received,
+            t.last.map_or_else(|| "-".into(), |l| l.to_string()),
+            t.max_stall_ms,
+            if t.missing + t.out_of_order > 0 { format!(", {} missing, {} out of order", t.missing, t.out_of_order) } else { String::new() }
+        );
+        if let Some(e) = &t.error {
+            println!("                       {e}");
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! `ferry vm start | stop | list` and `ferry guest`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use ferry_lab::bench::Workload;
+use ferry_lab::guest::{GuestLink, Heartbeats};
+use ferry_lab::{accel, vm, Lab, Site};
+
+/// VM shape and workload flags shared by `vm start`, `bench` and `demo`.
+#[derive(Args, Debug, Clone)]
+pub struct VmShape {
+    /// Guest memory, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem_mib: u32,
+    /// Virtual CPUs.
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
+    /// Attach a small ext4 data disk (migrated with QEMU's mirror to an NBD export).
+    #[arg(long)]
+    pub disk: bool,
+}
+
+#[derive(Subcommand)]
+pub enum VmCmd {
+    /// Boot a VM from the lab's tiny guest image.
+    Start {
+        name: String,
+        /// Site to start at.
+        #[arg(long, default_value = "a")]
+        site: String,
+        #[command(flatten)]
+        shape: VmShape,
+        /// Start a memory workload: zero, delta, ws, hot or idle.
+        #[arg(long)]
+        workload: Option<String>,
+        /// Memory the workload owns, MiB.
+        #[arg(long, default_value_t = 64)]
+        dirty_mib: u32,
+        /// Dirtying rate, MiB/s (0: as fast as the guest can).
+        #[arg(long, default_value_t = 4.0)]
+        dirty_rate_mib_s: f64,
+    },
+    /// Stop a VM and delete it.
+    Stop { name: String },
+    /// List the lab's VMs.
+    List,
+}
+
+/// `ferry guest NAME COMMAND...`
+#[derive(Args)]
+pub struct GuestArgs {
+    name: String,
+    /// The guest command, e.g. `mem verify` or `mem set rate=20`.
+    #[arg(required = true, trailing_var_arg = true)]
+    command: Vec<String>,
+}
+
+pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
+    let lab = Lab::from_env();
+    match cmd {
+        VmCmd::Start { name, site, shape, workload, dirty_mib, dirty_rate_mib_s } => {
+            let site = Site::parse(&site)?;
+            lab.state()?;
+            let workload = workload.map(|pattern| Workload { pattern, dirty_mib, rate_mib_s: dirty_rate_mib_s });
+            if let Some(w) = &workload {
+                w.validate(shape.mem_mib)?;
+            }
+            let img = tokio::task::spawn_blocking(vm::ensure_image).await??;
+            let (accel, why) = tokio::task::spawn_blocking({
+                let img = img.clone();
+                move || accel::detect(&img)
+            })
+            .await??;
+            let opts = vm::VmOptions { mem_mib: shape.mem_mib, vcpus: shape.vcpus, disk: shape.disk, accel };
+            let rec = vm::start(&lab, &name, site, &opts, &img).await?;
+            println!("VM {name} started at site {} ({}: {why}); guest address {}", site.name(), accel.as_str(), rec.guest_ip);
+            let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
+            link.wait_ready(Duration::from_secs(120)).await?;
+            println!("guest agent ready");
+            if let Some(w) = workload {
+                link.call(&w.start_command(), Duration::from_secs(180)).await?;
+                println!("workload {} started on {} MiB at {} MiB/s", w.pattern, w.dirty_mib, w.rate_mib_s);
+            }
+        }
+        VmCmd::Stop { name } => {
+            vm::stop(&lab, &name)?;
+            println!("VM {name} stopped");
+        }
+        VmCmd::List => {
+            for v in vm::list(&lab)? {
+                println!("{}\tsite {}\t{} MiB\t{}\tpid {}", v.name, v.site.name(), v.spec.mem_mib, v.guest_ip, v.pid);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn guest(args: GuestArgs) -> Result<ExitCode> {
+    let lab = Lab::from_env();
+    let rec = vm::load(&lab, &args.name)?;
+    let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
+    let reply = link.call(&args.command.join(" "), Duration::from_secs(300)).await?;
+    println!("{}", reply.text);
+    Ok(ExitCode::SUCCESS)
+}

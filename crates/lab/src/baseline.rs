@@ -1,0 +1,376 @@
+//! QEMU's own migration straight across the lab WAN: the baseline ferry has to beat.
+//!
+//! Driven the way libvirt drives it: the destination QEMU starts paused with `-incoming defer`,
+//! capabilities are set on both ends, disks are mirrored to the destination's NBD export
+//! (`blockdev-mirror` to an `nbd` node) before memory moves, and with disks the source pauses at
+//! `pre-switchover` so the mirror can be completed before the destination takes over. The
+//! destination is resumed with `cont` once its incoming migration completed.
+//!
+//! Measured the same way for every system (ARCHITECTURE.md, contracts): downtime from the
+//! source's STOP event to the destination's RESUME event by QMP timestamps; WAN bytes from the
+//! emulator's counters; the guest's own longest heartbeat gap.
+//!
+//! Any failure before the destination resumes leaves the source running and removes the
+//! destination.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use ferry_qemu::commands::{
+    BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, MigrateCancel,
+    MigrateContinue, MigrateIncoming, MigrateSetCapabilities, MigrateSetParameters, Migrate, NbdServerStart,
+    NbdServerStop, QueryMigrate, QueryStatus, Quit,
+};
+use ferry_qemu::Qmp;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::guest::{GuestLink, Heartbeats};
+use crate::topology::{Lab, Site};
+use crate::{sh, vm, wan};
+
+/// TCP port the destination QEMU listens on for the migration stream.
+const MIGRATION_PORT: u16 = 4444;
+/// TCP port of the destination's NBD server (storage migration).
+const NBD_PORT: u16 = 10809;
+/// How often progress is sampled: often enough for a smooth bar, rare enough to cost nothing.
+const POLL: Duration = Duration::from_millis(100);
+
+/// QEMU's migration modes compared in the baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QemuMode {
+    Plain,
+    Xbzrle,
+    Multifd,
+    MultifdZstd,
+}
+
+impl QemuMode {
+    /// Every mode, in the order benchmarks report them.
+    pub const ALL: [QemuMode; 4] = [QemuMode::Plain, QemuMode::Xbzrle, QemuMode::Multifd, QemuMode::MultifdZstd];
+
+    /// Parses `plain|xbzrle|multifd|multifd-zstd`.
+    pub fn parse(s: &str) -> Result<QemuMode> {
+        QemuMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .with_context(|| format!("unknown QEMU migration mode {s:?} (known: plain, xbzrle, multifd, multifd-zstd)"))
+    }
+
+    /// The mode's name, as `system` reports it after `qemu-`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QemuMode::Plain => "plain",
+            QemuMode::Xbzrle => "xbzrle",
+            QemuMode::Multifd => "multifd",
+            QemuMode::MultifdZstd => "multifd-zstd",
+        }
+    }
+}
+
+/// How to migrate.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MigrateOptions {
+    pub mode: QemuMode,
+    /// QEMU's `downtime-limit`; 300 ms is QEMU's own default.
+    pub downtime_limit_ms: u64,
+    /// Give up (cancel, source keeps running) after this long.
+    pub timeout_s: u64,
+    /// multifd channels; 4 is a common choice (QEMU's default is 2).
+    pub multifd_channels: u8,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        MigrateOptions { mode: QemuMode::Plain, downtime_limit_ms: 300, timeout_s: 900, multifd_channels: 4 }
+    }
+}
+
+/// One progress sample.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Progress {
+    pub phase: String,
+    pub elapsed_ms: u64,
+    /// Bytes on the WAN since the migration started (emulator counter).
+    pub wan_bytes: u64,
+    /// WAN rate over the last sample, Mbit/s.
+    pub wan_mbit: f64,
+    pub ram_total: u64,
+    pub ram_transferred: u64,
+    pub ram_remaining: u64,
+    pub iteration: u64,
+    pub eta_s: Option<f64>,
+}
+
+/// What a migration did, measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MigrationOutcome {
+    pub completed: bool,
+    pub total_ms: u64,
+    pub downtime_ms: Option<f64>,
+    pub qemu_downtime_ms: Option<u64>,
+    pub guest_gap_ms: Option<f64>,
+    pub wan_bytes: u64,
+    pub iterations: u64,
+    pub ram_transferred: u64,
+    pub error: Option<String>,
+}
+
+fn now_micros() -> i64 {
+    i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_micros()).expect("fits")
+}
+
+fn caps(mode: QemuMode, src: bool, disks: bool) -> MigrateSetCapabilities {
+    // Every mode capability is set explicitly: a VM that arrived by multifd still has it on.
+    let multifd = matches!(mode, QemuMode::Multifd | QemuMode::MultifdZstd);
+    let cap = |name: &str, state: bool| Capability { capability: name.into(), state };
+    let mut c = vec![cap("events", true), cap("xbzrle", mode == QemuMode::Xbzrle), cap("multifd", multifd)];
+    // libvirt's way with disks: stop at pre-switchover and complete the disk mirror first.
+    c.push(cap("pause-before-switchover", src && disks));
+    MigrateSetCapabilities { capabilities: c }
+}
+
+fn params(opts: &MigrateOptions, src: bool) -> MigrateSetParameters {
+    let multifd = matches!(opts.mode, QemuMode::Multifd | QemuMode::MultifdZstd);
+    MigrateSetParameters {
+        downtime_limit: src.then_some(opts.downtime_limit_ms),
+        multifd_channels: multifd.then_some(opts.multifd_channels),
+        multifd_compression: (opts.mode == QemuMode::MultifdZstd).then(|| "zstd".to_owned()),
+        ..Default::default()
+    }
+}
+
+/// Migrates VM `name` to site `to` with QEMU's own migration. `src_link` is the caller's serial
+/// connection to the source guest (QEMU's serial socket takes one client); its heartbeat
+/// tracker also receives the destination's beats. Returns the outcome and a serial link to the
+/// guest at its new site (or the old one, if the migration did not complete).
+pub async fn migrate(
+    lab: &Lab,
+    name: &str,
+    to: Site,
+    opts: &MigrateOptions,
+    src_link: GuestLink,
+    progress: &watch::Sender<Progress>,
+) -> Result<(MigrationOutcome, GuestLink)> {
+    let rec = vm::load(lab, name)?;
+    if rec.site == to {
+        bail!("VM {name:?} already runs at site {}", to.name());
+    }
+    let heartbeats: Arc<Heartbeats> = src_link.heartbeats().clone();
+    let wan_socket = lab.wan_socket();
+    let wan_start = wan::stats(&wan_socket)?.total_bytes();
+    let t0_micros = now_micros();
+    let t0 = Instant::now();
+    heartbeats.reset_max_gap();
+
+    let mut dst_spec = vm::spec_at(lab, &rec, to);
+    dst_spec.incoming = Some("defer".into());
+    dst_spec.paused = true;
+    for (src_disk, dst_disk) in rec.spec.disks.iter().zip(&dst_spec.disks) {
+        let info = sh::run("qemu-img", &["info", "-U", "--output=json", &src_disk.path.to_string_lossy()])?;
+        let size = serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"].as_u64().context("qemu-img info: no virtual-size")?;
+        sh::run("qemu-img", &["create", "-q", "-f", "qcow2", &dst_disk.path.to_string_lossy(), &size.to_string()])?;
+    }
+    progress.send_modify(|p| p.phase = "starting destination".into());
+    let dst_pid = vm::launch(lab, to, &dst_spec).await?;
+    let src_qmp = Qmp::connect(&rec.spec.qmp_socket).await.context("source QMP")?;
+
+    let attempt = async {
+        let dst_qmp = Qmp::connect(&dst_spec.qmp_socket).await.context("destination QMP")?;
+        let dst_link = GuestLink::connect(&dst_spec.serial_socket, heartbeats.clone()).await?;
+        let outcome = run(lab, &rec, &dst_spec, to, opts, &src_qmp, &dst_qmp, progress, t0, t0_micros, wan_start, &heartbeats).await?;
+        Ok::<_, anyhow::Error>((outcome, dst_link))
+    };
+    match attempt.await {
+        Ok((outcome, dst_link)) if outcome.completed => {
+            // The destination runs: the source must never run again.
+            let _ = src_qmp.execute(&Quit).await;
+            vm::kill_at(lab, &rec.spec, rec.site, rec.pid);
+            let mut moved = rec.clone();
+            moved.site = to;
+            moved.pid = dst_pid;
+            moved.spec = vm::spec_at(lab, &rec, to);
+            vm::save(lab, &moved)?;
+            for d in &rec.spec.disks {
+                let _ = std::fs::remove_file(&d.path);
+            }
+            Ok((outcome, dst_link))
+        }
+        other => {
+            // Not committed: the destination goes, the source keeps (or resumes) running.
+            let _ = src_qmp.execute(&MigrateCancel).await;
+            vm::kill_at(lab, &dst_spec, to, dst_pid);
+            for d in &dst_spec.disks {
+                let _ = std::fs::remove_file(&d.path);
+            }
+            ensure_running(&src_qmp).await?;
+            match other {
+                Ok((outcome, _)) => Ok((outcome, src_link)),
+                Err(e) => Err(e.context("migration failed; the source VM keeps running")),
+            }
+        }
+    }
+}
+
+/// Resumes the source if a failed migration left it paused.
+async fn ensure_running(qmp: &Qmp) -> Result<()> {
+    for _ in 0..50 {
+        let st = qmp.execute(&QueryStatus).await?;
+        if st.running {
+            return Ok(());
+        }
+        if st.status == "paused" || st.status == "postmigrate" || st.status == "finish-migrate" {
+            let _ = qmp.execute(&Cont).await;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    bail!("the source VM did not resume after the failed migration")
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run(
+    lab: &Lab,
+    rec: &vm::VmRecord,
+    dst_spec: &ferry_qemu::VmSpec,
+    to: Site,
+    opts: &MigrateOptions,
+    src: &Qmp,
+    dst: &Qmp,
+    progress: &watch::Sender<Progress>,
+    t0: Instant,
+    t0_micros: i64,
+    wan_start: u64,
+    heartbeats: &Heartbeats,
+) -> Result<MigrationOutcome> {
+    let disks = rec.has_disk();
+    let wan_socket = lab.wan_socket();
+    src.execute(&caps(opts.mode, true, disks)).await?;
+    dst.execute(&caps(opts.mode, false, disks)).await?;
+    src.execute(&params(opts, true)).await?;
+    dst.execute(&params(opts, false)).await?;
+    dst.execute(&MigrateIncoming { uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()) }).await?;
+    let deadline = t0 + Duration::from_secs(opts.timeout_s);
+    let mut last_wan = (Instant::now(), wan_start);
+    let mut sample = |phase: &str, info: Option<&ferry_qemu::commands::MigrationInfo>| -> Result<()> {
+        let now = Instant::now();
+        let wan_now = wan::stats(&wan_socket)?.total_bytes();
+        let dt = now.duration_since(last_wan.0).as_secs_f64();
+        let mbit = if dt > 0.0 { (wan_now - last_wan.1) as f64 * 8.0 / dt / 1e6 } else { 0.0 };
+        last_wan = (now, wan_now);
+        progress.send_modify(|p| {
+            p.phase = phase.to_owned();
+            p.elapsed_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+            p.wan_bytes = wan_now - wan_start;
+            p.wan_mbit = 0.7 * p.wan_mbit + 0.3 * mbit;
+            if let Some(ram) = info.and_then(|i| i.ram.as_ref()) {
+                p.ram_total = ram.total;
+                p.ram_transferred = ram.transferred;
+                p.ram_remaining = ram.remaining;
+                p.iteration = ram.dirty_sync_count;
+                p.eta_s = (p.wan_mbit > 0.1).then(|| ram.remaining as f64 * 8.0 / (p.wan_mbit * 1e6));
+            }
+        });
+        Ok(())
+    };
+
+    if disks {
+        dst.execute(&NbdServerStart::inet(to.underlay_ip(), NBD_PORT)).await?;
+        for d in &dst_spec.disks {
+            dst.execute(&BlockExportAdd { kind: "nbd".into(), id: format!("exp-{}", d.id), node_name: d.id.clone(), writable: true, name: d.id.clone() }).await?;
+        }
+        for d in &rec.spec.disks {
+            src.execute(&BlockdevAdd(serde_json::json!({
+                "driver": "nbd", "node-name": format!("tgt-{}", d.id), "export": d.id,
+                "server": {"type": "inet", "host": to.underlay_ip(), "port": NBD_PORT.to_string()},
+            })))
+            .await?;
+            src.execute(&BlockdevMirror { job_id: format!("mirror-{}", d.id), device: d.id.clone(), target: format!("tgt-{}", d.id), sync: "full".into() }).await?;
+        }
+        for d in &rec.spec.disks {
+            let job = format!("mirror-{}", d.id);
+            loop {
+                if src.find_event("BLOCK_JOB_READY", |v| v["device"] == job.as_str()).is_some() {
+                    break;
+                }
+                if let Some(e) = src.find_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str()) {
+                    bail!("disk mirror {job} ended before it was ready: {}", e.data);
+                }
+                if Instant::now() > deadline {
+                    bail!("disk mirror {job} not ready within {}s", opts.timeout_s);
+                }
+                sample("disk mirror", None)?;
+                tokio::time::sleep(POLL).await;
+            }
+        }
+    }
+
+    src.execute(&Migrate { uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()) }).await?;
+    let info = loop {
+        let info = src.execute(&QueryMigrate).await?;
+        let status = info.status.clone().unwrap_or_default();
+        tracing::debug!(elapsed_ms = t0.elapsed().as_millis() as u64, info = %serde_json::to_string(&info).unwrap_or_default(), "query-migrate");
+        sample(&format!("memory: {status}"), Some(&info))?;
+        match status.as_str() {
+            "completed" => break info,
+            "failed" | "cancelled" => bail!("QEMU migration {status}: {}", info.error_desc.unwrap_or_default()),
+            "pre-switchover" => {
+                for d in &rec.spec.disks {
+                    let job = format!("mirror-{}", d.id);
+                    src.execute(&BlockJobCancel { device: job.clone() }).await?;
+                    src.wait_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str(), Duration::from_secs(60))
+                        .await
+                        .with_context(|| format!("disk mirror {job} did not complete at switchover"))?;
+                }
+                src.execute(&MigrateContinue { state: "pre-switchover".into() }).await?;
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            let ram = info.ram.clone().unwrap_or_default();
+            return Ok(MigrationOutcome {
+                completed: false,
+                total_ms: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
+                wan_bytes: wan::stats(&wan_socket)?.total_bytes() - wan_start,
+                iterations: ram.dirty_sync_count,
+                ram_transferred: ram.transferred,
+                error: Some(format!("did not converge within {}s (QEMU's own rule, downtime limit {} ms)", opts.timeout_s, opts.downtime_limit_ms)),
+                ..Default::default()
+            });
+        }
+        tokio::time::sleep(POLL).await;
+    };
+
+    progress.send_modify(|p| p.phase = "switchover".into());
+    dst.wait_event("MIGRATION", |v| v["status"] == "completed", Duration::from_secs(60))
+        .await
+        .context("the destination did not finish loading the migration stream")?;
+    if disks {
+        dst.execute(&NbdServerStop).await?;
+    }
+    dst.execute(&Cont).await?;
+    let resume = dst.wait_event("RESUME", |_| true, Duration::from_secs(30)).await.context("no RESUME event from the destination")?;
+    let stop = src.find_event("STOP", |_| true).context("no STOP event from the source")?;
+    let wan_bytes = wan::stats(&wan_socket)?.total_bytes() - wan_start;
+    // The gap ends with the destination's first beats; wait for a few of them.
+    let beats = heartbeats.count();
+    let waited = Instant::now();
+    while heartbeats.count() < beats + 20 && waited.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ram = info.ram.clone().unwrap_or_default();
+    let outcome = MigrationOutcome {
+        completed: true,
+        total_ms: u64::try_from((resume.timestamp.as_micros() - t0_micros).max(0) / 1000).unwrap_or(0),
+        downtime_ms: Some((resume.timestamp.as_micros() - stop.timestamp.as_micros()) as f64 / 1000.0),
+        qemu_downtime_ms: info.downtime,
+        guest_gap_ms: (heartbeats.count() > beats).then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
+        wan_bytes,
+        iterations: ram.dirty_sync_count,
+        ram_transferred: ram.transferred,
+        error: None,
+    };
+    progress.send_modify(|p| p.phase = "done".into());
+    Ok(outcome)
+}

@@ -1,0 +1,166 @@
+//! The benchmark harness: one scenario end to end (VM with workload, warm-up, migrate, verify,
+//! tear down), reported as one JSON object per migration in ARCHITECTURE.md's contract.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use ferry_qemu::Accel;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::baseline::{self, MigrateOptions, QemuMode};
+use crate::guest::{self, GuestLink, Heartbeats};
+use crate::image::Image;
+use crate::link::LinkConfig;
+use crate::topology::{Lab, Site};
+use crate::{floor, vm};
+
+/// A guest workload, after the seeds' applications.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Workload {
+    /// `zero`, `delta`, `ws`, `hot` or `idle` (see guest/content.h).
+    pub pattern: String,
+    /// Size of the region the dirtier owns.
+    pub dirty_mib: u32,
+    /// Dirtying rate; 0 = as fast as the guest CPU allows.
+    pub rate_mib_s: f64,
+}
+
+/// Patterns the guest dirtier knows.
+pub const PATTERNS: [&str; 5] = ["zero", "delta", "ws", "hot", "idle"];
+
+impl Workload {
+    /// Checks the pattern name and sizes.
+    pub fn validate(&self, mem_mib: u32) -> Result<()> {
+        if !PATTERNS.contains(&self.pattern.as_str()) {
+            bail!("unknown workload {:?} (known: {})", self.pattern, PATTERNS.join(", "));
+        }
+        if self.dirty_mib == 0 || self.dirty_mib + 64 > mem_mib {
+            bail!("--dirty-mib {} must be at least 1 and leave 64 MiB of the guest's {mem_mib} MiB to its kernel", self.dirty_mib);
+        }
+        if !(self.rate_mib_s.is_finite() && self.rate_mib_s >= 0.0) {
+            bail!("--dirty-rate-mib-s {} must be a non-negative number", self.rate_mib_s);
+        }
+        Ok(())
+    }
+
+    /// The guest command that starts it.
+    pub fn start_command(&self) -> String {
+        format!("mem start pattern={} mib={} rate={}", self.pattern, self.dirty_mib, self.rate_mib_s)
+    }
+}
+
+/// Boots a VM at site A, waits for its agent and starts the workload. Returns the record and
+/// a serial link to the guest.
+pub async fn boot_with_workload(
+    lab: &Lab,
+    name: &str,
+    opts: &vm::VmOptions,
+    img: &Image,
+    workload: &Workload,
+    disk_rate_mib_s: Option<f64>,
+) -> Result<(vm::VmRecord, GuestLink)> {
+    let rec = vm::start(lab, name, Site::A, opts, img).await?;
+    let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
+    link.wait_ready(Duration::from_secs(120)).await?;
+    // Filling the region touches every page once under TCG: allow a minute or two.
+    link.call(&workload.start_command(), Duration::from_secs(180)).await?;
+    if let Some(rate) = disk_rate_mib_s {
+        link.call(&format!("disk start mib=16 rate={rate}"), Duration::from_secs(120)).await?;
+    }
+    Ok((rec, link))
+}
+
+/// One benchmark migration, as the contract's JSON object.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRecord {
+    pub system: String,
+    pub workload: String,
+    pub link: LinkSummary,
+    pub mem_mib: u32,
+    pub disk_mib: u32,
+    pub dirty_mib: u32,
+    pub dirty_rate_mib_s: f64,
+    pub completed: bool,
+    pub total_ms: u64,
+    pub downtime_ms: Option<f64>,
+    pub qemu_downtime_ms: Option<u64>,
+    pub guest_gap_ms: Option<f64>,
+    pub wan_bytes: u64,
+    pub verify_errors: Option<u64>,
+    pub iterations: u64,
+    pub floor_bytes: u64,
+    pub floor_ms: f64,
+    pub accel: Accel,
+    pub run: u32,
+    pub error: Option<String>,
+}
+
+/// The link fields of the contract.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LinkSummary {
+    pub rate_mbit: f64,
+    pub rtt_ms: f64,
+    pub loss_pct: f64,
+}
+
+/// One scenario's settings.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub mode: QemuMode,
+    pub workload: Workload,
+    pub vm: vm::VmOptions,
+    pub link: LinkConfig,
+    pub warmup: Duration,
+    pub migrate: MigrateOptions,
+    pub run: u32,
+}
+
+/// Runs one scenario in a lab that is already up; the VM is removed afterwards, whatever
+/// happened.
+pub async fn run_scenario(lab: &Lab, img: &Image, sc: &Scenario) -> Result<BenchRecord> {
+    let name = format!("bench{}", sc.run);
+    let result = scenario_inner(lab, img, sc, &name).await;
+    let _ = vm::stop(lab, &name);
+    result
+}
+
+async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Result<BenchRecord> {
+    let disk_rate = sc.vm.disk.then_some(0.5);
+    let (rec, link) = boot_with_workload(lab, name, &sc.vm, img, &sc.workload, disk_rate).await?;
+    tokio::time::sleep(sc.warmup).await;
+    let mem_file = rec.spec.mem_file.clone().context("bench VMs have a shared memory file")?;
+    let floor_bytes = tokio::task::spawn_blocking(move || floor::floor_bytes(&mem_file)).await??;
+    let (tx, _rx) = watch::channel(baseline::Progress::default());
+    let mut opts = sc.migrate.clone();
+    opts.mode = sc.mode;
+    let (outcome, dst_link) = baseline::migrate(lab, name, Site::B, &opts, link, &tx).await?;
+    let verify_errors = if outcome.completed {
+        Some(guest::verify(&dst_link, sc.vm.disk).await?.errors())
+    } else {
+        None
+    };
+    Ok(BenchRecord {
+        system: format!("qemu-{}", sc.mode.name()),
+        workload: sc.workload.pattern.clone(),
+        link: LinkSummary { rate_mbit: sc.link.rate_mbit, rtt_ms: sc.link.rtt_ms, loss_pct: sc.link.loss_pct },
+        mem_mib: sc.vm.mem_mib,
+        disk_mib: if sc.vm.disk { u32::try_from(crate::image::DATA_DISK_MIB).unwrap_or(0) } else { 0 },
+        dirty_mib: sc.workload.dirty_mib,
+        dirty_rate_mib_s: sc.workload.rate_mib_s,
+        completed: outcome.completed,
+        total_ms: outcome.total_ms,
+        downtime_ms: outcome.downtime_ms,
+        qemu_downtime_ms: outcome.qemu_downtime_ms,
+        guest_gap_ms: outcome.guest_gap_ms,
+        wan_bytes: outcome.wan_bytes,
+        verify_errors,
+        iterations: outcome.iterations,
+        floor_bytes,
+        floor_ms: floor::floor_ms(floor_bytes, sc.link.rate_mbit),
+        accel: sc.vm.accel,
+        run: sc.run,
+        error: outcome.error,
+    })
+}

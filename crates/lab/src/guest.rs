@@ -1,0 +1,209 @@
+//! The host's side of the guest's serial protocol (see `guest/main.c` and docs/guest.md).
+//!
+//! A [`GuestLink`] holds one connection to a VM's serial socket. Its reader task routes
+//! `R <id> ...` replies to waiting commands and feeds `H <seq> ...` heartbeats, stamped with the
+//! host's clock on arrival, into a shared [`Heartbeats`] tracker. During a migration the source's
+//! and the destination's links feed the same tracker, so the longest gap between two beats is
+//! the longest pause the guest itself experienced, switchover included.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::UnixStream;
+use tokio::sync::oneshot;
+
+/// Host-side record of the guest's heartbeats.
+#[derive(Debug, Default)]
+pub struct Heartbeats {
+    inner: Mutex<HeartbeatState>,
+}
+
+#[derive(Debug, Default)]
+struct HeartbeatState {
+    last: Option<Instant>,
+    count: u64,
+    max_gap: Duration,
+}
+
+impl Heartbeats {
+    fn beat(&self, at: Instant) {
+        let mut s = self.inner.lock().expect("heartbeat state poisoned");
+        if let Some(last) = s.last {
+            s.max_gap = s.max_gap.max(at.saturating_duration_since(last));
+        }
+        s.last = Some(at);
+        s.count += 1;
+    }
+
+    /// Forgets the longest gap so far (start of a measured window).
+    pub fn reset_max_gap(&self) {
+        let mut s = self.inner.lock().expect("heartbeat state poisoned");
+        s.max_gap = Duration::ZERO;
+    }
+
+    /// The longest gap between two consecutive beats since the last reset.
+    pub fn max_gap(&self) -> Duration {
+        self.inner.lock().expect("heartbeat state poisoned").max_gap
+    }
+
+    /// Beats received so far.
+    pub fn count(&self) -> u64 {
+        self.inner.lock().expect("heartbeat state poisoned").count
+    }
+}
+
+/// A parsed `R <id> ok k=v ...` reply.
+#[derive(Debug, Clone, Default)]
+pub struct GuestReply {
+    /// Every `key=value` field of the reply.
+    pub fields: HashMap<String, String>,
+    /// The reply's words after `ok`, as sent.
+    pub text: String,
+}
+
+impl GuestReply {
+    /// A numeric field, or an error naming the field and the reply.
+    pub fn u64(&self, key: &str) -> Result<u64> {
+        self.fields
+            .get(key)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("guest reply {:?} has no numeric field {key}", self.text))
+    }
+}
+
+type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<GuestReply, String>>>>>;
+
+/// One connection to a guest's serial console.
+pub struct GuestLink {
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    waiters: Waiters,
+    next_id: AtomicU64,
+    heartbeats: Arc<Heartbeats>,
+}
+
+impl GuestLink {
+    /// Connects to the serial socket; heartbeats go to `heartbeats`.
+    pub async fn connect(serial: &Path, heartbeats: Arc<Heartbeats>) -> Result<GuestLink> {
+        let stream = UnixStream::connect(serial)
+            .await
+            .with_context(|| format!("connect to guest serial {}", serial.display()))?;
+        let (read, write) = stream.into_split();
+        let waiters: Waiters = Arc::default();
+        tokio::spawn(read_loop(BufReader::new(read), waiters.clone(), heartbeats.clone()));
+        // Ids start from the clock so replies meant for an earlier connection never match.
+        let base = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_micros() as u64 % 1_000_000_000);
+        Ok(GuestLink { writer: tokio::sync::Mutex::new(write), waiters, next_id: AtomicU64::new(base), heartbeats })
+    }
+
+    /// The tracker this link feeds.
+    pub fn heartbeats(&self) -> &Arc<Heartbeats> {
+        &self.heartbeats
+    }
+
+    /// Sends one command (e.g. `mem verify`) and waits for its reply.
+    pub async fn call(&self, command: &str, timeout: Duration) -> Result<GuestReply> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiters.lock().expect("guest waiters poisoned").insert(id, tx);
+        {
+            let mut w = self.writer.lock().await;
+            w.write_all(format!("{id} {command}\n").as_bytes()).await.context("write to guest serial")?;
+        }
+        let reply = tokio::time::timeout(timeout, rx).await;
+        self.waiters.lock().expect("guest waiters poisoned").remove(&id);
+        match reply {
+            Err(_) => bail!("guest did not answer {command:?} within {:.0}s", timeout.as_secs_f64()),
+            Ok(Err(_)) => bail!("guest serial closed while waiting for {command:?} (did the VM stop?)"),
+            Ok(Ok(Err(msg))) => bail!("guest refused {command:?}: {msg}"),
+            Ok(Ok(Ok(r))) => Ok(r),
+        }
+    }
+
+    /// Waits until the guest agent answers a ping (it has booted).
+    pub async fn wait_ready(&self, deadline: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if self.call("ping", Duration::from_secs(1)).await.is_ok() {
+                return Ok(());
+            }
+            if start.elapsed() > deadline {
+                bail!("guest agent did not answer within {:.0}s (boot failed? see the VM's serial log)", deadline.as_secs_f64());
+            }
+        }
+    }
+}
+
+async fn read_loop(mut reader: BufReader<tokio::net::unix::OwnedReadHalf>, waiters: Waiters, heartbeats: Arc<Heartbeats>) {
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let line = line.trim_end();
+        // Kernel messages share the console; anything not ours is ignored.
+        if line.starts_with("H ") {
+            heartbeats.beat(Instant::now());
+            continue;
+        }
+        let Some(rest) = line.strip_prefix("R ") else { continue };
+        let mut parts = rest.splitn(3, ' ');
+        let (Some(id), Some(status)) = (parts.next().and_then(|i| i.parse::<u64>().ok()), parts.next()) else {
+            continue;
+        };
+        let text = parts.next().unwrap_or("").to_owned();
+        let result = if status == "ok" {
+            let fields = text
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+            Ok(GuestReply { fields, text })
+        } else {
+            Err(text)
+        };
+        if let Some(tx) = waiters.lock().expect("guest waiters poisoned").remove(&id) {
+            let _ = tx.send(result);
+        }
+    }
+    waiters.lock().expect("guest waiters poisoned").clear();
+}
+
+/// The outcome of the guest's verifiers after a migration.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct VerifyOutcome {
+    pub mem_pages: u64,
+    pub mem_errors: u64,
+    pub disk_blocks: u64,
+    pub disk_errors: u64,
+}
+
+impl VerifyOutcome {
+    /// Memory and disk errors together.
+    pub fn errors(&self) -> u64 {
+        self.mem_errors + self.disk_errors
+    }
+}
+
+/// Runs the memory verifier, and the disk verifier when `disk` is set.
+pub async fn verify(link: &GuestLink, disk: bool) -> Result<VerifyOutcome> {
+    // A full-memory check recomputes every page under TCG: allow minutes.
+    let mem = link.call("mem verify", Duration::from_secs(300)).await?;
+    let mut out = VerifyOutcome { mem_pages: mem.u64("checked")?, mem_errors: mem.u64("errors")?, ..Default::default() };
+    if disk {
+        let d = link.call("disk verify", Duration::from_secs(300)).await?;
+        out.disk_blocks = d.u64("checked")?;
+        out.disk_errors = d.u64("errors")?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,93 @@
+//! The emulated WAN link's settings, validated before anything is created.
+
+use serde::{Deserialize, Serialize};
+
+/// One emulated wide-area link, the same in both directions.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LinkConfig {
+    /// Bottleneck rate in Mbit/s.
+    pub rate_mbit: f64,
+    /// Round-trip time in ms; each direction delays frames by half.
+    pub rtt_ms: f64,
+    /// Random extra one-way delay, uniform in [0, jitter_ms]; frames are never reordered.
+    #[serde(default)]
+    pub jitter_ms: f64,
+    /// Share of frames dropped at random, in percent.
+    #[serde(default)]
+    pub loss_pct: f64,
+}
+
+impl Default for LinkConfig {
+    /// The brief's reference WAN: 100 Mbit/s, 50 ms RTT.
+    fn default() -> Self {
+        LinkConfig { rate_mbit: 100.0, rtt_ms: 50.0, jitter_ms: 0.0, loss_pct: 0.0 }
+    }
+}
+
+/// A link setting outside what the emulator can honour.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum LinkError {
+    #[error("rate {0} Mbit/s is out of range; use 0.1 to 10000")]
+    Rate(f64),
+    #[error("rtt {0} ms is out of range; use 0 to 5000")]
+    Rtt(f64),
+    #[error("jitter {0} ms is out of range; use 0 to 1000")]
+    Jitter(f64),
+    #[error("loss {0}% is out of range; use 0 to 100")]
+    Loss(f64),
+}
+
+impl LinkConfig {
+    /// Checks every field; the first bad one is reported.
+    pub fn validate(&self) -> Result<(), LinkError> {
+        let ok = |v: f64, lo: f64, hi: f64| v.is_finite() && v >= lo && v <= hi;
+        if !ok(self.rate_mbit, 0.1, 10_000.0) {
+            return Err(LinkError::Rate(self.rate_mbit));
+        }
+        if !ok(self.rtt_ms, 0.0, 5_000.0) {
+            return Err(LinkError::Rtt(self.rtt_ms));
+        }
+        if !ok(self.jitter_ms, 0.0, 1_000.0) {
+            return Err(LinkError::Jitter(self.jitter_ms));
+        }
+        if !ok(self.loss_pct, 0.0, 100.0) {
+            return Err(LinkError::Loss(self.loss_pct));
+        }
+        Ok(())
+    }
+
+    /// The bottleneck queue: one bandwidth-delay product (at least 64 KiB), the usual router
+    /// sizing rule, so one TCP flow can fill the link without a standing queue of seconds.
+    pub fn queue_limit_bytes(&self) -> f64 {
+        (self.rate_mbit * 1e6 / 8.0 * self.rtt_ms.max(10.0) / 1000.0).max(65536.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_the_reference_wan() {
+        assert_eq!(LinkConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn out_of_range_settings_are_named() {
+        let bad = |f: fn(&mut LinkConfig)| {
+            let mut l = LinkConfig::default();
+            f(&mut l);
+            l.validate().unwrap_err().to_string()
+        };
+        assert_eq!(bad(|l| l.rate_mbit = 0.0), "rate 0 Mbit/s is out of range; use 0.1 to 10000");
+        assert_eq!(bad(|l| l.rtt_ms = -1.0), "rtt -1 ms is out of range; use 0 to 5000");
+        assert_eq!(bad(|l| l.loss_pct = 101.0), "loss 101% is out of range; use 0 to 100");
+        assert_eq!(bad(|l| l.jitter_ms = f64::NAN), "jitter NaN ms is out of range; use 0 to 1000");
+    }
+
+    #[test]
+    fn queue_is_one_bdp() {
+        let l = LinkConfig::default();
+        assert!((l.queue_limit_bytes() - 625_000.0).abs() < 1.0);
+    }
+}

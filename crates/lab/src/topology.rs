@@ -1,0 +1,298 @@
+//! The lab's network: two sites and a WAN between them, all in network namespaces.
+//!
+//! ```text
+//!  ns <lab>-a                       ns <lab>-wan                      ns <lab>-b
+//!  br0 10.77.0.1/24 ─ vx0 ─ wan0 ══ to-a ══ WAN relay ══ to-b ══ wan0 ─ vx0 ─ br0 10.77.0.2/24
+//!  (taps of VMs)      VXLAN 172.31.0.1/24                          172.31.0.2/24 VXLAN  (taps of VMs)
+//! ```
+//!
+//! The underlay (`wan0`, 172.31.0.0/24) carries migration traffic; the bridges joined by VXLAN
+//! over it make one layer-2 segment (10.77.0.0/24) that a guest keeps across sites. Every byte
+//! between the sites crosses the relay and is counted there.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::link::LinkConfig;
+use crate::{sh, wan};
+
+/// The underlay MTU: room for VXLAN's 50 bytes around a 1500-byte guest frame.
+const UNDERLAY_MTU: u32 = 1600;
+/// The VXLAN network identifier of the lab's shared segment.
+const VXLAN_ID: u32 = 77;
+
+/// One site of the lab.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Site {
+    A,
+    B,
+}
+
+impl Site {
+    /// Every site, in order.
+    pub const ALL: [Site; 2] = [Site::A, Site::B];
+
+    /// Parses a site name (`a` or `b`, any case).
+    pub fn parse(s: &str) -> Result<Site> {
+        match s.to_ascii_lowercase().as_str() {
+            "a" => Ok(Site::A),
+            "b" => Ok(Site::B),
+            _ => bail!("unknown site {s:?} (known: a, b)"),
+        }
+    }
+
+    /// `a` or `b`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Site::A => "a",
+            Site::B => "b",
+        }
+    }
+
+    /// The other site.
+    pub fn other(self) -> Site {
+        match self {
+            Site::A => Site::B,
+            Site::B => Site::A,
+        }
+    }
+
+    /// The site's address on the underlay (where migration traffic arrives).
+    pub fn underlay_ip(self) -> &'static str {
+        match self {
+            Site::A => "172.31.0.1",
+            Site::B => "172.31.0.2",
+        }
+    }
+
+    /// The site bridge's own address on the shared guest segment.
+    pub fn bridge_ip(self) -> &'static str {
+        match self {
+            Site::A => "10.77.0.1",
+            Site::B => "10.77.0.2",
+        }
+    }
+}
+
+/// What `lab up` recorded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LabState {
+    pub name: String,
+    pub link: LinkConfig,
+    pub relay_pid: u32,
+}
+
+/// A lab by name: its namespaces and state directory. Several labs can coexist (tests use their
+/// own name so they never touch the demo's).
+#[derive(Debug, Clone)]
+pub struct Lab {
+    pub name: String,
+}
+
+/// The default lab's name.
+pub const DEFAULT_LAB: &str = "ferry";
+
+impl Lab {
+    /// The lab named by `FERRY_LAB`, or the default one.
+    pub fn from_env() -> Lab {
+        Lab { name: std::env::var("FERRY_LAB").unwrap_or_else(|_| DEFAULT_LAB.to_owned()) }
+    }
+
+    /// The lab's runtime directory (sockets, logs, VM records).
+    pub fn dir(&self) -> PathBuf {
+        let base = std::env::var_os("FERRY_RUN_DIR").map_or_else(|| PathBuf::from("/run/ferry"), PathBuf::from);
+        base.join(&self.name)
+    }
+
+    /// The network namespace of `site`.
+    pub fn site_ns(&self, site: Site) -> String {
+        format!("{}-{}", self.name, site.name())
+    }
+
+    /// The middle namespace holding the WAN emulator.
+    pub fn wan_ns(&self) -> String {
+        format!("{}-wan", self.name)
+    }
+
+    /// The WAN emulator's control socket.
+    pub fn wan_socket(&self) -> PathBuf {
+        self.dir().join("wan.sock")
+    }
+
+    fn state_path(&self) -> PathBuf {
+        self.dir().join("lab.json")
+    }
+
+    /// The recorded state, if the lab is up.
+    pub fn state(&self) -> Result<LabState> {
+        let p = self.state_path();
+        let text = fs::read_to_string(&p).map_err(|_| anyhow::anyhow!("lab {:?} is not up (run `ferry lab up`)", self.name))?;
+        serde_json::from_str(&text).with_context(|| format!("corrupt {}", p.display()))
+    }
+
+    fn namespaces(&self) -> Vec<String> {
+        vec![self.site_ns(Site::A), self.site_ns(Site::B), self.wan_ns()]
+    }
+
+    fn existing_namespaces(&self) -> Result<Vec<String>> {
+        let out = sh::run("ip", &["netns", "list"])?;
+        let mine = self.namespaces();
+        Ok(out
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|n| mine.iter().any(|m| m == n))
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// Creates the namespaces, links, bridges and the WAN emulator. `ferry_exe` is the binary
+    /// that runs the relay (`ferry lab relay`). On failure, whatever was created is removed.
+    pub fn up(&self, link: LinkConfig, ferry_exe: &Path) -> Result<LabState> {
+        require_root()?;
+        link.validate()?;
+        if self.state_path().exists() || !self.existing_namespaces()?.is_empty() {
+            bail!("lab {:?} is already up (run `ferry lab down` first)", self.name);
+        }
+        fs::create_dir_all(self.dir()).with_context(|| format!("create {}", self.dir().display()))?;
+        match self.create(link, ferry_exe) {
+            Ok(state) => Ok(state),
+            Err(e) => {
+                let _ = self.down(true);
+                Err(e)
+            }
+        }
+    }
+
+    fn create(&self, link: LinkConfig, ferry_exe: &Path) -> Result<LabState> {
+        let wan = self.wan_ns();
+        for ns in self.namespaces() {
+            sh::run("ip", &["netns", "add", &ns])?;
+            sh::run_in(&ns, "ip", &["link", "set", "lo", "up"])?;
+            // No IPv6 chatter (router solicitations, DAD) in the byte counts.
+            sh::run_in(&ns, "sysctl", &["-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"])?;
+        }
+        for site in Site::ALL {
+            let ns = self.site_ns(site);
+            let peer = format!("to-{}", site.name());
+            let peer = peer.as_str();
+            sh::run("ip", &["link", "add", "wan0", "netns", &ns, "type", "veth", "peer", "name", peer, "netns", &wan])?;
+            for (n, dev) in [(&ns, "wan0"), (&wan, peer)] {
+                sh::run_in(n, "ip", &["link", "set", "dev", dev, "mtu", &UNDERLAY_MTU.to_string(), "up"])?;
+                // MTU-sized frames with complete checksums: the relay forwards what it sees.
+                sh::run_in(n, "ethtool", &["-K", dev, "tso", "off", "gso", "off", "gro", "off", "tx", "off", "rx", "off"])?;
+            }
+            sh::run_in(&ns, "ip", &["addr", "add", &format!("{}/24", site.underlay_ip()), "dev", "wan0"])?;
+            sh::run_in(&ns, "ip", &["link", "add", "br0", "type", "bridge"])?;
+            sh::run_in(&ns, "ip", &["addr", "add", &format!("{}/24", site.bridge_ip()), "dev", "br0"])?;
+            sh::run_in(&ns, "ip", &["link", "set", "br0", "up"])?;
+            sh::run_in(
+                &ns,
+                "ip",
+                &[
+                    "link", "add", "vx0", "type", "vxlan", "id", &VXLAN_ID.to_string(),
+                    "local", site.underlay_ip(), "remote", site.other().underlay_ip(),
+                    "dstport", "4789", "dev", "wan0",
+                ],
+            )?;
+            sh::run_in(&ns, "ip", &["link", "set", "vx0", "master", "br0", "up"])?;
+        }
+
+        let log = fs::File::create(self.dir().join("wan.log"))?;
+        let sock = self.wan_socket();
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &wan])
+            .arg(ferry_exe)
+            .args(["lab", "relay", "--if-a", "to-a", "--if-b", "to-b"])
+            .args(["--rate-mbit", &link.rate_mbit.to_string(), "--rtt-ms", &link.rtt_ms.to_string()])
+            .args(["--jitter-ms", &link.jitter_ms.to_string(), "--loss-pct", &link.loss_pct.to_string()])
+            .arg("--control")
+            .arg(&sock)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        detach(&mut cmd);
+        let child = cmd.spawn().context("start the WAN relay")?;
+        let relay_pid = child.id();
+        wait_until(Duration::from_secs(10), || wan::stats(&sock).is_ok())
+            .with_context(|| format!("the WAN relay did not come up; see {}", self.dir().join("wan.log").display()))?;
+        let state = LabState { name: self.name.clone(), link, relay_pid };
+        fs::write(self.state_path(), serde_json::to_string_pretty(&state)?)?;
+        Ok(state)
+    }
+
+    /// Kills every process in the lab's namespaces (VMs, relay, clients), removes the namespaces
+    /// and the runtime directory. Without `force`, a lab that is not up is an error.
+    pub fn down(&self, force: bool) -> Result<()> {
+        require_root()?;
+        let existing = self.existing_namespaces()?;
+        if !force && existing.is_empty() && !self.state_path().exists() {
+            bail!("lab {:?} is not up; nothing to take down", self.name);
+        }
+        for ns in &existing {
+            kill_namespace_processes(ns);
+        }
+        for ns in &existing {
+            sh::run("ip", &["netns", "del", ns])?;
+        }
+        let dir = self.dir();
+        if dir.exists() {
+            fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
+        }
+        crate::vm::remove_lab_files(self);
+        Ok(())
+    }
+}
+
+/// Kills the processes in `ns` and waits (bounded) until they are gone.
+fn kill_namespace_processes(ns: &str) {
+    let pids = || -> Vec<i32> {
+        sh::run("ip", &["netns", "pids", ns])
+            .map(|o| o.split_whitespace().filter_map(|p| p.parse().ok()).collect())
+            .unwrap_or_default()
+    };
+    for pid in pids() {
+        // SAFETY: kill(2) with a pid read from `ip netns pids`; a stale pid only fails.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let _ = wait_until(Duration::from_secs(5), || pids().is_empty());
+}
+
+/// Fails unless running as root.
+pub fn require_root() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the lab needs root (network namespaces, taps); run as root");
+    }
+    Ok(())
+}
+
+/// Puts the child in its own session so it outlives the CLI and is not hit by its signals.
+pub fn detach(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setsid is async-signal-safe and touches nothing shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds or `deadline` passes.
+pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return Ok(());
+        }
+        if start.elapsed() > deadline {
+            bail!("timed out after {:.1}s", deadline.as_secs_f64());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

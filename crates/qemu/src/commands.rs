@@ -1,0 +1,208 @@
+//! The QMP commands ferry uses, as types (QEMU's `qapi/*.json` is the reference).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::qmp::Command;
+
+macro_rules! command {
+    ($ty:ident, $name:literal, $ret:ty) => {
+        impl Command for $ty {
+            const NAME: &'static str = $name;
+            type Returns = $ret;
+        }
+    };
+}
+
+/// `query-status`.
+#[derive(Debug, Serialize)]
+pub struct QueryStatus;
+/// The VM's run state.
+#[derive(Debug, Deserialize)]
+pub struct StatusInfo {
+    pub running: bool,
+    pub status: String,
+}
+command!(QueryStatus, "query-status", StatusInfo);
+
+/// `cont`: resume a paused VM.
+#[derive(Debug, Serialize)]
+pub struct Cont;
+command!(Cont, "cont", Value);
+
+/// `stop`: pause the VM.
+#[derive(Debug, Serialize)]
+pub struct Stop;
+command!(Stop, "stop", Value);
+
+/// `quit`: end QEMU.
+#[derive(Debug, Serialize)]
+pub struct Quit;
+command!(Quit, "quit", Value);
+
+/// One entry of `migrate-set-capabilities`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Capability {
+    pub capability: String,
+    pub state: bool,
+}
+
+/// `migrate-set-capabilities`.
+#[derive(Debug, Serialize)]
+pub struct MigrateSetCapabilities {
+    pub capabilities: Vec<Capability>,
+}
+command!(MigrateSetCapabilities, "migrate-set-capabilities", Value);
+
+/// `migrate-set-parameters`: only the fields set are sent.
+#[derive(Debug, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MigrateSetParameters {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub downtime_limit: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_bandwidth: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multifd_channels: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multifd_compression: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xbzrle_cache_size: Option<u64>,
+}
+command!(MigrateSetParameters, "migrate-set-parameters", Value);
+
+/// `migrate` to a URI.
+#[derive(Debug, Serialize)]
+pub struct Migrate {
+    pub uri: String,
+}
+command!(Migrate, "migrate", Value);
+
+/// `migrate-incoming` on a destination started with `-incoming defer`.
+#[derive(Debug, Serialize)]
+pub struct MigrateIncoming {
+    pub uri: String,
+}
+command!(MigrateIncoming, "migrate-incoming", Value);
+
+/// `migrate_cancel`.
+#[derive(Debug, Serialize)]
+pub struct MigrateCancel;
+command!(MigrateCancel, "migrate_cancel", Value);
+
+/// `migrate-continue` from a paused state such as `pre-switchover`.
+#[derive(Debug, Serialize)]
+pub struct MigrateContinue {
+    pub state: String,
+}
+command!(MigrateContinue, "migrate-continue", Value);
+
+/// `query-migrate`.
+#[derive(Debug, Serialize)]
+pub struct QueryMigrate;
+
+/// Migration progress as QEMU reports it. Fields QEMU omits in a state stay `None`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MigrationInfo {
+    pub status: Option<String>,
+    pub ram: Option<RamStats>,
+    #[serde(rename = "total-time")]
+    pub total_time: Option<u64>,
+    pub downtime: Option<u64>,
+    #[serde(rename = "expected-downtime")]
+    pub expected_downtime: Option<u64>,
+    #[serde(rename = "error-desc")]
+    pub error_desc: Option<String>,
+    #[serde(rename = "xbzrle-cache")]
+    pub xbzrle_cache: Option<Value>,
+}
+
+/// `query-migrate`'s `ram` section.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct RamStats {
+    pub transferred: u64,
+    pub remaining: u64,
+    pub total: u64,
+    #[serde(default)]
+    pub duplicate: u64,
+    #[serde(default)]
+    pub normal: u64,
+    #[serde(default)]
+    pub mbps: f64,
+    #[serde(default)]
+    pub dirty_sync_count: u64,
+    #[serde(default)]
+    pub dirty_pages_rate: u64,
+}
+command!(QueryMigrate, "query-migrate", MigrationInfo);
+
+/// `nbd-server-start` (QEMU 10 takes the legacy SocketAddress form).
+#[derive(Debug, Serialize)]
+pub struct NbdServerStart {
+    pub addr: Value,
+}
+command!(NbdServerStart, "nbd-server-start", Value);
+
+impl NbdServerStart {
+    /// Listen on TCP `host:port`.
+    pub fn inet(host: &str, port: u16) -> Self {
+        NbdServerStart {
+            addr: serde_json::json!({"type": "inet", "data": {"host": host, "port": port.to_string()}}),
+        }
+    }
+}
+
+/// `nbd-server-stop`.
+#[derive(Debug, Serialize)]
+pub struct NbdServerStop;
+command!(NbdServerStop, "nbd-server-stop", Value);
+
+/// `block-export-add` of an NBD export.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockExportAdd {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub id: String,
+    pub node_name: String,
+    pub writable: bool,
+    pub name: String,
+}
+command!(BlockExportAdd, "block-export-add", Value);
+
+/// `blockdev-add` with free-form options (the driver decides which fields exist).
+#[derive(Debug, Serialize)]
+#[serde(transparent)]
+pub struct BlockdevAdd(pub Value);
+command!(BlockdevAdd, "blockdev-add", Value);
+
+/// `blockdev-mirror`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockdevMirror {
+    pub job_id: String,
+    pub device: String,
+    pub target: String,
+    pub sync: String,
+}
+command!(BlockdevMirror, "blockdev-mirror", Value);
+
+/// `block-job-cancel`: for a ready mirror this completes it without pivoting.
+#[derive(Debug, Serialize)]
+pub struct BlockJobCancel {
+    pub device: String,
+}
+command!(BlockJobCancel, "block-job-cancel", Value);
+
+/// `query-kvm`.
+#[derive(Debug, Serialize)]
+pub struct QueryKvm;
+/// Whether KVM is compiled in and in use.
+#[derive(Debug, Deserialize)]
+pub struct KvmInfo {
+    pub enabled: bool,
+    pub present: bool,
+}
+command!(QueryKvm, "query-kvm", KvmInfo);

@@ -1,0 +1,292 @@
+//! A typed QMP client.
+//!
+//! [`Qmp`] owns one QMP connection: a writer shared behind a lock and one reader task that routes
+//! each reply to its waiter by `id` and records every asynchronous event with QEMU's own
+//! timestamp. Commands are types implementing [`Command`]; QEMU's refusals come back as
+//! [`QmpError::Qemu`], apart from transport failures.
+//!
+//! Invariant: when the reader task ends (QEMU exited, socket closed), every waiting command fails
+//! with [`QmpError::Disconnected`] and later commands fail the same way; nothing waits forever.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::UnixStream;
+use tokio::sync::{broadcast, oneshot};
+
+/// The longest a single QMP command may take. QEMU answers almost everything at once; the slow
+/// ones (`migrate-incoming` binding, `quit`) take milliseconds. A minute means QEMU is wedged.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The longest a QMP message line may be; QEMU's replies to our commands are a few KiB.
+const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
+
+/// A QMP command: the type's fields (serialized) are its arguments.
+pub trait Command: Serialize {
+    /// The QMP command name, e.g. `query-status`.
+    const NAME: &'static str;
+    /// What a successful reply's `return` holds.
+    type Returns: DeserializeOwned;
+}
+
+/// Why a QMP exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    /// The socket could not be opened.
+    #[error("connect to QMP socket {}", path.display())]
+    Connect { path: PathBuf, source: std::io::Error },
+    /// QEMU's greeting or capabilities negotiation went wrong.
+    #[error("QMP handshake on {}: {detail}", path.display())]
+    Handshake { path: PathBuf, detail: String },
+    /// QEMU answered the command with an error.
+    #[error("QEMU refused {command}: {desc} ({class})")]
+    Qemu { command: &'static str, class: String, desc: String },
+    /// The connection ended before the reply came.
+    #[error("QMP connection closed while waiting for {command} (did QEMU exit?)")]
+    Disconnected { command: &'static str },
+    /// Writing the command failed.
+    #[error("QMP write of {command}")]
+    Write { command: &'static str, source: std::io::Error },
+    /// The reply did not have the expected shape.
+    #[error("QMP reply to {command} is not what was expected: {detail}")]
+    Decode { command: &'static str, detail: String },
+    /// No reply within [`COMMAND_TIMEOUT`].
+    #[error("QMP command {command} got no reply within {}s", COMMAND_TIMEOUT.as_secs())]
+    Timeout { command: &'static str },
+}
+
+/// An asynchronous QMP event, with QEMU's host-clock timestamp.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct Event {
+    /// Event name, e.g. `STOP`, `RESUME`, `MIGRATION`.
+    pub event: String,
+    /// Event payload (`{}` when QEMU sends none).
+    #[serde(default)]
+    pub data: Value,
+    /// When QEMU emitted it.
+    pub timestamp: EventTime,
+}
+
+/// QMP's `{seconds, microseconds}` timestamp (host wall clock).
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct EventTime {
+    pub seconds: i64,
+    pub microseconds: i64,
+}
+
+impl EventTime {
+    /// Microseconds since the Unix epoch.
+    pub fn as_micros(self) -> i64 {
+        self.seconds * 1_000_000 + self.microseconds
+    }
+}
+
+type Reply = Result<Value, (String, String)>;
+type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Reply>>>>>;
+
+/// One QMP connection. Cheap to share behind an `Arc`; commands may be issued concurrently.
+pub struct Qmp {
+    path: PathBuf,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    next_id: AtomicU64,
+    /// `None` once the reader has ended: no new waiter may be added after that.
+    pending: Pending,
+    events: broadcast::Sender<Event>,
+    event_log: Arc<Mutex<Vec<Event>>>,
+}
+
+impl Qmp {
+    /// Connects to a QMP unix socket, reads the greeting and enters command mode.
+    ///
+    /// Cancel safety: not cancel safe; a cancelled connect leaves nothing behind but the socket.
+    pub async fn connect(path: &Path) -> Result<Qmp, QmpError> {
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|source| QmpError::Connect { path: path.to_owned(), source })?;
+        let (read, write) = stream.into_split();
+        let mut lines = BufReader::new(read);
+        let mut greeting = String::new();
+        let handshake = |detail: String| QmpError::Handshake { path: path.to_owned(), detail };
+        tokio::time::timeout(Duration::from_secs(10), lines.read_line(&mut greeting))
+            .await
+            .map_err(|_| handshake("no greeting within 10s".into()))?
+            .map_err(|e| handshake(format!("reading greeting: {e}")))?;
+        let greeting: Value = serde_json::from_str(&greeting)
+            .map_err(|e| handshake(format!("greeting is not JSON: {e}")))?;
+        if greeting.get("QMP").is_none() {
+            return Err(handshake(format!("unexpected greeting {greeting}")));
+        }
+
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        let (events, _) = broadcast::channel(1024);
+        let event_log = Arc::new(Mutex::new(Vec::new()));
+        tokio::spawn(read_loop(lines, pending.clone(), events.clone(), event_log.clone()));
+        let qmp = Qmp {
+            path: path.to_owned(),
+            writer: tokio::sync::Mutex::new(write),
+            next_id: AtomicU64::new(1),
+            pending,
+            events,
+            event_log,
+        };
+        qmp.execute_raw("qmp_capabilities", Value::Object(Default::default()))
+            .await
+            .map_err(|e| handshake(format!("qmp_capabilities: {e}")))?;
+        Ok(qmp)
+    }
+
+    /// The socket this connection uses.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs a typed command and decodes its reply.
+    ///
+    /// Cancel safety: cancel safe; a reply that arrives after cancellation is dropped.
+    pub async fn execute<C: Command>(&self, cmd: &C) -> Result<C::Returns, QmpError> {
+        let args = serde_json::to_value(cmd).map_err(|e| QmpError::Decode {
+            command: C::NAME,
+            detail: format!("arguments do not serialize: {e}"),
+        })?;
+        let value = self.execute_raw(C::NAME, args).await?;
+        serde_json::from_value(value.clone()).map_err(|e| QmpError::Decode {
+            command: C::NAME,
+            detail: format!("{e} in {value}"),
+        })
+    }
+
+    /// Runs a command by name with JSON arguments; for commands without a typed wrapper.
+    pub async fn execute_raw(&self, command: &'static str, args: Value) -> Result<Value, QmpError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut pending = self.pending.lock().expect("QMP pending map poisoned");
+            match pending.as_mut() {
+                Some(map) => map.insert(id, tx),
+                None => return Err(QmpError::Disconnected { command }),
+            };
+        }
+        let mut msg = serde_json::json!({ "execute": command, "id": id });
+        if args.as_object().is_some_and(|o| !o.is_empty()) {
+            msg["arguments"] = args;
+        }
+        let mut line = msg.to_string();
+        line.push('\n');
+        {
+            let mut w = self.writer.lock().await;
+            w.write_all(line.as_bytes())
+                .await
+                .map_err(|source| QmpError::Write { command, source })?;
+        }
+        match tokio::time::timeout(COMMAND_TIMEOUT, rx).await {
+            Err(_) => Err(QmpError::Timeout { command }),
+            Ok(Err(_)) => Err(QmpError::Disconnected { command }),
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err((class, desc)))) => Err(QmpError::Qemu { command, class, desc }),
+        }
+    }
+
+    /// A receiver of events from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    /// Every event received so far on this connection, oldest first.
+    pub fn events(&self) -> Vec<Event> {
+        self.event_log.lock().expect("QMP event log poisoned").clone()
+    }
+
+    /// The first recorded event named `name` whose data satisfies `pred`.
+    pub fn find_event(&self, name: &str, pred: impl Fn(&Value) -> bool) -> Option<Event> {
+        let log = self.event_log.lock().expect("QMP event log poisoned");
+        log.iter().find(|e| e.event == name && pred(&e.data)).cloned()
+    }
+
+    /// Waits until an event named `name` satisfying `pred` has been received (including one
+    /// already received) or `timeout` passes.
+    pub async fn wait_event(
+        &self,
+        name: &str,
+        pred: impl Fn(&Value) -> bool,
+        timeout: Duration,
+    ) -> Option<Event> {
+        let mut rx = self.subscribe();
+        if let Some(e) = self.find_event(name, &pred) {
+            return Some(e);
+        }
+        let wait = async {
+            loop {
+                match rx.recv().await {
+                    Ok(e) if e.event == name && pred(&e.data) => return Some(e),
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        if let Some(e) = self.find_event(name, &pred) {
+                            return Some(e);
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.ok().flatten()
+    }
+}
+
+async fn read_loop(
+    mut lines: BufReader<tokio::net::unix::OwnedReadHalf>,
+    pending: Pending,
+    events: broadcast::Sender<Event>,
+    event_log: Arc<Mutex<Vec<Event>>>,
+) {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match lines.read_line(&mut line).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) if line.len() > MAX_LINE_BYTES => break,
+            Ok(_) => {}
+        }
+        let Ok(msg) = serde_json::from_str::<Value>(&line) else {
+            tracing::warn!(line = %line.trim_end(), "QMP: ignoring a line that is not JSON");
+            continue;
+        };
+        if msg.get("event").is_some() {
+            match serde_json::from_value::<Event>(msg) {
+                Ok(ev) => {
+                    tracing::debug!(event = %ev.event, data = %ev.data, "QMP event");
+                    event_log.lock().expect("QMP event log poisoned").push(ev.clone());
+                    let _ = events.send(ev);
+                }
+                Err(e) => tracing::warn!(error = %e, "QMP: malformed event"),
+            }
+            continue;
+        }
+        let Some(id) = msg.get("id").and_then(Value::as_u64) else {
+            continue;
+        };
+        let reply = if let Some(err) = msg.get("error") {
+            let s = |k: &str| err.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+            Err((s("class"), s("desc")))
+        } else {
+            Ok(msg.get("return").cloned().unwrap_or(Value::Null))
+        };
+        let waiter = pending
+            .lock()
+            .expect("QMP pending map poisoned")
+            .as_mut()
+            .and_then(|m| m.remove(&id));
+        if let Some(tx) = waiter {
+            let _ = tx.send(reply);
+        }
+    }
+    // Dropping every sender wakes every waiter with Disconnected.
+    pending.lock().expect("QMP pending map poisoned").take();
+}

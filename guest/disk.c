@@ -1,0 +1,228 @@
+/* Disk writer and verifier.
+ *
+ * A file of fixed-size blocks, each a pure function of (block index, version). The writer
+ * rewrites random blocks with O_DIRECT|O_DSYNC at a chosen rate and records each write's
+ * latency; the verifier reads every block back, bypassing the page cache, and compares it with
+ * the version the table says the guest saw acknowledged.
+ */
+#define _GNU_SOURCE
+#include "guest.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define BLOCK_BYTES 4096u
+/* Latency histogram: 1 µs buckets up to 100 ms, then one overflow bucket. */
+#define LAT_BUCKETS 100001u
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int fd;
+    int running;
+    uint64_t blocks;
+    uint32_t *version;
+    double rate_mib_s;
+    uint64_t writes;
+    uint64_t *lat_us;
+    uint64_t lat_max_us;
+    uint64_t rng;
+} disk = { .lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1 };
+
+static void block_content(uint8_t *buf, uint64_t idx, uint32_t version)
+{
+    fill_textlike(buf, BLOCK_BYTES, (idx << 32) ^ version ^ 0xd15cull);
+    memcpy(buf, &idx, 8);
+    memcpy(buf + 8, &version, 4);
+}
+
+static void *writer(void *arg)
+{
+    (void)arg;
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, BLOCK_BYTES, BLOCK_BYTES) != 0)
+        return NULL;
+    double credit = 0, last = now_s();
+    for (;;) {
+        pthread_mutex_lock(&disk.lock);
+        if (!disk.running) {
+            pthread_mutex_unlock(&disk.lock);
+            free(buf);
+            return NULL;
+        }
+        double rate = disk.rate_mib_s;
+        double t = now_s();
+        credit += (t - last) * rate * (1024.0 * 1024.0 / BLOCK_BYTES);
+        last = t;
+        if (credit > 64)
+            credit = 64;
+        if (rate <= 0 || credit < 1) {
+            pthread_mutex_unlock(&disk.lock);
+            sleep_ms(1);
+            continue;
+        }
+        credit -= 1;
+        disk.rng ^= disk.rng << 13;
+        disk.rng ^= disk.rng >> 7;
+        disk.rng ^= disk.rng << 17;
+        uint64_t idx = disk.rng % disk.blocks;
+        uint32_t v = disk.version[idx] + 1;
+        block_content(buf, idx, v);
+        double t0 = now_s();
+        ssize_t n = pwrite(disk.fd, buf, BLOCK_BYTES, (off_t)(idx * BLOCK_BYTES));
+        double t1 = now_s();
+        if (n == (ssize_t)BLOCK_BYTES) {
+            /* only an acknowledged write moves the expected version */
+            disk.version[idx] = v;
+            disk.writes++;
+            uint64_t us = (uint64_t)((t1 - t0) * 1e6);
+            disk.lat_us[us < LAT_BUCKETS - 1 ? us : LAT_BUCKETS - 1]++;
+            if (us > disk.lat_max_us)
+                disk.lat_max_us = us;
+        }
+        pthread_mutex_unlock(&disk.lock);
+    }
+}
+
+int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&disk.lock);
+    if (disk.fd >= 0) {
+        pthread_mutex_unlock(&disk.lock);
+        snprintf(err, errlen, "disk workload already started; use disk set");
+        return -1;
+    }
+    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT | O_DSYNC, 0644);
+    if (fd < 0) {
+        pthread_mutex_unlock(&disk.lock);
+        snprintf(err, errlen, "open %s: %s", path, strerror(errno));
+        return -1;
+    }
+    uint64_t blocks = mib * 1024 * 1024 / BLOCK_BYTES;
+    disk.version = calloc(blocks, sizeof *disk.version);
+    disk.lat_us = calloc(LAT_BUCKETS, sizeof *disk.lat_us);
+    uint8_t *chunk = NULL;
+    const size_t chunk_blocks = 256; /* 1 MiB writes for the initial fill */
+    if (!disk.version || !disk.lat_us ||
+        posix_memalign((void **)&chunk, BLOCK_BYTES, chunk_blocks * BLOCK_BYTES) != 0) {
+        close(fd);
+        pthread_mutex_unlock(&disk.lock);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    for (uint64_t b = 0; b < blocks; b += chunk_blocks) {
+        size_t n = blocks - b < chunk_blocks ? blocks - b : chunk_blocks;
+        for (size_t i = 0; i < n; i++) {
+            block_content(chunk + i * BLOCK_BYTES, b + i, 1);
+            disk.version[b + i] = 1;
+        }
+        if (pwrite(fd, chunk, n * BLOCK_BYTES, (off_t)(b * BLOCK_BYTES)) != (ssize_t)(n * BLOCK_BYTES)) {
+            snprintf(err, errlen, "initial fill of %s at block %llu: %s", path,
+                     (unsigned long long)b, strerror(errno));
+            free(chunk);
+            close(fd);
+            pthread_mutex_unlock(&disk.lock);
+            return -1;
+        }
+    }
+    free(chunk);
+    disk.fd = fd;
+    disk.blocks = blocks;
+    disk.rate_mib_s = rate;
+    disk.rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)now_s();
+    disk.running = 1;
+    int rc = pthread_create(&disk.thread, NULL, writer, NULL);
+    pthread_mutex_unlock(&disk.lock);
+    if (rc != 0) {
+        snprintf(err, errlen, "pthread_create: %s", strerror(rc));
+        return -1;
+    }
+    return 0;
+}
+
+int disk_set(double rate, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&disk.lock);
+    if (disk.fd < 0) {
+        pthread_mutex_unlock(&disk.lock);
+        snprintf(err, errlen, "no disk workload; use disk start first");
+        return -1;
+    }
+    disk.rate_mib_s = rate;
+    pthread_mutex_unlock(&disk.lock);
+    return 0;
+}
+
+int disk_verify(struct verify_result *r, char *err, size_t errlen)
+{
+    memset(r, 0, sizeof *r);
+    uint8_t *buf, *expect;
+    if (posix_memalign((void **)&buf, BLOCK_BYTES, BLOCK_BYTES) != 0 ||
+        posix_memalign((void **)&expect, BLOCK_BYTES, BLOCK_BYTES) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    pthread_mutex_lock(&disk.lock);
+    if (disk.fd < 0) {
+        pthread_mutex_unlock(&disk.lock);
+        free(buf);
+        free(expect);
+        snprintf(err, errlen, "no disk workload; use disk start first");
+        return -1;
+    }
+    int rc = 0;
+    for (uint64_t i = 0; i < disk.blocks; i++) {
+        if (pread(disk.fd, buf, BLOCK_BYTES, (off_t)(i * BLOCK_BYTES)) != (ssize_t)BLOCK_BYTES) {
+            snprintf(err, errlen, "read block %llu: %s", (unsigned long long)i, strerror(errno));
+            rc = -1;
+            break;
+        }
+        r->checked++;
+        block_content(expect, i, disk.version[i]);
+        if (memcmp(buf, expect, BLOCK_BYTES) == 0)
+            continue;
+        block_content(expect, i, disk.version[i] - 1);
+        if (disk.version[i] > 1 && memcmp(buf, expect, BLOCK_BYTES) == 0)
+            r->stale++;
+        else
+            r->corrupt++;
+        if (r->first_bad == 0)
+            r->first_bad = i + 1;
+    }
+    pthread_mutex_unlock(&disk.lock);
+    free(buf);
+    free(expect);
+    return rc;
+}
+
+static uint64_t percentile_us(double q)
+{
+    uint64_t target = (uint64_t)(q * (double)disk.writes);
+    uint64_t seen = 0;
+    for (uint64_t i = 0; i < LAT_BUCKETS; i++) {
+        seen += disk.lat_us[i];
+        if (seen > target)
+            return i;
+    }
+    return disk.lat_max_us;
+}
+
+void disk_stats(char *out, size_t len)
+{
+    pthread_mutex_lock(&disk.lock);
+    if (disk.fd < 0) {
+        snprintf(out, len, "blocks=0 writes=0");
+    } else {
+        snprintf(out, len,
+                 "blocks=%llu rate_mib_s=%.2f writes=%llu lat_p50_us=%llu lat_p99_us=%llu "
+                 "lat_p999_us=%llu lat_max_us=%llu",
+                 (unsigned long long)disk.blocks, disk.rate_mib_s, (unsigned long long)disk.writes,
+                 (unsigned long long)percentile_us(0.50), (unsigned long long)percentile_us(0.99),
+                 (unsigned long long)percentile_us(0.999), (unsigned long long)disk.lat_max_us);
+    }
+    pthread_mutex_unlock(&disk.lock);
+}

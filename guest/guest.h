@@ -1,0 +1,35 @@
+/* ferry-guest: the programs that run inside ferry's test guests. */
+#ifndef FERRY_GUEST_H
+#define FERRY_GUEST_H
+
+#include "content.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct verify_result {
+    uint64_t checked;
+    uint64_t stale;     /* one version behind: a lost update */
+    uint64_t corrupt;   /* matches neither the current nor the previous version */
+    uint64_t first_bad; /* 1 + index of the first bad page or block, 0 if none */
+};
+
+double now_s(void);
+void sleep_ms(unsigned ms);
+
+int parse_pattern(const char *s, enum pattern *out);
+const char *pattern_name(enum pattern p);
+int mem_start(enum pattern pat, uint64_t mib, double rate, double hot_mib, char *err, size_t errlen);
+/* rate < 0 and hot_mib < 0 keep the current values */
+int mem_set(int has_pat, enum pattern pat, double rate, double hot_mib, char *err, size_t errlen);
+void mem_verify(struct verify_result *r);
+void mem_stats(char *out, size_t len);
+
+int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t errlen);
+int disk_set(double rate, char *err, size_t errlen);
+int disk_verify(struct verify_result *r, char *err, size_t errlen);
+void disk_stats(char *out, size_t len);
+
+int tcpseq_serve(int port, unsigned interval_ms);
+
+#endif
