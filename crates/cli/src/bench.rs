@@ -52,10 +52,20 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     let modes: Vec<QemuMode> = if a.modes.is_empty() {
         vec![base.mode]
     } else {
-        a.modes.iter().map(|m| QemuMode::parse(m)).collect::<Result<_>>()?
+        a.modes
+            .iter()
+            .map(|m| QemuMode::parse(m))
+            .collect::<Result<_>>()?
     };
-    let workloads: Vec<Workload> =
-        a.workloads.iter().map(|p| Workload { pattern: p.clone(), dirty_mib: a.dirty_mib, rate_mib_s: a.dirty_rate_mib_s }).collect();
+    let workloads: Vec<Workload> = a
+        .workloads
+        .iter()
+        .map(|p| Workload {
+            pattern: p.clone(),
+            dirty_mib: a.dirty_mib,
+            rate_mib_s: a.dirty_rate_mib_s,
+        })
+        .collect();
     for w in &workloads {
         w.validate(a.shape.mem_mib)?;
     }
@@ -67,7 +77,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     })
     .await??;
     eprintln!("bench: accelerator {} ({why})", accel.as_str());
-    let lab = Lab { name: "ferry-bench".to_owned() };
+    let lab = Lab {
+        name: "ferry-bench".to_owned(),
+    };
     let exe = std::env::current_exe()?;
     {
         let lab = lab.clone();
@@ -85,7 +97,12 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                 let sc = Scenario {
                     mode,
                     workload: w.clone(),
-                    vm: vm::VmOptions { mem_mib: a.shape.mem_mib, vcpus: a.shape.vcpus, disk: a.shape.disk, accel },
+                    vm: vm::VmOptions {
+                        mem_mib: a.shape.mem_mib,
+                        vcpus: a.shape.vcpus,
+                        disk: a.shape.disk,
+                        accel,
+                    },
                     link,
                     warmup: Duration::from_secs(a.warmup_s),
                     migrate: base.clone(),
@@ -95,12 +112,21 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                     Ok(r) => println!("{}", serde_json::to_string(&r)?),
                     Err(e) => {
                         failures += 1;
-                        eprintln!("bench: {} {} run {run}: {}", w.pattern, mode.name(), report::error_chain(&e));
+                        eprintln!(
+                            "bench: {} {} run {run}: {}",
+                            w.pattern,
+                            mode.name(),
+                            report::error_chain(&e)
+                        );
                     }
                 }
             }
         }
     }
     let _ = tokio::task::spawn_blocking(move || lab.down(true)).await?;
-    Ok(if failures == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if failures == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

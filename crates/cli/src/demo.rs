@@ -48,25 +48,38 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let link = a.link.config();
     link.validate()?;
     let opts = a.migration.options()?;
-    let workload = Workload { pattern: a.workload.clone(), dirty_mib: a.dirty_mib, rate_mib_s: a.dirty_rate_mib_s };
+    let workload = Workload {
+        pattern: a.workload.clone(),
+        dirty_mib: a.dirty_mib,
+        rate_mib_s: a.dirty_rate_mib_s,
+    };
     workload.validate(a.shape.mem_mib)?;
     ferry_lab::topology::require_root()?;
 
-    let lab = Lab { name: DEMO_LAB.to_owned() };
+    let lab = Lab {
+        name: DEMO_LAB.to_owned(),
+    };
     {
         let lab = lab.clone();
         tokio::task::spawn_blocking(move || lab.down(true)).await??;
     }
     println!("[1/5] guest image");
     let (img, rebuilt) = tokio::task::spawn_blocking(|| image::build(false)).await??;
-    println!("      {} (kernel {})", if rebuilt { "built" } else { "cached" }, img.kernel_version);
+    println!(
+        "      {} (kernel {})",
+        if rebuilt { "built" } else { "cached" },
+        img.kernel_version
+    );
     let (accel, why) = tokio::task::spawn_blocking({
         let img = img.clone();
         move || accel::detect(&img)
     })
     .await??;
     println!("      accelerator: {} ({why})", accel.as_str());
-    println!("[2/5] lab: sites a and b, WAN {} Mbit/s, {} ms RTT", link.rate_mbit, link.rtt_ms);
+    println!(
+        "[2/5] lab: sites a and b, WAN {} Mbit/s, {} ms RTT",
+        link.rate_mbit, link.rtt_ms
+    );
     let exe = std::env::current_exe()?;
     {
         let lab = lab.clone();
@@ -88,7 +101,12 @@ async fn demo_inner(
     workload: &Workload,
     opts: &ferry_lab::baseline::MigrateOptions,
 ) -> Result<ExitCode> {
-    let vm_opts = vm::VmOptions { mem_mib: a.shape.mem_mib, vcpus: a.shape.vcpus, disk: a.shape.disk, accel };
+    let vm_opts = vm::VmOptions {
+        mem_mib: a.shape.mem_mib,
+        vcpus: a.shape.vcpus,
+        disk: a.shape.disk,
+        accel,
+    };
     println!(
         "[3/5] booting VM \"demo\" at site a ({} MiB{}), workload {} on {} MiB at {} MiB/s",
         vm_opts.mem_mib,
@@ -101,13 +119,22 @@ async fn demo_inner(
     let (rec, link) = boot_with_workload(lab, "demo", &vm_opts, img, workload, disk_rate).await?;
     let addr = format!("{}:7000", rec.guest_ip);
     let ns = lab.site_ns(Site::A);
-    let tcp = tokio::task::spawn_blocking(move || TcpSeqClient::connect(&ns, &addr, Duration::from_secs(30)))
-        .await?
-        .context("TCP client at site a")?;
-    println!("      TCP client at site a connected to {}:7000", rec.guest_ip);
+    let tcp = tokio::task::spawn_blocking(move || {
+        TcpSeqClient::connect(&ns, &addr, Duration::from_secs(30))
+    })
+    .await?
+    .context("TCP client at site a")?;
+    println!(
+        "      TCP client at site a connected to {}:7000",
+        rec.guest_ip
+    );
     tokio::time::sleep(Duration::from_secs(a.warmup_s)).await;
-    println!("[4/5] migrating to site b with QEMU's own migration ({})", opts.mode.name());
-    let (outcome, verify) = migrate_with_progress(lab, "demo", Site::B, opts, link, true, true).await?;
+    println!(
+        "[4/5] migrating to site b with QEMU's own migration ({})",
+        opts.mode.name()
+    );
+    let (outcome, verify) =
+        migrate_with_progress(lab, "demo", Site::B, opts, link, true, true).await?;
     // The connection must keep flowing from the new site: wait for more numbers.
     let tcp = tokio::task::spawn_blocking(move || {
         let _ = tcp.wait_for_more(100, Duration::from_secs(30));
@@ -115,7 +142,16 @@ async fn demo_inner(
     })
     .await?;
     println!("[5/5] report");
-    report::print_report(&format!("qemu-{}", opts.mode.name()), &outcome, verify.as_ref(), Some(&tcp));
+    report::print_report(
+        &format!("qemu-{}", opts.mode.name()),
+        &outcome,
+        verify.as_ref(),
+        Some(&tcp),
+    );
     let code = exit_code(&outcome, verify.as_ref());
-    Ok(if tcp.intact() { code } else { ExitCode::from(crate::EXIT_MIGRATION_FAILED) })
+    Ok(if tcp.intact() {
+        code
+    } else {
+        ExitCode::from(crate::EXIT_MIGRATION_FAILED)
+    })
 }

@@ -27,7 +27,12 @@ pub struct LinkArgs {
 
 impl LinkArgs {
     pub fn config(&self) -> LinkConfig {
-        LinkConfig { rate_mbit: self.rate_mbit, rtt_ms: self.rtt_ms, jitter_ms: self.jitter_ms, loss_pct: self.loss_pct }
+        LinkConfig {
+            rate_mbit: self.rate_mbit,
+            rtt_ms: self.rtt_ms,
+            jitter_ms: self.jitter_ms,
+            loss_pct: self.loss_pct,
+        }
     }
 }
 
@@ -57,6 +62,15 @@ pub enum LabCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Follow a VM's TCP sequence server from a site for some seconds and report what arrived.
+    Tcpseq {
+        vm: String,
+        /// Site the client runs at.
+        #[arg(long, default_value = "a")]
+        from: String,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
     /// Run the WAN relay in this namespace (started by `lab up`).
     #[command(hide = true)]
     Relay {
@@ -80,7 +94,11 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             let state = tokio::task::spawn_blocking(move || lab.up(cfg, &exe)).await??;
             println!(
                 "lab {:?} up: sites a, b; WAN {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%",
-                state.name, state.link.rate_mbit, state.link.rtt_ms, state.link.jitter_ms, state.link.loss_pct
+                state.name,
+                state.link.rate_mbit,
+                state.link.rtt_ms,
+                state.link.jitter_ms,
+                state.link.loss_pct
             );
         }
         LabCmd::Down => {
@@ -96,10 +114,17 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             wan::control(&lab.wan_socket(), &ControlRequest::Set { link: cfg })?;
             let mut state = lab.state()?;
             state.link = cfg;
-            println!("WAN now {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%", cfg.rate_mbit, cfg.rtt_ms, cfg.jitter_ms, cfg.loss_pct);
+            println!(
+                "WAN now {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%",
+                cfg.rate_mbit, cfg.rtt_ms, cfg.jitter_ms, cfg.loss_pct
+            );
         }
         LabCmd::Outage { state } => {
-            let req = if state == "down" { ControlRequest::Down } else { ControlRequest::Up };
+            let req = if state == "down" {
+                ControlRequest::Down
+            } else {
+                ControlRequest::Up
+            };
             wan::control(&lab.wan_socket(), &req)?;
             println!("WAN {state}");
         }
@@ -114,7 +139,21 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 );
             }
         }
-        LabCmd::Relay { if_a, if_b, link, control } => {
+        LabCmd::Tcpseq { vm, from, seconds } => {
+            let rec = ferry_lab::vm::load(&lab, &vm)?;
+            let ns = lab.site_ns(Site::parse(&from)?);
+            let client = ferry_lab::tcpseq::TcpSeqClient::connect(&ns, &format!("{}:7000", rec.guest_ip), std::time::Duration::from_secs(10))?;
+            for _ in 0..seconds {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+                println!("{}", serde_json::to_string(&client.stats())?);
+            }
+        }
+        LabCmd::Relay {
+            if_a,
+            if_b,
+            link,
+            control,
+        } => {
             wan::run_relay(&if_a, &if_b, link.config(), &control)?;
         }
     }
@@ -130,10 +169,19 @@ fn status(lab: &Lab, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("lab {:?}: namespaces {}, {}, {}", lab.name, lab.site_ns(Site::A), lab.wan_ns(), lab.site_ns(Site::B));
+    println!(
+        "lab {:?}: namespaces {}, {}, {}",
+        lab.name,
+        lab.site_ns(Site::A),
+        lab.wan_ns(),
+        lab.site_ns(Site::B)
+    );
     println!(
         "WAN: {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%{}",
-        stats.link.rate_mbit, stats.link.rtt_ms, stats.link.jitter_ms, stats.link.loss_pct,
+        stats.link.rate_mbit,
+        stats.link.rtt_ms,
+        stats.link.jitter_ms,
+        stats.link.loss_pct,
         if stats.down { " (OUTAGE)" } else { "" }
     );
     for (dir, d) in [("a->b", stats.a_to_b), ("b->a", stats.b_to_a)] {
@@ -146,7 +194,14 @@ fn status(lab: &Lab, json: bool) -> Result<()> {
         println!("VMs: none");
     }
     for v in vms {
-        println!("VM {} at site {}: {} MiB, guest {}, pid {}", v.name, v.site.name(), v.spec.mem_mib, v.guest_ip, v.pid);
+        println!(
+            "VM {} at site {}: {} MiB, guest {}, pid {}",
+            v.name,
+            v.site.name(),
+            v.spec.mem_mib,
+            v.guest_ip,
+            v.pid
+        );
     }
     Ok(())
 }
@@ -163,7 +218,11 @@ pub struct CheckResult {
 pub fn check(lab: &Lab, seconds: u32) -> Result<CheckResult> {
     let state = lab.state()?;
     let (a, b) = (lab.site_ns(Site::A), lab.site_ns(Site::B));
-    let ping = sh::run_in(&a, "busybox", &["ping", "-c", "5", "-i", "0.2", Site::B.underlay_ip()])?;
+    let ping = sh::run_in(
+        &a,
+        "busybox",
+        &["ping", "-c", "5", "-i", "0.2", Site::B.underlay_ip()],
+    )?;
     // busybox: "round-trip min/avg/max = 50.3/50.4/50.6 ms"
     let rtt_ms = ping
         .lines()
@@ -172,7 +231,16 @@ pub fn check(lab: &Lab, seconds: u32) -> Result<CheckResult> {
         .and_then(|v| v.parse::<f64>().ok())
         .with_context(|| format!("cannot read the RTT from ping's output: {ping}"))?;
     let server = std::process::Command::new("ip")
-        .args(["netns", "exec", &b, "iperf3", "-s", "-1", "-B", Site::B.underlay_ip()])
+        .args([
+            "netns",
+            "exec",
+            &b,
+            "iperf3",
+            "-s",
+            "-1",
+            "-B",
+            Site::B.underlay_ip(),
+        ])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -180,7 +248,17 @@ pub fn check(lab: &Lab, seconds: u32) -> Result<CheckResult> {
     let mut server = KillOnDrop(server);
     let mut out = String::new();
     for _ in 0..50 {
-        match sh::run_in(&a, "iperf3", &["-c", Site::B.underlay_ip(), "-t", &seconds.to_string(), "-J"]) {
+        match sh::run_in(
+            &a,
+            "iperf3",
+            &[
+                "-c",
+                Site::B.underlay_ip(),
+                "-t",
+                &seconds.to_string(),
+                "-J",
+            ],
+        ) {
             Ok(o) => {
                 out = o;
                 break;
@@ -193,8 +271,14 @@ pub fn check(lab: &Lab, seconds: u32) -> Result<CheckResult> {
         bail!("iperf3 could not connect through the WAN");
     }
     let v: serde_json::Value = serde_json::from_str(&out).context("iperf3 -J output")?;
-    let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 reported no received rate")?;
-    Ok(CheckResult { rtt_ms, throughput_mbit: bps / 1e6, configured: state.link })
+    let bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 reported no received rate")?;
+    Ok(CheckResult {
+        rtt_ms,
+        throughput_mbit: bps / 1e6,
+        configured: state.link,
+    })
 }
 
 struct KillOnDrop(std::process::Child);

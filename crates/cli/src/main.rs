@@ -58,7 +58,10 @@ enum ImageCmd {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -67,12 +70,15 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Image(ImageCmd::Build { force }) => {
-                let (img, rebuilt) = tokio::task::spawn_blocking(move || ferry_lab::image::build(force)).await??;
+                let (img, rebuilt) =
+                    tokio::task::spawn_blocking(move || ferry_lab::image::build(force)).await??;
                 println!(
                     "guest image {} (kernel {}): {}",
                     if rebuilt { "built" } else { "up to date" },
                     img.kernel_version,
-                    img.kernel.parent().map_or_else(String::new, |p| p.display().to_string())
+                    img.kernel
+                        .parent()
+                        .map_or_else(String::new, |p| p.display().to_string())
                 );
                 Ok(ExitCode::SUCCESS)
             }

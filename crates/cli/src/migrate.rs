@@ -39,7 +39,10 @@ impl MigrationFlags {
             other => bail!("unknown --system {other:?} (known: qemu)"),
         }
         if !(1..=60_000).contains(&self.downtime_ms) {
-            bail!("--downtime-ms {} is out of range; use 1 to 60000", self.downtime_ms);
+            bail!(
+                "--downtime-ms {} is out of range; use 1 to 60000",
+                self.downtime_ms
+            );
         }
         if self.timeout_s == 0 {
             bail!("--timeout-s must be at least 1");
@@ -79,7 +82,16 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
         bail!("VM {:?} already runs at site {}", a.vm, to.name());
     }
     let src = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
-    let (outcome, verify) = migrate_with_progress(&lab, &a.vm, to, &opts, src, !a.no_verify && !a.json, !a.no_verify).await?;
+    let (outcome, verify) = migrate_with_progress(
+        &lab,
+        &a.vm,
+        to,
+        &opts,
+        src,
+        !a.no_verify && !a.json,
+        !a.no_verify,
+    )
+    .await?;
     let system = format!("qemu-{}", opts.mode.name());
     if a.json {
         let v = serde_json::json!({ "system": system, "outcome": outcome, "verify": verify });
@@ -118,6 +130,10 @@ pub async fn migrate_with_progress(
         let _ = d.await;
     }
     let (outcome, link) = result?;
-    let verify = if verify && outcome.completed { Some(guest::verify(&link, has_disk).await?) } else { None };
+    let verify = if verify && outcome.completed {
+        Some(guest::verify(&link, has_disk).await?)
+    } else {
+        None
+    };
     Ok((outcome, verify))
 }

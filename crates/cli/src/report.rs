@@ -10,7 +10,10 @@ use tokio::sync::watch;
 
 /// `outer: cause: root cause`, each message once.
 pub fn error_chain(e: &anyhow::Error) -> String {
-    e.chain().map(ToString::to_string).collect::<Vec<_>>().join(": ")
+    e.chain()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 /// Formats a byte count with binary units.
@@ -42,7 +45,9 @@ pub async fn progress_bar(mut rx: watch::Receiver<Progress>) {
         let total = (p.ram_transferred + p.ram_remaining).max(1);
         bar.set_length(total);
         bar.set_position(p.ram_transferred.min(total));
-        let eta = p.eta_s.map_or_else(|| "-".to_owned(), |s| format!("{s:.0}s"));
+        let eta = p
+            .eta_s
+            .map_or_else(|| "-".to_owned(), |s| format!("{s:.0}s"));
         bar.set_message(format!(
             "{} | WAN {} at {:.1} Mbit/s | remaining {} | pass {} | ETA {eta}",
             p.phase,
@@ -56,35 +61,72 @@ pub async fn progress_bar(mut rx: watch::Receiver<Progress>) {
 }
 
 /// Prints the report of one migration.
-pub fn print_report(system: &str, o: &MigrationOutcome, verify: Option<&VerifyOutcome>, tcp: Option<&TcpSeqStats>) {
+pub fn print_report(
+    system: &str,
+    o: &MigrationOutcome,
+    verify: Option<&VerifyOutcome>,
+    tcp: Option<&TcpSeqStats>,
+) {
     let ms = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0} ms"));
     println!("migration report ({system})");
-    println!("  completed            {}", if o.completed { "yes" } else { "NO" });
+    println!(
+        "  completed            {}",
+        if o.completed { "yes" } else { "NO" }
+    );
     if let Some(e) = &o.error {
         println!("  reason               {e}");
     }
     println!("  total time           {:.1} s", o.total_ms as f64 / 1000.0);
-    println!("  downtime             {} (source STOP to destination RESUME)", ms(o.downtime_ms));
-    println!("  QEMU's own downtime  {}", ms(o.qemu_downtime_ms.map(|v| v as f64)));
-    println!("  guest-observed gap   {} (longest heartbeat gap)", ms(o.guest_gap_ms));
-    println!("  bytes on the WAN     {} ({} bytes, both directions, counted by the emulator)", bytes(o.wan_bytes), o.wan_bytes);
+    println!(
+        "  downtime             {} (source STOP to destination RESUME)",
+        ms(o.downtime_ms)
+    );
+    println!(
+        "  QEMU's own downtime  {}",
+        ms(o.qemu_downtime_ms.map(|v| v as f64))
+    );
+    println!(
+        "  guest-observed gap   {} (longest heartbeat gap)",
+        ms(o.guest_gap_ms)
+    );
+    println!(
+        "  bytes on the WAN     {} ({} bytes, both directions, counted by the emulator)",
+        bytes(o.wan_bytes),
+        o.wan_bytes
+    );
     println!("  precopy passes       {}", o.iterations);
     if let Some(v) = verify {
         println!(
             "  verifier             {} ({} pages{})",
-            if v.errors() == 0 { "OK, no lost or stale pages".to_owned() } else { format!("{} ERRORS", v.errors()) },
+            if v.errors() == 0 {
+                "OK, no lost or stale pages".to_owned()
+            } else {
+                format!("{} ERRORS", v.errors())
+            },
             v.mem_pages,
-            if v.disk_blocks > 0 { format!(", {} disk blocks", v.disk_blocks) } else { String::new() }
+            if v.disk_blocks > 0 {
+                format!(", {} disk blocks", v.disk_blocks)
+            } else {
+                String::new()
+            }
         );
     }
     if let Some(t) = tcp {
         println!(
             "  TCP connection       {} ({} numbers, last {}, longest stall {} ms{})",
-            if t.intact() { "intact: kept every sequence number" } else { "BROKEN" },
+            if t.intact() {
+                "intact: kept every sequence number"
+            } else {
+                "BROKEN"
+            },
             t.received,
             t.last.map_or_else(|| "-".into(), |l| l.to_string()),
             t.max_stall_ms,
-            if t.missing + t.out_of_order > 0 { format!(", {} missing, {} out of order", t.missing, t.out_of_order) } else { String::new() }
+            if t.missing + t.out_of_order > 0 {
+                format!(", {} missing, {} out of order", t.missing, t.out_of_order)
+            } else {
+                String::new()
+            }
         );
         if let Some(e) = &t.error {
             println!("                       {e}");

@@ -62,10 +62,21 @@ pub struct GuestArgs {
 pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
     let lab = Lab::from_env();
     match cmd {
-        VmCmd::Start { name, site, shape, workload, dirty_mib, dirty_rate_mib_s } => {
+        VmCmd::Start {
+            name,
+            site,
+            shape,
+            workload,
+            dirty_mib,
+            dirty_rate_mib_s,
+        } => {
             let site = Site::parse(&site)?;
             lab.state()?;
-            let workload = workload.map(|pattern| Workload { pattern, dirty_mib, rate_mib_s: dirty_rate_mib_s });
+            let workload = workload.map(|pattern| Workload {
+                pattern,
+                dirty_mib,
+                rate_mib_s: dirty_rate_mib_s,
+            });
             if let Some(w) = &workload {
                 w.validate(shape.mem_mib)?;
             }
@@ -75,15 +86,30 @@ pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
                 move || accel::detect(&img)
             })
             .await??;
-            let opts = vm::VmOptions { mem_mib: shape.mem_mib, vcpus: shape.vcpus, disk: shape.disk, accel };
+            let opts = vm::VmOptions {
+                mem_mib: shape.mem_mib,
+                vcpus: shape.vcpus,
+                disk: shape.disk,
+                accel,
+            };
             let rec = vm::start(&lab, &name, site, &opts, &img).await?;
-            println!("VM {name} started at site {} ({}: {why}); guest address {}", site.name(), accel.as_str(), rec.guest_ip);
-            let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
+            println!(
+                "VM {name} started at site {} ({}: {why}); guest address {}",
+                site.name(),
+                accel.as_str(),
+                rec.guest_ip
+            );
+            let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default()))
+                .await?;
             link.wait_ready(Duration::from_secs(120)).await?;
             println!("guest agent ready");
             if let Some(w) = workload {
-                link.call(&w.start_command(), Duration::from_secs(180)).await?;
-                println!("workload {} started on {} MiB at {} MiB/s", w.pattern, w.dirty_mib, w.rate_mib_s);
+                link.call(&w.start_command(), Duration::from_secs(180))
+                    .await?;
+                println!(
+                    "workload {} started on {} MiB at {} MiB/s",
+                    w.pattern, w.dirty_mib, w.rate_mib_s
+                );
             }
         }
         VmCmd::Stop { name } => {
@@ -92,7 +118,14 @@ pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
         }
         VmCmd::List => {
             for v in vm::list(&lab)? {
-                println!("{}\tsite {}\t{} MiB\t{}\tpid {}", v.name, v.site.name(), v.spec.mem_mib, v.guest_ip, v.pid);
+                println!(
+                    "{}\tsite {}\t{} MiB\t{}\tpid {}",
+                    v.name,
+                    v.site.name(),
+                    v.spec.mem_mib,
+                    v.guest_ip,
+                    v.pid
+                );
             }
         }
     }
@@ -103,7 +136,9 @@ pub async fn guest(args: GuestArgs) -> Result<ExitCode> {
     let lab = Lab::from_env();
     let rec = vm::load(&lab, &args.name)?;
     let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
-    let reply = link.call(&args.command.join(" "), Duration::from_secs(300)).await?;
+    let reply = link
+        .call(&args.command.join(" "), Duration::from_secs(300))
+        .await?;
     println!("{}", reply.text);
     Ok(ExitCode::SUCCESS)
 }

@@ -15,7 +15,6 @@ use ferry_qemu::Accel;
 use serde::{Deserialize, Serialize};
 
 use crate::image::{cache_dir, Image};
-use crate::sh;
 
 /// A guest that boots at all boots to the marker within seconds under KVM.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -29,6 +28,7 @@ struct Cached {
 
 /// The accelerator to use and why. `FERRY_ACCEL=kvm|tcg` overrides the probe.
 pub fn detect(img: &Image) -> Result<(Accel, String)> {
+    let qemu_version = ferry_qemu::check_qemu()?;
     if let Ok(v) = std::env::var("FERRY_ACCEL") {
         return match v.as_str() {
             "kvm" => Ok((Accel::Kvm, "FERRY_ACCEL=kvm".into())),
@@ -36,34 +36,64 @@ pub fn detect(img: &Image) -> Result<(Accel, String)> {
             _ => bail!("FERRY_ACCEL={v:?} is not an accelerator; use kvm or tcg"),
         };
     }
-    if fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_err() {
+    if fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
         return Ok((Accel::Tcg, "/dev/kvm is not usable".into()));
     }
-    let qemu_version = sh::run("qemu-system-x86_64", &["--version"])?;
-    let key = format!("{}|{}", img.inputs_sha256, qemu_version.lines().next().unwrap_or(""));
+    let key = format!("{}|{qemu_version}", img.inputs_sha256);
     let cache = cache_dir().join("accel.json");
-    if let Ok(c) = fs::read_to_string(&cache).map_err(anyhow::Error::from).and_then(|t| Ok(serde_json::from_str::<Cached>(&t)?)) {
+    if let Ok(c) = fs::read_to_string(&cache)
+        .map_err(anyhow::Error::from)
+        .and_then(|t| Ok(serde_json::from_str::<Cached>(&t)?))
+    {
         if c.key == key {
             return Ok((c.accel, format!("{} (cached)", c.reason)));
         }
     }
-    let (accel, reason) = if probe_kvm(img)? {
-        (Accel::Kvm, "KVM booted the probe guest".to_owned())
-    } else {
-        (Accel::Tcg, format!("KVM did not boot the probe guest within {}s", PROBE_TIMEOUT.as_secs()))
+    let (accel, reason) = match probe_kvm(img)? {
+        None => (Accel::Kvm, "KVM booted the probe guest".to_owned()),
+        Some(why) => (Accel::Tcg, format!("KVM did not boot the probe guest: {why}")),
     };
-    let _ = fs::write(&cache, serde_json::to_string(&Cached { key, accel, reason: reason.clone() })?);
+    let _ = fs::write(
+        &cache,
+        serde_json::to_string(&Cached {
+            key,
+            accel,
+            reason: reason.clone(),
+        })?,
+    );
     Ok((accel, reason))
 }
 
-fn probe_kvm(img: &Image) -> Result<bool> {
-    let mut child = Command::new("qemu-system-x86_64")
-        .args(["-accel", "kvm", "-cpu", "host", "-m", "128M", "-nodefaults", "-display", "none", "-no-reboot"])
+/// `None` when KVM booted the probe, else why not.
+fn probe_kvm(img: &Image) -> Result<Option<String>> {
+    let mut child = Command::new(ferry_qemu::qemu_program())
+        .args([
+            "-accel",
+            "kvm",
+            "-cpu",
+            "host",
+            "-m",
+            "128M",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-no-reboot",
+        ])
         .arg("-kernel")
         .arg(&img.kernel)
         .arg("-initrd")
         .arg(&img.initrd)
-        .args(["-append", "console=ttyS0 quiet ferry_probe=1 panic=1", "-serial", "stdio"])
+        .args([
+            "-append",
+            "console=ttyS0 quiet ferry_probe=1 panic=1",
+            "-serial",
+            "stdio",
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -86,8 +116,10 @@ fn probe_kvm(img: &Image) -> Result<bool> {
         }
     });
     let start = Instant::now();
+    let mut exited = None;
     while start.elapsed() < PROBE_TIMEOUT && !found.load(std::sync::atomic::Ordering::Relaxed) {
-        if let Ok(Some(_)) = child.try_wait() {
+        if let Ok(Some(status)) = child.try_wait() {
+            exited = Some(status);
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -95,5 +127,11 @@ fn probe_kvm(img: &Image) -> Result<bool> {
     let _ = child.kill();
     let _ = child.wait();
     let _ = reader.join();
-    Ok(found.load(std::sync::atomic::Ordering::Relaxed))
+    if found.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(None);
+    }
+    Ok(Some(match exited {
+        Some(status) => format!("QEMU exited before the guest was up ({status})"),
+        None => format!("no sign of life within {}s", PROBE_TIMEOUT.as_secs()),
+    }))
 }

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use ferry_qemu::commands::{
-    BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, MigrateCancel,
-    MigrateContinue, MigrateIncoming, MigrateSetCapabilities, MigrateSetParameters, Migrate, NbdServerStart,
-    NbdServerStop, QueryMigrate, QueryStatus, Quit,
+    BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, Migrate,
+    MigrateCancel, MigrateContinue, MigrateIncoming, MigrateSetCapabilities, MigrateSetParameters,
+    NbdServerStart, NbdServerStop, QueryMigrate, QueryStatus, Quit,
 };
 use ferry_qemu::Qmp;
 use serde::{Deserialize, Serialize};
@@ -49,7 +49,12 @@ pub enum QemuMode {
 
 impl QemuMode {
     /// Every mode, in the order benchmarks report them.
-    pub const ALL: [QemuMode; 4] = [QemuMode::Plain, QemuMode::Xbzrle, QemuMode::Multifd, QemuMode::MultifdZstd];
+    pub const ALL: [QemuMode; 4] = [
+        QemuMode::Plain,
+        QemuMode::Xbzrle,
+        QemuMode::Multifd,
+        QemuMode::MultifdZstd,
+    ];
 
     /// Parses `plain|xbzrle|multifd|multifd-zstd`.
     pub fn parse(s: &str) -> Result<QemuMode> {
@@ -84,7 +89,12 @@ pub struct MigrateOptions {
 
 impl Default for MigrateOptions {
     fn default() -> Self {
-        MigrateOptions { mode: QemuMode::Plain, downtime_limit_ms: 300, timeout_s: 900, multifd_channels: 4 }
+        MigrateOptions {
+            mode: QemuMode::Plain,
+            downtime_limit_ms: 300,
+            timeout_s: 900,
+            multifd_channels: 4,
+        }
     }
 }
 
@@ -119,14 +129,27 @@ pub struct MigrationOutcome {
 }
 
 fn now_micros() -> i64 {
-    i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_micros()).expect("fits")
+    i64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_micros(),
+    )
+    .expect("fits")
 }
 
 fn caps(mode: QemuMode, src: bool, disks: bool) -> MigrateSetCapabilities {
     // Every mode capability is set explicitly: a VM that arrived by multifd still has it on.
     let multifd = matches!(mode, QemuMode::Multifd | QemuMode::MultifdZstd);
-    let cap = |name: &str, state: bool| Capability { capability: name.into(), state };
-    let mut c = vec![cap("events", true), cap("xbzrle", mode == QemuMode::Xbzrle), cap("multifd", multifd)];
+    let cap = |name: &str, state: bool| Capability {
+        capability: name.into(),
+        state,
+    };
+    let mut c = vec![
+        cap("events", true),
+        cap("xbzrle", mode == QemuMode::Xbzrle),
+        cap("multifd", multifd),
+    ];
     // libvirt's way with disks: stop at pre-switchover and complete the disk mirror first.
     c.push(cap("pause-before-switchover", src && disks));
     MigrateSetCapabilities { capabilities: c }
@@ -169,18 +192,56 @@ pub async fn migrate(
     dst_spec.incoming = Some("defer".into());
     dst_spec.paused = true;
     for (src_disk, dst_disk) in rec.spec.disks.iter().zip(&dst_spec.disks) {
-        let info = sh::run("qemu-img", &["info", "-U", "--output=json", &src_disk.path.to_string_lossy()])?;
-        let size = serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"].as_u64().context("qemu-img info: no virtual-size")?;
-        sh::run("qemu-img", &["create", "-q", "-f", "qcow2", &dst_disk.path.to_string_lossy(), &size.to_string()])?;
+        let info = sh::run(
+            "qemu-img",
+            &[
+                "info",
+                "-U",
+                "--output=json",
+                &src_disk.path.to_string_lossy(),
+            ],
+        )?;
+        let size = serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"]
+            .as_u64()
+            .context("qemu-img info: no virtual-size")?;
+        sh::run(
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                &dst_disk.path.to_string_lossy(),
+                &size.to_string(),
+            ],
+        )?;
     }
     progress.send_modify(|p| p.phase = "starting destination".into());
     let dst_pid = vm::launch(lab, to, &dst_spec).await?;
-    let src_qmp = Qmp::connect(&rec.spec.qmp_socket).await.context("source QMP")?;
+    let src_qmp = Qmp::connect(&rec.spec.qmp_socket)
+        .await
+        .context("source QMP")?;
 
     let attempt = async {
-        let dst_qmp = Qmp::connect(&dst_spec.qmp_socket).await.context("destination QMP")?;
+        let dst_qmp = Qmp::connect(&dst_spec.qmp_socket)
+            .await
+            .context("destination QMP")?;
         let dst_link = GuestLink::connect(&dst_spec.serial_socket, heartbeats.clone()).await?;
-        let outcome = run(lab, &rec, &dst_spec, to, opts, &src_qmp, &dst_qmp, progress, t0, t0_micros, wan_start, &heartbeats).await?;
+        let outcome = run(
+            lab,
+            &rec,
+            &dst_spec,
+            to,
+            opts,
+            &src_qmp,
+            &dst_qmp,
+            progress,
+            t0,
+            t0_micros,
+            wan_start,
+            &heartbeats,
+        )
+        .await?;
         Ok::<_, anyhow::Error>((outcome, dst_link))
     };
     match attempt.await {
@@ -250,35 +311,52 @@ async fn run(
     dst.execute(&caps(opts.mode, false, disks)).await?;
     src.execute(&params(opts, true)).await?;
     dst.execute(&params(opts, false)).await?;
-    dst.execute(&MigrateIncoming { uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()) }).await?;
+    dst.execute(&MigrateIncoming {
+        uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()),
+    })
+    .await?;
     let deadline = t0 + Duration::from_secs(opts.timeout_s);
     let mut last_wan = (Instant::now(), wan_start);
-    let mut sample = |phase: &str, info: Option<&ferry_qemu::commands::MigrationInfo>| -> Result<()> {
-        let now = Instant::now();
-        let wan_now = wan::stats(&wan_socket)?.total_bytes();
-        let dt = now.duration_since(last_wan.0).as_secs_f64();
-        let mbit = if dt > 0.0 { (wan_now - last_wan.1) as f64 * 8.0 / dt / 1e6 } else { 0.0 };
-        last_wan = (now, wan_now);
-        progress.send_modify(|p| {
-            p.phase = phase.to_owned();
-            p.elapsed_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
-            p.wan_bytes = wan_now - wan_start;
-            p.wan_mbit = 0.7 * p.wan_mbit + 0.3 * mbit;
-            if let Some(ram) = info.and_then(|i| i.ram.as_ref()) {
-                p.ram_total = ram.total;
-                p.ram_transferred = ram.transferred;
-                p.ram_remaining = ram.remaining;
-                p.iteration = ram.dirty_sync_count;
-                p.eta_s = (p.wan_mbit > 0.1).then(|| ram.remaining as f64 * 8.0 / (p.wan_mbit * 1e6));
-            }
-        });
-        Ok(())
-    };
+    let mut sample =
+        |phase: &str, info: Option<&ferry_qemu::commands::MigrationInfo>| -> Result<()> {
+            let now = Instant::now();
+            let wan_now = wan::stats(&wan_socket)?.total_bytes();
+            let dt = now.duration_since(last_wan.0).as_secs_f64();
+            let mbit = if dt > 0.0 {
+                (wan_now - last_wan.1) as f64 * 8.0 / dt / 1e6
+            } else {
+                0.0
+            };
+            last_wan = (now, wan_now);
+            progress.send_modify(|p| {
+                p.phase = phase.to_owned();
+                p.elapsed_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+                p.wan_bytes = wan_now - wan_start;
+                p.wan_mbit = 0.7 * p.wan_mbit + 0.3 * mbit;
+                if let Some(ram) = info.and_then(|i| i.ram.as_ref()) {
+                    p.ram_total = ram.total;
+                    p.ram_transferred = ram.transferred;
+                    p.ram_remaining = ram.remaining;
+                    p.iteration = ram.dirty_sync_count;
+                    p.eta_s =
+                        (p.wan_mbit > 0.1).then(|| ram.remaining as f64 * 8.0 / (p.wan_mbit * 1e6));
+                }
+            });
+            Ok(())
+        };
 
     if disks {
-        dst.execute(&NbdServerStart::inet(to.underlay_ip(), NBD_PORT)).await?;
+        dst.execute(&NbdServerStart::inet(to.underlay_ip(), NBD_PORT))
+            .await?;
         for d in &dst_spec.disks {
-            dst.execute(&BlockExportAdd { kind: "nbd".into(), id: format!("exp-{}", d.id), node_name: d.id.clone(), writable: true, name: d.id.clone() }).await?;
+            dst.execute(&BlockExportAdd {
+                kind: "nbd".into(),
+                id: format!("exp-{}", d.id),
+                node_name: d.id.clone(),
+                writable: true,
+                name: d.id.clone(),
+            })
+            .await?;
         }
         for d in &rec.spec.disks {
             src.execute(&BlockdevAdd(serde_json::json!({
@@ -286,15 +364,26 @@ async fn run(
                 "server": {"type": "inet", "host": to.underlay_ip(), "port": NBD_PORT.to_string()},
             })))
             .await?;
-            src.execute(&BlockdevMirror { job_id: format!("mirror-{}", d.id), device: d.id.clone(), target: format!("tgt-{}", d.id), sync: "full".into() }).await?;
+            src.execute(&BlockdevMirror {
+                job_id: format!("mirror-{}", d.id),
+                device: d.id.clone(),
+                target: format!("tgt-{}", d.id),
+                sync: "full".into(),
+            })
+            .await?;
         }
         for d in &rec.spec.disks {
             let job = format!("mirror-{}", d.id);
             loop {
-                if src.find_event("BLOCK_JOB_READY", |v| v["device"] == job.as_str()).is_some() {
+                if src
+                    .find_event("BLOCK_JOB_READY", |v| v["device"] == job.as_str())
+                    .is_some()
+                {
                     break;
                 }
-                if let Some(e) = src.find_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str()) {
+                if let Some(e) =
+                    src.find_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str())
+                {
                     bail!("disk mirror {job} ended before it was ready: {}", e.data);
                 }
                 if Instant::now() > deadline {
@@ -306,24 +395,40 @@ async fn run(
         }
     }
 
-    src.execute(&Migrate { uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()) }).await?;
+    src.execute(&Migrate {
+        uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()),
+    })
+    .await?;
     let info = loop {
         let info = src.execute(&QueryMigrate).await?;
         let status = info.status.clone().unwrap_or_default();
-        tracing::debug!(elapsed_ms = t0.elapsed().as_millis() as u64, info = %serde_json::to_string(&info).unwrap_or_default(), "query-migrate");
+        tracing::debug!(elapsed_ms = t0.elapsed().as_secs_f64() * 1000.0, info = %serde_json::to_string(&info).unwrap_or_default(), "query-migrate");
         sample(&format!("memory: {status}"), Some(&info))?;
         match status.as_str() {
             "completed" => break info,
-            "failed" | "cancelled" => bail!("QEMU migration {status}: {}", info.error_desc.unwrap_or_default()),
+            "failed" | "cancelled" => bail!(
+                "QEMU migration {status}: {}",
+                info.error_desc.unwrap_or_default()
+            ),
             "pre-switchover" => {
                 for d in &rec.spec.disks {
                     let job = format!("mirror-{}", d.id);
-                    src.execute(&BlockJobCancel { device: job.clone() }).await?;
-                    src.wait_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str(), Duration::from_secs(60))
-                        .await
-                        .with_context(|| format!("disk mirror {job} did not complete at switchover"))?;
+                    src.execute(&BlockJobCancel {
+                        device: job.clone(),
+                    })
+                    .await?;
+                    src.wait_event(
+                        "BLOCK_JOB_COMPLETED",
+                        |v| v["device"] == job.as_str(),
+                        Duration::from_secs(60),
+                    )
+                    .await
+                    .with_context(|| format!("disk mirror {job} did not complete at switchover"))?;
                 }
-                src.execute(&MigrateContinue { state: "pre-switchover".into() }).await?;
+                src.execute(&MigrateContinue {
+                    state: "pre-switchover".into(),
+                })
+                .await?;
             }
             _ => {}
         }
@@ -335,7 +440,10 @@ async fn run(
                 wan_bytes: wan::stats(&wan_socket)?.total_bytes() - wan_start,
                 iterations: ram.dirty_sync_count,
                 ram_transferred: ram.transferred,
-                error: Some(format!("did not converge within {}s (QEMU's own rule, downtime limit {} ms)", opts.timeout_s, opts.downtime_limit_ms)),
+                error: Some(format!(
+                    "did not converge within {}s (QEMU's own rule, downtime limit {} ms)",
+                    opts.timeout_s, opts.downtime_limit_ms
+                )),
                 ..Default::default()
             });
         }
@@ -343,15 +451,24 @@ async fn run(
     };
 
     progress.send_modify(|p| p.phase = "switchover".into());
-    dst.wait_event("MIGRATION", |v| v["status"] == "completed", Duration::from_secs(60))
-        .await
-        .context("the destination did not finish loading the migration stream")?;
+    dst.wait_event(
+        "MIGRATION",
+        |v| v["status"] == "completed",
+        Duration::from_secs(60),
+    )
+    .await
+    .context("the destination did not finish loading the migration stream")?;
     if disks {
         dst.execute(&NbdServerStop).await?;
     }
     dst.execute(&Cont).await?;
-    let resume = dst.wait_event("RESUME", |_| true, Duration::from_secs(30)).await.context("no RESUME event from the destination")?;
-    let stop = src.find_event("STOP", |_| true).context("no STOP event from the source")?;
+    let resume = dst
+        .wait_event("RESUME", |_| true, Duration::from_secs(30))
+        .await
+        .context("no RESUME event from the destination")?;
+    let stop = src
+        .find_event("STOP", |_| true)
+        .context("no STOP event from the source")?;
     let wan_bytes = wan::stats(&wan_socket)?.total_bytes() - wan_start;
     // The gap ends with the destination's first beats; wait for a few of them.
     let beats = heartbeats.count();
@@ -362,10 +479,14 @@ async fn run(
     let ram = info.ram.clone().unwrap_or_default();
     let outcome = MigrationOutcome {
         completed: true,
-        total_ms: u64::try_from((resume.timestamp.as_micros() - t0_micros).max(0) / 1000).unwrap_or(0),
-        downtime_ms: Some((resume.timestamp.as_micros() - stop.timestamp.as_micros()) as f64 / 1000.0),
+        total_ms: u64::try_from((resume.timestamp.as_micros() - t0_micros).max(0) / 1000)
+            .unwrap_or(0),
+        downtime_ms: Some(
+            (resume.timestamp.as_micros() - stop.timestamp.as_micros()) as f64 / 1000.0,
+        ),
         qemu_downtime_ms: info.downtime,
-        guest_gap_ms: (heartbeats.count() > beats).then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
+        guest_gap_ms: (heartbeats.count() > beats)
+            .then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
         wan_bytes,
         iterations: ram.dirty_sync_count,
         ram_transferred: ram.transferred,

@@ -34,20 +34,30 @@ impl Workload {
     /// Checks the pattern name and sizes.
     pub fn validate(&self, mem_mib: u32) -> Result<()> {
         if !PATTERNS.contains(&self.pattern.as_str()) {
-            bail!("unknown workload {:?} (known: {})", self.pattern, PATTERNS.join(", "));
+            bail!(
+                "unknown workload {:?} (known: {})",
+                self.pattern,
+                PATTERNS.join(", ")
+            );
         }
         if self.dirty_mib == 0 || self.dirty_mib + 64 > mem_mib {
             bail!("--dirty-mib {} must be at least 1 and leave 64 MiB of the guest's {mem_mib} MiB to its kernel", self.dirty_mib);
         }
         if !(self.rate_mib_s.is_finite() && self.rate_mib_s >= 0.0) {
-            bail!("--dirty-rate-mib-s {} must be a non-negative number", self.rate_mib_s);
+            bail!(
+                "--dirty-rate-mib-s {} must be a non-negative number",
+                self.rate_mib_s
+            );
         }
         Ok(())
     }
 
     /// The guest command that starts it.
     pub fn start_command(&self) -> String {
-        format!("mem start pattern={} mib={} rate={}", self.pattern, self.dirty_mib, self.rate_mib_s)
+        format!(
+            "mem start pattern={} mib={} rate={}",
+            self.pattern, self.dirty_mib, self.rate_mib_s
+        )
     }
 }
 
@@ -65,9 +75,14 @@ pub async fn boot_with_workload(
     let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
     link.wait_ready(Duration::from_secs(120)).await?;
     // Filling the region touches every page once under TCG: allow a minute or two.
-    link.call(&workload.start_command(), Duration::from_secs(180)).await?;
+    link.call(&workload.start_command(), Duration::from_secs(180))
+        .await?;
     if let Some(rate) = disk_rate_mib_s {
-        link.call(&format!("disk start mib=16 rate={rate}"), Duration::from_secs(120)).await?;
+        link.call(
+            &format!("disk start mib=16 rate={rate}"),
+            Duration::from_secs(120),
+        )
+        .await?;
     }
     Ok((rec, link))
 }
@@ -130,7 +145,11 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
     let disk_rate = sc.vm.disk.then_some(0.5);
     let (rec, link) = boot_with_workload(lab, name, &sc.vm, img, &sc.workload, disk_rate).await?;
     tokio::time::sleep(sc.warmup).await;
-    let mem_file = rec.spec.mem_file.clone().context("bench VMs have a shared memory file")?;
+    let mem_file = rec
+        .spec
+        .mem_file
+        .clone()
+        .context("bench VMs have a shared memory file")?;
     let floor_bytes = tokio::task::spawn_blocking(move || floor::floor_bytes(&mem_file)).await??;
     let (tx, _rx) = watch::channel(baseline::Progress::default());
     let mut opts = sc.migrate.clone();
@@ -144,9 +163,17 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
     Ok(BenchRecord {
         system: format!("qemu-{}", sc.mode.name()),
         workload: sc.workload.pattern.clone(),
-        link: LinkSummary { rate_mbit: sc.link.rate_mbit, rtt_ms: sc.link.rtt_ms, loss_pct: sc.link.loss_pct },
+        link: LinkSummary {
+            rate_mbit: sc.link.rate_mbit,
+            rtt_ms: sc.link.rtt_ms,
+            loss_pct: sc.link.loss_pct,
+        },
         mem_mib: sc.vm.mem_mib,
-        disk_mib: if sc.vm.disk { u32::try_from(crate::image::DATA_DISK_MIB).unwrap_or(0) } else { 0 },
+        disk_mib: if sc.vm.disk {
+            u32::try_from(crate::image::DATA_DISK_MIB).unwrap_or(0)
+        } else {
+            0
+        },
         dirty_mib: sc.workload.dirty_mib,
         dirty_rate_mib_s: sc.workload.rate_mib_s,
         completed: outcome.completed,

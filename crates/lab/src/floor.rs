@@ -15,7 +15,8 @@ const ZSTD_LEVEL: i32 = 3;
 
 /// Floor bytes of the guest memory in `mem_file` (a shared memory backend).
 pub fn floor_bytes(mem_file: &Path) -> Result<u64> {
-    let mut f = std::fs::File::open(mem_file).with_context(|| format!("open guest memory {}", mem_file.display()))?;
+    let mut f = std::fs::File::open(mem_file)
+        .with_context(|| format!("open guest memory {}", mem_file.display()))?;
     let mut seen = HashSet::new();
     let counter = CountingWriter::default();
     let mut enc = zstd::Encoder::new(counter, ZSTD_LEVEL)?;
@@ -78,7 +79,9 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ferry-floor-{}", std::process::id()));
         let mut mem = vec![0u8; 64 * PAGE_BYTES];
         // one distinct random-ish page, repeated 10 times; the rest zero
-        let page: Vec<u8> = (0..PAGE_BYTES).map(|i| (i * 7919 % 251) as u8).collect();
+        let page: Vec<u8> = (0..PAGE_BYTES)
+            .map(|i| u8::try_from(i * 7919 % 251).unwrap())
+            .collect();
         for i in 0..10 {
             mem[i * PAGE_BYTES..(i + 1) * PAGE_BYTES].copy_from_slice(&page);
         }

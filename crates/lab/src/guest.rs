@@ -95,12 +95,21 @@ impl GuestLink {
             .with_context(|| format!("connect to guest serial {}", serial.display()))?;
         let (read, write) = stream.into_split();
         let waiters: Waiters = Arc::default();
-        tokio::spawn(read_loop(BufReader::new(read), waiters.clone(), heartbeats.clone()));
+        tokio::spawn(read_loop(
+            BufReader::new(read),
+            waiters.clone(),
+            heartbeats.clone(),
+        ));
         // Ids start from the clock so replies meant for an earlier connection never match.
         let base = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_micros() as u64 % 1_000_000_000);
-        Ok(GuestLink { writer: tokio::sync::Mutex::new(write), waiters, next_id: AtomicU64::new(base), heartbeats })
+            .map_or(1, |d| d.as_secs() % 1_000_000 * 1000);
+        Ok(GuestLink {
+            writer: tokio::sync::Mutex::new(write),
+            waiters,
+            next_id: AtomicU64::new(base),
+            heartbeats,
+        })
     }
 
     /// The tracker this link feeds.
@@ -112,16 +121,29 @@ impl GuestLink {
     pub async fn call(&self, command: &str, timeout: Duration) -> Result<GuestReply> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        self.waiters.lock().expect("guest waiters poisoned").insert(id, tx);
+        self.waiters
+            .lock()
+            .expect("guest waiters poisoned")
+            .insert(id, tx);
         {
             let mut w = self.writer.lock().await;
-            w.write_all(format!("{id} {command}\n").as_bytes()).await.context("write to guest serial")?;
+            w.write_all(format!("{id} {command}\n").as_bytes())
+                .await
+                .context("write to guest serial")?;
         }
         let reply = tokio::time::timeout(timeout, rx).await;
-        self.waiters.lock().expect("guest waiters poisoned").remove(&id);
+        self.waiters
+            .lock()
+            .expect("guest waiters poisoned")
+            .remove(&id);
         match reply {
-            Err(_) => bail!("guest did not answer {command:?} within {:.0}s", timeout.as_secs_f64()),
-            Ok(Err(_)) => bail!("guest serial closed while waiting for {command:?} (did the VM stop?)"),
+            Err(_) => bail!(
+                "guest did not answer {command:?} within {:.0}s",
+                timeout.as_secs_f64()
+            ),
+            Ok(Err(_)) => {
+                bail!("guest serial closed while waiting for {command:?} (did the VM stop?)")
+            }
             Ok(Ok(Err(msg))) => bail!("guest refused {command:?}: {msg}"),
             Ok(Ok(Ok(r))) => Ok(r),
         }
@@ -141,7 +163,11 @@ impl GuestLink {
     }
 }
 
-async fn read_loop(mut reader: BufReader<tokio::net::unix::OwnedReadHalf>, waiters: Waiters, heartbeats: Arc<Heartbeats>) {
+async fn read_loop(
+    mut reader: BufReader<tokio::net::unix::OwnedReadHalf>,
+    waiters: Waiters,
+    heartbeats: Arc<Heartbeats>,
+) {
     let mut buf = Vec::new();
     loop {
         buf.clear();
@@ -156,9 +182,14 @@ async fn read_loop(mut reader: BufReader<tokio::net::unix::OwnedReadHalf>, waite
             heartbeats.beat(Instant::now());
             continue;
         }
-        let Some(rest) = line.strip_prefix("R ") else { continue };
+        let Some(rest) = line.strip_prefix("R ") else {
+            continue;
+        };
         let mut parts = rest.splitn(3, ' ');
-        let (Some(id), Some(status)) = (parts.next().and_then(|i| i.parse::<u64>().ok()), parts.next()) else {
+        let (Some(id), Some(status)) = (
+            parts.next().and_then(|i| i.parse::<u64>().ok()),
+            parts.next(),
+        ) else {
             continue;
         };
         let text = parts.next().unwrap_or("").to_owned();
@@ -199,11 +230,51 @@ impl VerifyOutcome {
 pub async fn verify(link: &GuestLink, disk: bool) -> Result<VerifyOutcome> {
     // A full-memory check recomputes every page under TCG: allow minutes.
     let mem = link.call("mem verify", Duration::from_secs(300)).await?;
-    let mut out = VerifyOutcome { mem_pages: mem.u64("checked")?, mem_errors: mem.u64("errors")?, ..Default::default() };
+    let mut out = VerifyOutcome {
+        mem_pages: mem.u64("checked")?,
+        mem_errors: mem.u64("errors")?,
+        ..Default::default()
+    };
     if disk {
         let d = link.call("disk verify", Duration::from_secs(300)).await?;
         out.disk_blocks = d.u64("checked")?;
         out.disk_errors = d.u64("errors")?;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A fake guest: kernel noise, heartbeats, an ok reply with fields and a refusal.
+    #[tokio::test]
+    async fn replies_and_heartbeats_are_routed_and_noise_ignored() {
+        let path = std::env::temp_dir().join(format!("ferry-guest-test-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (r, mut w) = s.into_split();
+            let mut lines = BufReader::new(r).lines();
+            w.write_all(b"[    1.234] virtio_net: noise\nH 0 10\nH 1 15\n").await.unwrap();
+            while let Some(line) = lines.next_line().await.unwrap() {
+                let (id, cmd) = line.split_once(' ').unwrap();
+                let reply = match cmd {
+                    "mem verify" => format!("H 2 20\nR {id} ok checked=42 stale=0 corrupt=1 errors=1 first_bad=3\n"),
+                    _ => format!("R {id} err unknown command \"{cmd}\" (known: ping mem disk)\n"),
+                };
+                w.write_all(reply.as_bytes()).await.unwrap();
+            }
+        });
+        let hb = Arc::new(Heartbeats::default());
+        let link = GuestLink::connect(&path, hb.clone()).await.unwrap();
+        let out = verify(&link, false).await.unwrap();
+        assert_eq!((out.mem_pages, out.mem_errors), (42, 1));
+        let err = link.call("frob", Duration::from_secs(5)).await.unwrap_err();
+        assert_eq!(err.to_string(), "guest refused \"frob\": unknown command \"frob\" (known: ping mem disk)");
+        assert_eq!(hb.count(), 3);
+        let _ = std::fs::remove_file(&path);
+    }
 }

@@ -60,7 +60,8 @@ pub struct Image {
 
 /// Where images are cached (`FERRY_CACHE_DIR`, default `/var/cache/ferry`).
 pub fn cache_dir() -> PathBuf {
-    std::env::var_os("FERRY_CACHE_DIR").map_or_else(|| PathBuf::from("/var/cache/ferry"), PathBuf::from)
+    std::env::var_os("FERRY_CACHE_DIR")
+        .map_or_else(|| PathBuf::from("/var/cache/ferry"), PathBuf::from)
 }
 
 fn image_dir() -> PathBuf {
@@ -71,7 +72,10 @@ fn image_dir() -> PathBuf {
 pub fn load() -> Result<Image> {
     let manifest = image_dir().join("manifest.json");
     let text = fs::read_to_string(&manifest).with_context(|| {
-        format!("no guest image at {} (run `ferry image build`)", manifest.display())
+        format!(
+            "no guest image at {} (run `ferry image build`)",
+            manifest.display()
+        )
     })?;
     serde_json::from_str(&text).with_context(|| format!("corrupt manifest {}", manifest.display()))
 }
@@ -84,7 +88,9 @@ fn kernel_package() -> Result<String> {
         .filter_map(|l| l.trim().strip_prefix("Depends: "))
         .find(|p| p.starts_with("linux-image-"))
         .map(str::to_owned)
-        .with_context(|| format!("apt-cache knows no kernel for {KERNEL_META_PACKAGE}; run apt-get update"))
+        .with_context(|| {
+            format!("apt-cache knows no kernel for {KERNEL_META_PACKAGE}; run apt-get update")
+        })
 }
 
 fn busybox_version() -> Result<String> {
@@ -115,7 +121,11 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
     let hash = inputs_hash(&kernel_pkg, &busybox);
     if !force {
         if let Ok(img) = load() {
-            if img.inputs_sha256 == hash && img.kernel.exists() && img.initrd.exists() && img.data_disk.exists() {
+            if img.inputs_sha256 == hash
+                && img.kernel.exists()
+                && img.initrd.exists()
+                && img.data_disk.exists()
+            {
                 return Ok((img, false));
             }
         }
@@ -130,14 +140,19 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
 
     // Kernel: download the package, unpack it, index its modules.
     let work_s = work.to_string_lossy().into_owned();
-    sh::shell(&format!("cd '{work_s}' && apt-get download -q '{kernel_pkg}'"))
-        .with_context(|| format!("downloading {kernel_pkg}"))?;
+    sh::shell(&format!(
+        "cd '{work_s}' && apt-get download -q '{kernel_pkg}'"
+    ))
+    .with_context(|| format!("downloading {kernel_pkg}"))?;
     let deb = fs::read_dir(&work)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "deb"))
         .context("apt-get download produced no .deb")?;
     let root = work.join("kernel");
-    sh::run("dpkg", &["-x", &deb.to_string_lossy(), &root.to_string_lossy()])?;
+    sh::run(
+        "dpkg",
+        &["-x", &deb.to_string_lossy(), &root.to_string_lossy()],
+    )?;
     let version = kernel_pkg.trim_start_matches("linux-image-").to_owned();
     sh::run("depmod", &["-b", &root.to_string_lossy(), &version])?;
     let vmlinuz = root.join("boot").join(format!("vmlinuz-{version}"));
@@ -147,7 +162,16 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
 
     // Initramfs tree.
     let tree = work.join("initramfs");
-    for d in ["bin", "sbin", "proc", "sys", "dev", "tmp", "lib/modules", "data"] {
+    for d in [
+        "bin",
+        "sbin",
+        "proc",
+        "sys",
+        "dev",
+        "tmp",
+        "lib/modules",
+        "data",
+    ] {
         fs::create_dir_all(tree.join(d))?;
     }
     fs::copy("/bin/busybox", tree.join("bin/busybox")).context("copy /bin/busybox")?;
@@ -166,9 +190,16 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
     sh::run(
         "gcc",
         &[
-            "-O2", "-static", "-pthread", "-Wall", "-o", &guest_bin.to_string_lossy(),
-            &format!("{src_s}/main.c"), &format!("{src_s}/mem.c"),
-            &format!("{src_s}/disk.c"), &format!("{src_s}/tcpseq.c"),
+            "-O2",
+            "-static",
+            "-pthread",
+            "-Wall",
+            "-o",
+            &guest_bin.to_string_lossy(),
+            &format!("{src_s}/main.c"),
+            &format!("{src_s}/mem.c"),
+            &format!("{src_s}/disk.c"),
+            &format!("{src_s}/tcpseq.c"),
         ],
     )
     .context("building the guest programs (gcc -static)")?;
@@ -184,8 +215,18 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
 
     // Data disk: a small empty ext4 file system.
     let disk_tmp = work.join("data.raw");
-    sh::run("truncate", &["-s", &format!("{DATA_DISK_MIB}M"), &disk_tmp.to_string_lossy()])?;
-    sh::run("mkfs.ext4", &["-q", "-F", "-L", "ferry-data", &disk_tmp.to_string_lossy()])?;
+    sh::run(
+        "truncate",
+        &[
+            "-s",
+            &format!("{DATA_DISK_MIB}M"),
+            &disk_tmp.to_string_lossy(),
+        ],
+    )?;
+    sh::run(
+        "mkfs.ext4",
+        &["-q", "-F", "-L", "ferry-data", &disk_tmp.to_string_lossy()],
+    )?;
 
     let img = Image {
         kernel: dir.join("vmlinuz"),
@@ -197,7 +238,10 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
     fs::rename(&vmlinuz, &img.kernel).or_else(|_| fs::copy(&vmlinuz, &img.kernel).map(|_| ()))?;
     fs::rename(&initrd_tmp, &img.initrd)?;
     fs::rename(&disk_tmp, &img.data_disk)?;
-    fs::write(dir.join("manifest.json"), serde_json::to_string_pretty(&img)?)?;
+    fs::write(
+        dir.join("manifest.json"),
+        serde_json::to_string_pretty(&img)?,
+    )?;
     fs::remove_dir_all(&work)?;
     Ok((img, true))
 }
@@ -210,10 +254,16 @@ fn find_module(dir: &Path, name: &str) -> Result<PathBuf> {
             let p = e?.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if p.file_name().is_some_and(|f| f.to_string_lossy().replace('-', "_") == want) {
+            } else if p
+                .file_name()
+                .is_some_and(|f| f.to_string_lossy().replace('-', "_") == want)
+            {
                 return Ok(p);
             }
         }
     }
-    bail!("kernel module {name} not found under {} (is it built in, or compressed?)", dir.display())
+    bail!(
+        "kernel module {name} not found under {} (is it built in, or compressed?)",
+        dir.display()
+    )
 }

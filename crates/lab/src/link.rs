@@ -20,7 +20,12 @@ pub struct LinkConfig {
 impl Default for LinkConfig {
     /// The brief's reference WAN: 100 Mbit/s, 50 ms RTT.
     fn default() -> Self {
-        LinkConfig { rate_mbit: 100.0, rtt_ms: 50.0, jitter_ms: 0.0, loss_pct: 0.0 }
+        LinkConfig {
+            rate_mbit: 100.0,
+            rtt_ms: 50.0,
+            jitter_ms: 0.0,
+            loss_pct: 0.0,
+        }
     }
 }
 
@@ -79,10 +84,22 @@ mod tests {
             f(&mut l);
             l.validate().unwrap_err().to_string()
         };
-        assert_eq!(bad(|l| l.rate_mbit = 0.0), "rate 0 Mbit/s is out of range; use 0.1 to 10000");
-        assert_eq!(bad(|l| l.rtt_ms = -1.0), "rtt -1 ms is out of range; use 0 to 5000");
-        assert_eq!(bad(|l| l.loss_pct = 101.0), "loss 101% is out of range; use 0 to 100");
-        assert_eq!(bad(|l| l.jitter_ms = f64::NAN), "jitter NaN ms is out of range; use 0 to 1000");
+        assert_eq!(
+            bad(|l| l.rate_mbit = 0.0),
+            "rate 0 Mbit/s is out of range; use 0.1 to 10000"
+        );
+        assert_eq!(
+            bad(|l| l.rtt_ms = -1.0),
+            "rtt -1 ms is out of range; use 0 to 5000"
+        );
+        assert_eq!(
+            bad(|l| l.loss_pct = 101.0),
+            "loss 101% is out of range; use 0 to 100"
+        );
+        assert_eq!(
+            bad(|l| l.jitter_ms = f64::NAN),
+            "jitter NaN ms is out of range; use 0 to 1000"
+        );
     }
 
     #[test]

@@ -25,7 +25,9 @@ pub fn output(program: &str, args: &[&str]) -> Result<Output> {
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .with_context(|| format!("cannot run `{program}` (is it installed? scripts/setup.sh installs it)"))
+        .with_context(|| {
+            format!("cannot run `{program}` (is it installed? scripts/setup.sh installs it)")
+        })
 }
 
 /// Runs a command inside network namespace `ns`.

@@ -54,18 +54,20 @@ impl TcpSeqClient {
         let stats = Arc::new(Mutex::new(TcpSeqStats::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let (s2, stop2) = (stats.clone(), stop.clone());
-        std::thread::Builder::new().name("tcpseq".into()).spawn(move || {
-            let stream = enter_ns(&ns_path).and_then(|()| connect_retry(&addr, deadline));
-            match stream {
-                Err(e) => {
-                    let _ = tx.send(Err(e));
+        std::thread::Builder::new()
+            .name("tcpseq".into())
+            .spawn(move || {
+                let stream = enter_ns(&ns_path).and_then(|()| connect_retry(&addr, deadline));
+                match stream {
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
+                    Ok(s) => {
+                        let _ = tx.send(Ok(()));
+                        read_loop(s, &s2, &stop2);
+                    }
                 }
-                Ok(s) => {
-                    let _ = tx.send(Ok(()));
-                    read_loop(s, &s2, &stop2);
-                }
-            }
-        })?;
+            })?;
         rx.recv().context("tcpseq thread died")??;
         Ok(TcpSeqClient { stats, stop })
     }
@@ -78,7 +80,10 @@ impl TcpSeqClient {
     /// Waits until at least `n` more numbers than now have arrived.
     pub fn wait_for_more(&self, n: u64, deadline: Duration) -> Result<()> {
         let base = self.stats().received;
-        crate::topology::wait_until(deadline, || self.stats().received >= base + n || self.stats().error.is_some())?;
+        crate::topology::wait_until(deadline, || {
+            self.stats().received >= base + n || self.stats().error.is_some()
+        })
+        .with_context(|| format!("waiting for {n} more sequence numbers after {base}: {:?}", self.stats()))?;
         if let Some(e) = self.stats().error {
             bail!("TCP sequence connection failed: {e}");
         }
@@ -107,7 +112,9 @@ fn connect_retry(addr: &str, deadline: Duration) -> Result<TcpStream> {
     loop {
         match TcpStream::connect_timeout(&addr.parse()?, Duration::from_secs(2)) {
             Ok(s) => return Ok(s),
-            Err(e) if start.elapsed() > deadline => bail!("connect to the guest's sequence server {addr}: {e}"),
+            Err(e) if start.elapsed() > deadline => {
+                bail!("connect to the guest's sequence server {addr}: {e}")
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(200)),
         }
     }
@@ -122,12 +129,20 @@ fn read_loop(stream: TcpStream, stats: &Mutex<TcpSeqStats>, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         match reader.read_line(&mut line) {
             Ok(0) => {
-                stats.lock().expect("tcpseq stats poisoned").error = Some("connection closed by the guest".into());
+                stats.lock().expect("tcpseq stats poisoned").error =
+                    Some("connection closed by the guest".into());
                 return;
             }
             Ok(_) if line.ends_with('\n') => {}
             Ok(_) => continue,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue
+            }
             Err(e) => {
                 stats.lock().expect("tcpseq stats poisoned").error = Some(e.to_string());
                 return;
@@ -147,7 +162,9 @@ fn read_loop(stream: TcpStream, stats: &Mutex<TcpSeqStats>, stop: &AtomicBool) {
                 s.last = Some(n);
                 s.received += 1;
                 if s.received > 1 {
-                    s.max_stall_ms = s.max_stall_ms.max(u64::try_from(now.duration_since(last_at).as_millis()).unwrap_or(u64::MAX));
+                    s.max_stall_ms = s.max_stall_ms.max(
+                        u64::try_from(now.duration_since(last_at).as_millis()).unwrap_or(u64::MAX),
+                    );
                 }
                 last_at = now;
             }

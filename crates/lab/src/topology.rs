@@ -100,12 +100,15 @@ pub const DEFAULT_LAB: &str = "ferry";
 impl Lab {
     /// The lab named by `FERRY_LAB`, or the default one.
     pub fn from_env() -> Lab {
-        Lab { name: std::env::var("FERRY_LAB").unwrap_or_else(|_| DEFAULT_LAB.to_owned()) }
+        Lab {
+            name: std::env::var("FERRY_LAB").unwrap_or_else(|_| DEFAULT_LAB.to_owned()),
+        }
     }
 
     /// The lab's runtime directory (sockets, logs, VM records).
     pub fn dir(&self) -> PathBuf {
-        let base = std::env::var_os("FERRY_RUN_DIR").map_or_else(|| PathBuf::from("/run/ferry"), PathBuf::from);
+        let base = std::env::var_os("FERRY_RUN_DIR")
+            .map_or_else(|| PathBuf::from("/run/ferry"), PathBuf::from);
         base.join(&self.name)
     }
 
@@ -131,7 +134,8 @@ impl Lab {
     /// The recorded state, if the lab is up.
     pub fn state(&self) -> Result<LabState> {
         let p = self.state_path();
-        let text = fs::read_to_string(&p).map_err(|_| anyhow::anyhow!("lab {:?} is not up (run `ferry lab up`)", self.name))?;
+        let text = fs::read_to_string(&p)
+            .map_err(|_| anyhow::anyhow!("lab {:?} is not up (run `ferry lab up`)", self.name))?;
         serde_json::from_str(&text).with_context(|| format!("corrupt {}", p.display()))
     }
 
@@ -156,9 +160,13 @@ impl Lab {
         require_root()?;
         link.validate()?;
         if self.state_path().exists() || !self.existing_namespaces()?.is_empty() {
-            bail!("lab {:?} is already up (run `ferry lab down` first)", self.name);
+            bail!(
+                "lab {:?} is already up (run `ferry lab down` first)",
+                self.name
+            );
         }
-        fs::create_dir_all(self.dir()).with_context(|| format!("create {}", self.dir().display()))?;
+        fs::create_dir_all(self.dir())
+            .with_context(|| format!("create {}", self.dir().display()))?;
         match self.create(link, ferry_exe) {
             Ok(state) => Ok(state),
             Err(e) => {
@@ -174,29 +182,94 @@ impl Lab {
             sh::run("ip", &["netns", "add", &ns])?;
             sh::run_in(&ns, "ip", &["link", "set", "lo", "up"])?;
             // No IPv6 chatter (router solicitations, DAD) in the byte counts.
-            sh::run_in(&ns, "sysctl", &["-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"])?;
+            sh::run_in(
+                &ns,
+                "sysctl",
+                &[
+                    "-qw",
+                    "net.ipv6.conf.all.disable_ipv6=1",
+                    "net.ipv6.conf.default.disable_ipv6=1",
+                ],
+            )?;
         }
         for site in Site::ALL {
             let ns = self.site_ns(site);
             let peer = format!("to-{}", site.name());
             let peer = peer.as_str();
-            sh::run("ip", &["link", "add", "wan0", "netns", &ns, "type", "veth", "peer", "name", peer, "netns", &wan])?;
+            sh::run(
+                "ip",
+                &[
+                    "link", "add", "wan0", "netns", &ns, "type", "veth", "peer", "name", peer,
+                    "netns", &wan,
+                ],
+            )?;
             for (n, dev) in [(&ns, "wan0"), (&wan, peer)] {
-                sh::run_in(n, "ip", &["link", "set", "dev", dev, "mtu", &UNDERLAY_MTU.to_string(), "up"])?;
+                sh::run_in(
+                    n,
+                    "ip",
+                    &[
+                        "link",
+                        "set",
+                        "dev",
+                        dev,
+                        "mtu",
+                        &UNDERLAY_MTU.to_string(),
+                        "up",
+                    ],
+                )?;
                 // MTU-sized frames with complete checksums: the relay forwards what it sees.
-                sh::run_in(n, "ethtool", &["-K", dev, "tso", "off", "gso", "off", "gro", "off", "tx", "off", "rx", "off"])?;
+                sh::run_in(
+                    n,
+                    "ethtool",
+                    &[
+                        "-K", dev, "tso", "off", "gso", "off", "gro", "off", "tx", "off", "rx",
+                        "off",
+                    ],
+                )?;
             }
-            sh::run_in(&ns, "ip", &["addr", "add", &format!("{}/24", site.underlay_ip()), "dev", "wan0"])?;
+            sh::run_in(
+                &ns,
+                "ip",
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/24", site.underlay_ip()),
+                    "dev",
+                    "wan0",
+                ],
+            )?;
             sh::run_in(&ns, "ip", &["link", "add", "br0", "type", "bridge"])?;
-            sh::run_in(&ns, "ip", &["addr", "add", &format!("{}/24", site.bridge_ip()), "dev", "br0"])?;
+            sh::run_in(
+                &ns,
+                "ip",
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/24", site.bridge_ip()),
+                    "dev",
+                    "br0",
+                ],
+            )?;
             sh::run_in(&ns, "ip", &["link", "set", "br0", "up"])?;
             sh::run_in(
                 &ns,
                 "ip",
                 &[
-                    "link", "add", "vx0", "type", "vxlan", "id", &VXLAN_ID.to_string(),
-                    "local", site.underlay_ip(), "remote", site.other().underlay_ip(),
-                    "dstport", "4789", "dev", "wan0",
+                    "link",
+                    "add",
+                    "vx0",
+                    "type",
+                    "vxlan",
+                    "id",
+                    &VXLAN_ID.to_string(),
+                    "local",
+                    site.underlay_ip(),
+                    "remote",
+                    site.other().underlay_ip(),
+                    "dstport",
+                    "4789",
+                    "dev",
+                    "wan0",
                 ],
             )?;
             sh::run_in(&ns, "ip", &["link", "set", "vx0", "master", "br0", "up"])?;
@@ -208,8 +281,18 @@ impl Lab {
         cmd.args(["netns", "exec", &wan])
             .arg(ferry_exe)
             .args(["lab", "relay", "--if-a", "to-a", "--if-b", "to-b"])
-            .args(["--rate-mbit", &link.rate_mbit.to_string(), "--rtt-ms", &link.rtt_ms.to_string()])
-            .args(["--jitter-ms", &link.jitter_ms.to_string(), "--loss-pct", &link.loss_pct.to_string()])
+            .args([
+                "--rate-mbit",
+                &link.rate_mbit.to_string(),
+                "--rtt-ms",
+                &link.rtt_ms.to_string(),
+            ])
+            .args([
+                "--jitter-ms",
+                &link.jitter_ms.to_string(),
+                "--loss-pct",
+                &link.loss_pct.to_string(),
+            ])
             .arg("--control")
             .arg(&sock)
             .stdin(Stdio::null())
@@ -218,9 +301,17 @@ impl Lab {
         detach(&mut cmd);
         let child = cmd.spawn().context("start the WAN relay")?;
         let relay_pid = child.id();
-        wait_until(Duration::from_secs(10), || wan::stats(&sock).is_ok())
-            .with_context(|| format!("the WAN relay did not come up; see {}", self.dir().join("wan.log").display()))?;
-        let state = LabState { name: self.name.clone(), link, relay_pid };
+        wait_until(Duration::from_secs(10), || wan::stats(&sock).is_ok()).with_context(|| {
+            format!(
+                "the WAN relay did not come up; see {}",
+                self.dir().join("wan.log").display()
+            )
+        })?;
+        let state = LabState {
+            name: self.name.clone(),
+            link,
+            relay_pid,
+        };
         fs::write(self.state_path(), serde_json::to_string_pretty(&state)?)?;
         Ok(state)
     }
@@ -252,7 +343,11 @@ impl Lab {
 fn kill_namespace_processes(ns: &str) {
     let pids = || -> Vec<i32> {
         sh::run("ip", &["netns", "pids", ns])
-            .map(|o| o.split_whitespace().filter_map(|p| p.parse().ok()).collect())
+            .map(|o| {
+                o.split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect()
+            })
             .unwrap_or_default()
     };
     for pid in pids() {

@@ -51,17 +51,24 @@ fn vms_dir(lab: &Lab) -> PathBuf {
 
 /// Per-VM files that must outlive a migration (disks).
 fn data_dir(lab: &Lab, name: &str) -> PathBuf {
-    let base = std::env::var_os("FERRY_DATA_DIR").map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
+    let base = std::env::var_os("FERRY_DATA_DIR")
+        .map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
     base.join(&lab.name).join(name)
 }
 
 fn mem_file(lab: &Lab, name: &str, site: Site) -> PathBuf {
-    PathBuf::from(format!("/dev/shm/ferry-{}-{}-{}.mem", lab.name, name, site.name()))
+    PathBuf::from(format!(
+        "/dev/shm/ferry-{}-{}-{}.mem",
+        lab.name,
+        name,
+        site.name()
+    ))
 }
 
 /// Removes a lab's VM data and memory files (part of `lab down`).
 pub fn remove_lab_files(lab: &Lab) {
-    let base = std::env::var_os("FERRY_DATA_DIR").map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
+    let base = std::env::var_os("FERRY_DATA_DIR")
+        .map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
     let _ = fs::remove_dir_all(base.join(&lab.name));
     if let Ok(entries) = fs::read_dir("/dev/shm") {
         let prefix = format!("ferry-{}-", lab.name);
@@ -96,10 +103,19 @@ pub fn load(lab: &Lab, name: &str) -> Result<VmRecord> {
     lab.state()?;
     let path = vms_dir(lab).join(format!("{name}.json"));
     match fs::read_to_string(&path) {
-        Ok(text) => serde_json::from_str(&text).with_context(|| format!("corrupt VM record {}", path.display())),
+        Ok(text) => serde_json::from_str(&text)
+            .with_context(|| format!("corrupt VM record {}", path.display())),
         Err(_) => {
             let known: Vec<String> = list(lab)?.into_iter().map(|r| r.name).collect();
-            bail!("unknown VM {name:?} in lab {:?} (known: {})", lab.name, if known.is_empty() { "none".into() } else { known.join(", ") })
+            bail!(
+                "unknown VM {name:?} in lab {:?} (known: {})",
+                lab.name,
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            )
         }
     }
 }
@@ -107,14 +123,19 @@ pub fn load(lab: &Lab, name: &str) -> Result<VmRecord> {
 /// Saves a VM's record.
 pub fn save(lab: &Lab, rec: &VmRecord) -> Result<()> {
     fs::create_dir_all(vms_dir(lab))?;
-    fs::write(vms_dir(lab).join(format!("{}.json", rec.name)), serde_json::to_string_pretty(rec)?)?;
+    fs::write(
+        vms_dir(lab).join(format!("{}.json", rec.name)),
+        serde_json::to_string_pretty(rec)?,
+    )?;
     Ok(())
 }
 
 /// Every VM of the lab.
 pub fn list(lab: &Lab) -> Result<Vec<VmRecord>> {
     let mut out = Vec::new();
-    let Ok(entries) = fs::read_dir(vms_dir(lab)) else { return Ok(out) };
+    let Ok(entries) = fs::read_dir(vms_dir(lab)) else {
+        return Ok(out);
+    };
     for e in entries.flatten() {
         let p = e.path();
         if p.extension().is_some_and(|x| x == "json") {
@@ -128,40 +149,73 @@ pub fn list(lab: &Lab) -> Result<Vec<VmRecord>> {
 }
 
 fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 32 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    !name.is_empty()
+        && name.len() <= 32
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
 /// Creates and boots a VM from the lab image at `site`. Returns once QEMU's QMP socket answers
 /// (the guest may still be booting; see [`crate::guest::GuestLink::wait_ready`]).
-pub async fn start(lab: &Lab, name: &str, site: Site, opts: &VmOptions, img: &Image) -> Result<VmRecord> {
+pub async fn start(
+    lab: &Lab,
+    name: &str,
+    site: Site,
+    opts: &VmOptions,
+    img: &Image,
+) -> Result<VmRecord> {
     lab.state()?;
     if !valid_name(name) {
         bail!("VM name {name:?} is not valid; use up to 32 letters, digits, '-' or '_'");
     }
     if vms_dir(lab).join(format!("{name}.json")).exists() {
-        bail!("VM {name:?} already exists in lab {:?} (stop it first: ferry vm stop {name})", lab.name);
+        bail!(
+            "VM {name:?} already exists in lab {:?} (stop it first: ferry vm stop {name})",
+            lab.name
+        );
     }
     if !(64..=16384).contains(&opts.mem_mib) {
-        bail!("--mem-mib {} is out of range; use 64 to 16384", opts.mem_mib);
+        bail!(
+            "--mem-mib {} is out of range; use 64 to 16384",
+            opts.mem_mib
+        );
     }
     if !(1..=8).contains(&opts.vcpus) {
         bail!("--vcpus {} is out of range; use 1 to 8", opts.vcpus);
     }
+    ferry_qemu::check_qemu()?;
     let index = list(lab)?.iter().map(|r| r.index).max().unwrap_or(0) + 1;
     if index > 200 {
         bail!("the lab has room for 200 VMs");
     }
     let guest_ip = format!("10.77.0.{}", 10 + index);
     let append = format!("console=ttyS0 quiet loglevel=1 panic=1 ferry_ip={guest_ip}");
-    let disks = if opts.disk { vec![DiskSpec { id: "disk0".into(), path: PathBuf::new(), format: "qcow2".into() }] } else { vec![] };
+    let disks = if opts.disk {
+        vec![DiskSpec {
+            id: "disk0".into(),
+            path: PathBuf::new(),
+            format: "qcow2".into(),
+        }]
+    } else {
+        vec![]
+    };
     let spec = VmSpec {
         name: name.to_owned(),
         mem_mib: opts.mem_mib,
         vcpus: opts.vcpus,
         accel: opts.accel,
-        boot: Boot::Kernel { kernel: img.kernel.clone(), initrd: img.initrd.clone(), append },
+        boot: Boot::Kernel {
+            kernel: img.kernel.clone(),
+            initrd: img.initrd.clone(),
+            append,
+        },
         disks,
-        nics: vec![NicSpec { id: "net0".into(), tap: String::new(), mac: format!("52:54:00:77:00:{index:02x}") }],
+        nics: vec![NicSpec {
+            id: "net0".into(),
+            tap: String::new(),
+            mac: format!("52:54:00:77:00:{index:02x}"),
+        }],
         qmp_socket: PathBuf::new(),
         serial_socket: PathBuf::new(),
         mem_file: None,
@@ -170,11 +224,28 @@ pub async fn start(lab: &Lab, name: &str, site: Site, opts: &VmOptions, img: &Im
         // A guest panic ends QEMU instead of rebooting, so a test sees it.
         extra_args: vec!["-no-reboot".into()],
     };
-    let mut rec = VmRecord { name: name.to_owned(), site, index, guest_ip, pid: 0, spec };
+    let mut rec = VmRecord {
+        name: name.to_owned(),
+        site,
+        index,
+        guest_ip,
+        pid: 0,
+        spec,
+    };
     let spec = spec_at(lab, &rec, site);
     fs::create_dir_all(data_dir(lab, name))?;
     for d in &spec.disks {
-        sh::run("qemu-img", &["convert", "-q", "-O", "qcow2", &img.data_disk.to_string_lossy(), &d.path.to_string_lossy()])?;
+        sh::run(
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "-O",
+                "qcow2",
+                &img.data_disk.to_string_lossy(),
+                &d.path.to_string_lossy(),
+            ],
+        )?;
     }
     rec.pid = launch(lab, site, &spec).await?;
     rec.spec = spec;
@@ -189,7 +260,11 @@ pub async fn launch(lab: &Lab, site: Site, spec: &VmSpec) -> Result<u32> {
     for n in &spec.nics {
         let _ = sh::run_in(&ns, "ip", &["link", "del", "dev", &n.tap]);
         sh::run_in(&ns, "ip", &["tuntap", "add", &n.tap, "mode", "tap"])?;
-        sh::run_in(&ns, "ip", &["link", "set", "dev", &n.tap, "master", "br0", "up"])?;
+        sh::run_in(
+            &ns,
+            "ip",
+            &["link", "set", "dev", &n.tap, "master", "br0", "up"],
+        )?;
     }
     for s in [&spec.qmp_socket, &spec.serial_socket] {
         let _ = fs::remove_file(s);
@@ -197,18 +272,21 @@ pub async fn launch(lab: &Lab, site: Site, spec: &VmSpec) -> Result<u32> {
     let log_path = vms_dir(lab).join(format!("{}-{}.log", spec.name, site.name()));
     let log = fs::File::create(&log_path)?;
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &ns, "qemu-system-x86_64"])
+    cmd.args(["netns", "exec", &ns, &ferry_qemu::qemu_program()])
         .args(spec.argv())
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
     detach(&mut cmd);
-    let mut child = cmd.spawn().context("start qemu-system-x86_64 (scripts/setup.sh installs it)")?;
+    let mut child = cmd
+        .spawn()
+        .context("start qemu-system-x86_64 (scripts/setup.sh installs it)")?;
     let pid = child.id();
     let qmp = spec.qmp_socket.clone();
     let ready = tokio::task::spawn_blocking(move || {
         wait_until(Duration::from_secs(20), || {
-            matches!(child.try_wait(), Ok(Some(_))) || std::os::unix::net::UnixStream::connect(&qmp).is_ok()
+            matches!(child.try_wait(), Ok(Some(_)))
+                || std::os::unix::net::UnixStream::connect(&qmp).is_ok()
         })
         .map(|()| child.try_wait().ok().flatten())
     })
@@ -219,7 +297,11 @@ pub async fn launch(lab: &Lab, site: Site, spec: &VmSpec) -> Result<u32> {
             let log = fs::read_to_string(&log_path).unwrap_or_default();
             bail!("QEMU exited at start ({status}): {}", log.trim())
         }
-        Err(_) => bail!("QEMU's QMP socket {} did not appear within 20s; see {}", spec.qmp_socket.display(), log_path.display()),
+        Err(_) => bail!(
+            "QEMU's QMP socket {} did not appear within 20s; see {}",
+            spec.qmp_socket.display(),
+            log_path.display()
+        ),
     }
 }
 
@@ -247,7 +329,8 @@ pub fn kill_at(lab: &Lab, spec: &VmSpec, site: Site, pid: u32) {
 }
 
 fn is_zombie(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.split_whitespace().nth(2) == Some("Z"))
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |s| s.split_whitespace().nth(2) == Some("Z"))
 }
 
 /// Stops a VM and forgets it.

@@ -33,6 +33,20 @@ use crate::link::LinkConfig;
 /// so an oversized frame is seen and counted rather than truncated silently.
 const RX_BUFFER_BYTES: usize = 65536;
 
+// Kernel ABI constants in the widths the structures use (they all fit).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+const AF_PACKET_U16: u16 = libc::AF_PACKET as u16;
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+const PACKET_MR_PROMISC_U16: u16 = libc::PACKET_MR_PROMISC as u16;
+
+/// The size of a socket option or address structure, as the kernel takes it.
+#[allow(clippy::cast_possible_truncation)] // every structure passed is a few bytes
+fn socklen<T>() -> libc::socklen_t {
+    std::mem::size_of::<T>() as libc::socklen_t
+}
+
 /// Counters of one direction.
 #[derive(Debug, Default)]
 struct Counters {
@@ -116,34 +130,43 @@ impl PacketSocket {
         if ifindex == 0 {
             bail!("no interface {ifname} in this namespace");
         }
-        let proto = (libc::ETH_P_ALL as u16).to_be();
         // SAFETY: plain socket(2) call; the result is checked.
-        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, libc::c_int::from(proto)) };
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW,
+                libc::c_int::from(ETH_P_ALL_BE),
+            )
+        };
         if fd < 0 {
             return Err(std::io::Error::last_os_error()).context("socket(AF_PACKET) (needs root)");
         }
-        let sock = PacketSocket { fd, ifindex: ifindex as libc::c_int };
+        let sock = PacketSocket {
+            fd,
+            ifindex: ifindex as libc::c_int,
+        };
         // SAFETY: sockaddr_ll is plain old data; zeroed is a valid value.
         let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        addr.sll_family = libc::AF_PACKET as u16;
-        addr.sll_protocol = proto;
+        addr.sll_family = AF_PACKET_U16;
+        addr.sll_protocol = ETH_P_ALL_BE;
         addr.sll_ifindex = sock.ifindex;
         // SAFETY: `addr` is a valid sockaddr_ll and the length matches its type.
         let rc = unsafe {
             libc::bind(
                 fd,
                 std::ptr::from_ref(&addr).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+                socklen::<libc::sockaddr_ll>(),
             )
         };
         if rc != 0 {
-            return Err(std::io::Error::last_os_error()).with_context(|| format!("bind to {ifname}"));
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("bind to {ifname}"));
         }
         // Promiscuous: the relay forwards frames for any MAC, like a cable would.
         // SAFETY: packet_mreq is plain old data; zeroed is valid.
         let mut mreq: libc::packet_mreq = unsafe { std::mem::zeroed() };
         mreq.mr_ifindex = sock.ifindex;
-        mreq.mr_type = libc::PACKET_MR_PROMISC as u16;
+        mreq.mr_type = PACKET_MR_PROMISC_U16;
         // SAFETY: `mreq` is a valid packet_mreq and the length matches.
         let rc = unsafe {
             libc::setsockopt(
@@ -151,11 +174,12 @@ impl PacketSocket {
                 libc::SOL_PACKET,
                 libc::PACKET_ADD_MEMBERSHIP,
                 std::ptr::from_ref(&mreq).cast(),
-                std::mem::size_of::<libc::packet_mreq>() as libc::socklen_t,
+                socklen::<libc::packet_mreq>(),
             )
         };
         if rc != 0 {
-            return Err(std::io::Error::last_os_error()).with_context(|| format!("promiscuous mode on {ifname}"));
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("promiscuous mode on {ifname}"));
         }
         // A deep receive buffer absorbs bursts while the receiving thread is descheduled.
         let rcvbuf: libc::c_int = 8 << 20;
@@ -166,7 +190,7 @@ impl PacketSocket {
                 libc::SOL_SOCKET,
                 libc::SO_RCVBUFFORCE,
                 std::ptr::from_ref(&rcvbuf).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                socklen::<libc::c_int>(),
             );
         }
         Ok(sock)
@@ -177,7 +201,7 @@ impl PacketSocket {
         loop {
             // SAFETY: zeroed sockaddr_ll is valid; recvfrom writes at most `len` bytes into it.
             let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+            let mut len = socklen::<libc::sockaddr_ll>();
             // SAFETY: `buf` is valid for `buf.len()` bytes; `from`/`len` describe a valid buffer.
             let n = unsafe {
                 libc::recvfrom(
@@ -259,7 +283,8 @@ fn receive_loop(rx: &PacketSocket, queue: &Queue, shared: &Shared, counters: &Co
         let serialize = Duration::from_secs_f64(n as f64 / bytes_per_s);
         q.link_free = start + serialize;
         let jitter = link.jitter_ms * next_unit(&mut q.rng);
-        let due = (q.link_free + Duration::from_secs_f64((link.rtt_ms / 2.0 + jitter) / 1000.0)).max(q.last_due);
+        let due = (q.link_free + Duration::from_secs_f64((link.rtt_ms / 2.0 + jitter) / 1000.0))
+            .max(q.last_due);
         q.last_due = due;
         q.items.push_back((due, buf[..n].to_vec()));
         drop(q);
@@ -275,13 +300,19 @@ fn send_loop(tx: &PacketSocket, queue: &Queue, counters: &Counters) {
             None => q = queue.ready.wait(q).expect("relay queue poisoned"),
             Some((due, _)) if *due > now => {
                 let wait = *due - now;
-                q = queue.ready.wait_timeout(q, wait).expect("relay queue poisoned").0;
+                q = queue
+                    .ready
+                    .wait_timeout(q, wait)
+                    .expect("relay queue poisoned")
+                    .0;
             }
             Some(_) => {
                 let (_, frame) = q.items.pop_front().expect("front was Some");
                 drop(q);
                 if tx.send(&frame).is_ok() {
-                    counters.bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
+                    counters
+                        .bytes
+                        .fetch_add(frame.len() as u64, Ordering::Relaxed);
                     counters.frames.fetch_add(1, Ordering::Relaxed);
                 }
                 q = queue.frames.lock().expect("relay queue poisoned");
@@ -306,23 +337,45 @@ pub fn run_relay(if_a: &str, if_b: &str, link: LinkConfig, control: &Path) -> Re
     link.validate()?;
     let sock_a = Arc::new(PacketSocket::open(if_a)?);
     let sock_b = Arc::new(PacketSocket::open(if_b)?);
-    let shared = Arc::new(Shared { link: Mutex::new(link), down: false.into() });
+    let shared = Arc::new(Shared {
+        link: Mutex::new(link),
+        down: false.into(),
+    });
     let counters = [Arc::new(Counters::default()), Arc::new(Counters::default())];
     let _ = std::fs::remove_file(control);
-    let listener = UnixListener::bind(control).with_context(|| format!("bind {}", control.display()))?;
+    let listener =
+        UnixListener::bind(control).with_context(|| format!("bind {}", control.display()))?;
 
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.subsec_nanos().into())
+        | 1;
     // direction 0: a -> b, direction 1: b -> a
-    for (dir, (rx, tx)) in [(sock_a.clone(), sock_b.clone()), (sock_b.clone(), sock_a.clone())].into_iter().enumerate() {
+    for (dir, (rx, tx)) in [
+        (sock_a.clone(), sock_b.clone()),
+        (sock_b.clone(), sock_a.clone()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let now = Instant::now();
         let queue = Arc::new(Queue {
-            frames: Mutex::new(QueueState { items: VecDeque::new(), link_free: now, last_due: now, rng: seed ^ (dir as u64 + 1) * 0x9e37 }),
+            frames: Mutex::new(QueueState {
+                items: VecDeque::new(),
+                link_free: now,
+                last_due: now,
+                rng: seed ^ ((dir as u64 + 1) * 0x9e37),
+            }),
             ready: Condvar::new(),
         });
         let (q1, s1, c1) = (queue.clone(), shared.clone(), counters[dir].clone());
-        std::thread::Builder::new().name(format!("wan-rx{dir}")).spawn(move || receive_loop(&rx, &q1, &s1, &c1))?;
+        std::thread::Builder::new()
+            .name(format!("wan-rx{dir}"))
+            .spawn(move || receive_loop(&rx, &q1, &s1, &c1))?;
         let c2 = counters[dir].clone();
-        std::thread::Builder::new().name(format!("wan-tx{dir}")).spawn(move || send_loop(&tx, &queue, &c2))?;
+        std::thread::Builder::new()
+            .name(format!("wan-tx{dir}"))
+            .spawn(move || send_loop(&tx, &queue, &c2))?;
     }
     tracing::info!(?link, "WAN relay running between {if_a} and {if_b}");
 
@@ -371,13 +424,20 @@ fn serve_control(conn: UnixStream, shared: &Shared, counters: &[Arc<Counters>; 2
 
 /// Sends one control request to a running relay and returns its JSON reply.
 pub fn control(socket: &Path, req: &ControlRequest) -> Result<serde_json::Value> {
-    let mut conn = UnixStream::connect(socket)
-        .with_context(|| format!("WAN emulator control socket {} (is the lab up?)", socket.display()))?;
+    let mut conn = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "WAN emulator control socket {} (is the lab up?)",
+            socket.display()
+        )
+    })?;
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
     writeln!(conn, "{}", serde_json::to_string(req)?)?;
     let mut line = String::new();
-    BufReader::new(conn).read_line(&mut line).context("reading the WAN emulator's reply")?;
-    let v: serde_json::Value = serde_json::from_str(&line).context("WAN emulator reply is not JSON")?;
+    BufReader::new(conn)
+        .read_line(&mut line)
+        .context("reading the WAN emulator's reply")?;
+    let v: serde_json::Value =
+        serde_json::from_str(&line).context("WAN emulator reply is not JSON")?;
     if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
         bail!("WAN emulator: {e}");
     }
@@ -386,5 +446,8 @@ pub fn control(socket: &Path, req: &ControlRequest) -> Result<serde_json::Value>
 
 /// Reads the relay's counters.
 pub fn stats(socket: &Path) -> Result<WanStats> {
-    Ok(serde_json::from_value(control(socket, &ControlRequest::Stats)?)?)
+    Ok(serde_json::from_value(control(
+        socket,
+        &ControlRequest::Stats,
+    )?)?)
 }

@@ -9,6 +9,42 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// The QEMU system emulator to run: `FERRY_QEMU` if set, else `qemu-system-x86_64` from `PATH`.
+pub fn qemu_program() -> String {
+    std::env::var("FERRY_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".to_owned())
+}
+
+/// The oldest QEMU major version ferry supports: Debian 12's 7.2 corrupts guests during
+/// migration under TCG (PLATFORM.md); 10.0 passed every probe.
+pub const MIN_QEMU_MAJOR: u32 = 10;
+
+/// Why QEMU cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum QemuCheckError {
+    #[error("QEMU not found: cannot run {program:?} (install it with scripts/setup.sh, or set FERRY_QEMU to its path)")]
+    Missing { program: String, source: std::io::Error },
+    #[error("{program:?} is QEMU {found}; ferry needs {MIN_QEMU_MAJOR}.0 or newer (scripts/setup.sh installs it from backports)")]
+    TooOld { program: String, found: String },
+}
+
+/// Checks that [`qemu_program`] runs and is new enough; returns its version line.
+pub fn check_qemu() -> Result<String, QemuCheckError> {
+    let program = qemu_program();
+    let out = std::process::Command::new(&program)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|source| QemuCheckError::Missing { program: program.clone(), source })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().next().unwrap_or("").to_owned();
+    let found = line.split("version ").nth(1).and_then(|v| v.split_whitespace().next()).unwrap_or("unknown").to_owned();
+    let major: u32 = found.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+    if major < MIN_QEMU_MAJOR {
+        return Err(QemuCheckError::TooOld { program, found });
+    }
+    Ok(line)
+}
+
 /// Which accelerator QEMU runs the guest with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -34,7 +70,11 @@ impl Accel {
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Boot {
     /// Direct kernel boot (the lab's tiny guest).
-    Kernel { kernel: PathBuf, initrd: PathBuf, append: String },
+    Kernel {
+        kernel: PathBuf,
+        initrd: PathBuf,
+        append: String,
+    },
     /// Firmware boot from the first disk (users' own images).
     Disk,
 }
@@ -87,12 +127,24 @@ impl VmSpec {
     pub fn argv(&self) -> Vec<String> {
         let mut a: Vec<String> = Vec::new();
         let mut push = |items: &[&str]| a.extend(items.iter().map(|s| (*s).to_owned()));
-        push(&["-name", &self.name, "-nodefaults", "-no-user-config", "-display", "none"]);
+        push(&[
+            "-name",
+            &self.name,
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+        ]);
         push(&["-machine", "q35", "-accel", self.accel.as_str()]);
         if self.accel == Accel::Kvm {
             push(&["-cpu", "host"]);
         }
-        push(&["-smp", &self.vcpus.to_string(), "-m", &format!("{}M", self.mem_mib)]);
+        push(&[
+            "-smp",
+            &self.vcpus.to_string(),
+            "-m",
+            &format!("{}M", self.mem_mib),
+        ]);
         if let Some(file) = &self.mem_file {
             let backend = format!(
                 "memory-backend-file,id=ram0,size={}M,mem-path={},share=on",
@@ -101,12 +153,26 @@ impl VmSpec {
             );
             push(&["-object", &backend, "-machine", "memory-backend=ram0"]);
         }
-        if let Boot::Kernel { kernel, initrd, append } = &self.boot {
-            push(&["-kernel", &kernel.to_string_lossy(), "-initrd", &initrd.to_string_lossy()]);
+        if let Boot::Kernel {
+            kernel,
+            initrd,
+            append,
+        } = &self.boot
+        {
+            push(&[
+                "-kernel",
+                &kernel.to_string_lossy(),
+                "-initrd",
+                &initrd.to_string_lossy(),
+            ]);
             push(&["-append", append]);
         }
         for d in &self.disks {
-            let file = format!("driver=file,filename={},node-name={}-file,cache.direct=off", d.path.display(), d.id);
+            let file = format!(
+                "driver=file,filename={},node-name={}-file,cache.direct=off",
+                d.path.display(),
+                d.id
+            );
             let fmt = format!("driver={},file={}-file,node-name={}", d.format, d.id, d.id);
             let dev = format!("virtio-blk-pci,drive={},id={}-dev", d.id, d.id);
             push(&["-blockdev", &file, "-blockdev", &fmt, "-device", &dev]);
@@ -116,7 +182,10 @@ impl VmSpec {
             let dev = format!("virtio-net-pci,netdev={},mac={},romfile=", n.id, n.mac);
             push(&["-netdev", &netdev, "-device", &dev]);
         }
-        let chardev = format!("socket,id=ser0,path={},server=on,wait=off", self.serial_socket.display());
+        let chardev = format!(
+            "socket,id=ser0,path={},server=on,wait=off",
+            self.serial_socket.display()
+        );
         push(&["-chardev", &chardev, "-serial", "chardev:ser0"]);
         let qmp = format!("unix:{},server=on,wait=off", self.qmp_socket.display());
         push(&["-qmp", &qmp]);
@@ -141,9 +210,21 @@ mod tests {
             mem_mib: 256,
             vcpus: 1,
             accel: Accel::Tcg,
-            boot: Boot::Kernel { kernel: "/k".into(), initrd: "/i".into(), append: "console=ttyS0".into() },
-            disks: vec![DiskSpec { id: "disk0".into(), path: "/d.qcow2".into(), format: "qcow2".into() }],
-            nics: vec![NicSpec { id: "net0".into(), tap: "tap1".into(), mac: "52:54:00:00:00:01".into() }],
+            boot: Boot::Kernel {
+                kernel: "/k".into(),
+                initrd: "/i".into(),
+                append: "console=ttyS0".into(),
+            },
+            disks: vec![DiskSpec {
+                id: "disk0".into(),
+                path: "/d.qcow2".into(),
+                format: "qcow2".into(),
+            }],
+            nics: vec![NicSpec {
+                id: "net0".into(),
+                tap: "tap1".into(),
+                mac: "52:54:00:00:00:01".into(),
+            }],
             qmp_socket: "/q.sock".into(),
             serial_socket: "/s.sock".into(),
             mem_file: Some("/dev/shm/vm1".into()),
@@ -181,7 +262,10 @@ mod tests {
         s.incoming = None;
         s.paused = false;
         let a = s.argv().join(" ");
-        assert!(!a.contains("-kernel") && !a.contains("-incoming") && !a.contains(" -S"), "{a}");
+        assert!(
+            !a.contains("-kernel") && !a.contains("-incoming") && !a.contains(" -S"),
+            "{a}"
+        );
     }
 
     #[test]

@@ -42,22 +42,35 @@ pub trait Command: Serialize {
 pub enum QmpError {
     /// The socket could not be opened.
     #[error("connect to QMP socket {}", path.display())]
-    Connect { path: PathBuf, source: std::io::Error },
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// QEMU's greeting or capabilities negotiation went wrong.
     #[error("QMP handshake on {}: {detail}", path.display())]
     Handshake { path: PathBuf, detail: String },
     /// QEMU answered the command with an error.
     #[error("QEMU refused {command}: {desc} ({class})")]
-    Qemu { command: &'static str, class: String, desc: String },
+    Qemu {
+        command: &'static str,
+        class: String,
+        desc: String,
+    },
     /// The connection ended before the reply came.
     #[error("QMP connection closed while waiting for {command} (did QEMU exit?)")]
     Disconnected { command: &'static str },
     /// Writing the command failed.
     #[error("QMP write of {command}")]
-    Write { command: &'static str, source: std::io::Error },
+    Write {
+        command: &'static str,
+        source: std::io::Error,
+    },
     /// The reply did not have the expected shape.
     #[error("QMP reply to {command} is not what was expected: {detail}")]
-    Decode { command: &'static str, detail: String },
+    Decode {
+        command: &'static str,
+        detail: String,
+    },
     /// No reply within [`COMMAND_TIMEOUT`].
     #[error("QMP command {command} got no reply within {}s", COMMAND_TIMEOUT.as_secs())]
     Timeout { command: &'static str },
@@ -110,11 +123,17 @@ impl Qmp {
     pub async fn connect(path: &Path) -> Result<Qmp, QmpError> {
         let stream = UnixStream::connect(path)
             .await
-            .map_err(|source| QmpError::Connect { path: path.to_owned(), source })?;
+            .map_err(|source| QmpError::Connect {
+                path: path.to_owned(),
+                source,
+            })?;
         let (read, write) = stream.into_split();
         let mut lines = BufReader::new(read);
         let mut greeting = String::new();
-        let handshake = |detail: String| QmpError::Handshake { path: path.to_owned(), detail };
+        let handshake = |detail: String| QmpError::Handshake {
+            path: path.to_owned(),
+            detail,
+        };
         tokio::time::timeout(Duration::from_secs(10), lines.read_line(&mut greeting))
             .await
             .map_err(|_| handshake("no greeting within 10s".into()))?
@@ -128,7 +147,12 @@ impl Qmp {
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (events, _) = broadcast::channel(1024);
         let event_log = Arc::new(Mutex::new(Vec::new()));
-        tokio::spawn(read_loop(lines, pending.clone(), events.clone(), event_log.clone()));
+        tokio::spawn(read_loop(
+            lines,
+            pending.clone(),
+            events.clone(),
+            event_log.clone(),
+        ));
         let qmp = Qmp {
             path: path.to_owned(),
             writer: tokio::sync::Mutex::new(write),
@@ -190,7 +214,11 @@ impl Qmp {
             Err(_) => Err(QmpError::Timeout { command }),
             Ok(Err(_)) => Err(QmpError::Disconnected { command }),
             Ok(Ok(Ok(v))) => Ok(v),
-            Ok(Ok(Err((class, desc)))) => Err(QmpError::Qemu { command, class, desc }),
+            Ok(Ok(Err((class, desc)))) => Err(QmpError::Qemu {
+                command,
+                class,
+                desc,
+            }),
         }
     }
 
@@ -201,13 +229,18 @@ impl Qmp {
 
     /// Every event received so far on this connection, oldest first.
     pub fn events(&self) -> Vec<Event> {
-        self.event_log.lock().expect("QMP event log poisoned").clone()
+        self.event_log
+            .lock()
+            .expect("QMP event log poisoned")
+            .clone()
     }
 
     /// The first recorded event named `name` whose data satisfies `pred`.
     pub fn find_event(&self, name: &str, pred: impl Fn(&Value) -> bool) -> Option<Event> {
         let log = self.event_log.lock().expect("QMP event log poisoned");
-        log.iter().find(|e| e.event == name && pred(&e.data)).cloned()
+        log.iter()
+            .find(|e| e.event == name && pred(&e.data))
+            .cloned()
     }
 
     /// Waits until an event named `name` satisfying `pred` has been received (including one
@@ -262,7 +295,10 @@ async fn read_loop(
             match serde_json::from_value::<Event>(msg) {
                 Ok(ev) => {
                     tracing::debug!(event = %ev.event, data = %ev.data, "QMP event");
-                    event_log.lock().expect("QMP event log poisoned").push(ev.clone());
+                    event_log
+                        .lock()
+                        .expect("QMP event log poisoned")
+                        .push(ev.clone());
                     let _ = events.send(ev);
                 }
                 Err(e) => tracing::warn!(error = %e, "QMP: malformed event"),

@@ -1,0 +1,98 @@
+//! The end-to-end harness: a lab of the test's own (namespaces named after the test), the
+//! `ferry` binary pointed at it, and teardown that removes everything even when the test fails.
+
+#![allow(dead_code)] // each test binary uses a part of the harness
+
+use std::process::{Command, Output};
+
+use ferry_lab::{Lab, Site};
+
+/// The `ferry` binary under test.
+pub fn ferry_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_ferry")
+}
+
+/// A lab for one test. Dropping it takes the lab down (VMs, relay, namespaces, files).
+pub struct TestLab {
+    pub lab: Lab,
+}
+
+impl TestLab {
+    /// A lab name unique to this test; nothing is created yet.
+    pub fn named(tag: &str) -> TestLab {
+        let lab = Lab { name: format!("ft{tag}{}", std::process::id() % 10000) };
+        // A previous crashed run may have left it behind.
+        let _ = lab.down(true);
+        TestLab { lab }
+    }
+
+    /// Brings the lab up with the given `ferry lab up` flags; panics with ferry's message if it fails.
+    pub fn up(tag: &str, link_flags: &[&str]) -> TestLab {
+        let t = TestLab::named(tag);
+        let mut args = vec!["lab", "up"];
+        args.extend_from_slice(link_flags);
+        t.ok(&args);
+        t
+    }
+
+    /// `ferry ARGS` in this lab.
+    pub fn run(&self, args: &[&str]) -> Output {
+        Command::new(ferry_bin()).args(args).env("FERRY_LAB", &self.lab.name).output().expect("run ferry")
+    }
+
+    /// `ferry ARGS`, which must succeed; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "ferry {} failed ({}):\nstdout: {}\nstderr: {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `ferry ARGS`, which must fail with exit code `code`; returns stderr.
+    pub fn fails(&self, args: &[&str], code: i32) -> String {
+        let out = self.run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(code), "ferry {} should fail with {code}; stderr: {stderr}", args.join(" "));
+        stderr
+    }
+
+    /// The site a VM runs at, from `ferry vm list`.
+    pub fn site_of(&self, vm: &str) -> Site {
+        let rec = ferry_lab::vm::load(&self.lab, vm).expect("VM record");
+        rec.site
+    }
+
+    /// Namespaces of this lab that exist now.
+    pub fn namespaces(&self) -> Vec<String> {
+        let out = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|n| n.starts_with(&format!("{}-", self.lab.name)))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for TestLab {
+    fn drop(&mut self) {
+        if std::env::var_os("FERRY_TEST_KEEP_LAB").is_some() {
+            eprintln!("FERRY_TEST_KEEP_LAB: leaving lab {} up", self.lab.name);
+            return;
+        }
+        if let Err(e) = self.lab.down(true) {
+            eprintln!("teardown of lab {}: {e:#}", self.lab.name);
+        }
+        // Teardown must leave nothing behind, whatever the test did.
+        let left = self.namespaces();
+        if !left.is_empty() && !std::thread::panicking() {
+            panic!("namespaces left after teardown: {left:?}");
+        }
+    }
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The tests: installs what ferry needs, checks formatting and lints, then runs every test:
+# unit, component and integration (real guests under QEMU, migrated across the lab's WAN).
+# Integration tests need root and run one at a time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export PATH="$HOME/.cargo/bin:$PATH"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release --locked --quiet -- -D warnings
+cargo build --release --locked --quiet
+./target/release/ferry image build
+cargo test --workspace --release --locked -- --test-threads=1
