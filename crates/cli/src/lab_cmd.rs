@@ -112,8 +112,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             let cfg = link.config();
             cfg.validate()?;
             wan::control(&lab.wan_socket(), &ControlRequest::Set { link: cfg })?;
-            let mut state = lab.state()?;
-            state.link = cfg;
+            lab.record_link(cfg)?;
             println!(
                 "WAN now {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%",
                 cfg.rate_mbit, cfg.rtt_ms, cfg.jitter_ms, cfg.loss_pct
@@ -142,7 +141,11 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
         LabCmd::Tcpseq { vm, from, seconds } => {
             let rec = ferry_lab::vm::load(&lab, &vm)?;
             let ns = lab.site_ns(Site::parse(&from)?);
-            let client = ferry_lab::tcpseq::TcpSeqClient::connect(&ns, &format!("{}:7000", rec.guest_ip), std::time::Duration::from_secs(10))?;
+            let client = ferry_lab::tcpseq::TcpSeqClient::connect(
+                &ns,
+                &format!("{}:7000", rec.guest_ip),
+                std::time::Duration::from_secs(10),
+            )?;
             for _ in 0..seconds {
                 std::thread::sleep(std::time::Duration::from_secs(1));
                 println!("{}", serde_json::to_string(&client.stats())?);

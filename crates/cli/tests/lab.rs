@@ -8,7 +8,13 @@ use common::TestLab;
 fn lab_up_twice_and_down_twice_fail_clearly() {
     let t = TestLab::up("dup", &["--rate-mbit", "1000", "--rtt-ms", "10"]);
     let err = t.fails(&["lab", "up"], 1);
-    assert!(err.contains(&format!("lab \"{}\" is already up (run `ferry lab down` first)", t.lab.name)), "{err}");
+    assert!(
+        err.contains(&format!(
+            "lab \"{}\" is already up (run `ferry lab down` first)",
+            t.lab.name
+        )),
+        "{err}"
+    );
     t.ok(&["lab", "down"]);
     assert!(t.namespaces().is_empty());
     let err = t.fails(&["lab", "down"], 1);
@@ -19,21 +25,37 @@ fn lab_up_twice_and_down_twice_fail_clearly() {
 fn out_of_range_link_is_refused_before_anything_is_made() {
     let t = TestLab::named("range");
     let err = t.fails(&["lab", "up", "--rate-mbit", "0"], 1);
-    assert_eq!(err.trim(), "ferry: rate 0 Mbit/s is out of range; use 0.1 to 10000");
+    assert_eq!(
+        err.trim(),
+        "ferry: rate 0 Mbit/s is out of range; use 0.1 to 10000"
+    );
     let err = t.fails(&["lab", "up", "--loss-pct", "150"], 1);
     assert_eq!(err.trim(), "ferry: loss 150% is out of range; use 0 to 100");
-    assert!(t.namespaces().is_empty(), "a refused lab up left {:?}", t.namespaces());
+    assert!(
+        t.namespaces().is_empty(),
+        "a refused lab up left {:?}",
+        t.namespaces()
+    );
 }
 
 #[test]
 fn unknown_vm_site_and_missing_qemu_are_named() {
     let t = TestLab::up("names", &["--rate-mbit", "1000", "--rtt-ms", "10"]);
     let err = t.fails(&["migrate", "nosuch", "--to", "b"], 1);
-    assert!(err.contains(&format!("unknown VM \"nosuch\" in lab \"{}\" (known: none)", t.lab.name)), "{err}");
+    assert!(
+        err.contains(&format!(
+            "unknown VM \"nosuch\" in lab \"{}\" (known: none)",
+            t.lab.name
+        )),
+        "{err}"
+    );
     let err = t.fails(&["vm", "start", "x", "--site", "c"], 1);
     assert!(err.contains("unknown site \"c\" (known: a, b)"), "{err}");
     let err = t.fails(&["migrate", "x", "--to", "b", "--mode", "turbo"], 1);
-    assert!(err.contains("unknown QEMU migration mode \"turbo\""), "{err}");
+    assert!(
+        err.contains("unknown QEMU migration mode \"turbo\""),
+        "{err}"
+    );
     let out = std::process::Command::new(common::ferry_bin())
         .args(["vm", "start", "x"])
         .env("FERRY_LAB", &t.lab.name)
@@ -42,14 +64,27 @@ fn unknown_vm_site_and_missing_qemu_are_named() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(err.contains("QEMU not found: cannot run \"/nonexistent/qemu\""), "{err}");
-    assert!(ferry_lab::vm::list(&t.lab).unwrap().is_empty(), "a failed start left a VM record");
+    assert!(
+        err.contains("QEMU not found: cannot run \"/nonexistent/qemu\""),
+        "{err}"
+    );
+    assert!(
+        ferry_lab::vm::list(&t.lab).unwrap().is_empty(),
+        "a failed start left a VM record"
+    );
 }
 
 #[test]
 fn not_root_is_refused() {
     let out = std::process::Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", common::ferry_bin(), "lab", "up"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            common::ferry_bin(),
+            "lab",
+            "up",
+        ])
         .env("FERRY_LAB", "ftnobody")
         .output()
         .expect("setpriv (util-linux)");
@@ -73,7 +108,10 @@ fn wan_emulator_delivers_configured_rtt_and_rate_without_busy_polling() {
     let idle_before = cpu_ticks(relay);
     std::thread::sleep(std::time::Duration::from_secs(1));
     let idle_ticks = cpu_ticks(relay) - idle_before;
-    assert!(idle_ticks <= 5, "an idle relay used {idle_ticks} ticks in 1 s: it is polling");
+    assert!(
+        idle_ticks <= 5,
+        "an idle relay used {idle_ticks} ticks in 1 s: it is polling"
+    );
 
     let before = cpu_ticks(relay);
     let start = std::time::Instant::now();
@@ -83,15 +121,28 @@ fn wan_emulator_delivers_configured_rtt_and_rate_without_busy_polling() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rtt = v["rtt_ms"].as_f64().unwrap();
     let mbit = v["throughput_mbit"].as_f64().unwrap();
-    assert!((49.0..=56.0).contains(&rtt), "RTT {rtt} ms for a 50 ms link");
+    assert!(
+        (49.0..=56.0).contains(&rtt),
+        "RTT {rtt} ms for a 50 ms link"
+    );
     // TCP goodput over a 1514-byte-frame link tops out near 95% of the line rate.
-    assert!((80.0..=100.0).contains(&mbit), "throughput {mbit} Mbit/s for a 100 Mbit/s link");
-    assert!(used / wall < 0.5, "the relay used {used:.2} s of CPU in {wall:.1} s at 100 Mbit/s");
+    assert!(
+        (80.0..=100.0).contains(&mbit),
+        "throughput {mbit} Mbit/s for a 100 Mbit/s link"
+    );
+    assert!(
+        used / wall < 0.5,
+        "the relay used {used:.2} s of CPU in {wall:.1} s at 100 Mbit/s"
+    );
 
     // Bytes are counted in both directions, and the counters are what `lab status` shows.
-    let status: serde_json::Value = serde_json::from_str(&t.ok(&["lab", "status", "--json"])).unwrap();
+    let status: serde_json::Value =
+        serde_json::from_str(&t.ok(&["lab", "status", "--json"])).unwrap();
     let a_to_b = status["wan"]["a_to_b"]["bytes"].as_u64().unwrap();
-    assert!(a_to_b > 5 * 80_000_000 / 8, "counted only {a_to_b} bytes a->b for 5 s of iperf3");
+    assert!(
+        a_to_b > 5 * 80_000_000 / 8,
+        "counted only {a_to_b} bytes a->b for 5 s of iperf3"
+    );
     assert!(status["wan"]["b_to_a"]["bytes"].as_u64().unwrap() > 0);
 }
 
@@ -101,7 +152,18 @@ fn outage_stops_all_traffic_and_ends() {
     t.ok(&["lab", "outage", "down"]);
     let ping = |n: &str| {
         std::process::Command::new("ip")
-            .args(["netns", "exec", &format!("{}-a", t.lab.name), "busybox", "ping", "-c", n, "-W", "1", "172.31.0.2"])
+            .args([
+                "netns",
+                "exec",
+                &format!("{}-a", t.lab.name),
+                "busybox",
+                "ping",
+                "-c",
+                n,
+                "-W",
+                "1",
+                "172.31.0.2",
+            ])
             .output()
             .unwrap()
             .status

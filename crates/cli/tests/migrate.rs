@@ -14,29 +14,71 @@ const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 
 fn migrate_json(t: &TestLab, vm: &str, to: &str, mode: &str) -> serde_json::Value {
     let out = t.ok(&["migrate", vm, "--to", to, "--mode", mode, "--json"]);
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
+    serde_json::from_str(out.trim())
+        .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
 }
 
 #[test]
 fn every_qemu_mode_moves_memory_disk_and_tcp_intact() {
     let t = TestLab::up("mig", FAST_LINK);
-    t.ok(&["vm", "start", "t1", "--disk", "--workload", "ws", "--dirty-mib", "32", "--dirty-rate-mib-s", "2"]);
+    t.ok(&[
+        "vm",
+        "start",
+        "t1",
+        "--disk",
+        "--workload",
+        "ws",
+        "--dirty-mib",
+        "32",
+        "--dirty-rate-mib-s",
+        "2",
+    ]);
     t.ok(&["guest", "t1", "disk", "start", "mib=8", "rate=0.2"]);
     let ip = ferry_lab::vm::load(&t.lab, "t1").unwrap().guest_ip;
-    let tcp = TcpSeqClient::connect(&t.lab.site_ns(Site::A), &format!("{ip}:7000"), Duration::from_secs(30)).unwrap();
+    let tcp = TcpSeqClient::connect(
+        &t.lab.site_ns(Site::A),
+        &format!("{ip}:7000"),
+        Duration::from_secs(30),
+    )
+    .unwrap();
     tcp.wait_for_more(20, Duration::from_secs(30)).unwrap();
 
-    for (mode, to, site) in [("plain", "b", Site::B), ("multifd-zstd", "a", Site::A), ("xbzrle", "b", Site::B)] {
+    for (mode, to, site) in [
+        ("plain", "b", Site::B),
+        ("multifd-zstd", "a", Site::A),
+        ("xbzrle", "b", Site::B),
+    ] {
         let v = migrate_json(&t, "t1", to, mode);
         assert_eq!(v["system"], format!("qemu-{mode}"));
         assert_eq!(v["outcome"]["completed"], true, "{mode}: {v}");
-        assert!(v["verify"]["mem_pages"].as_u64().unwrap() >= 8192, "{mode}: {v}");
-        assert_eq!(v["verify"]["mem_errors"], 0, "{mode}: memory verifier found errors: {v}");
-        assert!(v["verify"]["disk_blocks"].as_u64().unwrap() >= 2048, "{mode}: {v}");
-        assert_eq!(v["verify"]["disk_errors"], 0, "{mode}: disk verifier found errors: {v}");
-        assert!(v["outcome"]["wan_bytes"].as_u64().unwrap() > 16 << 20, "{mode}: too few WAN bytes: {v}");
-        assert!(v["outcome"]["downtime_ms"].as_f64().unwrap() > 0.0, "{mode}: {v}");
-        assert!(v["outcome"]["guest_gap_ms"].as_f64().is_some(), "{mode}: no heartbeat gap measured: {v}");
+        assert!(
+            v["verify"]["mem_pages"].as_u64().unwrap() >= 8192,
+            "{mode}: {v}"
+        );
+        assert_eq!(
+            v["verify"]["mem_errors"], 0,
+            "{mode}: memory verifier found errors: {v}"
+        );
+        assert!(
+            v["verify"]["disk_blocks"].as_u64().unwrap() >= 2048,
+            "{mode}: {v}"
+        );
+        assert_eq!(
+            v["verify"]["disk_errors"], 0,
+            "{mode}: disk verifier found errors: {v}"
+        );
+        assert!(
+            v["outcome"]["wan_bytes"].as_u64().unwrap() > 16 << 20,
+            "{mode}: too few WAN bytes: {v}"
+        );
+        assert!(
+            v["outcome"]["downtime_ms"].as_f64().unwrap() > 0.0,
+            "{mode}: {v}"
+        );
+        assert!(
+            v["outcome"]["guest_gap_ms"].as_f64().is_some(),
+            "{mode}: no heartbeat gap measured: {v}"
+        );
         assert_eq!(t.site_of("t1"), site);
         // The guest keeps serving the same TCP connection from its new site.
         tcp.wait_for_more(30, Duration::from_secs(30)).unwrap();
@@ -48,17 +90,37 @@ fn every_qemu_mode_moves_memory_disk_and_tcp_intact() {
 #[test]
 fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
     let t = TestLab::up("dead", FAST_LINK);
-    t.ok(&["vm", "start", "t2", "--workload", "delta", "--dirty-mib", "32", "--dirty-rate-mib-s", "2"]);
+    t.ok(&[
+        "vm",
+        "start",
+        "t2",
+        "--workload",
+        "delta",
+        "--dirty-mib",
+        "32",
+        "--dirty-rate-mib-s",
+        "2",
+    ]);
     t.ok(&["lab", "outage", "down"]);
     let out = t.run(&["migrate", "t2", "--to", "b", "--timeout-s", "8", "--json"]);
     t.ok(&["lab", "outage", "up"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_ne!(out.status.code(), Some(0), "a migration across a dead WAN succeeded: {stdout}");
+    assert_ne!(
+        out.status.code(),
+        Some(0),
+        "a migration across a dead WAN succeeded: {stdout}"
+    );
     if out.status.code() == Some(3) {
         let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
         assert_eq!(v["outcome"]["completed"], false);
-        assert!(v["outcome"]["error"].as_str().unwrap().contains("did not converge within 8s"), "{v}");
+        assert!(
+            v["outcome"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("did not converge within 8s"),
+            "{v}"
+        );
     } else {
         assert!(stderr.contains("the source VM keeps running"), "{stderr}");
     }
@@ -69,7 +131,10 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
     let stats1 = t.ok(&["guest", "t2", "mem", "stats"]);
     std::thread::sleep(Duration::from_millis(500));
     let stats2 = t.ok(&["guest", "t2", "mem", "stats"]);
-    assert_ne!(stats1, stats2, "the source guest is not running (its dirtier made no progress)");
+    assert_ne!(
+        stats1, stats2,
+        "the source guest is not running (its dirtier made no progress)"
+    );
     // And once the WAN is back, the same VM migrates.
     let out = t.ok(&["migrate", "t2", "--to", "b", "--json"]);
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();

@@ -56,7 +56,10 @@ pub fn detect(img: &Image) -> Result<(Accel, String)> {
     }
     let (accel, reason) = match probe_kvm(img)? {
         None => (Accel::Kvm, "KVM booted the probe guest".to_owned()),
-        Some(why) => (Accel::Tcg, format!("KVM did not boot the probe guest: {why}")),
+        Some(why) => (
+            Accel::Tcg,
+            format!("KVM did not boot the probe guest: {why}"),
+        ),
     };
     let _ = fs::write(
         &cache,

@@ -188,6 +188,12 @@ pub async fn migrate(
     let t0 = Instant::now();
     heartbeats.reset_max_gap();
 
+    let src_qmp = Qmp::connect(&rec.spec.qmp_socket)
+        .await
+        .context("source QMP")?;
+    // A cancelled attempt can linger in QEMU (e.g. a TCP connect into a dead WAN) and blocks
+    // the next one ("duplicate yank instance"): wait for it to finish first.
+    settle(&src_qmp, Duration::from_secs(60)).await?;
     let mut dst_spec = vm::spec_at(lab, &rec, to);
     dst_spec.incoming = Some("defer".into());
     dst_spec.paused = true;
@@ -218,9 +224,6 @@ pub async fn migrate(
     }
     progress.send_modify(|p| p.phase = "starting destination".into());
     let dst_pid = vm::launch(lab, to, &dst_spec).await?;
-    let src_qmp = Qmp::connect(&rec.spec.qmp_socket)
-        .await
-        .context("source QMP")?;
 
     let attempt = async {
         let dst_qmp = Qmp::connect(&dst_spec.qmp_socket)
@@ -263,6 +266,7 @@ pub async fn migrate(
             // Not committed: the destination goes, the source keeps (or resumes) running.
             let _ = src_qmp.execute(&MigrateCancel).await;
             vm::kill_at(lab, &dst_spec, to, dst_pid);
+            let _ = settle(&src_qmp, Duration::from_secs(10)).await;
             for d in &dst_spec.disks {
                 let _ = std::fs::remove_file(&d.path);
             }
@@ -272,6 +276,24 @@ pub async fn migrate(
                 Err(e) => Err(e.context("migration failed; the source VM keeps running")),
             }
         }
+    }
+}
+
+/// Waits until the source has no migration in progress (none, completed, failed, cancelled).
+async fn settle(qmp: &Qmp, deadline: Duration) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let status = qmp.execute(&QueryMigrate).await?.status.unwrap_or_default();
+        if matches!(
+            status.as_str(),
+            "" | "none" | "completed" | "failed" | "cancelled"
+        ) {
+            return Ok(());
+        }
+        if start.elapsed() > deadline {
+            bail!("a previous migration of this VM is still {status:?} in QEMU after {}s; retry later", deadline.as_secs());
+        }
+        tokio::time::sleep(POLL).await;
     }
 }
 

@@ -251,18 +251,23 @@ mod tests {
     /// A fake guest: kernel noise, heartbeats, an ok reply with fields and a refusal.
     #[tokio::test]
     async fn replies_and_heartbeats_are_routed_and_noise_ignored() {
-        let path = std::env::temp_dir().join(format!("ferry-guest-test-{}.sock", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("ferry-guest-test-{}.sock", std::process::id()));
         let _ = std::fs::remove_file(&path);
         let listener = tokio::net::UnixListener::bind(&path).unwrap();
         tokio::spawn(async move {
             let (s, _) = listener.accept().await.unwrap();
             let (r, mut w) = s.into_split();
             let mut lines = BufReader::new(r).lines();
-            w.write_all(b"[    1.234] virtio_net: noise\nH 0 10\nH 1 15\n").await.unwrap();
+            w.write_all(b"[    1.234] virtio_net: noise\nH 0 10\nH 1 15\n")
+                .await
+                .unwrap();
             while let Some(line) = lines.next_line().await.unwrap() {
                 let (id, cmd) = line.split_once(' ').unwrap();
                 let reply = match cmd {
-                    "mem verify" => format!("H 2 20\nR {id} ok checked=42 stale=0 corrupt=1 errors=1 first_bad=3\n"),
+                    "mem verify" => format!(
+                        "H 2 20\nR {id} ok checked=42 stale=0 corrupt=1 errors=1 first_bad=3\n"
+                    ),
                     _ => format!("R {id} err unknown command \"{cmd}\" (known: ping mem disk)\n"),
                 };
                 w.write_all(reply.as_bytes()).await.unwrap();
@@ -273,7 +278,10 @@ mod tests {
         let out = verify(&link, false).await.unwrap();
         assert_eq!((out.mem_pages, out.mem_errors), (42, 1));
         let err = link.call("frob", Duration::from_secs(5)).await.unwrap_err();
-        assert_eq!(err.to_string(), "guest refused \"frob\": unknown command \"frob\" (known: ping mem disk)");
+        assert_eq!(
+            err.to_string(),
+            "guest refused \"frob\": unknown command \"frob\" (known: ping mem disk)"
+        );
         assert_eq!(hb.count(), 3);
         let _ = std::fs::remove_file(&path);
     }

@@ -83,7 +83,12 @@ impl TcpSeqClient {
         crate::topology::wait_until(deadline, || {
             self.stats().received >= base + n || self.stats().error.is_some()
         })
-        .with_context(|| format!("waiting for {n} more sequence numbers after {base}: {:?}", self.stats()))?;
+        .with_context(|| {
+            format!(
+                "waiting for {n} more sequence numbers after {base}: {:?}",
+                self.stats()
+            )
+        })?;
         if let Some(e) = self.stats().error {
             bail!("TCP sequence connection failed: {e}");
         }

@@ -70,6 +70,14 @@ impl Site {
         }
     }
 
+    /// The site bridge's own MAC (locally administered).
+    pub fn bridge_mac(self) -> &'static str {
+        match self {
+            Site::A => "02:77:00:00:00:01",
+            Site::B => "02:77:00:00:00:02",
+        }
+    }
+
     /// The site bridge's own address on the shared guest segment.
     pub fn bridge_ip(self) -> &'static str {
         match self {
@@ -137,6 +145,14 @@ impl Lab {
         let text = fs::read_to_string(&p)
             .map_err(|_| anyhow::anyhow!("lab {:?} is not up (run `ferry lab up`)", self.name))?;
         serde_json::from_str(&text).with_context(|| format!("corrupt {}", p.display()))
+    }
+
+    /// Records a link change made through the emulator's control socket.
+    pub fn record_link(&self, link: LinkConfig) -> Result<()> {
+        let mut state = self.state()?;
+        state.link = link;
+        fs::write(self.state_path(), serde_json::to_string_pretty(&state)?)?;
+        Ok(())
     }
 
     fn namespaces(&self) -> Vec<String> {
@@ -238,7 +254,21 @@ impl Lab {
                     "wan0",
                 ],
             )?;
-            sh::run_in(&ns, "ip", &["link", "add", "br0", "type", "bridge"])?;
+            // A fixed MAC: a bridge without one takes its lowest port's, so adding or removing a
+            // VM's tap would change it and black-hole guests that cached the old one in ARP.
+            sh::run_in(
+                &ns,
+                "ip",
+                &[
+                    "link",
+                    "add",
+                    "br0",
+                    "address",
+                    site.bridge_mac(),
+                    "type",
+                    "bridge",
+                ],
+            )?;
             sh::run_in(
                 &ns,
                 "ip",

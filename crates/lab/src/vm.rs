@@ -247,7 +247,15 @@ pub async fn start(
             ],
         )?;
     }
-    rec.pid = launch(lab, site, &spec).await?;
+    rec.pid = match launch(lab, site, &spec).await {
+        Ok(pid) => pid,
+        Err(e) => {
+            // Leave nothing behind: no tap, no sockets, no disk copy.
+            kill_at(lab, &spec, site, 0);
+            let _ = fs::remove_dir_all(data_dir(lab, name));
+            return Err(e);
+        }
+    };
     rec.spec = spec;
     save(lab, &rec)?;
     Ok(rec)
@@ -297,11 +305,15 @@ pub async fn launch(lab: &Lab, site: Site, spec: &VmSpec) -> Result<u32> {
             let log = fs::read_to_string(&log_path).unwrap_or_default();
             bail!("QEMU exited at start ({status}): {}", log.trim())
         }
-        Err(_) => bail!(
-            "QEMU's QMP socket {} did not appear within 20s; see {}",
-            spec.qmp_socket.display(),
-            log_path.display()
-        ),
+        Err(_) => {
+            // SAFETY: kill(2) on the QEMU we just started and that never became ready.
+            unsafe { libc::kill(i32::try_from(pid).expect("pid fits in i32"), libc::SIGKILL) };
+            bail!(
+                "QEMU's QMP socket {} did not appear within 20s; see {}",
+                spec.qmp_socket.display(),
+                log_path.display()
+            )
+        }
     }
 }
 

@@ -22,7 +22,10 @@ pub const MIN_QEMU_MAJOR: u32 = 10;
 #[derive(Debug, thiserror::Error)]
 pub enum QemuCheckError {
     #[error("QEMU not found: cannot run {program:?} (install it with scripts/setup.sh, or set FERRY_QEMU to its path)")]
-    Missing { program: String, source: std::io::Error },
+    Missing {
+        program: String,
+        source: std::io::Error,
+    },
     #[error("{program:?} is QEMU {found}; ferry needs {MIN_QEMU_MAJOR}.0 or newer (scripts/setup.sh installs it from backports)")]
     TooOld { program: String, found: String },
 }
@@ -34,11 +37,23 @@ pub fn check_qemu() -> Result<String, QemuCheckError> {
         .arg("--version")
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|source| QemuCheckError::Missing { program: program.clone(), source })?;
+        .map_err(|source| QemuCheckError::Missing {
+            program: program.clone(),
+            source,
+        })?;
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().next().unwrap_or("").to_owned();
-    let found = line.split("version ").nth(1).and_then(|v| v.split_whitespace().next()).unwrap_or("unknown").to_owned();
-    let major: u32 = found.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+    let found = line
+        .split("version ")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .unwrap_or("unknown")
+        .to_owned();
+    let major: u32 = found
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
     if major < MIN_QEMU_MAJOR {
         return Err(QemuCheckError::TooOld { program, found });
     }

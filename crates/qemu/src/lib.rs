@@ -11,5 +11,7 @@ pub mod commands;
 pub mod launch;
 pub mod qmp;
 
-pub use launch::{check_qemu, qemu_program, Accel, Boot, DiskSpec, NicSpec, QemuCheckError, VmSpec};
+pub use launch::{
+    check_qemu, qemu_program, Accel, Boot, DiskSpec, NicSpec, QemuCheckError, VmSpec,
+};
 pub use qmp::{Command, Event, EventTime, Qmp, QmpError};

@@ -20,7 +20,9 @@ pub struct TestLab {
 impl TestLab {
     /// A lab name unique to this test; nothing is created yet.
     pub fn named(tag: &str) -> TestLab {
-        let lab = Lab { name: format!("ft{tag}{}", std::process::id() % 10000) };
+        let lab = Lab {
+            name: format!("ft{tag}{}", std::process::id() % 10000),
+        };
         // A previous crashed run may have left it behind.
         let _ = lab.down(true);
         TestLab { lab }
@@ -37,7 +39,11 @@ impl TestLab {
 
     /// `ferry ARGS` in this lab.
     pub fn run(&self, args: &[&str]) -> Output {
-        Command::new(ferry_bin()).args(args).env("FERRY_LAB", &self.lab.name).output().expect("run ferry")
+        Command::new(ferry_bin())
+            .args(args)
+            .env("FERRY_LAB", &self.lab.name)
+            .output()
+            .expect("run ferry")
     }
 
     /// `ferry ARGS`, which must succeed; returns stdout.
@@ -58,7 +64,12 @@ impl TestLab {
     pub fn fails(&self, args: &[&str], code: i32) -> String {
         let out = self.run(args);
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert_eq!(out.status.code(), Some(code), "ferry {} should fail with {code}; stderr: {stderr}", args.join(" "));
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "ferry {} should fail with {code}; stderr: {stderr}",
+            args.join(" ")
+        );
         stderr
     }
 
@@ -70,7 +81,10 @@ impl TestLab {
 
     /// Namespaces of this lab that exist now.
     pub fn namespaces(&self) -> Vec<String> {
-        let out = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+        let out = Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .expect("ip netns list");
         String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter_map(|l| l.split_whitespace().next())

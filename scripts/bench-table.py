@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Summarizes `ferry bench` JSON lines into a markdown table of medians per workload and system.
+
+usage: scripts/bench-table.py results.jsonl [more.jsonl ...]
+"""
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs):
+    xs = [x for x in xs if x is not None]
+    return f"{min(xs):.0f}-{max(xs):.0f}" if xs else "-"
+
+
+def main(paths):
+    groups = defaultdict(list)
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line.startswith("{"):
+                    r = json.loads(line)
+                    groups[(r["workload"], r["system"])].append(r)
+    print("| workload | system | runs | completed | total s (median) | WAN MB (median) | x floor bytes | x floor time | downtime ms (median, range) | QEMU's downtime ms | guest gap ms | passes | verify errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (workload, system), rs in sorted(groups.items()):
+        done = [r for r in rs if r["completed"]]
+        floor_b = median([r["floor_bytes"] for r in rs])
+        floor_ms = median([r["floor_ms"] for r in rs])
+        total = median([r["total_ms"] for r in done])
+        wan = median([r["wan_bytes"] for r in done])
+        down = [r["downtime_ms"] for r in done]
+        print(
+            f"| {workload} | {system} | {len(rs)} | {len(done)} | "
+            f"{total / 1000:.1f} | {wan / 1e6:.1f} | {wan / floor_b:.2f} | {total / floor_ms:.2f} | "
+            f"{median(down):.0f} ({spread(down)}) | {median([r['qemu_downtime_ms'] for r in done]):.0f} | "
+            f"{median([r['guest_gap_ms'] for r in done]):.0f} | {median([r['iterations'] for r in done]):.0f} | "
+            f"{sum(r['verify_errors'] or 0 for r in done)} |"
+        )
+    floors = defaultdict(list)
+    for (workload, _), rs in groups.items():
+        floors[workload] += [r["floor_bytes"] for r in rs]
+    print()
+    for w, fs in sorted(floors.items()):
+        print(f"- floor for {w}: median {median(fs) / 1e6:.1f} MB (range {min(fs) / 1e6:.1f}-{max(fs) / 1e6:.1f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
