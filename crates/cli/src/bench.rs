@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// One JSON object per line (the default output; kept for scripts that pass it).
     #[arg(long)]
     json: bool,
+    /// The lab to run in; it is created and removed by the bench.
+    #[arg(long, default_value = "ferry-bench")]
+    lab: String,
 }
 
 pub async fn run(a: BenchArgs) -> Result<ExitCode> {
@@ -78,7 +81,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     .await??;
     eprintln!("bench: accelerator {} ({why})", accel.as_str());
     let lab = Lab {
-        name: "ferry-bench".to_owned(),
+        name: a.lab.clone(),
     };
     let exe = std::env::current_exe()?;
     {

@@ -42,6 +42,9 @@ pub struct DemoArgs {
     /// Leave the lab and the VM up afterwards (FERRY_LAB=ferry-demo ferry lab down removes them).
     #[arg(long)]
     keep: bool,
+    /// The lab to run in; it is created and removed by the demo.
+    #[arg(long, default_value = DEMO_LAB)]
+    lab: String,
 }
 
 pub async fn run(a: DemoArgs) -> Result<ExitCode> {
@@ -57,7 +60,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     ferry_lab::topology::require_root()?;
 
     let lab = Lab {
-        name: DEMO_LAB.to_owned(),
+        name: a.lab.clone(),
     };
     {
         let lab = lab.clone();
