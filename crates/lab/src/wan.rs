@@ -517,7 +517,7 @@ mod tests {
         let t0 = Instant::now();
         let mut q = QueueState::new(t0, 7);
         let l = link(100.0, 50.0);
-        let fit = (l.queue_limit_bytes() / FRAME as f64) as usize;
+        let fit = 625_000 / FRAME; // one bandwidth-delay product of 100 Mbit/s x 50 ms
         for i in 0..=fit {
             assert!(
                 q.schedule(&l, t0, FRAME).is_ok(),
