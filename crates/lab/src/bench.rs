@@ -97,19 +97,15 @@ pub struct BenchRecord {
     pub disk_mib: u32,
     pub dirty_mib: u32,
     pub dirty_rate_mib_s: f64,
-    pub completed: bool,
-    pub total_ms: u64,
-    pub downtime_ms: Option<f64>,
-    pub qemu_downtime_ms: Option<u64>,
-    pub guest_gap_ms: Option<f64>,
-    pub wan_bytes: u64,
+    /// completed, total_ms, downtime_ms, qemu_downtime_ms, guest_gap_ms, wan_bytes,
+    /// iterations, error: at the top level of the JSON object.
+    #[serde(flatten)]
+    pub outcome: baseline::MigrationOutcome,
     pub verify_errors: Option<u64>,
-    pub iterations: u64,
     pub floor_bytes: u64,
     pub floor_ms: f64,
     pub accel: Accel,
     pub run: u32,
-    pub error: Option<String>,
 }
 
 /// The link fields of the contract.
@@ -176,18 +172,11 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
         },
         dirty_mib: sc.workload.dirty_mib,
         dirty_rate_mib_s: sc.workload.rate_mib_s,
-        completed: outcome.completed,
-        total_ms: outcome.total_ms,
-        downtime_ms: outcome.downtime_ms,
-        qemu_downtime_ms: outcome.qemu_downtime_ms,
-        guest_gap_ms: outcome.guest_gap_ms,
-        wan_bytes: outcome.wan_bytes,
+        outcome,
         verify_errors,
-        iterations: outcome.iterations,
         floor_bytes,
         floor_ms: floor::floor_ms(floor_bytes, sc.link.rate_mbit),
         accel: sc.vm.accel,
         run: sc.run,
-        error: outcome.error,
     })
 }

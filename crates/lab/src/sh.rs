@@ -41,3 +41,13 @@ pub fn run_in(ns: &str, program: &str, args: &[&str]) -> Result<String> {
 pub fn shell(script: &str) -> Result<String> {
     run("sh", &["-c", script])
 }
+
+/// Runs `ip ARGS` (split on whitespace) inside namespace `ns`, or in this one when `ns` is empty.
+pub fn ip_in(ns: &str, args: &str) -> Result<String> {
+    let args: Vec<&str> = args.split_whitespace().collect();
+    if ns.is_empty() {
+        run("ip", &args)
+    } else {
+        run_in(ns, "ip", &args)
+    }
+}

@@ -196,7 +196,7 @@ impl Lab {
         let wan = self.wan_ns();
         for ns in self.namespaces() {
             sh::run("ip", &["netns", "add", &ns])?;
-            sh::run_in(&ns, "ip", &["link", "set", "lo", "up"])?;
+            sh::ip_in(&ns, "link set lo up")?;
             // No IPv6 chatter (router solicitations, DAD) in the byte counts.
             sh::run_in(
                 &ns,
@@ -211,28 +211,12 @@ impl Lab {
         for site in Site::ALL {
             let ns = self.site_ns(site);
             let peer = format!("to-{}", site.name());
-            let peer = peer.as_str();
-            sh::run(
-                "ip",
-                &[
-                    "link", "add", "wan0", "netns", &ns, "type", "veth", "peer", "name", peer,
-                    "netns", &wan,
-                ],
+            sh::ip_in(
+                "",
+                &format!("link add wan0 netns {ns} type veth peer name {peer} netns {wan}"),
             )?;
-            for (n, dev) in [(&ns, "wan0"), (&wan, peer)] {
-                sh::run_in(
-                    n,
-                    "ip",
-                    &[
-                        "link",
-                        "set",
-                        "dev",
-                        dev,
-                        "mtu",
-                        &UNDERLAY_MTU.to_string(),
-                        "up",
-                    ],
-                )?;
+            for (n, dev) in [(&ns, "wan0"), (&wan, peer.as_str())] {
+                sh::ip_in(n, &format!("link set dev {dev} mtu {UNDERLAY_MTU} up"))?;
                 // MTU-sized frames with complete checksums: the relay forwards what it sees.
                 sh::run_in(
                     n,
@@ -243,66 +227,18 @@ impl Lab {
                     ],
                 )?;
             }
-            sh::run_in(
-                &ns,
-                "ip",
-                &[
-                    "addr",
-                    "add",
-                    &format!("{}/24", site.underlay_ip()),
-                    "dev",
-                    "wan0",
-                ],
-            )?;
+            sh::ip_in(&ns, &format!("addr add {}/24 dev wan0", site.underlay_ip()))?;
             // A fixed MAC: a bridge without one takes its lowest port's, so adding or removing a
             // VM's tap would change it and black-hole guests that cached the old one in ARP.
-            sh::run_in(
+            sh::ip_in(
                 &ns,
-                "ip",
-                &[
-                    "link",
-                    "add",
-                    "br0",
-                    "address",
-                    site.bridge_mac(),
-                    "type",
-                    "bridge",
-                ],
+                &format!("link add br0 address {} type bridge", site.bridge_mac()),
             )?;
-            sh::run_in(
-                &ns,
-                "ip",
-                &[
-                    "addr",
-                    "add",
-                    &format!("{}/24", site.bridge_ip()),
-                    "dev",
-                    "br0",
-                ],
-            )?;
-            sh::run_in(&ns, "ip", &["link", "set", "br0", "up"])?;
-            sh::run_in(
-                &ns,
-                "ip",
-                &[
-                    "link",
-                    "add",
-                    "vx0",
-                    "type",
-                    "vxlan",
-                    "id",
-                    &VXLAN_ID.to_string(),
-                    "local",
-                    site.underlay_ip(),
-                    "remote",
-                    site.other().underlay_ip(),
-                    "dstport",
-                    "4789",
-                    "dev",
-                    "wan0",
-                ],
-            )?;
-            sh::run_in(&ns, "ip", &["link", "set", "vx0", "master", "br0", "up"])?;
+            sh::ip_in(&ns, &format!("addr add {}/24 dev br0", site.bridge_ip()))?;
+            sh::ip_in(&ns, "link set br0 up")?;
+            let (local, remote) = (site.underlay_ip(), site.other().underlay_ip());
+            sh::ip_in(&ns, &format!("link add vx0 type vxlan id {VXLAN_ID} local {local} remote {remote} dstport 4789 dev wan0"))?;
+            sh::ip_in(&ns, "link set vx0 master br0 up")?;
         }
 
         let log = fs::File::create(self.dir().join("wan.log"))?;
