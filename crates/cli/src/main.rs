@@ -67,6 +67,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     let result = rt.block_on(async {
+        tokio::spawn(async {
+            while tokio::signal::ctrl_c().await.is_ok() {
+                if ferry_lab::interrupt::request() {
+                    eprintln!("\nferry: interrupted; cancelling the migration (the source VM keeps running)");
+                } else {
+                    std::process::exit(130);
+                }
+            }
+        });
         match cli.command {
             Cmd::Demo(a) => demo::run(a).await,
             Cmd::Image(ImageCmd::Build { force }) => {

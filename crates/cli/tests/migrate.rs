@@ -141,3 +141,32 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
     assert_eq!(v["verify"]["mem_errors"], 0, "{v}");
     assert_eq!(t.site_of("t2"), Site::B);
 }
+
+#[test]
+fn ctrl_c_during_a_migration_cancels_it_and_the_source_keeps_running() {
+    // A slow link so the migration is still copying when the interrupt arrives.
+    let t = TestLab::up("intr", &["--rate-mbit", "20", "--rtt-ms", "20"]);
+    t.ok(&["vm", "start", "t3", "--workload", "ws", "--dirty-mib", "64", "--dirty-rate-mib-s", "2"]);
+    let child = std::process::Command::new(common::ferry_bin())
+        .args(["migrate", "t3", "--to", "b"])
+        .env("FERRY_LAB", &t.lab.name)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the destination exists (the migration is under way), then interrupt.
+    let dst_qmp = t.lab.dir().join("vms/t3-b.qmp");
+    ferry_lab::topology::wait_until(Duration::from_secs(30), || dst_qmp.exists()).unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    // SAFETY: kill(2) on the child we started.
+    unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted by the user"), "{stderr}");
+    assert!(stderr.contains("the source VM keeps running"), "{stderr}");
+    assert_eq!(t.site_of("t3"), Site::A);
+    assert!(!dst_qmp.exists(), "the destination was not removed");
+    let reply = t.ok(&["guest", "t3", "mem", "verify"]);
+    assert!(reply.contains(" errors=0 "), "{reply}");
+}

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use crate::guest::{GuestLink, Heartbeats};
 use crate::topology::{Lab, Site};
-use crate::{sh, vm, wan};
+use crate::{interrupt, sh, vm, wan};
 
 /// TCP port the destination QEMU listens on for the migration stream.
 const MIGRATION_PORT: u16 = 4444;
@@ -177,6 +177,7 @@ pub async fn migrate(
     src_link: GuestLink,
     progress: &watch::Sender<Progress>,
 ) -> Result<(MigrationOutcome, GuestLink)> {
+    let _active = interrupt::Active::enter();
     let rec = vm::load(lab, name)?;
     if rec.site == to {
         bail!("VM {name:?} already runs at site {}", to.name());
@@ -223,7 +224,16 @@ pub async fn migrate(
         )?;
     }
     progress.send_modify(|p| p.phase = "starting destination".into());
-    let dst_pid = vm::launch(lab, to, &dst_spec).await?;
+    let dst_pid = match vm::launch(lab, to, &dst_spec).await {
+        Ok(pid) => pid,
+        Err(e) => {
+            vm::kill_at(lab, &dst_spec, to, 0);
+            for d in &dst_spec.disks {
+                let _ = std::fs::remove_file(&d.path);
+            }
+            return Err(e.context("starting the destination; the source VM keeps running"));
+        }
+    };
 
     let attempt = async {
         let dst_qmp = Qmp::connect(&dst_spec.qmp_socket)
@@ -411,6 +421,9 @@ async fn run(
                 if Instant::now() > deadline {
                     bail!("disk mirror {job} not ready within {}s", opts.timeout_s);
                 }
+                if interrupt::requested() {
+                    bail!("interrupted by the user during the disk mirror");
+                }
                 sample("disk mirror", None)?;
                 tokio::time::sleep(POLL).await;
             }
@@ -453,6 +466,9 @@ async fn run(
                 .await?;
             }
             _ => {}
+        }
+        if interrupt::requested() {
+            bail!("interrupted by the user (QEMU status {status})");
         }
         if Instant::now() > deadline {
             let ram = info.ram.clone().unwrap_or_default();

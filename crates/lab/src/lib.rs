@@ -4,6 +4,7 @@
 //! - [`topology`]: sites as network namespaces, the WAN between them, `lab up|down`.
 //! - [`link`]: the emulated link's settings and their validation.
 //! - [`wan`]: the user-space WAN emulator (rate, delay, jitter, loss, byte counters).
+//! - [`interrupt`]: Ctrl-C during a migration cancels it cleanly.
 //! - [`image`]: the tiny guest image, built from Debian packages and cached.
 //! - [`vm`]: the lab's VMs (start at a site, records, stop).
 //! - [`guest`]: the host side of the guest's serial protocol (commands, heartbeats, verifiers).
@@ -20,6 +21,7 @@ pub mod bench;
 pub mod floor;
 pub mod guest;
 pub mod image;
+pub mod interrupt;
 pub mod link;
 pub mod sh;
 pub mod tcpseq;
