@@ -146,7 +146,17 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
 fn ctrl_c_during_a_migration_cancels_it_and_the_source_keeps_running() {
     // A slow link so the migration is still copying when the interrupt arrives.
     let t = TestLab::up("intr", &["--rate-mbit", "20", "--rtt-ms", "20"]);
-    t.ok(&["vm", "start", "t3", "--workload", "ws", "--dirty-mib", "64", "--dirty-rate-mib-s", "2"]);
+    t.ok(&[
+        "vm",
+        "start",
+        "t3",
+        "--workload",
+        "ws",
+        "--dirty-mib",
+        "64",
+        "--dirty-rate-mib-s",
+        "2",
+    ]);
     let child = std::process::Command::new(common::ferry_bin())
         .args(["migrate", "t3", "--to", "b"])
         .env("FERRY_LAB", &t.lab.name)

@@ -267,6 +267,7 @@ impl Lab {
         detach(&mut cmd);
         let child = cmd.spawn().context("start the WAN relay")?;
         let relay_pid = child.id();
+        reap(child);
         wait_until(Duration::from_secs(10), || wan::stats(&sock).is_ok()).with_context(|| {
             format!(
                 "the WAN relay did not come up; see {}",
@@ -342,6 +343,15 @@ pub fn detach(cmd: &mut Command) {
             Ok(())
         });
     }
+}
+
+/// Waits for a detached child on a thread of its own, so that a long-lived process (bench,
+/// demo) that outlives it does not collect zombies. A CLI that exits first leaves the child to
+/// init, as before.
+pub fn reap(mut child: std::process::Child) {
+    let _ = std::thread::Builder::new()
+        .name("reaper".into())
+        .spawn(move || child.wait());
 }
 
 /// Polls `cond` every 20 ms until it holds or `deadline` passes.

@@ -292,11 +292,13 @@ pub async fn launch(lab: &Lab, site: Site, spec: &VmSpec) -> Result<u32> {
     let pid = child.id();
     let qmp = spec.qmp_socket.clone();
     let ready = tokio::task::spawn_blocking(move || {
-        wait_until(Duration::from_secs(20), || {
+        let ready = wait_until(Duration::from_secs(20), || {
             matches!(child.try_wait(), Ok(Some(_)))
                 || std::os::unix::net::UnixStream::connect(&qmp).is_ok()
         })
-        .map(|()| child.try_wait().ok().flatten())
+        .map(|()| child.try_wait().ok().flatten());
+        crate::topology::reap(child);
+        ready
     })
     .await?;
     match ready {
