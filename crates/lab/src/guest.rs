@@ -157,7 +157,7 @@ impl GuestLink {
                 return Ok(());
             }
             if start.elapsed() > deadline {
-                bail!("guest agent did not answer within {:.0}s (boot failed? see the VM's serial log)", deadline.as_secs_f64());
+                bail!("guest agent did not answer within {:.0}s (boot failed? see the VM's console log, <lab run dir>/vms/NAME-SITE.console.log)", deadline.as_secs_f64());
             }
         }
     }

@@ -86,6 +86,7 @@ pub fn spec_at(lab: &Lab, rec: &VmRecord, site: Site) -> VmSpec {
     let mut spec = rec.spec.clone();
     spec.qmp_socket = dir.join(format!("{}-{}.qmp", rec.name, site.name()));
     spec.serial_socket = dir.join(format!("{}-{}.serial", rec.name, site.name()));
+    spec.serial_log = Some(dir.join(format!("{}-{}.console.log", rec.name, site.name())));
     spec.mem_file = Some(mem_file(lab, &rec.name, site));
     for n in &mut spec.nics {
         n.tap = format!("fv{}{}", rec.index, site.name());
@@ -218,6 +219,7 @@ pub async fn start(
         }],
         qmp_socket: PathBuf::new(),
         serial_socket: PathBuf::new(),
+        serial_log: None,
         mem_file: None,
         incoming: None,
         paused: false,

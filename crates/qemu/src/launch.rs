@@ -125,6 +125,9 @@ pub struct VmSpec {
     pub qmp_socket: PathBuf,
     /// The first serial port, as a unix socket QEMU listens on.
     pub serial_socket: PathBuf,
+    /// Also append everything the guest prints on the serial port to this file.
+    #[serde(default)]
+    pub serial_log: Option<PathBuf>,
     /// Back guest RAM with this shared file (lets the host read guest memory, e.g. for the
     /// bench's floor). `None`: anonymous memory.
     pub mem_file: Option<PathBuf>,
@@ -197,10 +200,13 @@ impl VmSpec {
             let dev = format!("virtio-net-pci,netdev={},mac={},romfile=", n.id, n.mac);
             push(&["-netdev", &netdev, "-device", &dev]);
         }
-        let chardev = format!(
+        let mut chardev = format!(
             "socket,id=ser0,path={},server=on,wait=off",
             self.serial_socket.display()
         );
+        if let Some(log) = &self.serial_log {
+            chardev.push_str(&format!(",logfile={},logappend=on", log.display()));
+        }
         push(&["-chardev", &chardev, "-serial", "chardev:ser0"]);
         let qmp = format!("unix:{},server=on,wait=off", self.qmp_socket.display());
         push(&["-qmp", &qmp]);
@@ -242,6 +248,7 @@ mod tests {
             }],
             qmp_socket: "/q.sock".into(),
             serial_socket: "/s.sock".into(),
+            serial_log: Some("/s.log".into()),
             mem_file: Some("/dev/shm/vm1".into()),
             incoming: Some("defer".into()),
             paused: true,
@@ -260,7 +267,7 @@ mod tests {
             "driver=qcow2,file=disk0-file,node-name=disk0",
             "tap,id=net0,ifname=tap1",
             "mac=52:54:00:00:00:01",
-            "socket,id=ser0,path=/s.sock,server=on,wait=off",
+            "socket,id=ser0,path=/s.sock,server=on,wait=off,logfile=/s.log,logappend=on",
             "-qmp unix:/q.sock,server=on,wait=off",
             "-incoming defer",
             " -S",
