@@ -30,8 +30,13 @@ use crate::guest::{GuestLink, Heartbeats};
 use crate::topology::{Lab, Site};
 use crate::{interrupt, sh, vm, wan};
 
-/// TCP port the destination QEMU listens on for the migration stream.
-const MIGRATION_PORT: u16 = 4444;
+/// The destination QEMU listens for the migration stream on this port plus an offset that
+/// differs per attempt: a cancelled attempt's TCP connect into a dead WAN can stay pending in
+/// QEMU and, once the WAN is back, would otherwise reach the next attempt's destination (seen
+/// here: the stale stream completed into it and left the source paused).
+const MIGRATION_PORT_BASE: u16 = 40000;
+/// How many distinct ports attempts rotate through.
+const MIGRATION_PORT_SPREAD: u32 = 10000;
 /// TCP port of the destination's NBD server (storage migration).
 const NBD_PORT: u16 = 10809;
 /// How often progress is sampled: often enough for a smooth bar, rare enough to cost nothing.
@@ -289,6 +294,35 @@ pub async fn migrate(
     }
 }
 
+/// Sends `migrate`. A cancelled attempt whose TCP connect into a dead WAN is still pending keeps
+/// QEMU's migration yank instance registered after `query-migrate` already says `cancelled`, and
+/// QEMU refuses a new `migrate` with "duplicate yank instance" until the connect gives up
+/// (seconds, with SYN retransmissions); when it then connects, QEMU briefly reports "a
+/// migration process in progress" while it tears the old attempt down. Both are waited out,
+/// for a minute at most.
+async fn start_migration(src: &Qmp, uri: &str) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        match src.execute(&Migrate { uri: uri.to_owned() }).await {
+            Ok(_) => return Ok(()),
+            Err(ferry_qemu::QmpError::Qemu { desc, .. })
+                if (desc.contains("duplicate yank instance") || desc.contains("migration process in progress"))
+                    && start.elapsed() < Duration::from_secs(60) =>
+            {
+                if interrupt::requested() {
+                    bail!("interrupted by the user before the migration started");
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(
+                    "starting the migration (if QEMU reports a duplicate yank instance, a previous attempt is still tearing down)",
+                ))
+            }
+        }
+    }
+}
+
 /// Waits until the source has no migration in progress (none, completed, failed, cancelled).
 async fn settle(qmp: &Qmp, deadline: Duration) -> Result<()> {
     let start = Instant::now();
@@ -338,13 +372,21 @@ async fn run(
     heartbeats: &Heartbeats,
 ) -> Result<MigrationOutcome> {
     let disks = rec.has_disk();
+    let port = MIGRATION_PORT_BASE
+        + u16::try_from(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_micros())
+                % MIGRATION_PORT_SPREAD,
+        )
+        .expect("spread fits in u16");
     let wan_socket = lab.wan_socket();
     src.execute(&caps(opts.mode, true, disks)).await?;
     dst.execute(&caps(opts.mode, false, disks)).await?;
     src.execute(&params(opts, true)).await?;
     dst.execute(&params(opts, false)).await?;
     dst.execute(&MigrateIncoming {
-        uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()),
+        uri: format!("tcp:{}:{port}", to.underlay_ip()),
     })
     .await?;
     let deadline = t0 + Duration::from_secs(opts.timeout_s);
@@ -430,10 +472,7 @@ async fn run(
         }
     }
 
-    src.execute(&Migrate {
-        uri: format!("tcp:{}:{MIGRATION_PORT}", to.underlay_ip()),
-    })
-    .await?;
+    start_migration(src, &format!("tcp:{}:{port}", to.underlay_ip())).await?;
     let info = loop {
         let info = src.execute(&QueryMigrate).await?;
         let status = info.status.clone().unwrap_or_default();
