@@ -274,6 +274,18 @@ impl Lab {
                 self.dir().join("wan.log").display()
             )
         })?;
+        // A new link passes nothing until the kernel activates its queue (link-watch runs up to
+        // a second later): wait until site a reaches site b through the relay, which also
+        // resolves ARP so the first measurement is not a second late.
+        wait_until(Duration::from_secs(10), || {
+            sh::run_in(
+                &self.site_ns(Site::A),
+                "busybox",
+                &["ping", "-c", "1", "-W", "1", Site::B.underlay_ip()],
+            )
+            .is_ok()
+        })
+        .context("site a cannot reach site b through the WAN relay")?;
         let state = LabState {
             name: self.name.clone(),
             link,

@@ -323,38 +323,54 @@ fn receive_loop(rx: &PacketSocket, queue: &Queue, shared: &Shared, counters: &Co
                 continue;
             }
         };
+        // Due times never decrease, so a sender already waiting for an earlier head needs no
+        // wakeup; only an empty queue's indefinite wait does.
+        let was_empty = q.items.is_empty();
         q.items.push_back((due, buf[..n].to_vec()));
         drop(q);
-        queue.ready.notify_one();
+        if was_empty {
+            queue.ready.notify_one();
+        }
     }
 }
 
+/// Frames due within this much of now leave together: one wakeup per batch instead of one per
+/// frame (a 1514-byte frame takes 121 us at 100 Mbit/s). Half a millisecond early is nothing
+/// against a WAN's delay, and the rate holds on average.
+const SEND_SLACK: Duration = Duration::from_micros(500);
+
 fn send_loop(tx: &PacketSocket, queue: &Queue, counters: &Counters) {
+    let mut batch: Vec<Vec<u8>> = Vec::new();
     let mut q = queue.frames.lock().expect("relay queue poisoned");
     loop {
-        let now = Instant::now();
-        match q.items.front() {
-            None => q = queue.ready.wait(q).expect("relay queue poisoned"),
-            Some((due, _)) if *due > now => {
-                let wait = *due - now;
-                q = queue
-                    .ready
-                    .wait_timeout(q, wait)
-                    .expect("relay queue poisoned")
-                    .0;
-            }
-            Some(_) => {
-                let (_, frame) = q.items.pop_front().expect("front was Some");
-                drop(q);
-                if tx.send(&frame).is_ok() {
-                    counters
-                        .bytes
-                        .fetch_add(frame.len() as u64, Ordering::Relaxed);
-                    counters.frames.fetch_add(1, Ordering::Relaxed);
+        let horizon = Instant::now() + SEND_SLACK;
+        while q.items.front().is_some_and(|(due, _)| *due <= horizon) {
+            batch.push(q.items.pop_front().expect("front was Some").1);
+        }
+        if batch.is_empty() {
+            q = match q.items.front() {
+                None => queue.ready.wait(q).expect("relay queue poisoned"),
+                Some((due, _)) => {
+                    let wait = due.saturating_duration_since(Instant::now());
+                    queue
+                        .ready
+                        .wait_timeout(q, wait)
+                        .expect("relay queue poisoned")
+                        .0
                 }
-                q = queue.frames.lock().expect("relay queue poisoned");
+            };
+            continue;
+        }
+        drop(q);
+        for frame in batch.drain(..) {
+            if tx.send(&frame).is_ok() {
+                counters
+                    .bytes
+                    .fetch_add(frame.len() as u64, Ordering::Relaxed);
+                counters.frames.fetch_add(1, Ordering::Relaxed);
             }
         }
+        q = queue.frames.lock().expect("relay queue poisoned");
     }
 }
 
