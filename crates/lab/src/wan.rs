@@ -4,8 +4,8 @@
 //! It runs in the lab's middle namespace. Each direction has a receiving thread (blocking
 //! `recvfrom` on an `AF_PACKET` socket) that stamps every frame with the time it will leave the
 //! far end, and a sending thread that sleeps on a condition variable until the head frame is
-//! due. Nothing busy-polls: at 100 Mbit/s the relay wakes about 8,000 times a second per
-//! direction and uses a few percent of a core.
+//! due, then sends every frame due within [`SEND_SLACK`] in one batch. Nothing busy-polls: idle it
+//! uses no CPU; carrying 100 Mbit/s of TCP it used about 18% of a core here.
 //!
 //! Timing model, per direction, for a frame of `len` bytes arriving at `t`:
 //! `start = max(t, link_free)`, `link_free = start + len*8/rate` (serialization at the
