@@ -538,15 +538,20 @@ async fn run(
     if disks {
         dst.execute(&NbdServerStop).await?;
     }
-    dst.execute(&Cont).await?;
+    // The commit point: once the destination runs, the source must never run again, so
+    // nothing after a successful `cont` may fail the migration; measurements that cannot be
+    // taken are reported as missing instead.
+    if let Err(e) = dst.execute(&Cont).await {
+        let running = dst.execute(&QueryStatus).await.is_ok_and(|s| s.running);
+        if !running {
+            return Err(anyhow::Error::new(e).context("the destination did not resume"));
+        }
+    }
     let resume = dst
         .wait_event("RESUME", |_| true, Duration::from_secs(30))
-        .await
-        .context("no RESUME event from the destination")?;
-    let stop = src
-        .find_event("STOP", |_| true)
-        .context("no STOP event from the source")?;
-    let wan_bytes = wan::stats(&wan_socket)?.total_bytes() - wan_start;
+        .await;
+    let stop = src.find_event("STOP", |_| true);
+    let wan_bytes = wan::stats(&wan_socket).map_or(0, |s| s.total_bytes() - wan_start);
     // The gap ends with the destination's first beats; wait for a few of them.
     let beats = heartbeats.count();
     let waited = Instant::now();
@@ -554,13 +559,16 @@ async fn run(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ram = info.ram.clone().unwrap_or_default();
+    let resume_micros = resume
+        .as_ref()
+        .map_or_else(now_micros, |r| r.timestamp.as_micros());
     let outcome = MigrationOutcome {
         completed: true,
-        total_ms: u64::try_from((resume.timestamp.as_micros() - t0_micros).max(0) / 1000)
-            .unwrap_or(0),
-        downtime_ms: Some(
-            (resume.timestamp.as_micros() - stop.timestamp.as_micros()) as f64 / 1000.0,
-        ),
+        total_ms: u64::try_from((resume_micros - t0_micros).max(0) / 1000).unwrap_or(0),
+        downtime_ms: resume
+            .as_ref()
+            .zip(stop.as_ref())
+            .map(|(r, s)| (r.timestamp.as_micros() - s.timestamp.as_micros()) as f64 / 1000.0),
         qemu_downtime_ms: info.downtime,
         guest_gap_ms: (heartbeats.count() > beats)
             .then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
