@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// One JSON object per line (the default output; kept for scripts that pass it).
     #[arg(long)]
     json: bool,
+    /// Write every migration's timeline (JSON, for `ferry report`) into this directory.
+    #[arg(long)]
+    timelines: Option<std::path::PathBuf>,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -110,6 +113,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                     warmup: Duration::from_secs(a.warmup_s),
                     migrate: base.clone(),
                     run,
+                    timeline_dir: a.timelines.clone(),
                 };
                 match run_scenario(&lab, &img, &sc).await {
                     Ok(r) => println!("{}", serde_json::to_string(&r)?),

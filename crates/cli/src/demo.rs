@@ -42,6 +42,9 @@ pub struct DemoArgs {
     /// Leave the lab and the VM up afterwards (FERRY_LAB=ferry-demo ferry lab down removes them).
     #[arg(long)]
     keep: bool,
+    /// Write the migration's timeline (JSON, for `ferry report`) to this file.
+    #[arg(long)]
+    timeline: Option<std::path::PathBuf>,
     /// The lab to run in; it is created and removed by the demo.
     #[arg(long, default_value = DEMO_LAB)]
     lab: String,
@@ -136,8 +139,17 @@ async fn demo_inner(
         "[4/5] migrating to site b with QEMU's own migration ({})",
         opts.mode.name()
     );
-    let (outcome, verify) =
-        migrate_with_progress(lab, "demo", Site::B, opts, link, true, true).await?;
+    let (outcome, verify) = migrate_with_progress(
+        lab,
+        "demo",
+        Site::B,
+        opts,
+        link,
+        true,
+        true,
+        a.timeline.as_deref(),
+    )
+    .await?;
     // The connection must keep flowing from the new site: wait for more numbers.
     let tcp = tokio::task::spawn_blocking(move || {
         let _ = tcp.wait_for_more(100, Duration::from_secs(30));

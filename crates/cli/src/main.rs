@@ -7,6 +7,7 @@ mod bench;
 mod demo;
 mod lab_cmd;
 mod migrate;
+mod plot;
 mod report;
 mod vm_cmd;
 
@@ -44,6 +45,14 @@ enum Cmd {
     Migrate(migrate::MigrateArgs),
     /// Run benchmark scenarios and print one JSON object per migration.
     Bench(bench::BenchArgs),
+    /// Draw a migration timeline (JSON from `migrate`, `demo --timeline` or `bench --timelines`) as SVG.
+    Report {
+        /// The timeline JSON file.
+        timeline: std::path::PathBuf,
+        /// Where to write the SVG (default: the timeline's path with .svg).
+        #[arg(short, long)]
+        output: Option<std::path::PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -54,6 +63,30 @@ enum ImageCmd {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// `ferry report`: reads a timeline and writes its picture.
+fn report_svg(
+    path: &std::path::Path,
+    output: Option<std::path::PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("read timeline {}", path.display()))?;
+    let t: ferry_api::Timeline = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a ferry timeline", path.display()))?;
+    if t.version != ferry_api::timeline::TIMELINE_VERSION {
+        anyhow::bail!(
+            "{} is timeline version {}; this ferry reads version {}",
+            path.display(),
+            t.version,
+            ferry_api::timeline::TIMELINE_VERSION
+        );
+    }
+    let out = output.unwrap_or_else(|| path.with_extension("svg"));
+    std::fs::write(&out, plot::svg(&t)).with_context(|| format!("write {}", out.display()))?;
+    println!("{}", out.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
@@ -96,6 +129,7 @@ fn main() -> ExitCode {
             Cmd::Guest(a) => vm_cmd::guest(a).await,
             Cmd::Migrate(a) => migrate::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
+            Cmd::Report { timeline, output } => report_svg(&timeline, output),
         }
     });
     match result {

@@ -71,6 +71,9 @@ pub struct MigrateArgs {
     /// Print the outcome as JSON instead of the report.
     #[arg(long)]
     json: bool,
+    /// Where to write the migration's timeline (default: the lab's timelines directory).
+    #[arg(long)]
+    timeline: Option<std::path::PathBuf>,
 }
 
 pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
@@ -82,22 +85,35 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
         bail!("VM {:?} already runs at site {}", a.vm, to.name());
     }
     let src = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
+    let timeline_path = a.timeline.clone().unwrap_or_else(|| {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        lab.dir()
+            .join("timelines")
+            .join(format!("{}-{ms}.json", a.vm))
+    });
     let (outcome, verify) = migrate_with_progress(
         &lab,
         &a.vm,
         to,
         &opts,
         src,
-        !a.no_verify && !a.json,
+        !a.json,
         !a.no_verify,
+        Some(&timeline_path),
     )
     .await?;
     let system = format!("qemu-{}", opts.mode.name());
     if a.json {
-        let v = serde_json::json!({ "system": system, "outcome": outcome, "verify": verify });
+        let v = serde_json::json!({ "system": system, "outcome": outcome, "verify": verify, "timeline": timeline_path });
         println!("{v}");
     } else {
         report::print_report(&system, &outcome, verify.as_ref(), None);
+        println!(
+            "  timeline             {} (draw it: ferry report FILE)",
+            timeline_path.display()
+        );
     }
     Ok(exit_code(&outcome, verify.as_ref()))
 }
@@ -111,7 +127,9 @@ pub fn exit_code(o: &MigrationOutcome, v: Option<&VerifyOutcome>) -> ExitCode {
     }
 }
 
-/// Migrates with a live progress bar (when `bar`), then runs the verifiers (when `verify`).
+/// Migrates with a live progress bar (when `bar`), writes the timeline (when a path is given,
+/// whether or not the migration succeeded), then runs the verifiers (when `verify`).
+#[allow(clippy::too_many_arguments)]
 pub async fn migrate_with_progress(
     lab: &Lab,
     name: &str,
@@ -120,14 +138,19 @@ pub async fn migrate_with_progress(
     src: GuestLink,
     bar: bool,
     verify: bool,
+    timeline_path: Option<&std::path::Path>,
 ) -> Result<(MigrationOutcome, Option<VerifyOutcome>)> {
     let (tx, rx) = watch::channel(Progress::default());
     let drawer = bar.then(|| tokio::spawn(report::progress_bar(rx)));
     let has_disk = vm::load(lab, name)?.has_disk();
-    let result = baseline::migrate(lab, name, to, opts, src, &tx).await;
+    let timeline = std::sync::Mutex::default();
+    let result = baseline::migrate(lab, name, to, opts, src, &tx, &timeline).await;
     drop(tx);
     if let Some(d) = drawer {
         let _ = d.await;
+    }
+    if let Some(path) = timeline_path {
+        baseline::write_timeline(path, &timeline)?;
     }
     let (outcome, link) = result?;
     let verify = if verify && outcome.completed {

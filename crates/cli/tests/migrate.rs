@@ -18,6 +18,46 @@ fn migrate_json(t: &TestLab, vm: &str, to: &str, mode: &str) -> serde_json::Valu
         .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
 }
 
+/// The migration's timeline has samples and the phases in order, and `ferry report` draws it.
+fn assert_timeline_tells_the_story(t: &TestLab, v: &serde_json::Value) {
+    let path = v["timeline"]
+        .as_str()
+        .expect("migrate --json names its timeline");
+    let tl: ferry_api::Timeline =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert!(tl.samples.len() >= 3, "too few samples in {path}");
+    assert!(
+        tl.samples.windows(2).all(|w| w[0].t_ms <= w[1].t_ms),
+        "samples out of order in {path}"
+    );
+    use ferry_api::EventKind::*;
+    let order = [
+        DestinationStarted,
+        DiskCopyStarted,
+        DiskReady,
+        MemoryStarted,
+        SourceStopped,
+        DestinationLoaded,
+        DestinationResumed,
+    ];
+    let times: Vec<u64> = order
+        .iter()
+        .map(|k| {
+            tl.find(*k)
+                .unwrap_or_else(|| panic!("no {k:?} in {path}"))
+                .t_ms
+        })
+        .collect();
+    assert!(
+        times.windows(2).all(|w| w[0] <= w[1]),
+        "phases out of order in {path}: {times:?}"
+    );
+    let svg = t.ok(&["report", path, "-o", &format!("{path}.svg")]);
+    assert!(std::fs::read_to_string(svg.trim())
+        .unwrap()
+        .contains("<polyline"));
+}
+
 #[test]
 fn every_qemu_mode_moves_memory_disk_and_tcp_intact() {
     let t = TestLab::up("mig", FAST_LINK);
@@ -80,6 +120,7 @@ fn every_qemu_mode_moves_memory_disk_and_tcp_intact() {
             "{mode}: no heartbeat gap measured: {v}"
         );
         assert_eq!(t.site_of("t1"), site);
+        assert_timeline_tells_the_story(&t, &v);
         // The guest keeps serving the same TCP connection from its new site.
         tcp.wait_for_more(30, Duration::from_secs(30)).unwrap();
         let s = tcp.stats();
@@ -121,6 +162,13 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
                 .contains("did not converge within 8s"),
             "{v}"
         );
+        let path = v["timeline"].as_str().unwrap();
+        let tl: ferry_api::Timeline =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let failed = tl
+            .find(ferry_api::EventKind::Failed)
+            .expect("a failed migration's timeline says so");
+        assert!(failed.detail.contains("did not converge"), "{failed:?}");
     } else {
         assert!(stderr.contains("the source VM keeps running"), "{stderr}");
     }

@@ -13,10 +13,11 @@
 //! Any failure before the destination resumes leaves the source running and removes the
 //! destination.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
+use ferry_api::{EventKind, Sample, Timeline};
 use ferry_qemu::commands::{
     BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, Migrate,
     MigrateCancel, MigrateContinue, MigrateIncoming, MigrateSetCapabilities, MigrateSetParameters,
@@ -181,6 +182,7 @@ pub async fn migrate(
     opts: &MigrateOptions,
     src_link: GuestLink,
     progress: &watch::Sender<Progress>,
+    timeline: &Mutex<Timeline>,
 ) -> Result<(MigrationOutcome, GuestLink)> {
     let _active = interrupt::Active::enter();
     let rec = vm::load(lab, name)?;
@@ -193,6 +195,14 @@ pub async fn migrate(
     let t0_micros = now_micros();
     let t0 = Instant::now();
     heartbeats.reset_max_gap();
+    *timeline.lock().expect("timeline poisoned") = Timeline::new(
+        &format!("qemu-{}", opts.mode.name()),
+        name,
+        rec.site.name(),
+        to.name(),
+        u64::try_from(t0_micros / 1000).unwrap_or(0),
+        lab.state().map_or(0.0, |s| s.link.rate_mbit),
+    );
 
     let src_qmp = Qmp::connect(&rec.spec.qmp_socket)
         .await
@@ -245,21 +255,23 @@ pub async fn migrate(
             .await
             .context("destination QMP")?;
         let dst_link = GuestLink::connect(&dst_spec.serial_socket, heartbeats.clone()).await?;
-        let outcome = run(
+        let attempt = Attempt {
             lab,
-            &rec,
-            &dst_spec,
+            rec: &rec,
+            dst_spec: &dst_spec,
             to,
             opts,
-            &src_qmp,
-            &dst_qmp,
+            src: &src_qmp,
+            dst: &dst_qmp,
             progress,
             t0,
             t0_micros,
             wan_start,
-            &heartbeats,
-        )
-        .await?;
+            heartbeats: &heartbeats,
+            timeline,
+        };
+        attempt.mark(attempt.elapsed_ms(), EventKind::DestinationStarted);
+        let outcome = run(&attempt).await?;
         Ok::<_, anyhow::Error>((outcome, dst_link))
     };
     match attempt.await {
@@ -286,6 +298,15 @@ pub async fn migrate(
                 let _ = std::fs::remove_file(&d.path);
             }
             ensure_running(&src_qmp).await?;
+            let detail = match &other {
+                Ok((outcome, _)) => outcome.error.clone().unwrap_or_default(),
+                Err(e) => format!("{e:#}"),
+            };
+            let t_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+            timeline
+                .lock()
+                .expect("timeline poisoned")
+                .event(t_ms, EventKind::Failed, detail);
             match other {
                 Ok((outcome, _)) => Ok((outcome, src_link)),
                 Err(e) => Err(e.context("migration failed; the source VM keeps running")),
@@ -341,6 +362,15 @@ async fn settle(qmp: &Qmp, deadline: Duration) -> Result<()> {
     }
 }
 
+/// Writes a timeline as pretty JSON, creating the directory.
+pub fn write_timeline(path: &std::path::Path, timeline: &Mutex<Timeline>) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let json = serde_json::to_string_pretty(&*timeline.lock().expect("timeline poisoned"))?;
+    std::fs::write(path, json).with_context(|| format!("write timeline {}", path.display()))
+}
+
 /// Resumes the source if a failed migration left it paused.
 async fn ensure_running(qmp: &Qmp) -> Result<()> {
     for _ in 0..50 {
@@ -356,21 +386,60 @@ async fn ensure_running(qmp: &Qmp) -> Result<()> {
     bail!("the source VM did not resume after the failed migration")
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run(
-    lab: &Lab,
-    rec: &vm::VmRecord,
-    dst_spec: &ferry_qemu::VmSpec,
+/// What one attempt works with; built by [`migrate`], used by [`run`].
+struct Attempt<'a> {
+    lab: &'a Lab,
+    rec: &'a vm::VmRecord,
+    dst_spec: &'a ferry_qemu::VmSpec,
     to: Site,
-    opts: &MigrateOptions,
-    src: &Qmp,
-    dst: &Qmp,
-    progress: &watch::Sender<Progress>,
+    opts: &'a MigrateOptions,
+    src: &'a Qmp,
+    dst: &'a Qmp,
+    progress: &'a watch::Sender<Progress>,
+    /// The migration request, as a monotonic instant and as wall-clock microseconds (QMP event
+    /// timestamps are wall clock).
     t0: Instant,
     t0_micros: i64,
     wan_start: u64,
-    heartbeats: &Heartbeats,
-) -> Result<MigrationOutcome> {
+    heartbeats: &'a Heartbeats,
+    timeline: &'a Mutex<Timeline>,
+}
+
+impl Attempt<'_> {
+    /// Milliseconds since the request.
+    fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.t0.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Milliseconds from the request to a QMP event.
+    fn event_ms(&self, e: &ferry_qemu::Event) -> u64 {
+        u64::try_from((e.timestamp.as_micros() - self.t0_micros).max(0) / 1000).unwrap_or(0)
+    }
+
+    fn mark(&self, t_ms: u64, kind: EventKind) {
+        self.timeline
+            .lock()
+            .expect("timeline poisoned")
+            .event(t_ms, kind, "");
+    }
+}
+
+async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
+    let Attempt {
+        lab,
+        rec,
+        dst_spec,
+        to,
+        opts,
+        src,
+        dst,
+        progress,
+        t0,
+        t0_micros,
+        wan_start,
+        heartbeats,
+        ..
+    } = *a;
     let disks = rec.has_disk();
     let port = MIGRATION_PORT_BASE
         + u16::try_from(
@@ -402,6 +471,20 @@ async fn run(
                 0.0
             };
             last_wan = (now, wan_now);
+            let ram = info.and_then(|i| i.ram.as_ref());
+            a.timeline
+                .lock()
+                .expect("timeline poisoned")
+                .samples
+                .push(Sample {
+                    t_ms: a.elapsed_ms(),
+                    wan_bytes: wan_now - wan_start,
+                    wan_mbit: mbit,
+                    qemu_transferred: ram.map(|r| r.transferred),
+                    qemu_remaining: ram.map(|r| r.remaining),
+                    iteration: ram.map(|r| r.dirty_sync_count),
+                    qemu_status: info.and_then(|i| i.status.clone()),
+                });
             progress.send_modify(|p| {
                 p.phase = phase.to_owned();
                 p.elapsed_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -446,6 +529,7 @@ async fn run(
             })
             .await?;
         }
+        a.mark(a.elapsed_ms(), EventKind::DiskCopyStarted);
         for d in &rec.spec.disks {
             let job = format!("mirror-{}", d.id);
             loop {
@@ -470,9 +554,11 @@ async fn run(
                 tokio::time::sleep(POLL).await;
             }
         }
+        a.mark(a.elapsed_ms(), EventKind::DiskReady);
     }
 
     start_migration(src, &format!("tcp:{}:{port}", to.underlay_ip())).await?;
+    a.mark(a.elapsed_ms(), EventKind::MemoryStarted);
     let info = loop {
         let info = src.execute(&QueryMigrate).await?;
         let status = info.status.clone().unwrap_or_default();
@@ -528,13 +614,18 @@ async fn run(
     };
 
     progress.send_modify(|p| p.phase = "switchover".into());
-    dst.wait_event(
-        "MIGRATION",
-        |v| v["status"] == "completed",
-        Duration::from_secs(60),
-    )
-    .await
-    .context("the destination did not finish loading the migration stream")?;
+    let loaded = dst
+        .wait_event(
+            "MIGRATION",
+            |v| v["status"] == "completed",
+            Duration::from_secs(60),
+        )
+        .await
+        .context("the destination did not finish loading the migration stream")?;
+    if let Some(stop) = src.find_event("STOP", |_| true) {
+        a.mark(a.event_ms(&stop), EventKind::SourceStopped);
+    }
+    a.mark(a.event_ms(&loaded), EventKind::DestinationLoaded);
     if disks {
         dst.execute(&NbdServerStop).await?;
     }
@@ -550,6 +641,9 @@ async fn run(
     let resume = dst
         .wait_event("RESUME", |_| true, Duration::from_secs(30))
         .await;
+    if let Some(r) = &resume {
+        a.mark(a.event_ms(r), EventKind::DestinationResumed);
+    }
     let stop = src.find_event("STOP", |_| true);
     let wan_bytes = wan::stats(&wan_socket).map_or(0, |s| s.total_bytes() - wan_start);
     // The gap ends with the destination's first beats; wait for a few of them.

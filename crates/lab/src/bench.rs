@@ -126,6 +126,8 @@ pub struct Scenario {
     pub warmup: Duration,
     pub migrate: MigrateOptions,
     pub run: u32,
+    /// Write each migration's timeline here, if set.
+    pub timeline_dir: Option<std::path::PathBuf>,
 }
 
 /// Runs one scenario in a lab that is already up; the VM is removed afterwards, whatever
@@ -150,7 +152,18 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
     let (tx, _rx) = watch::channel(baseline::Progress::default());
     let mut opts = sc.migrate.clone();
     opts.mode = sc.mode;
-    let (outcome, dst_link) = baseline::migrate(lab, name, Site::B, &opts, link, &tx).await?;
+    let timeline = std::sync::Mutex::default();
+    let result = baseline::migrate(lab, name, Site::B, &opts, link, &tx, &timeline).await;
+    if let Some(dir) = &sc.timeline_dir {
+        let file = format!(
+            "{}-qemu-{}-run{}.json",
+            sc.workload.pattern,
+            sc.mode.name(),
+            sc.run
+        );
+        baseline::write_timeline(&dir.join(file), &timeline)?;
+    }
+    let (outcome, dst_link) = result?;
     let verify_errors = if outcome.completed {
         Some(guest::verify(&dst_link, sc.vm.disk).await?.errors())
     } else {

@@ -1,0 +1,171 @@
+//! A migration's timeline: a sample every 100 ms and the events that mark its phases.
+//!
+//! Written as JSON next to every migration (`ferry migrate --timeline FILE`) and drawn by
+//! `ferry report`. Times are milliseconds since the migration request (`t_ms`), so timelines of
+//! different systems line up. Fields a system cannot measure are `None`.
+//!
+//! Versioning: `version` is bumped when a field changes meaning; readers reject versions they
+//! do not know. Adding an optional field does not bump it.
+
+use serde::{Deserialize, Serialize};
+
+/// The timeline format this build writes and reads.
+pub const TIMELINE_VERSION: u32 = 1;
+
+/// One migration, sampled.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timeline {
+    pub version: u32,
+    /// `ferry` or `qemu-<mode>`.
+    pub system: String,
+    pub vm: String,
+    pub from_site: String,
+    pub to_site: String,
+    /// Wall clock of the migration request, ms since the Unix epoch.
+    pub started_unix_ms: u64,
+    /// The link's bottleneck rate, for scaling plots.
+    pub link_rate_mbit: f64,
+    pub samples: Vec<Sample>,
+    pub events: Vec<Event>,
+}
+
+/// The state of the migration at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub t_ms: u64,
+    /// Bytes on the WAN since the request (the emulator's counter, both directions).
+    pub wan_bytes: u64,
+    /// WAN rate over the last interval, Mbit/s.
+    pub wan_mbit: f64,
+    /// Bytes QEMU handed to its migration channel so far (`ram.transferred`).
+    pub qemu_transferred: Option<u64>,
+    /// QEMU's estimate of RAM still to send (`ram.remaining`).
+    pub qemu_remaining: Option<u64>,
+    /// QEMU's precopy pass (`ram.dirty-sync-count`).
+    pub iteration: Option<u64>,
+    /// QEMU's own migration status (`active`, `pre-switchover`, ...).
+    pub qemu_status: Option<String>,
+}
+
+/// Something that happened at one moment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub t_ms: u64,
+    pub kind: EventKind,
+    /// Human detail, e.g. the error of a failure.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+/// What happened. Zero is not a valid kind on any wire: the enum is tagged by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EventKind {
+    /// The destination QEMU was started (paused, waiting for the stream).
+    DestinationStarted,
+    /// Disk mirroring began.
+    DiskCopyStarted,
+    /// Every disk mirror caught up.
+    DiskReady,
+    /// Memory migration began.
+    MemoryStarted,
+    /// QEMU stopped the source for the final pass (QMP STOP).
+    SourceStopped,
+    /// The destination loaded the whole stream.
+    DestinationLoaded,
+    /// The destination runs (QMP RESUME): the commit point has passed.
+    DestinationResumed,
+    /// The migration failed or was cancelled; the source keeps running.
+    Failed,
+}
+
+impl EventKind {
+    /// A short label for plots.
+    pub fn label(self) -> &'static str {
+        match self {
+            EventKind::DestinationStarted => "dst started",
+            EventKind::DiskCopyStarted => "disk copy",
+            EventKind::DiskReady => "disk ready",
+            EventKind::MemoryStarted => "memory",
+            EventKind::SourceStopped => "src STOP",
+            EventKind::DestinationLoaded => "dst loaded",
+            EventKind::DestinationResumed => "dst RESUME",
+            EventKind::Failed => "failed",
+        }
+    }
+}
+
+impl Timeline {
+    /// An empty timeline for a migration requested now.
+    pub fn new(
+        system: &str,
+        vm: &str,
+        from_site: &str,
+        to_site: &str,
+        started_unix_ms: u64,
+        link_rate_mbit: f64,
+    ) -> Timeline {
+        Timeline {
+            version: TIMELINE_VERSION,
+            system: system.to_owned(),
+            vm: vm.to_owned(),
+            from_site: from_site.to_owned(),
+            to_site: to_site.to_owned(),
+            started_unix_ms,
+            link_rate_mbit,
+            samples: Vec::new(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Records an event.
+    pub fn event(&mut self, t_ms: u64, kind: EventKind, detail: impl Into<String>) {
+        self.events.push(Event {
+            t_ms,
+            kind,
+            detail: detail.into(),
+        });
+    }
+
+    /// The first event of a kind.
+    pub fn find(&self, kind: EventKind) -> Option<&Event> {
+        self.events.iter().find(|e| e.kind == kind)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeline_round_trips_through_json_with_kebab_case_kinds() {
+        let mut t = Timeline::new("qemu-plain", "vm1", "a", "b", 1_700_000_000_000, 100.0);
+        t.samples.push(Sample {
+            t_ms: 100,
+            wan_bytes: 1_000,
+            wan_mbit: 0.08,
+            qemu_remaining: Some(5),
+            ..Default::default()
+        });
+        t.event(120, EventKind::SourceStopped, "");
+        t.event(500, EventKind::Failed, "no route");
+        let json = serde_json::to_string(&t).unwrap();
+        assert!(json.contains("\"kind\":\"source-stopped\""), "{json}");
+        assert!(
+            !json.contains("\"detail\":\"\""),
+            "empty details are omitted: {json}"
+        );
+        let back: Timeline = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, t);
+        assert_eq!(back.find(EventKind::Failed).unwrap().detail, "no route");
+    }
+
+    #[test]
+    fn unknown_event_kinds_are_rejected() {
+        let err = serde_json::from_str::<Event>(r#"{"t_ms":1,"kind":"teleported"}"#).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown variant `teleported`"),
+            "{err}"
+        );
+    }
+}
