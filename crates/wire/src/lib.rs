@@ -1,0 +1,14 @@
+//! ferry's WAN transport ("Streams" in XvMotion). It carries opaque frames and never looks
+//! inside them.
+//!
+//! Layout (growing with issue 3):
+//! - [`frame`]: the frame format on the wire, with an incremental decoder that caps every
+//!   length a peer controls.
+//! - [`reorder`]: per-channel in-order delivery of frames that arrive out of order or twice
+//!   (several TCP connections, replay after a reconnect).
+
+pub mod frame;
+pub mod reorder;
+
+pub use frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
+pub use reorder::{Reorder, ReorderError};
