@@ -4,11 +4,15 @@
 //! Layout (growing with issue 3):
 //! - [`frame`]: the frame format on the wire, with an incremental decoder that caps every
 //!   length a peer controls.
+//! - [`outbox`]: the sender's side of a channel: numbering, a byte-bounded buffer of
+//!   unacknowledged frames (backpressure), and replay after a reconnect.
 //! - [`reorder`]: per-channel in-order delivery of frames that arrive out of order or twice
 //!   (several TCP connections, replay after a reconnect).
 
 pub mod frame;
+pub mod outbox;
 pub mod reorder;
 
 pub use frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
+pub use outbox::{Outbox, OutboxError};
 pub use reorder::{Reorder, ReorderError};
