@@ -165,7 +165,8 @@ mod tests {
             while reorder.next().0 < n {
                 let (i, action) = step.next().expect("cycle never ends");
                 // Every seventh step a frame arrives, so every schedule makes progress.
-                let action = if i % 7 == 6 { 9 } else { action };
+                let forced = i % 7 == 6;
+                let action = if forced { 9 } else { action };
                 match action {
                     // produce, if the outbox has room
                     0..=3 if produced < n => {
@@ -183,7 +184,13 @@ mod tests {
                     5 => outbox.ack(reorder.next()).unwrap(),
                     // a frame arrives
                     _ => match in_flight.pop_front() {
-                        Some(f) => reorder.push(f, &mut delivered).unwrap(),
+                        Some(f) => {
+                            reorder.push(f, &mut delivered).unwrap();
+                            if forced {
+                                // the receiver acknowledges: replays start past what it has
+                                outbox.ack(reorder.next()).unwrap();
+                            }
+                        }
                         None => {
                             // nothing in flight: the sender's timer replays what is
                             // unacknowledged, or the producer, with nothing outstanding, goes on
