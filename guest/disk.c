@@ -199,6 +199,51 @@ int disk_verify(struct verify_result *r, char *err, size_t errlen)
     return rc;
 }
 
+long long disk_inject(int stale, char *err, size_t errlen)
+{
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, BLOCK_BYTES, BLOCK_BYTES) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    pthread_mutex_lock(&disk.lock);
+    long long found = -1;
+    if (disk.fd < 0) {
+        snprintf(err, errlen, "no disk workload; use disk start first");
+    } else {
+        /* a fresh start point each time, so two injections hit two blocks */
+        disk.rng ^= disk.rng << 13;
+        disk.rng ^= disk.rng >> 7;
+        disk.rng ^= disk.rng << 17;
+        static long long last = -1; /* never hit the same block twice in a row */
+        for (uint64_t k = 0; k < disk.blocks; k++) {
+            uint64_t i = (disk.rng + k) % disk.blocks;
+            if ((long long)i == last)
+                continue;
+            if (stale) {
+                if (disk.version[i] < 2)
+                    continue;
+                block_content(buf, i, disk.version[i] - 1);
+            } else {
+                block_content(buf, i, disk.version[i]);
+                buf[100] ^= 0x5a;
+            }
+            if (pwrite(disk.fd, buf, BLOCK_BYTES, (off_t)(i * BLOCK_BYTES)) != (ssize_t)BLOCK_BYTES) {
+                snprintf(err, errlen, "write block %llu: %s", (unsigned long long)i, strerror(errno));
+                break;
+            }
+            found = (long long)i;
+            last = found;
+            break;
+        }
+        if (found < 0 && err[0] == 0)
+            snprintf(err, errlen, "no block has been rewritten yet; let the workload run first");
+    }
+    pthread_mutex_unlock(&disk.lock);
+    free(buf);
+    return found;
+}
+
 static uint64_t percentile_us(double q)
 {
     uint64_t target = (uint64_t)(q * (double)disk.writes);

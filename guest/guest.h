@@ -24,11 +24,17 @@ int mem_start(enum pattern pat, uint64_t mib, double rate, double hot_mib, char 
 int mem_set(int has_pat, enum pattern pat, double rate, double hot_mib, char *err, size_t errlen);
 void mem_verify(struct verify_result *r);
 void mem_stats(char *out, size_t len);
+/* Fault injection, to show the verifiers catch what they claim to: `stale` puts back a page's
+ * previous version (a lost update), `corrupt` flips one byte. The table is left alone. Returns
+ * the page index, or -1 with `err` set. */
+long long mem_inject(int stale, char *err, size_t errlen);
 
 int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t errlen);
 int disk_set(double rate, char *err, size_t errlen);
 int disk_verify(struct verify_result *r, char *err, size_t errlen);
 void disk_stats(char *out, size_t len);
+/* The same for a disk block (the write goes through O_DIRECT like the writer's). */
+long long disk_inject(int stale, char *err, size_t errlen);
 
 int tcpseq_serve(int port, unsigned interval_ms);
 

@@ -182,8 +182,20 @@ static void command(char *line)
         } else if (strcmp(sub, "stats") == 0) {
             mem_stats(out, sizeof out);
             tty_line("R %s ok %s", id, out);
+        } else if (strcmp(sub, "inject") == 0) {
+            const char *kind = arg(argc, argv, "kind");
+            int stale = kind && strcmp(kind, "stale") == 0;
+            if (!kind || (!stale && strcmp(kind, "corrupt") != 0)) {
+                tty_line("R %s err mem inject needs kind=stale or kind=corrupt", id);
+                return;
+            }
+            long long page = mem_inject(stale, err, sizeof err);
+            if (page < 0)
+                tty_line("R %s err %s", id, err);
+            else
+                tty_line("R %s ok page=%lld", id, page);
         } else {
-            tty_line("R %s err unknown mem subcommand \"%s\" (known: start set verify stats)", id, sub);
+            tty_line("R %s err unknown mem subcommand \"%s\" (known: start set verify stats inject)", id, sub);
         }
     } else if (strcmp(cmd, "disk") == 0) {
         double mib = 16, rate = 1;
@@ -210,8 +222,20 @@ static void command(char *line)
         } else if (strcmp(sub, "stats") == 0) {
             disk_stats(out, sizeof out);
             tty_line("R %s ok %s", id, out);
+        } else if (strcmp(sub, "inject") == 0) {
+            const char *kind = arg(argc, argv, "kind");
+            int stale = kind && strcmp(kind, "stale") == 0;
+            if (!kind || (!stale && strcmp(kind, "corrupt") != 0)) {
+                tty_line("R %s err disk inject needs kind=stale or kind=corrupt", id);
+                return;
+            }
+            long long block = disk_inject(stale, err, sizeof err);
+            if (block < 0)
+                tty_line("R %s err %s", id, err);
+            else
+                tty_line("R %s ok block=%lld", id, block);
         } else {
-            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats)", id, sub);
+            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats inject)", id, sub);
         }
     } else {
         tty_line("R %s err unknown command \"%s\" (known: ping mem disk)", id, cmd);

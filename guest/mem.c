@@ -219,6 +219,42 @@ void mem_verify(struct verify_result *r)
     pthread_mutex_unlock(&mem.lock);
 }
 
+long long mem_inject(int stale, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&mem.lock);
+    if (!mem.region) {
+        pthread_mutex_unlock(&mem.lock);
+        snprintf(err, errlen, "no memory workload; use mem start first");
+        return -1;
+    }
+    static long long last = -1; /* never hit the same page twice in a row */
+    uint64_t start = next_rand() % mem.pages;
+    for (uint64_t k = 0; k < mem.pages; k++) {
+        uint64_t i = (start + k) % mem.pages;
+        if ((long long)i == last)
+            continue;
+        uint8_t *page = mem.region + i * PAGE_BYTES;
+        if (stale) {
+            /* only a page whose previous version differs can go stale visibly */
+            static uint8_t prev[PAGE_BYTES];
+            if (mem.version[i] < 2)
+                continue;
+            page_content(prev, i, mem.version[i] - 1, (enum pattern)mem.pattern[i]);
+            if (memcmp(prev, page, PAGE_BYTES) == 0)
+                continue;
+            memcpy(page, prev, PAGE_BYTES);
+        } else {
+            page[i % PAGE_BYTES] ^= 0x5a;
+        }
+        pthread_mutex_unlock(&mem.lock);
+        last = (long long)i;
+        return (long long)i;
+    }
+    pthread_mutex_unlock(&mem.lock);
+    snprintf(err, errlen, "no page has been rewritten yet; let the workload run first");
+    return -1;
+}
+
 void mem_stats(char *out, size_t len)
 {
     pthread_mutex_lock(&mem.lock);
