@@ -135,6 +135,24 @@ static int opt_num(const char *id, int argc, char **argv, const char *key, doubl
     return 1;
 }
 
+/* `mem|disk inject kind=stale|corrupt`: runs `fn` and replies with the index it damaged. */
+static void inject(const char *id, int argc, char **argv, const char *what, const char *unit,
+                   long long (*fn)(int stale, char *err, size_t errlen))
+{
+    const char *kind = arg(argc, argv, "kind");
+    int stale = kind && strcmp(kind, "stale") == 0;
+    if (!kind || (!stale && strcmp(kind, "corrupt") != 0)) {
+        tty_line("R %s err %s inject needs kind=stale or kind=corrupt", id, what);
+        return;
+    }
+    char err[256] = "";
+    long long index = fn(stale, err, sizeof err);
+    if (index < 0)
+        tty_line("R %s err %s", id, err);
+    else
+        tty_line("R %s ok %s=%lld", id, unit, index);
+}
+
 static void command(char *line)
 {
     char *argv[16];
@@ -183,17 +201,7 @@ static void command(char *line)
             mem_stats(out, sizeof out);
             tty_line("R %s ok %s", id, out);
         } else if (strcmp(sub, "inject") == 0) {
-            const char *kind = arg(argc, argv, "kind");
-            int stale = kind && strcmp(kind, "stale") == 0;
-            if (!kind || (!stale && strcmp(kind, "corrupt") != 0)) {
-                tty_line("R %s err mem inject needs kind=stale or kind=corrupt", id);
-                return;
-            }
-            long long page = mem_inject(stale, err, sizeof err);
-            if (page < 0)
-                tty_line("R %s err %s", id, err);
-            else
-                tty_line("R %s ok page=%lld", id, page);
+            inject(id, argc, argv, "mem", "page", mem_inject);
         } else {
             tty_line("R %s err unknown mem subcommand \"%s\" (known: start set verify stats inject)", id, sub);
         }
@@ -223,17 +231,7 @@ static void command(char *line)
             disk_stats(out, sizeof out);
             tty_line("R %s ok %s", id, out);
         } else if (strcmp(sub, "inject") == 0) {
-            const char *kind = arg(argc, argv, "kind");
-            int stale = kind && strcmp(kind, "stale") == 0;
-            if (!kind || (!stale && strcmp(kind, "corrupt") != 0)) {
-                tty_line("R %s err disk inject needs kind=stale or kind=corrupt", id);
-                return;
-            }
-            long long block = disk_inject(stale, err, sizeof err);
-            if (block < 0)
-                tty_line("R %s err %s", id, err);
-            else
-                tty_line("R %s ok block=%lld", id, block);
+            inject(id, argc, argv, "disk", "block", disk_inject);
         } else {
             tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats inject)", id, sub);
         }
