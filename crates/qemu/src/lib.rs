@@ -4,12 +4,15 @@
 //! - [`qmp`]: a typed QMP client (commands, events with QEMU's timestamps, QEMU errors as errors).
 //! - [`commands`]: the QMP commands ferry uses, as types.
 //! - [`launch`]: a VM spec and the QEMU command line it becomes.
+//! - [`stream`]: QEMU's migration stream: RAM records found, every other byte passed through,
+//!   re-emitted byte for byte.
 //!
-//! Later issues add the migration-stream reader/writer and the NBD server and client here.
+//! The NBD server and client (issue 5) come here too.
 
 pub mod commands;
 pub mod launch;
 pub mod qmp;
+pub mod stream;
 
 pub use launch::{
     check_qemu, qemu_program, Accel, Boot, DiskSpec, NicSpec, QemuCheckError, VmSpec,

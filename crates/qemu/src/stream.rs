@@ -1,0 +1,614 @@
+//! QEMU's migration stream (precopy, QEMU 10): a parser that finds the RAM page records and
+//! passes every other byte through, and the writer that turns the parsed items back into the
+//! exact bytes QEMU wrote.
+//!
+//! The format, as QEMU's `migration/savevm.c` and `migration/ram.c` write it (all integers
+//! big-endian):
+//!
+//! ```text
+//! stream   := "QEVM" be32(3) item* EOF tail
+//! item     := 0x07 be32 len name [subsection*]          configuration (machine type)
+//!           | 0x01 be32 id u8 len idstr be32 inst be32 ver body footer   SECTION_START
+//!           | 0x02 be32 id body footer                                   SECTION_PART
+//!           | 0x03 be32 id body footer                                   SECTION_END
+//!           | 0x04 ...                                                   SECTION_FULL (device)
+//!           | 0x08 be16 cmd be16 len data                                COMMAND
+//! footer   := 0x7e be32 id
+//! ram body := record* (ends with a record carrying EOS)
+//! record   := be64 (offset | flags) [u8 len block-name unless CONTINUE] payload
+//! ```
+//!
+//! Device state (`SECTION_FULL`) is VMState: its length is known only to the device's own
+//! description, so nothing after the first device section can be delimited. In precopy that
+//! section comes after every iterable section has ended (only device state, `EOF` and the
+//! JSON description follow), so from there on the parser passes the rest through as one
+//! opaque tail. A device section before the RAM has ended, an iterable section other than
+//! `ram`, a postcopy command or a RAM flag this parser does not know stops the parse with an
+//! error that names it: the caller aborts the migration rather than guess.
+
+use std::collections::HashMap;
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// The stream's first four bytes.
+pub const MAGIC: &[u8; 4] = b"QEVM";
+/// The stream version QEMU has written since 2.x.
+pub const VERSION: u32 = 3;
+/// Guest page size of x86 targets; a `PAGE` record carries exactly this many bytes.
+pub const PAGE_SIZE: usize = 4096;
+
+mod section {
+    pub const EOF: u8 = 0x00;
+    pub const START: u8 = 0x01;
+    pub const PART: u8 = 0x02;
+    pub const END: u8 = 0x03;
+    pub const FULL: u8 = 0x04;
+    pub const SUBSECTION: u8 = 0x05;
+    pub const CONFIGURATION: u8 = 0x07;
+    pub const COMMAND: u8 = 0x08;
+    pub const FOOTER: u8 = 0x7e;
+}
+
+/// RAM record flags (the low bits of the record's address word).
+pub mod flag {
+    pub const ZERO: u64 = 0x02;
+    pub const MEM_SIZE: u64 = 0x04;
+    pub const PAGE: u64 = 0x08;
+    pub const EOS: u64 = 0x10;
+    pub const CONTINUE: u64 = 0x20;
+    pub const XBZRLE: u64 = 0x40;
+    pub const HOOK: u64 = 0x80;
+    pub const COMPRESS_PAGE: u64 = 0x100;
+    pub const MULTIFD_FLUSH: u64 = 0x200;
+    /// The flags live below the page size.
+    pub const MASK: u64 = 0xfff;
+    /// Flags this parser understands.
+    pub const KNOWN: u64 = ZERO | PAGE | EOS | CONTINUE | XBZRLE | MULTIFD_FLUSH;
+}
+
+/// Migration commands (`QEMU_VM_COMMAND`) that can occur in a precopy stream.
+mod command {
+    pub const OPEN_RETURN_PATH: u16 = 1;
+    pub const PING: u16 = 2;
+    pub const SWITCHOVER_START: u16 = 11;
+}
+
+/// What the parser found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    /// Bytes ferry does not interpret: the header, section headers and footers, commands,
+    /// the RAM block list, device state. Passed through exactly.
+    Opaque(Bytes),
+    /// One RAM record.
+    Ram(RamRecord),
+}
+
+/// One RAM record: a page (whole, zero, or XBZRLE-encoded) or a marker (end of section,
+/// multifd flush).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RamRecord {
+    /// Byte offset of the page within its RAM block (page-aligned).
+    pub offset: u64,
+    /// The `flag` bits as QEMU wrote them.
+    pub flags: u64,
+    /// The block's name, present when QEMU wrote it (`CONTINUE` clear).
+    pub block: Option<Bytes>,
+    /// The payload that follows the header.
+    pub data: RamData,
+}
+
+/// A RAM record's payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RamData {
+    /// Markers carry nothing.
+    None,
+    /// `ZERO`: one fill byte (QEMU writes 0).
+    Fill(u8),
+    /// `PAGE`: the page's bytes.
+    Page(Bytes),
+    /// `XBZRLE`: the encoded delta (after its one-byte encoding tag and be16 length).
+    Xbzrle(Bytes),
+}
+
+/// Why a stream cannot be carried. Every message names what was found and where.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StreamError {
+    #[error("not a QEMU migration stream: it starts with {0:02x?}, expected \"QEVM\"")]
+    BadMagic([u8; 4]),
+    #[error("QEMU migration stream version {0} is not supported (ferry reads version 3)")]
+    BadVersion(u32),
+    #[error("unknown section type 0x{kind:02x} at stream offset {at}")]
+    UnknownSection { kind: u8, at: u64 },
+    #[error("iterable section \"{0}\" is not supported (ferry carries RAM; disable the capability that adds it)")]
+    UnsupportedIterable(String),
+    #[error("device section \"{0}\" arrived before RAM ended; its state cannot be delimited (early-setup devices are not supported)")]
+    EarlyDevice(String),
+    #[error("migration command {0} is not supported (postcopy and COLO are not carried by ferry)")]
+    UnsupportedCommand(u16),
+    #[error("configuration subsection \"{0}\" is not supported")]
+    UnsupportedSubsection(String),
+    #[error("section {0} continues, but no section with that id was started")]
+    UnknownSectionId(u32),
+    #[error("section footer for {found} where section {expected} was open, at stream offset {at}")]
+    BadFooter { expected: u32, found: u32, at: u64 },
+    #[error("RAM record with unsupported flags 0x{flags:x} at stream offset {at}")]
+    UnsupportedRamFlags { flags: u64, at: u64 },
+    #[error("RAM record for unknown block \"{0}\"")]
+    UnknownBlock(String),
+    #[error("RAM record continues a block, but none was named before, at stream offset {0}")]
+    NoCurrentBlock(u64),
+    #[error("RAM record at offset 0x{offset:x} lies outside block \"{block}\" ({size} bytes)")]
+    OutsideBlock {
+        block: String,
+        offset: u64,
+        size: u64,
+    },
+    #[error("XBZRLE record with encoding tag {0}, expected 1")]
+    BadXbzrleTag(u8),
+    #[error("RAM block list does not add up to the announced {total} bytes")]
+    BadBlockList { total: u64 },
+    #[error("the stream ended inside {0}")]
+    Truncated(&'static str),
+}
+
+/// Where the parser is in the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Before "QEVM" and the version.
+    Header,
+    /// Between top-level items.
+    Top,
+    /// Inside the body of the RAM section with this id (records until EOS).
+    RamBody { id: u32 },
+    /// After EOS: the section footer is next.
+    Footer { id: u32 },
+    /// From the first device section on: everything is opaque.
+    Tail,
+}
+
+/// An incremental parser. Feed it bytes as they arrive with [`StreamParser::next_item`]; it
+/// consumes whole items only, so a partial item stays in the buffer until more arrives.
+#[derive(Debug)]
+pub struct StreamParser {
+    state: State,
+    /// Bytes consumed so far (for error messages).
+    position: u64,
+    /// RAM blocks announced in the setup section: name -> size.
+    blocks: HashMap<Bytes, u64>,
+    /// The block that `CONTINUE` records refer to.
+    current_block: Option<(Bytes, u64)>,
+    /// Section id of "ram" once started; whether its END has passed.
+    ram_section: Option<u32>,
+    ram_ended: bool,
+}
+
+impl Default for StreamParser {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A cursor over the bytes buffered so far. Reads past the end return `None`, which the
+/// parser turns into "wait for more".
+struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn u8(&mut self) -> Option<u8> {
+        let b = *self.buf.get(self.at)?;
+        self.at += 1;
+        Some(b)
+    }
+    fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        let s = self.buf.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+    fn be16(&mut self) -> Option<u16> {
+        self.bytes(2).map(|b| u16::from_be_bytes([b[0], b[1]]))
+    }
+    fn be32(&mut self) -> Option<u32> {
+        self.bytes(4)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn be64(&mut self) -> Option<u64> {
+        self.bytes(8)
+            .map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")))
+    }
+    /// A length-byte-prefixed name, as QEMU writes idstrs and block names.
+    fn name(&mut self) -> Option<&'a [u8]> {
+        let len = self.u8()?;
+        self.bytes(usize::from(len))
+    }
+}
+
+/// What one parse step found, before it is taken out of the buffer.
+enum Step {
+    Opaque,
+    Ram(RamRecord),
+}
+
+type StepResult = Result<Option<Step>, StreamError>;
+
+impl StreamParser {
+    pub fn new() -> StreamParser {
+        StreamParser {
+            state: State::Header,
+            position: 0,
+            blocks: HashMap::new(),
+            current_block: None,
+            ram_section: None,
+            ram_ended: false,
+        }
+    }
+
+    /// Bytes consumed so far.
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// Whether the parser has passed into the opaque tail (device state and after): the
+    /// stream may end from here on.
+    pub fn in_tail(&self) -> bool {
+        self.state == State::Tail
+    }
+
+    /// The next whole item in `buf`, taken out of it; `None` when more bytes are needed.
+    pub fn next_item(&mut self, buf: &mut BytesMut) -> Result<Option<Item>, StreamError> {
+        if buf.is_empty() {
+            return Ok(None);
+        }
+        if self.state == State::Tail {
+            self.position += buf.len() as u64;
+            return Ok(Some(Item::Opaque(buf.split().freeze())));
+        }
+        let mut cur = Cursor { buf, at: 0 };
+        let step = match self.state {
+            State::Header => self.header(&mut cur)?,
+            State::Top => self.top(&mut cur)?,
+            State::RamBody { id } => self.ram_record(&mut cur, id)?,
+            State::Footer { id } => self.footer(&mut cur, id)?,
+            State::Tail => unreachable!("handled above"),
+        };
+        let Some(step) = step else { return Ok(None) };
+        let used = cur.at;
+        self.position += used as u64;
+        let bytes = buf.split_to(used).freeze();
+        Ok(Some(match step {
+            Step::Opaque => Item::Opaque(bytes),
+            Step::Ram(record) => Item::Ram(record),
+        }))
+    }
+
+    /// Checks that the stream may end here, with `leftover` bytes unparsed.
+    pub fn finish(&self, leftover: usize) -> Result<(), StreamError> {
+        match self.state {
+            State::Tail if leftover == 0 => Ok(()),
+            State::Tail => unreachable!("the tail consumes everything"),
+            State::Header => Err(StreamError::Truncated("the stream header")),
+            State::Top if self.ram_section.is_none() => {
+                Err(StreamError::Truncated("the stream before any RAM"))
+            }
+            State::Top => Err(StreamError::Truncated("the stream before device state")),
+            State::RamBody { .. } | State::Footer { .. } => {
+                Err(StreamError::Truncated("a RAM section"))
+            }
+        }
+    }
+
+    fn header(&mut self, cur: &mut Cursor) -> StepResult {
+        let Some(magic) = cur.bytes(4) else {
+            return Ok(None);
+        };
+        if magic != MAGIC {
+            return Err(StreamError::BadMagic(magic.try_into().expect("4 bytes")));
+        }
+        let Some(version) = cur.be32() else {
+            return Ok(None);
+        };
+        if version != VERSION {
+            return Err(StreamError::BadVersion(version));
+        }
+        self.state = State::Top;
+        Ok(Some(Step::Opaque))
+    }
+
+    fn top(&mut self, cur: &mut Cursor) -> StepResult {
+        let at = self.position;
+        let Some(kind) = cur.u8() else {
+            return Ok(None);
+        };
+        match kind {
+            section::CONFIGURATION => self.configuration(cur),
+            section::START | section::FULL => {
+                let (Some(id), Some(idstr), Some(_instance), Some(_version)) =
+                    (cur.be32(), cur.name(), cur.be32(), cur.be32())
+                else {
+                    return Ok(None);
+                };
+                let idstr = String::from_utf8_lossy(idstr).into_owned();
+                if kind == section::FULL {
+                    if self.ram_section.is_none() || !self.ram_ended {
+                        return Err(StreamError::EarlyDevice(idstr));
+                    }
+                    // Device state from here on: pass the rest through untouched.
+                    self.state = State::Tail;
+                    return Ok(Some(Step::Opaque));
+                }
+                if idstr != "ram" || self.ram_section.is_some() {
+                    return Err(StreamError::UnsupportedIterable(idstr));
+                }
+                if self.ram_setup(cur)?.is_none() {
+                    return Ok(None);
+                }
+                self.ram_section = Some(id);
+                Ok(Some(Step::Opaque))
+            }
+            section::PART | section::END => {
+                let Some(id) = cur.be32() else {
+                    return Ok(None);
+                };
+                if self.ram_section != Some(id) || self.ram_ended {
+                    return Err(StreamError::UnknownSectionId(id));
+                }
+                self.ram_ended = kind == section::END;
+                self.state = State::RamBody { id };
+                Ok(Some(Step::Opaque))
+            }
+            section::COMMAND => {
+                let (Some(cmd), Some(len)) = (cur.be16(), cur.be16()) else {
+                    return Ok(None);
+                };
+                if !matches!(
+                    cmd,
+                    command::OPEN_RETURN_PATH | command::PING | command::SWITCHOVER_START
+                ) {
+                    return Err(StreamError::UnsupportedCommand(cmd));
+                }
+                if cur.bytes(usize::from(len)).is_none() {
+                    return Ok(None);
+                }
+                Ok(Some(Step::Opaque))
+            }
+            section::EOF => {
+                // Only reachable without device state; the JSON description may follow.
+                self.state = State::Tail;
+                Ok(Some(Step::Opaque))
+            }
+            _ => Err(StreamError::UnknownSection { kind, at }),
+        }
+    }
+
+    /// The machine type, and the subsections QEMU adds when it validates capabilities or
+    /// the VM's UUID.
+    fn configuration(&mut self, cur: &mut Cursor) -> StepResult {
+        let Some(len) = cur.be32() else {
+            return Ok(None);
+        };
+        if cur.bytes(len as usize).is_none() {
+            return Ok(None);
+        }
+        loop {
+            match cur.buf.get(cur.at) {
+                None => return Ok(None),
+                Some(&section::SUBSECTION) => cur.at += 1,
+                Some(_) => return Ok(Some(Step::Opaque)),
+            }
+            let (Some(name), Some(_version)) = (cur.name(), cur.be32()) else {
+                return Ok(None);
+            };
+            match name {
+                b"configuration/capabilities" => {
+                    let Some(count) = cur.be32() else {
+                        return Ok(None);
+                    };
+                    for _ in 0..count {
+                        if cur.name().is_none() {
+                            return Ok(None);
+                        }
+                    }
+                }
+                b"configuration/uuid" => {
+                    if cur.bytes(16).is_none() {
+                        return Ok(None);
+                    }
+                }
+                other => {
+                    return Err(StreamError::UnsupportedSubsection(
+                        String::from_utf8_lossy(other).into_owned(),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// The RAM section's setup body: total size with `MEM_SIZE`, the block list, then records
+    /// until `EOS` (QEMU writes none between), then the footer. Returns `None` if incomplete.
+    fn ram_setup(&mut self, cur: &mut Cursor) -> Result<Option<()>, StreamError> {
+        let Some(word) = cur.be64() else {
+            return Ok(None);
+        };
+        if word & flag::MASK != flag::MEM_SIZE {
+            return Err(StreamError::UnsupportedRamFlags {
+                flags: word & flag::MASK,
+                at: self.position + cur.at as u64 - 8,
+            });
+        }
+        let total = word & !flag::MASK;
+        let mut sum = 0u64;
+        let mut blocks = HashMap::new();
+        while sum < total {
+            let (Some(name), Some(size)) = (cur.name(), cur.be64()) else {
+                return Ok(None);
+            };
+            sum = sum.saturating_add(size);
+            blocks.insert(Bytes::copy_from_slice(name), size);
+        }
+        if sum != total {
+            return Err(StreamError::BadBlockList { total });
+        }
+        // The setup ends with its own EOS and footer.
+        let Some(eos) = cur.be64() else {
+            return Ok(None);
+        };
+        if eos != flag::EOS {
+            return Err(StreamError::UnsupportedRamFlags {
+                flags: eos,
+                at: self.position + cur.at as u64 - 8,
+            });
+        }
+        let (Some(marker), Some(_id)) = (cur.u8(), cur.be32()) else {
+            return Ok(None);
+        };
+        if marker != section::FOOTER {
+            return Err(StreamError::Truncated("the RAM setup footer"));
+        }
+        self.blocks = blocks;
+        Ok(Some(()))
+    }
+
+    fn ram_record(&mut self, cur: &mut Cursor, id: u32) -> StepResult {
+        let at = self.position;
+        let Some(word) = cur.be64() else {
+            return Ok(None);
+        };
+        let flags = word & flag::MASK;
+        let offset = word & !flag::MASK;
+        if flags & !flag::KNOWN != 0 {
+            return Err(StreamError::UnsupportedRamFlags { flags, at });
+        }
+        let is_page = flags & (flag::ZERO | flag::PAGE | flag::XBZRLE) != 0;
+        let mut block = None;
+        if is_page {
+            if flags & flag::CONTINUE == 0 {
+                let Some(name) = cur.name() else {
+                    return Ok(None);
+                };
+                let name = Bytes::copy_from_slice(name);
+                let Some(&size) = self.blocks.get(&name) else {
+                    return Err(StreamError::UnknownBlock(
+                        String::from_utf8_lossy(&name).into_owned(),
+                    ));
+                };
+                block = Some((name, size));
+            }
+            let Some((name, size)) = block.as_ref().or(self.current_block.as_ref()) else {
+                return Err(StreamError::NoCurrentBlock(at));
+            };
+            if offset.saturating_add(PAGE_SIZE as u64) > *size {
+                return Err(StreamError::OutsideBlock {
+                    block: String::from_utf8_lossy(name).into_owned(),
+                    offset,
+                    size: *size,
+                });
+            }
+        }
+        let data = match flags & (flag::ZERO | flag::PAGE | flag::XBZRLE) {
+            0 => RamData::None,
+            flag::ZERO => {
+                let Some(fill) = cur.u8() else {
+                    return Ok(None);
+                };
+                RamData::Fill(fill)
+            }
+            flag::PAGE => {
+                let Some(page) = cur.bytes(PAGE_SIZE) else {
+                    return Ok(None);
+                };
+                RamData::Page(Bytes::copy_from_slice(page))
+            }
+            flag::XBZRLE => {
+                let (Some(tag), Some(len)) = (cur.u8(), cur.be16()) else {
+                    return Ok(None);
+                };
+                if tag != 1 {
+                    return Err(StreamError::BadXbzrleTag(tag));
+                }
+                let Some(delta) = cur.bytes(usize::from(len)) else {
+                    return Ok(None);
+                };
+                RamData::Xbzrle(Bytes::copy_from_slice(delta))
+            }
+            _ => return Err(StreamError::UnsupportedRamFlags { flags, at }),
+        };
+        // Only now, with the record complete, does the parser's state move.
+        if let Some(b) = block.clone() {
+            self.current_block = Some(b);
+        }
+        if flags & flag::EOS != 0 {
+            self.state = State::Footer { id };
+        }
+        Ok(Some(Step::Ram(RamRecord {
+            offset,
+            flags,
+            block: block.map(|(name, _)| name),
+            data,
+        })))
+    }
+
+    fn footer(&mut self, cur: &mut Cursor, id: u32) -> StepResult {
+        let at = self.position;
+        let (Some(marker), Some(found)) = (cur.u8(), cur.be32()) else {
+            return Ok(None);
+        };
+        if marker != section::FOOTER || found != id {
+            return Err(StreamError::BadFooter {
+                expected: id,
+                found,
+                at,
+            });
+        }
+        self.state = State::Top;
+        Ok(Some(Step::Opaque))
+    }
+}
+
+impl Item {
+    /// Appends the item's exact bytes to `out`.
+    pub fn encode(&self, out: &mut BytesMut) {
+        match self {
+            Item::Opaque(bytes) => out.put_slice(bytes),
+            Item::Ram(record) => record.encode(out),
+        }
+    }
+
+    /// How many bytes [`Item::encode`] writes.
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            Item::Opaque(bytes) => bytes.len(),
+            Item::Ram(record) => record.encoded_len(),
+        }
+    }
+}
+
+impl RamRecord {
+    pub fn encode(&self, out: &mut BytesMut) {
+        out.put_u64(self.offset | self.flags);
+        if let Some(name) = &self.block {
+            out.put_u8(u8::try_from(name.len()).expect("block names are at most 255 bytes"));
+            out.put_slice(name);
+        }
+        match &self.data {
+            RamData::None => {}
+            RamData::Fill(fill) => out.put_u8(*fill),
+            RamData::Page(page) => out.put_slice(page),
+            RamData::Xbzrle(delta) => {
+                out.put_u8(1);
+                out.put_u16(u16::try_from(delta.len()).expect("XBZRLE deltas fit in be16"));
+                out.put_slice(delta);
+            }
+        }
+    }
+
+    pub fn encoded_len(&self) -> usize {
+        8 + self.block.as_ref().map_or(0, |n| 1 + n.len())
+            + match &self.data {
+                RamData::None => 0,
+                RamData::Fill(_) => 1,
+                RamData::Page(p) => p.len(),
+                RamData::Xbzrle(d) => 3 + d.len(),
+            }
+    }
+}

@@ -1,0 +1,171 @@
+//! The migration-stream parser against real QEMU 10 streams (captured by
+//! `scripts/capture-streams.sh`): every byte comes back out, in any chunking, and damaged
+//! streams stop with an error that names what is wrong.
+
+use bytes::BytesMut;
+use ferry_qemu::stream::{flag, Item, RamData, StreamError, StreamParser};
+use proptest::prelude::*;
+
+fn stream(name: &str) -> Vec<u8> {
+    let path = format!(
+        "{}/tests/streams/{name}.qemu.zst",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    zstd::decode_all(std::fs::File::open(&path).expect(&path)).expect("zstd")
+}
+
+/// Feeds `data` in chunks of the given sizes (cycled) and returns the items and the
+/// re-encoded bytes.
+fn parse_chunked(data: &[u8], chunks: &[usize]) -> Result<(Vec<Item>, Vec<u8>), StreamError> {
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::new();
+    let mut items = Vec::new();
+    let mut out = BytesMut::new();
+    let mut at = 0;
+    let mut i = 0;
+    while at < data.len() {
+        let n = chunks[i % chunks.len()].max(1).min(data.len() - at);
+        i += 1;
+        buf.extend_from_slice(&data[at..at + n]);
+        at += n;
+        while let Some(item) = parser.next_item(&mut buf)? {
+            item.encode(&mut out);
+            items.push(item);
+        }
+    }
+    parser.finish(buf.len())?;
+    Ok((items, out.to_vec()))
+}
+
+struct Counts {
+    pages: usize,
+    zero: usize,
+    eos: usize,
+    named: usize,
+}
+
+fn count(items: &[Item]) -> Counts {
+    let mut c = Counts {
+        pages: 0,
+        zero: 0,
+        eos: 0,
+        named: 0,
+    };
+    for item in items {
+        if let Item::Ram(r) = item {
+            match r.data {
+                RamData::Page(ref p) => {
+                    assert_eq!(p.len(), 4096);
+                    c.pages += 1
+                }
+                RamData::Fill(_) => c.zero += 1,
+                _ => {}
+            }
+            c.eos += usize::from(r.flags & flag::EOS != 0);
+            c.named += usize::from(r.block.is_some());
+        }
+    }
+    c
+}
+
+#[test]
+fn idle_stream_reemits_byte_for_byte() {
+    let data = stream("idle");
+    let (items, out) = parse_chunked(&data, &[data.len()]).unwrap();
+    assert_eq!(out, data);
+    let c = count(&items);
+    // 64 MiB of RAM plus ROMs: every page appears once, most of them zero.
+    assert!(c.zero > 15_000, "zero pages: {}", c.zero);
+    assert!(c.pages > 10, "pages: {}", c.pages);
+    assert!(c.named >= 2, "block names: {}", c.named);
+    assert!(c.eos >= 2, "EOS markers: {}", c.eos);
+}
+
+#[test]
+fn running_stream_has_several_passes_and_reemits() {
+    let data = stream("running");
+    let (items, out) = parse_chunked(&data, &[data.len()]).unwrap();
+    assert_eq!(out, data);
+    // Setup + at least one iteration + the end: three or more EOS markers.
+    assert!(count(&items).eos >= 3, "EOS markers: {}", count(&items).eos);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// Whatever sizes the socket delivers, the same bytes come out.
+    #[test]
+    fn any_chunking_reemits_the_same_bytes(
+        chunks in prop::collection::vec(1usize..9000, 1..16),
+        which in 0usize..2,
+    ) {
+        let data = stream(["idle", "running"][which]);
+        let (_, out) = parse_chunked(&data, &chunks).unwrap();
+        prop_assert_eq!(out, data);
+    }
+}
+
+#[test]
+fn bad_magic_is_named() {
+    let mut data = stream("idle");
+    data[0] = b'X';
+    let err = parse_chunked(&data, &[4096]).unwrap_err();
+    assert!(
+        err.to_string().contains("not a QEMU migration stream"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_section_type_is_named_with_its_offset() {
+    let mut data = stream("idle");
+    // Right after the configuration (4 + 4 + 1 + 4 + 11 bytes) comes SECTION_START.
+    assert_eq!(data[24], 0x01);
+    data[24] = 0x42;
+    let err = parse_chunked(&data, &[1000]).unwrap_err();
+    assert_eq!(err, StreamError::UnknownSection { kind: 0x42, at: 24 });
+    assert_eq!(
+        err.to_string(),
+        "unknown section type 0x42 at stream offset 24"
+    );
+}
+
+#[test]
+fn unknown_ram_flag_stops_the_parse() {
+    let data = stream("running");
+    // Find the first page record after the setup and set the (removed) compression flag.
+    let (items, _) = parse_chunked(&data, &[data.len()]).unwrap();
+    let mut at = 0;
+    for item in &items {
+        if let Item::Ram(r) = item {
+            if matches!(r.data, RamData::Page(_)) {
+                break;
+            }
+        }
+        at += item.encoded_len();
+    }
+    let mut bad = data.clone();
+    bad[at + 6] |= 0x01; // flags 0x100 live in byte 6 of the be64 word
+    let err = parse_chunked(&bad, &[65536]).unwrap_err();
+    assert!(
+        matches!(err, StreamError::UnsupportedRamFlags { at: a, .. } if a == at as u64),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_stream_is_reported() {
+    let data = stream("running");
+    let err = parse_chunked(&data[..200_000], &[65536]).unwrap_err();
+    assert_eq!(err.to_string(), "the stream ended inside a RAM section");
+}
+
+#[test]
+fn device_state_before_ram_ends_is_refused() {
+    // QEVM v3, then a SECTION_FULL for "apic" right away.
+    let mut data = b"QEVM\0\0\0\x03".to_vec();
+    data.extend_from_slice(&[0x04, 0, 0, 0, 9, 4]);
+    data.extend_from_slice(b"apic");
+    data.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 3]);
+    let err = parse_chunked(&data, &[7]).unwrap_err();
+    assert_eq!(err, StreamError::EarlyDevice("apic".into()));
+}
