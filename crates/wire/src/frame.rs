@@ -47,6 +47,9 @@ pub enum FrameKind {
     Ack = 2,
     /// Deliver nothing after this point of the channel before everything before it.
     Barrier = 3,
+    /// First frame on every connection, both ways: the session it belongs to and what the
+    /// sender has consumed per channel (JSON payload, see `session`).
+    Hello = 4,
 }
 
 impl FrameKind {
@@ -55,6 +58,7 @@ impl FrameKind {
             1 => Some(FrameKind::Data),
             2 => Some(FrameKind::Ack),
             3 => Some(FrameKind::Barrier),
+            4 => Some(FrameKind::Hello),
             _ => None,
         }
     }
@@ -71,13 +75,13 @@ pub struct Frame {
 
 /// Why bytes from a peer are not a frame. Every variant names what was wrong and what was
 /// expected.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum FrameError {
     #[error("wire: bad magic {found:#06x} (expected {MAGIC:#06x}; is the peer a ferry agent?)")]
     BadMagic { found: u16 },
     #[error("wire: frame version {found} is not supported (this ferry speaks {WIRE_VERSION})")]
     Version { found: u8 },
-    #[error("wire: unknown frame kind {found} (known: 1 data, 2 ack, 3 barrier)")]
+    #[error("wire: unknown frame kind {found} (known: 1 data, 2 ack, 3 barrier, 4 hello)")]
     Kind { found: u8 },
     #[error("wire: reserved flags {found:#06x} are set (expected 0)")]
     Flags { found: u16 },
@@ -172,7 +176,7 @@ impl Frame {
         if len > MAX_PAYLOAD_BYTES {
             return Err(FrameError::TooLong { found: len });
         }
-        if kind != FrameKind::Data && len != 0 {
+        if matches!(kind, FrameKind::Ack | FrameKind::Barrier) && len != 0 {
             return Err(FrameError::UnexpectedPayload { kind, found: len });
         }
         let total = HEADER_BYTES + usize::try_from(len).expect("u32 fits in usize");

@@ -12,7 +12,9 @@
 pub mod frame;
 pub mod outbox;
 pub mod reorder;
+pub mod session;
 
 pub use frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
 pub use outbox::{Outbox, OutboxError};
 pub use reorder::{Reorder, ReorderError};
+pub use session::{Received, Session, SessionConfig, SessionError, SessionId, SessionStats};

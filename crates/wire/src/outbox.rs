@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 
 use bytes::Bytes;
 
-use crate::frame::{ChannelId, Frame, Seq};
+use crate::frame::{ChannelId, Frame, FrameKind, Seq};
 
 /// Why the outbox refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -60,6 +60,17 @@ impl Outbox {
 
     /// Numbers `payload` as the channel's next data frame and keeps it until acknowledged.
     pub fn push(&mut self, payload: Bytes) -> Result<Frame, OutboxError> {
+        self.push_frame(FrameKind::Data, payload)
+    }
+
+    /// Numbers a barrier: a point in the channel the receiver reaches only after everything
+    /// before it. Barriers carry nothing and take no room.
+    pub fn push_barrier(&mut self) -> Frame {
+        self.push_frame(FrameKind::Barrier, Bytes::new())
+            .expect("an empty frame always fits")
+    }
+
+    fn push_frame(&mut self, kind: FrameKind, payload: Bytes) -> Result<Frame, OutboxError> {
         if !self.frames.is_empty() && self.held_bytes + payload.len() > self.limit_bytes {
             return Err(OutboxError::Full {
                 channel: self.channel.0,
@@ -67,7 +78,12 @@ impl Outbox {
                 limit_bytes: self.limit_bytes,
             });
         }
-        let frame = Frame::data(self.channel, Seq(self.next), payload);
+        let frame = Frame {
+            kind,
+            channel: self.channel,
+            seq: Seq(self.next),
+            payload,
+        };
         self.next += 1;
         self.held_bytes += frame.payload.len();
         self.frames.push_back(frame.clone());
@@ -108,6 +124,22 @@ impl Outbox {
     /// The next sequence number to be assigned.
     pub fn next(&self) -> Seq {
         Seq(self.next)
+    }
+
+    /// Every frame below this was acknowledged.
+    pub fn acked(&self) -> Seq {
+        Seq(self.acked)
+    }
+
+    /// Whether there is room for `len` more payload bytes (an empty outbox always takes one
+    /// frame, so a frame larger than the limit cannot block forever).
+    pub fn has_room(&self, len: usize) -> bool {
+        self.frames.is_empty() || self.held_bytes + len <= self.limit_bytes
+    }
+
+    /// Changes the byte limit (the session sizes it from the measured rate and RTT).
+    pub fn set_limit(&mut self, limit_bytes: usize) {
+        self.limit_bytes = limit_bytes;
     }
 }
 

@@ -1,0 +1,237 @@
+//! Sessions over connections that keep breaking: whatever the cuts, every payload and barrier
+//! arrives once, in order, in both directions, and the sender's memory stays bounded.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_wire::frame::ChannelId;
+use ferry_wire::session::exchange_hello;
+use ferry_wire::{Received, Session, SessionConfig, SessionId};
+use proptest::prelude::*;
+use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
+
+/// A stream that breaks after writing `budget` bytes, like a WAN connection that drops.
+struct Cut {
+    inner: DuplexStream,
+    budget: usize,
+}
+
+impl AsyncRead for Cut {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Cut {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.budget == 0 {
+            return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
+        }
+        let n = buf.len().min(self.budget);
+        let r = Pin::new(&mut self.inner).poll_write(cx, &buf[..n]);
+        if let Poll::Ready(Ok(written)) = r {
+            self.budget -= written;
+        }
+        r
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Msg {
+    Data(usize),
+    Barrier,
+}
+
+fn payload(i: usize, len: usize) -> Bytes {
+    Bytes::from((0..len).map(|j| (i * 31 + j) as u8).collect::<Vec<u8>>())
+}
+
+fn expected(msgs: &[Msg]) -> Vec<Received> {
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| match m {
+            Msg::Data(len) => Received::Data(payload(i, *len)),
+            Msg::Barrier => Received::Barrier,
+        })
+        .collect()
+}
+
+async fn send_all(s: &Session, ch: ChannelId, msgs: &[Msg]) {
+    for (i, m) in msgs.iter().enumerate() {
+        match m {
+            Msg::Data(len) => s.send(ch, payload(i, *len)).await.unwrap(),
+            Msg::Barrier => s.barrier(ch).unwrap(),
+        }
+    }
+    s.flushed(ch).await.unwrap();
+}
+
+async fn recv_all(s: &Session, ch: ChannelId, n: usize) -> Vec<Received> {
+    let mut got = Vec::new();
+    for _ in 0..n {
+        got.push(s.recv(ch).await.unwrap());
+    }
+    got
+}
+
+/// Keeps `slots` connections between the two sides, each cut after the next budget.
+async fn connect_loop(a: Session, b: Session, slots: u32, cuts: Vec<usize>, done: Arc<AtomicBool>) {
+    let cuts = Arc::new(std::sync::Mutex::new(cuts.into_iter()));
+    // Dropping the set (when this task is aborted) aborts the slots.
+    let mut tasks = tokio::task::JoinSet::new();
+    for slot in 0..slots {
+        let (a, b, cuts, done) = (a.clone(), b.clone(), cuts.clone(), done.clone());
+        tasks.spawn(async move {
+            while !done.load(Ordering::Relaxed) {
+                let budget = cuts.lock().unwrap().next().unwrap_or(usize::MAX);
+                let (x, y) = tokio::io::duplex(16 << 10);
+                let mut x = Cut { inner: x, budget };
+                let mut y = Cut {
+                    inner: y,
+                    budget: usize::MAX,
+                };
+                let t = Duration::from_secs(5);
+                let (ha, hb) = (a.hello(slot), b.hello(slot));
+                let (ra, rb) = tokio::join!(
+                    exchange_hello(&mut x, &ha, t),
+                    exchange_hello(&mut y, &hb, t)
+                );
+                let (Ok((hello_b, left_a)), Ok((hello_a, left_b))) = (ra, rb) else {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                };
+                a.accept_hello(&hello_b).unwrap();
+                b.accept_hello(&hello_a).unwrap();
+                let (a2, b2) = (a.clone(), b.clone());
+                let ta = tokio::spawn(async move { a2.run_connection(x, left_a).await });
+                let tb = tokio::spawn(async move { b2.run_connection(y, left_b).await });
+                let _ = ta.await;
+                tb.abort();
+                let _ = tb.await;
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+fn run(msgs_ab: Vec<Msg>, msgs_ba: Vec<Msg>, slots: u32, cuts: Vec<usize>, limit: usize) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let config = SessionConfig {
+            send_limit_bytes: limit,
+            ack_every_bytes: 8 << 10,
+            ..Default::default()
+        };
+        let id = SessionId::random();
+        let (a, b) = (Session::new(id, config.clone()), Session::new(id, config));
+        let done = Arc::new(AtomicBool::new(false));
+        let net = tokio::spawn(connect_loop(
+            a.clone(),
+            b.clone(),
+            slots,
+            cuts,
+            done.clone(),
+        ));
+        let (ch1, ch2) = (ChannelId(1), ChannelId(2));
+        let work = async {
+            tokio::join!(
+                send_all(&a, ch1, &msgs_ab),
+                send_all(&b, ch2, &msgs_ba),
+                recv_all(&b, ch1, msgs_ab.len()),
+                recv_all(&a, ch2, msgs_ba.len()),
+            )
+        };
+        let (_, _, got_ab, got_ba) = tokio::time::timeout(Duration::from_secs(5), work)
+            .await
+            .expect("the transfer finishes despite the cuts");
+        done.store(true, Ordering::Relaxed);
+        net.abort();
+        assert_eq!(got_ab, expected(&msgs_ab));
+        assert_eq!(got_ba, expected(&msgs_ba));
+        assert_eq!(a.stats().unacked_bytes, 0);
+    });
+}
+
+fn msgs() -> impl Strategy<Value = Vec<Msg>> {
+    prop::collection::vec(
+        prop_oneof![4 => (1usize..40_000).prop_map(Msg::Data), 1 => Just(Msg::Barrier)],
+        0..60,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn everything_arrives_once_in_order_despite_cuts(
+        ab in msgs(),
+        ba in msgs(),
+        slots in 1u32..5,
+        cuts in prop::collection::vec(1usize..200_000, 0..12),
+        limit in 10_000usize..300_000,
+    ) {
+        run(ab, ba, slots, cuts, limit);
+    }
+}
+
+#[test]
+fn a_full_window_makes_send_wait_until_the_peer_consumes() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let config = SessionConfig {
+            send_limit_bytes: 100_000,
+            ..Default::default()
+        };
+        let a = Session::new(SessionId(7), config);
+        // No connection: the first frame always fits, the second waits.
+        a.send(ChannelId(1), Bytes::from(vec![0u8; 80_000]))
+            .await
+            .unwrap();
+        let second = a.send(ChannelId(1), Bytes::from(vec![0u8; 80_000]));
+        assert!(tokio::time::timeout(Duration::from_millis(200), second)
+            .await
+            .is_err());
+        assert_eq!(a.stats().unacked_bytes, 80_000);
+        a.fail("test over");
+        let err = a
+            .send(ChannelId(1), Bytes::from_static(b"x"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_string(), "session failed: test over");
+    });
+}
+
+#[test]
+fn a_hello_for_another_session_is_refused() {
+    let a = Session::new(SessionId(1), SessionConfig::default());
+    let b = Session::new(SessionId(2), SessionConfig::default());
+    let err = a.accept_hello(&b.hello(0)).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("is for session 00000000000000000000000000000002"),
+        "{err}"
+    );
+}
