@@ -77,6 +77,14 @@ pub enum EventKind {
     DestinationResumed,
     /// The migration failed or was cancelled; the source keeps running.
     Failed,
+    /// A WAN connection dropped (ferry; the transport reconnects and replays).
+    ConnectionLost,
+    /// A WAN connection was (re-)established.
+    Connected,
+    /// The source QEMU finished writing its stream; its digest went to the destination.
+    StreamEnded,
+    /// Both ends' digests matched and the destination loaded: the commit point.
+    Committed,
 }
 
 impl EventKind {
@@ -91,6 +99,10 @@ impl EventKind {
             EventKind::DestinationLoaded => "dst loaded",
             EventKind::DestinationResumed => "dst RESUME",
             EventKind::Failed => "failed",
+            EventKind::ConnectionLost => "conn lost",
+            EventKind::Connected => "connected",
+            EventKind::StreamEnded => "stream end",
+            EventKind::Committed => "commit",
         }
     }
 }

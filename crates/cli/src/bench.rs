@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
-use ferry_lab::baseline::QemuMode;
+use ferry_lab::baseline::System;
 use ferry_lab::bench::{run_scenario, Scenario, Workload};
 use ferry_lab::{accel, image, vm, Lab};
 
@@ -55,12 +55,12 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     let link = a.link.config();
     link.validate()?;
     let base = a.migration.options()?;
-    let modes: Vec<QemuMode> = if a.modes.is_empty() {
-        vec![base.mode]
+    let systems: Vec<System> = if a.modes.is_empty() {
+        vec![base.system()]
     } else {
         a.modes
             .iter()
-            .map(|m| QemuMode::parse(m))
+            .map(|m| System::parse(m))
             .collect::<Result<_>>()?
     };
     let workloads: Vec<Workload> = a
@@ -99,9 +99,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     for w in &workloads {
         for run in 1..=a.runs {
             // Modes interleave within a run so slow drifts of the machine hit every mode alike.
-            for &mode in &modes {
+            for &system in &systems {
                 let sc = Scenario {
-                    mode,
+                    system,
                     workload: w.clone(),
                     vm: vm::VmOptions {
                         mem_mib: a.shape.mem_mib,
@@ -122,7 +122,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                         eprintln!(
                             "bench: {} {} run {run}: {}",
                             w.pattern,
-                            mode.name(),
+                            system.name(),
                             report::error_chain(&e)
                         );
                     }

@@ -2,6 +2,7 @@
 //! connected to its sequence server, migrate it to site B across the emulated WAN with a live
 //! progress bar, and print the report. The demo's lab is its own and is removed at the end.
 
+use ferry_lab::baseline::System;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -135,9 +136,13 @@ async fn demo_inner(
         rec.guest_ip
     );
     tokio::time::sleep(Duration::from_secs(a.warmup_s)).await;
+    let system = opts.system();
     println!(
-        "[4/5] migrating to site b with QEMU's own migration ({})",
-        opts.mode.name()
+        "[4/5] migrating to site b with {}",
+        match system {
+            System::Ferry => "ferry (the sites' agents, over the WAN)".to_owned(),
+            System::Qemu(m) => format!("QEMU's own migration ({})", m.name()),
+        }
     );
     let (outcome, verify) = migrate_with_progress(
         lab,
@@ -157,12 +162,7 @@ async fn demo_inner(
     })
     .await?;
     println!("[5/5] report");
-    report::print_report(
-        &format!("qemu-{}", opts.mode.name()),
-        &outcome,
-        verify.as_ref(),
-        Some(&tcp),
-    );
+    report::print_report(&system.name(), &outcome, verify.as_ref(), Some(&tcp));
     let code = exit_code(&outcome, verify.as_ref());
     Ok(if tcp.intact() {
         code

@@ -43,6 +43,8 @@ enum Cmd {
     Guest(vm_cmd::GuestArgs),
     /// Migrate a VM to another site.
     Migrate(migrate::MigrateArgs),
+    /// Run this host's agent: the local API for the CLI and the endpoint for peer agents.
+    Agent(AgentArgs),
     /// Run benchmark scenarios and print one JSON object per migration.
     Bench(bench::BenchArgs),
     /// Draw a migration timeline (JSON from `migrate`, `demo --timeline` or `bench --timelines`) as SVG.
@@ -53,6 +55,31 @@ enum Cmd {
         #[arg(short, long)]
         output: Option<std::path::PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// This agent's name; its certificate must carry it (the lab's are `site-a`, `site-b`).
+    #[arg(long)]
+    name: String,
+    /// Where peer agents connect (host:port).
+    #[arg(long)]
+    listen: String,
+    /// The local API's unix socket.
+    #[arg(long)]
+    api: std::path::PathBuf,
+    /// Directory for the sockets to and from QEMU.
+    #[arg(long)]
+    work_dir: std::path::PathBuf,
+    /// The fleet CA (PEM): peers must present a certificate it signed.
+    #[arg(long)]
+    ca: std::path::PathBuf,
+    /// This agent's certificate (PEM).
+    #[arg(long)]
+    cert: std::path::PathBuf,
+    /// This agent's private key (PEM).
+    #[arg(long)]
+    key: std::path::PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -129,6 +156,15 @@ fn main() -> ExitCode {
             Cmd::Guest(a) => vm_cmd::guest(a).await,
             Cmd::Migrate(a) => migrate::run(a).await,
             Cmd::Bench(a) => bench::run(a).await,
+            Cmd::Agent(a) => ferry_agent::run(ferry_agent::AgentConfig {
+                name: a.name,
+                listen: a.listen,
+                api_socket: a.api,
+                work_dir: a.work_dir,
+                identity: ferry_wire::tls::Identity { ca: a.ca, cert: a.cert, key: a.key },
+            })
+            .await
+            .map(|()| ExitCode::SUCCESS),
             Cmd::Report { timeline, output } => report_svg(&timeline, output),
         }
     });

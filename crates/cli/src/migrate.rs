@@ -15,11 +15,17 @@ use crate::report;
 /// Migration flags shared by `migrate`, `bench` and `demo`.
 #[derive(Args, Debug, Clone)]
 pub struct MigrationFlags {
-    /// Which system migrates: `qemu` (QEMU's own migration straight across the WAN). The ferry
-    /// path arrives with issue 3.
-    #[arg(long, default_value = "qemu")]
+    /// Which system migrates: `ferry` (through the sites' agents) or `qemu` (QEMU's own
+    /// migration straight across the WAN, in --mode).
+    #[arg(long, default_value = "ferry")]
     pub system: String,
-    /// QEMU's migration mode: plain, xbzrle, multifd or multifd-zstd.
+    /// ferry: TCP connections across the WAN.
+    #[arg(long, default_value_t = ferry_api::agent::default_connections())]
+    pub connections: u32,
+    /// ferry: how long the WAN may be down before the migration fails (the source keeps running).
+    #[arg(long, default_value_t = 120)]
+    pub wan_timeout_s: u64,
+    /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
     #[arg(long, default_value = "plain")]
     pub mode: String,
     /// Downtime target, ms (QEMU's downtime-limit; 300 is QEMU's default).
@@ -33,10 +39,16 @@ pub struct MigrationFlags {
 impl MigrationFlags {
     /// Validated options.
     pub fn options(&self) -> Result<MigrateOptions> {
-        match self.system.as_str() {
-            "qemu" => {}
-            "ferry" => bail!("--system ferry is not built yet (issue 3); use --system qemu"),
-            other => bail!("unknown --system {other:?} (known: qemu)"),
+        let ferry = match self.system.as_str() {
+            "qemu" => false,
+            "ferry" => true,
+            other => bail!("unknown --system {other:?} (known: ferry, qemu)"),
+        };
+        if !(1..=64).contains(&self.connections) {
+            bail!(
+                "--connections {} is out of range; use 1 to 64",
+                self.connections
+            );
         }
         if !(1..=60_000).contains(&self.downtime_ms) {
             bail!(
@@ -48,6 +60,9 @@ impl MigrationFlags {
             bail!("--timeout-s must be at least 1");
         }
         Ok(MigrateOptions {
+            ferry,
+            connections: self.connections,
+            wan_timeout_s: self.wan_timeout_s,
             mode: QemuMode::parse(&self.mode)?,
             downtime_limit_ms: self.downtime_ms,
             timeout_s: self.timeout_s,
@@ -104,7 +119,7 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
         Some(&timeline_path),
     )
     .await?;
-    let system = format!("qemu-{}", opts.mode.name());
+    let system = opts.system().name();
     if a.json {
         let v = serde_json::json!({ "system": system, "outcome": outcome, "verify": verify, "timeline": timeline_path });
         println!("{v}");

@@ -81,9 +81,38 @@ impl QemuMode {
     }
 }
 
+/// Which system migrates: ferry's agents, or QEMU's own migration in one of its modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum System {
+    Ferry,
+    Qemu(QemuMode),
+}
+
+impl System {
+    /// `ferry`, `qemu-<mode>`, or a bare QEMU mode (`plain`, `multifd-zstd`, ...).
+    pub fn parse(s: &str) -> Result<System> {
+        if s == "ferry" {
+            return Ok(System::Ferry);
+        }
+        QemuMode::parse(s.strip_prefix("qemu-").unwrap_or(s))
+            .map(System::Qemu)
+            .map_err(|e| anyhow::anyhow!("{e:#}, or ferry"))
+    }
+
+    /// The name in reports and bench records: `ferry` or `qemu-<mode>`.
+    pub fn name(self) -> String {
+        match self {
+            System::Ferry => "ferry".into(),
+            System::Qemu(m) => format!("qemu-{}", m.name()),
+        }
+    }
+}
+
 /// How to migrate.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MigrateOptions {
+    /// ferry's path, or QEMU's own (then `mode` says how).
+    pub ferry: bool,
     pub mode: QemuMode,
     /// QEMU's `downtime-limit`; 300 ms is QEMU's own default.
     pub downtime_limit_ms: u64,
@@ -91,15 +120,47 @@ pub struct MigrateOptions {
     pub timeout_s: u64,
     /// multifd channels; 4 is a common choice (QEMU's default is 2).
     pub multifd_channels: u8,
+    /// ferry: TCP connections across the WAN.
+    pub connections: u32,
+    /// ferry: how long the WAN may be down before the migration fails.
+    pub wan_timeout_s: u64,
+    /// ferry test hook: flip a bit of the stream at this offset (the digest check must catch it).
+    pub test_corrupt_at: Option<u64>,
 }
 
 impl Default for MigrateOptions {
     fn default() -> Self {
         MigrateOptions {
+            ferry: true,
             mode: QemuMode::Plain,
             downtime_limit_ms: 300,
             timeout_s: 900,
             multifd_channels: 4,
+            connections: ferry_api::agent::default_connections(),
+            wan_timeout_s: 120,
+            test_corrupt_at: None,
+        }
+    }
+}
+
+impl MigrateOptions {
+    /// The system these options select.
+    pub fn system(&self) -> System {
+        if self.ferry {
+            System::Ferry
+        } else {
+            System::Qemu(self.mode)
+        }
+    }
+
+    /// Selects `system`.
+    pub fn set_system(&mut self, system: System) {
+        match system {
+            System::Ferry => self.ferry = true,
+            System::Qemu(m) => {
+                self.ferry = false;
+                self.mode = m;
+            }
         }
     }
 }
@@ -134,7 +195,7 @@ pub struct MigrationOutcome {
     pub error: Option<String>,
 }
 
-fn now_micros() -> i64 {
+pub(crate) fn now_micros() -> i64 {
     i64::try_from(
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -184,6 +245,9 @@ pub async fn migrate(
     progress: &watch::Sender<Progress>,
     timeline: &Mutex<Timeline>,
 ) -> Result<(MigrationOutcome, GuestLink)> {
+    if opts.ferry {
+        return crate::ferry_path::migrate(lab, name, to, opts, src_link, progress, timeline).await;
+    }
     let _active = interrupt::Active::enter();
     let rec = vm::load(lab, name)?;
     if rec.site == to {

@@ -9,7 +9,7 @@ use ferry_qemu::Accel;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::baseline::{self, MigrateOptions, QemuMode};
+use crate::baseline::{self, MigrateOptions, System};
 use crate::guest::{self, GuestLink, Heartbeats};
 use crate::image::Image;
 use crate::link::LinkConfig;
@@ -119,7 +119,7 @@ pub struct LinkSummary {
 /// One scenario's settings.
 #[derive(Debug, Clone)]
 pub struct Scenario {
-    pub mode: QemuMode,
+    pub system: System,
     pub workload: Workload,
     pub vm: vm::VmOptions,
     pub link: LinkConfig,
@@ -151,14 +151,14 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
     let floor_bytes = tokio::task::spawn_blocking(move || floor::floor_bytes(&mem_file)).await??;
     let (tx, _rx) = watch::channel(baseline::Progress::default());
     let mut opts = sc.migrate.clone();
-    opts.mode = sc.mode;
+    opts.set_system(sc.system);
     let timeline = std::sync::Mutex::default();
     let result = baseline::migrate(lab, name, Site::B, &opts, link, &tx, &timeline).await;
     if let Some(dir) = &sc.timeline_dir {
         let file = format!(
-            "{}-qemu-{}-run{}.json",
+            "{}-{}-run{}.json",
             sc.workload.pattern,
-            sc.mode.name(),
+            sc.system.name(),
             sc.run
         );
         baseline::write_timeline(&dir.join(file), &timeline)?;
@@ -170,7 +170,7 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
         None
     };
     Ok(BenchRecord {
-        system: format!("qemu-{}", sc.mode.name()),
+        system: sc.system.name(),
         workload: sc.workload.pattern.clone(),
         link: LinkSummary {
             rate_mbit: sc.link.rate_mbit,

@@ -16,13 +16,16 @@
 //! - [`sh`]: running host commands with useful errors.
 
 pub mod accel;
+pub mod agents;
 pub mod baseline;
 pub mod bench;
+pub mod ferry_path;
 pub mod floor;
 pub mod guest;
 pub mod image;
 pub mod interrupt;
 pub mod link;
+pub mod pki;
 pub mod sh;
 pub mod tcpseq;
 pub mod topology;

@@ -23,6 +23,8 @@ use crate::{sh, wan};
 
 /// The underlay MTU: room for VXLAN's 50 bytes around a 1500-byte guest frame.
 const UNDERLAY_MTU: u32 = 1600;
+/// The port agents listen on for their peers.
+pub const AGENT_PORT: u16 = 7700;
 /// The VXLAN network identifier of the lab's shared segment.
 const VXLAN_ID: u32 = 77;
 
@@ -128,6 +130,21 @@ impl Lab {
     /// The middle namespace holding the WAN emulator.
     pub fn wan_ns(&self) -> String {
         format!("{}-wan", self.name)
+    }
+
+    /// The API socket of `site`'s agent.
+    pub fn agent_socket(&self, site: Site) -> PathBuf {
+        self.dir().join(format!("agent-{}.sock", site.name()))
+    }
+
+    /// Where `site`'s agent listens for peers (its underlay address).
+    pub fn agent_peer_addr(&self, site: Site) -> String {
+        format!("{}:{}", site.underlay_ip(), AGENT_PORT)
+    }
+
+    /// The lab's certificates.
+    pub fn pki_dir(&self) -> PathBuf {
+        self.dir().join("pki")
     }
 
     /// The WAN emulator's control socket.
@@ -286,6 +303,10 @@ impl Lab {
             .is_ok()
         })
         .context("site a cannot reach site b through the WAN relay")?;
+        crate::pki::create(&self.pki_dir())?;
+        for site in Site::ALL {
+            crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit))?;
+        }
         let state = LabState {
             name: self.name.clone(),
             link,

@@ -10,9 +10,11 @@
 //!   (several TCP connections, replay after a reconnect).
 
 pub mod frame;
+pub mod net;
 pub mod outbox;
 pub mod reorder;
 pub mod session;
+pub mod tls;
 
 pub use frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
 pub use outbox::{Outbox, OutboxError};

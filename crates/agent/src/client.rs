@@ -1,0 +1,88 @@
+//! The CLI's client for an agent's local API (HTTP/1.1 over its unix socket).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use ferry_api::agent::{ApiError, Health, MigrationRequest, MigrationStatus};
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use tokio::net::UnixStream;
+
+/// An agent, reached through its API socket.
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    socket: PathBuf,
+}
+
+impl AgentClient {
+    pub fn new(socket: impl Into<PathBuf>) -> AgentClient {
+        AgentClient {
+            socket: socket.into(),
+        }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T> {
+        let stream = UnixStream::connect(&self.socket).await.with_context(|| {
+            format!(
+                "cannot reach the agent at {} (is `ferry agent` running?)",
+                self.socket.display()
+            )
+        })?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(conn);
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "ferry-agent")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+        let resp = sender.send_request(req).await?;
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        if !status.is_success() {
+            let msg = serde_json::from_slice::<ApiError>(&bytes)
+                .map(|e| e.error)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+            bail!("agent: {msg} (HTTP {status})");
+        }
+        serde_json::from_slice(&bytes)
+            .map_err(|e| anyhow!("agent sent a malformed answer to {path}: {e}"))
+    }
+
+    pub async fn health(&self) -> Result<Health> {
+        self.call("GET", "/v1/health", None).await
+    }
+
+    pub async fn start_migration(&self, req: &MigrationRequest) -> Result<MigrationStatus> {
+        self.call("POST", "/v1/migrations", Some(serde_json::to_vec(req)?))
+            .await
+    }
+
+    pub async fn migration(&self, id: &str) -> Result<MigrationStatus> {
+        self.call("GET", &format!("/v1/migrations/{id}"), None)
+            .await
+    }
+
+    /// Cancels a migration whose stream has not ended yet (the source VM keeps running).
+    pub async fn cancel(&self, id: &str) -> Result<MigrationStatus> {
+        self.call("POST", &format!("/v1/migrations/{id}/cancel"), None)
+            .await
+    }
+
+    pub async fn migrations(&self) -> Result<Vec<MigrationStatus>> {
+        self.call("GET", "/v1/migrations", None).await
+    }
+}

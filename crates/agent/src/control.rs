@@ -1,0 +1,50 @@
+//! The messages the two agents of a migration exchange on the session's control channel
+//! (JSON, one per frame), and the channel numbers.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use ferry_wire::{ChannelId, Received, Session};
+use serde::{Deserialize, Serialize};
+
+/// Control messages, both ways.
+pub const CONTROL: ChannelId = ChannelId(0);
+/// QEMU's migration stream, source to destination.
+pub const STREAM: ChannelId = ChannelId(1);
+/// QEMU's return path, destination to source.
+pub const RETURN_PATH: ChannelId = ChannelId(2);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum Control {
+    /// Source: get the destination QEMU ready to receive.
+    Prepare {
+        vm: String,
+        destination_qmp: PathBuf,
+        wan_timeout_s: u64,
+    },
+    /// Destination: QEMU listens and the stream may start.
+    Ready,
+    /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
+    End { bytes: u64, sha256: String },
+    /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time).
+    Committed { resume_unix_us: i64 },
+    /// Either side: the migration stops here, for this reason. The source resumes its VM.
+    Abort { reason: String },
+}
+
+pub async fn send(session: &Session, msg: &Control) -> Result<()> {
+    let bytes = serde_json::to_vec(msg).expect("control messages serialize");
+    session.send(CONTROL, Bytes::from(bytes)).await?;
+    Ok(())
+}
+
+pub async fn recv(session: &Session) -> Result<Control> {
+    match session.recv(CONTROL).await? {
+        Received::Data(b) => {
+            serde_json::from_slice(&b).context("malformed control message from the peer")
+        }
+        Received::Barrier => anyhow::bail!("unexpected barrier on the control channel"),
+    }
+}

@@ -1,0 +1,222 @@
+//! The destination side of a migration: feeds the stream to the waiting QEMU (started paused,
+//! `-incoming defer`) through a local unix socket, sends its return path back, and decides the
+//! commit: QEMU is resumed only when the stream's digest matches the source's and QEMU says it
+//! loaded. Any failure before that quits the destination QEMU; the source resumes its VM.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use bytes::BytesMut;
+use ferry_qemu::commands::{
+    Capability, Cont, MigrateIncoming, MigrateSetCapabilities, QueryMigrate, QueryStatus, Quit,
+};
+use ferry_qemu::Qmp;
+use ferry_wire::{Received, Session};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use crate::control::{self, Control, RETURN_PATH, STREAM};
+
+/// How long a new session may take to say what it wants.
+const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves one incoming session to its end.
+pub async fn run(session: Session, work_dir: std::path::PathBuf) {
+    let mut qmp = None;
+    let result = serve(&session, &work_dir, &mut qmp).await;
+    if let Err(e) = result {
+        tracing::warn!("session {}: {e:#}", session.id());
+        // Not committed: the destination VM goes.
+        if let Some(qmp) = &qmp {
+            let _ = qmp.execute(&Quit).await;
+        }
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            control::send(
+                &session,
+                &Control::Abort {
+                    reason: format!("destination: {e:#}"),
+                },
+            ),
+        )
+        .await;
+        let _ =
+            tokio::time::timeout(Duration::from_secs(5), session.flushed(control::CONTROL)).await;
+        session.fail(format!("{e:#}"));
+    }
+}
+
+async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -> Result<()> {
+    let prepare = tokio::time::timeout(PREPARE_TIMEOUT, control::recv(session))
+        .await
+        .context("the source sent nothing within 30s")??;
+    let Control::Prepare {
+        vm,
+        destination_qmp,
+        wan_timeout_s,
+    } = prepare
+    else {
+        bail!("expected Prepare first, got {prepare:?}");
+    };
+    let wan_timeout = Duration::from_secs(wan_timeout_s);
+    tracing::info!(
+        "session {}: receiving VM {vm:?} into {}",
+        session.id(),
+        destination_qmp.display()
+    );
+    let qmp = Qmp::connect(&destination_qmp)
+        .await
+        .with_context(|| format!("destination QMP {}", destination_qmp.display()))?;
+    let qmp = &*qmp_slot.insert(qmp);
+    let st = qmp.execute(&QueryStatus).await?;
+    if st.status != "inmigrate" {
+        bail!("the destination QEMU is not waiting for a migration (status {:?}; start it with -incoming defer)", st.status);
+    }
+    let caps = [
+        "xbzrle",
+        "multifd",
+        "postcopy-ram",
+        "return-path",
+        "mapped-ram",
+    ]
+    .iter()
+    .map(|c| Capability {
+        capability: (*c).into(),
+        state: false,
+    })
+    .chain([Capability {
+        capability: "events".into(),
+        state: true,
+    }])
+    .collect();
+    qmp.execute(&MigrateSetCapabilities { capabilities: caps })
+        .await?;
+    let sock = work_dir.join(format!("{}.dst.sock", session.id()));
+    let _ = std::fs::remove_file(&sock);
+    qmp.execute(&MigrateIncoming {
+        uri: format!("unix:{}", sock.display()),
+    })
+    .await
+    .context("destination QEMU refused migrate-incoming")?;
+    let conn = connect_retry(&sock).await?;
+    let _ = std::fs::remove_file(&sock);
+    let (mut from_qemu, mut to_qemu) = conn.into_split();
+    control::send(session, &Control::Ready).await?;
+
+    // The return path, destination QEMU to source QEMU.
+    let rp_session = session.clone();
+    let return_path = tokio::spawn(async move {
+        let mut buf = BytesMut::with_capacity(64 << 10);
+        loop {
+            buf.clear();
+            match from_qemu.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if rp_session
+                        .send(RETURN_PATH, buf.split().freeze())
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+
+    // The stream, until the source's End and every byte it announces have arrived.
+    let mut hash = Sha256::new();
+    let mut received = 0u64;
+    let mut end: Option<(u64, String)> = None;
+    let idle_check = || -> Result<()> {
+        if session.idle_for() > wan_timeout {
+            bail!(
+                "no connection from the source agent for {}s (the WAN timeout)",
+                wan_timeout.as_secs()
+            );
+        }
+        Ok(())
+    };
+    while end.as_ref().is_none_or(|(bytes, _)| received < *bytes) {
+        tokio::select! {
+            r = session.recv(STREAM) => match r? {
+                Received::Data(chunk) => {
+                    hash.update(&chunk);
+                    received += chunk.len() as u64;
+                    to_qemu.write_all(&chunk).await.context("writing the stream to the destination QEMU")?;
+                }
+                Received::Barrier => {}
+            },
+            msg = control::recv(session) => match msg? {
+                Control::End { bytes, sha256 } => end = Some((bytes, sha256)),
+                Control::Abort { reason } => bail!("the source aborted: {reason}"),
+                other => bail!("unexpected control message during the stream: {other:?}"),
+            },
+            _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+        }
+        if let Some((bytes, _)) = &end {
+            if received > *bytes {
+                bail!("received {received} stream bytes, the source announced {bytes}");
+            }
+        }
+    }
+    let (_, source_digest) = end.expect("loop ends with End");
+    let digest = format!("{:x}", hash.finalize());
+    if digest != source_digest {
+        bail!("stream digest mismatch: source sha256 {source_digest}, destination sha256 {digest}");
+    }
+
+    // QEMU must say it loaded the whole stream.
+    loop {
+        let info = qmp.execute(&QueryMigrate).await?;
+        match info.status.as_deref() {
+            Some("completed") => break,
+            Some("failed") => bail!(
+                "destination QEMU failed to load the stream: {}",
+                info.error_desc.unwrap_or_default()
+            ),
+            _ => {}
+        }
+        idle_check()?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The commit point: digests match and QEMU loaded. From here the source never runs again.
+    qmp.execute(&Cont)
+        .await
+        .context("resuming the destination")?;
+    let resume = qmp
+        .wait_event("RESUME", |_| true, Duration::from_secs(10))
+        .await
+        .map_or(0, |e| e.timestamp.as_micros());
+    return_path.abort();
+    // Nothing after the commit point may fail the migration: errors only get logged.
+    if let Err(e) = control::send(
+        session,
+        &Control::Committed {
+            resume_unix_us: resume,
+        },
+    )
+    .await
+    {
+        tracing::warn!(
+            "session {}: committed, but telling the source failed: {e:#}",
+            session.id()
+        );
+    }
+    // Make sure the source learns it (it waits, paused, until it does).
+    let _ = tokio::time::timeout(Duration::from_secs(600), session.flushed(control::CONTROL)).await;
+    session.fail("migration committed");
+    Ok(())
+}
+
+async fn connect_retry(sock: &Path) -> Result<UnixStream> {
+    for _ in 0..100 {
+        if let Ok(s) = UnixStream::connect(sock).await {
+            return Ok(s);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("destination QEMU does not listen on {}", sock.display())
+}

@@ -1,0 +1,18 @@
+//! ferry's per-host agent.
+//!
+//! - [`server`]: the local API for the CLI (HTTP/JSON on a unix socket, docs/agent-api.md) and
+//!   the peer endpoint (TCP + mutual TLS) where other agents open sessions.
+//! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
+//! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
+//! - [`control`]: the messages between the two sides.
+//! - [`client`]: the CLI's client for the local API.
+//! - [`status`]: a migration's shared status.
+
+pub mod client;
+pub mod control;
+pub mod destination;
+pub mod server;
+pub mod source;
+pub mod status;
+
+pub use server::{run, AgentConfig};

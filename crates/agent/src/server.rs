@@ -1,0 +1,246 @@
+//! The agent's two faces: the local API (HTTP and JSON on a unix socket) and the peer endpoint
+//! (TCP with mutual TLS) where other agents open sessions.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use ferry_api::agent::{ApiError, Health, MigrationRequest, MigrationState, MigrationStatus};
+use ferry_wire::net::{accept, answer};
+use ferry_wire::tls::{ClientConfig, Identity, ServerConfig};
+use ferry_wire::{Session, SessionConfig, SessionId};
+use tokio::net::{TcpListener, UnixListener};
+
+use crate::status::{now_ms, Shared};
+use crate::{destination, source};
+
+/// How an agent is set up.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// The name peers know this agent by (its certificate carries it).
+    pub name: String,
+    /// Where other agents connect (TCP).
+    pub listen: String,
+    /// The local API's unix socket.
+    pub api_socket: PathBuf,
+    /// Sockets to and from QEMU live here.
+    pub work_dir: PathBuf,
+    pub identity: Identity,
+}
+
+struct Agent {
+    config: AgentConfig,
+    client_tls: Arc<ClientConfig>,
+    migrations: Mutex<HashMap<String, Shared>>,
+    /// Incoming sessions, by id; ids of finished ones are remembered so that a late
+    /// connection of an old session cannot start a new one.
+    sessions: Mutex<HashMap<SessionId, Session>>,
+    finished: Mutex<HashSet<SessionId>>,
+}
+
+/// Runs the agent until it is killed.
+pub async fn run(config: AgentConfig) -> Result<()> {
+    let server_tls = config.identity.server_config()?;
+    let client_tls = config.identity.client_config()?;
+    std::fs::create_dir_all(&config.work_dir)
+        .with_context(|| format!("create {}", config.work_dir.display()))?;
+    let peers = TcpListener::bind(&config.listen)
+        .await
+        .with_context(|| format!("listen for peers on {}", config.listen))?;
+    let _ = std::fs::remove_file(&config.api_socket);
+    let api = UnixListener::bind(&config.api_socket)
+        .with_context(|| format!("API socket {}", config.api_socket.display()))?;
+    let agent = Arc::new(Agent {
+        config,
+        client_tls,
+        migrations: Mutex::new(HashMap::new()),
+        sessions: Mutex::new(HashMap::new()),
+        finished: Mutex::new(HashSet::new()),
+    });
+    tracing::info!(
+        "agent {} listening for peers on {} and for the CLI on {}",
+        agent.config.name,
+        agent.config.listen,
+        agent.config.api_socket.display()
+    );
+    let app = Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/migrations", get(list).post(start))
+        .route("/v1/migrations/{id}", get(one))
+        .route("/v1/migrations/{id}/cancel", axum::routing::post(cancel))
+        .with_state(agent.clone());
+    tokio::select! {
+        r = axum::serve(api, app) => r.context("API server")?,
+        r = serve_peers(agent, peers, server_tls) => r?,
+    }
+    Ok(())
+}
+
+async fn serve_peers(
+    agent: Arc<Agent>,
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+) -> Result<()> {
+    loop {
+        let (tcp, from) = listener
+            .accept()
+            .await
+            .context("accepting peer connections")?;
+        let (agent, tls) = (agent.clone(), tls.clone());
+        tokio::spawn(async move {
+            let (stream, hello, leftover) = match accept(tcp, tls, Duration::from_secs(10)).await {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!("peer {from} refused: {e}");
+                    return;
+                }
+            };
+            let Some(session) = agent.session_for(hello.session) else {
+                tracing::warn!(
+                    "peer {from}: session {} has ended; connection refused",
+                    hello.session
+                );
+                return;
+            };
+            let e = answer(&session, stream, &hello, leftover).await;
+            tracing::debug!("peer {from}: connection {} ended: {e}", hello.connection);
+        });
+    }
+}
+
+impl Agent {
+    /// The incoming session `id`, created (with its destination task) on first contact.
+    fn session_for(self: &Arc<Self>, id: SessionId) -> Option<Session> {
+        if self.finished.lock().expect("lock").contains(&id) {
+            return None;
+        }
+        let mut sessions = self.sessions.lock().expect("lock");
+        if let Some(s) = sessions.get(&id) {
+            return Some(s.clone());
+        }
+        let session = Session::new(id, SessionConfig::default());
+        sessions.insert(id, session.clone());
+        let (agent, s) = (self.clone(), session.clone());
+        tokio::spawn(async move {
+            destination::run(s, agent.config.work_dir.clone()).await;
+            agent.sessions.lock().expect("lock").remove(&id);
+            agent.finished.lock().expect("lock").insert(id);
+        });
+        Some(session)
+    }
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(ApiError { error: msg.into() })).into_response()
+}
+
+async fn health(State(agent): State<Arc<Agent>>) -> Json<Health> {
+    Json(Health {
+        name: agent.config.name.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        peer_listen: agent.config.listen.clone(),
+    })
+}
+
+async fn list(State(agent): State<Arc<Agent>>) -> Json<Vec<MigrationStatus>> {
+    let migrations = agent.migrations.lock().expect("lock");
+    let mut all: Vec<MigrationStatus> = migrations.values().map(Shared::get).collect();
+    all.sort_by_key(|m| m.started_unix_ms);
+    Json(all)
+}
+
+async fn one(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Response {
+    match agent.migrations.lock().expect("lock").get(&id) {
+        Some(m) => Json(m.get()).into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            format!("no migration {id:?} on this agent"),
+        ),
+    }
+}
+
+async fn cancel(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Response {
+    let Some(m) = agent.migrations.lock().expect("lock").get(&id).cloned() else {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("no migration {id:?} on this agent"),
+        );
+    };
+    if m.request_cancel() {
+        Json(m.get()).into_response()
+    } else {
+        error(
+            StatusCode::CONFLICT,
+            format!("migration {id} can no longer be cancelled (its stream has ended; the destination decides)"),
+        )
+    }
+}
+
+async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
+    let req: MigrationRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("malformed migration request: {e}"),
+            )
+        }
+    };
+    if req.connections == 0 || req.connections > 64 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("connections must be 1 to 64, not {}", req.connections),
+        );
+    }
+    {
+        let migrations = agent.migrations.lock().expect("lock");
+        if let Some(m) = migrations
+            .values()
+            .find(|m| m.update(|s| s.state == MigrationState::Running && s.vm == req.vm))
+        {
+            return error(
+                StatusCode::CONFLICT,
+                format!("VM {:?} is already migrating ({})", req.vm, m.get().id),
+            );
+        }
+    }
+    let id = format!("{:016x}", SessionId::random().0 as u64);
+    let status = Shared::new(MigrationStatus {
+        id: id.clone(),
+        vm: req.vm.clone(),
+        state: MigrationState::Running,
+        phase: "starting".into(),
+        error: None,
+        started_unix_ms: now_ms(),
+        stream_bytes: 0,
+        wire: Default::default(),
+        qemu: Default::default(),
+        events: Vec::new(),
+        source_stop_unix_us: None,
+        destination_resume_unix_us: None,
+        qemu_downtime_ms: None,
+        // Between the source's STOP and the destination's RESUME nothing waits for an answer
+        // from the other side: the last bytes and the digest travel together, one way.
+        switchover_round_trips: Some(0.5),
+        digest: None,
+    });
+    agent
+        .migrations
+        .lock()
+        .expect("lock")
+        .insert(id.clone(), status.clone());
+    tokio::spawn(source::run(
+        req,
+        status.clone(),
+        agent.client_tls.clone(),
+        agent.config.work_dir.clone(),
+    ));
+    (StatusCode::CREATED, Json(status.get())).into_response()
+}

@@ -1,0 +1,521 @@
+//! The source side of a migration: QEMU migrates into a local unix socket; the agent parses
+//! the stream (so a construct it does not understand stops the migration instead of being
+//! carried blind), hashes it, and sends it over the session; the return path comes back the
+//! other way. The commit is the destination's: the source quits its VM only when the
+//! destination says it runs, and resumes it on any failure before the stream's end was sent.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::{Bytes, BytesMut};
+use ferry_api::agent::{MigrationRequest, MigrationState};
+use ferry_api::EventKind;
+use ferry_qemu::commands::{
+    Capability, Cont, Migrate, MigrateCancel, MigrateSetCapabilities, MigrateSetParameters,
+    QueryMigrate, QueryStatus, Quit,
+};
+use ferry_qemu::stream::StreamParser;
+use ferry_qemu::Qmp;
+use ferry_wire::net::{keep_connected, socket_buffer_for, LinkEvent, Peer};
+use ferry_wire::tls::ClientConfig;
+use ferry_wire::{Received, Session, SessionConfig, SessionId};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixListener;
+use tokio::sync::mpsc;
+
+use crate::control::{self, Control, RETURN_PATH, STREAM};
+use crate::status::{Events, Shared};
+
+/// Stream bytes per frame: small enough that N connections share the stream evenly, large
+/// enough that the 20-byte header is noise.
+const CHUNK: usize = 64 << 10;
+
+/// Runs one migration to its end and records the outcome in `status`.
+pub async fn run(req: MigrationRequest, status: Shared, tls: Arc<ClientConfig>, work_dir: PathBuf) {
+    let result = migrate(&req, &status, tls, &work_dir).await;
+    status.update(|s| match result {
+        Ok(()) => {
+            s.state = MigrationState::Committed;
+            s.phase = "committed: the destination runs".into();
+        }
+        Err(e) => {
+            s.state = MigrationState::Failed;
+            s.phase = "failed".into();
+            s.error = Some(format!("{e:#}"));
+            s.event(EventKind::Failed, format!("{e:#}"));
+        }
+    });
+}
+
+async fn migrate(
+    req: &MigrationRequest,
+    status: &Shared,
+    tls: Arc<ClientConfig>,
+    work_dir: &Path,
+) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(req.timeout_s);
+    let wan_timeout = Duration::from_secs(req.wan_timeout_s);
+    let qmp = Arc::new(
+        Qmp::connect(&req.source_qmp)
+            .await
+            .with_context(|| format!("source QMP {}", req.source_qmp.display()))?,
+    );
+    let st = qmp.execute(&QueryStatus).await?;
+    if !st.running {
+        bail!("the source VM is not running (QEMU status {:?})", st.status);
+    }
+
+    // The session and its connections.
+    let id = SessionId::random();
+    status.update(|s| s.phase = format!("connecting to {} ({})", req.peer, req.peer_name));
+    let addr = tokio::net::lookup_host(&req.peer)
+        .await
+        .with_context(|| format!("peer address {:?}", req.peer))?
+        .next()
+        .ok_or_else(|| anyhow!("peer address {:?} resolves to nothing", req.peer))?;
+    let session = Session::new(id, SessionConfig::default());
+    let peer = Peer {
+        addr,
+        name: req.peer_name.clone(),
+        tls,
+        connections: req.connections.max(1),
+        socket_buffer: req
+            .link_rate_mbit
+            .map(|rate| socket_buffer_for(rate, 100.0, req.connections)),
+    };
+    let (link_tx, link_rx) = mpsc::unbounded_channel();
+    let _connections = keep_connected(session.clone(), peer, Duration::from_millis(500), link_tx);
+    tokio::spawn(watch_links(
+        link_rx,
+        session.clone(),
+        status.clone(),
+        req.link_rate_mbit,
+        req.connections.max(1),
+    ));
+    let _progress = AbortOnDrop(tokio::spawn(track_progress(
+        qmp.clone(),
+        session.clone(),
+        status.clone(),
+    )));
+    let (ctl_tx, mut ctl) = mpsc::unbounded_channel();
+    tokio::spawn(read_control(session.clone(), ctl_tx));
+
+    let result = async {
+        control::send(
+            &session,
+            &Control::Prepare {
+                vm: req.vm.clone(),
+                destination_qmp: req.destination_qmp.clone(),
+                wan_timeout_s: req.wan_timeout_s,
+            },
+        )
+        .await?;
+        status.update(|s| s.phase = "preparing the destination".into());
+        match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
+            Some(Control::Ready) => {}
+            Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
+            other => bail!("unexpected answer to Prepare: {other:?}"),
+        }
+        stream(
+            req,
+            status,
+            &qmp,
+            &session,
+            &mut ctl,
+            work_dir,
+            wan_timeout,
+            deadline,
+        )
+        .await
+    }
+    .await;
+
+    let end = match result {
+        Ok(end) => end,
+        Err(e) => {
+            // Before the stream's end went out the destination cannot commit: stop QEMU's
+            // migration, tell the destination, resume the source.
+            let _ = qmp.execute(&MigrateCancel).await;
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                control::send(
+                    &session,
+                    &Control::Abort {
+                        reason: format!("{e:#}"),
+                    },
+                ),
+            )
+            .await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), session.flushed(control::CONTROL))
+                .await;
+            session.fail(format!("{e:#}"));
+            ensure_running(&qmp).await?;
+            return Err(e.context("the source VM keeps running"));
+        }
+    };
+
+    // The stream's end and digest are on their way: from here only the destination decides.
+    status.update(|s| {
+        s.phase = "waiting for the destination's commit".into();
+        s.digest = Some(end.clone());
+    });
+    let verdict = loop {
+        tokio::select! {
+            msg = ctl.recv() => break msg,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                if session.idle_for() > wan_timeout {
+                    status.update(|s| s.phase = format!(
+                        "in doubt: no contact with the destination for {}s after the stream ended; \
+                         the source stays paused until the destination's verdict arrives",
+                        session.idle_for().as_secs()));
+                }
+                if Instant::now() > deadline + Duration::from_secs(3600) {
+                    session.fail("in doubt");
+                    bail!("in doubt: the destination's verdict never arrived; the source VM stays paused \
+                           (check the destination before resuming it by hand)");
+                }
+            }
+        }
+    };
+    match verdict {
+        Some(Control::Committed { resume_unix_us }) => {
+            status.update(|s| {
+                s.destination_resume_unix_us = Some(resume_unix_us);
+                s.event(EventKind::Committed, "destination runs");
+            });
+            // The destination runs: the source must never run again.
+            let _ = qmp.execute(&Quit).await;
+            session.fail("migration committed");
+            Ok(())
+        }
+        Some(Control::Abort { reason }) => {
+            session.fail(reason.clone());
+            ensure_running(&qmp).await?;
+            bail!("the destination aborted: {reason}; the source VM keeps running")
+        }
+        other => {
+            session.fail("protocol error");
+            bail!(
+                "unexpected message after the stream ended: {other:?}; the source VM stays paused"
+            )
+        }
+    }
+}
+
+/// Waits for `fut`, failing when the WAN has been down longer than `wan_timeout` or the
+/// deadline passes.
+async fn watchdog<T>(
+    session: &Session,
+    status: &Shared,
+    wan_timeout: Duration,
+    deadline: Instant,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T> {
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            v = &mut fut => return Ok(v),
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {
+                if session.idle_for() > wan_timeout {
+                    bail!("no connection to the destination agent for {}s (the WAN timeout)", wan_timeout.as_secs());
+                }
+                if Instant::now() > deadline {
+                    bail!("the migration's deadline passed");
+                }
+                if status.cancel_requested() {
+                    bail!("cancelled by the user");
+                }
+                if let Some(reason) = session.failure() {
+                    bail!("session failed: {reason}");
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream(
+    req: &MigrationRequest,
+    status: &Shared,
+    qmp: &Qmp,
+    session: &Session,
+    ctl: &mut mpsc::UnboundedReceiver<Control>,
+    work_dir: &Path,
+    wan_timeout: Duration,
+    deadline: Instant,
+) -> Result<String> {
+    let sock = work_dir.join(format!("{}.src.sock", session.id()));
+    let _ = std::fs::remove_file(&sock);
+    let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
+    let _cleanup = RemoveOnDrop(sock.clone());
+    set_capabilities(qmp, req.downtime_limit_ms).await?;
+    qmp.execute(&Migrate {
+        uri: format!("unix:{}", sock.display()),
+    })
+    .await
+    .context("source QEMU refused to migrate")?;
+    status.update(|s| {
+        s.phase = "memory".into();
+        s.event(EventKind::MemoryStarted, "");
+    });
+    let (conn, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .context("QEMU did not connect to the agent's socket within 10s")??;
+    let (mut from_qemu, mut to_qemu) = conn.into_split();
+
+    // The return path: whatever the destination QEMU says goes back to the source QEMU.
+    let rp_session = session.clone();
+    let return_path = tokio::spawn(async move {
+        while let Ok(Received::Data(b)) = rp_session.recv(RETURN_PATH).await {
+            if to_qemu.write_all(&b).await.is_err() {
+                break;
+            }
+        }
+    });
+    let _abort_rp = AbortOnDrop(return_path);
+
+    let pump = async {
+        let mut parser = StreamParser::new();
+        let mut input = BytesMut::with_capacity(CHUNK * 2);
+        let mut out = BytesMut::with_capacity(CHUNK * 2);
+        let mut hash = Sha256::new();
+        let mut total = 0u64;
+        loop {
+            let n = from_qemu
+                .read_buf(&mut input)
+                .await
+                .context("reading QEMU's stream")?;
+            while let Some(item) = parser.next_item(&mut input)? {
+                item.encode(&mut out);
+            }
+            if n == 0 {
+                parser.finish(input.len()).context("QEMU's stream")?;
+            }
+            while out.len() >= CHUNK || (n == 0 && !out.is_empty()) {
+                let take = out.len().min(CHUNK);
+                let chunk = out.split_to(take);
+                hash.update(&chunk);
+                let chunk = corrupt_for_test(chunk, total, req.test_corrupt_at);
+                total += take as u64;
+                session.send(STREAM, chunk).await?;
+                status.update(|s| s.stream_bytes = total);
+            }
+            if n == 0 {
+                return Ok::<_, anyhow::Error>((total, format!("{:x}", hash.finalize())));
+            }
+        }
+    };
+    let (bytes, sha256) = tokio::select! {
+        r = watchdog(session, status, wan_timeout, deadline, pump) => r??,
+        msg = ctl.recv() => match msg {
+            Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
+            other => bail!("unexpected message from the destination during the stream: {other:?}"),
+        },
+    };
+
+    // QEMU closed the stream: it must say it completed (else the bytes are not a migration).
+    let info = loop {
+        let info = qmp.execute(&QueryMigrate).await?;
+        match info.status.as_deref() {
+            Some("completed") => break info,
+            Some("failed") | Some("cancelled") => bail!(
+                "source QEMU's migration {}: {}",
+                info.status.unwrap_or_default(),
+                info.error_desc.unwrap_or_default()
+            ),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let stop = qmp
+        .find_event("STOP", |_| true)
+        .map(|e| e.timestamp.as_micros());
+    status.update(|s| {
+        s.qemu_downtime_ms = info.downtime;
+        s.source_stop_unix_us = stop;
+        if let Some(ram) = &info.ram {
+            s.qemu.iteration = ram.dirty_sync_count;
+            s.qemu.transferred = ram.transferred;
+            s.qemu.remaining = 0;
+        }
+        s.event(
+            EventKind::StreamEnded,
+            format!("{bytes} bytes, sha256 {sha256}"),
+        );
+    });
+    if !status.close_cancel() {
+        bail!("cancelled by the user");
+    }
+    control::send(
+        session,
+        &Control::End {
+            bytes,
+            sha256: sha256.clone(),
+        },
+    )
+    .await?;
+    Ok(sha256)
+}
+
+fn corrupt_for_test(chunk: BytesMut, start: u64, at: Option<u64>) -> Bytes {
+    match at {
+        Some(at) if at >= start && at < start + chunk.len() as u64 => {
+            let mut chunk = chunk;
+            chunk[usize::try_from(at - start).expect("inside the chunk")] ^= 0x01;
+            tracing::warn!("test hook: flipped a bit of the stream at byte {at}");
+            chunk.freeze()
+        }
+        _ => chunk.freeze(),
+    }
+}
+
+async fn set_capabilities(qmp: &Qmp, downtime_limit_ms: u64) -> Result<()> {
+    // Every capability that changes the stream's format is set explicitly off: ferry carries
+    // plain precopy (a VM that arrived by multifd would otherwise still have it on).
+    let caps = [
+        "xbzrle",
+        "multifd",
+        "postcopy-ram",
+        "pause-before-switchover",
+        "return-path",
+        "mapped-ram",
+    ]
+    .iter()
+    .map(|c| Capability {
+        capability: (*c).into(),
+        state: false,
+    })
+    .chain([Capability {
+        capability: "events".into(),
+        state: true,
+    }])
+    .collect();
+    qmp.execute(&MigrateSetCapabilities { capabilities: caps })
+        .await?;
+    qmp.execute(&MigrateSetParameters {
+        downtime_limit: Some(downtime_limit_ms),
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+/// Resumes the source VM after a failed attempt (QEMU resumes it itself after most failures;
+/// this covers the rest).
+async fn ensure_running(qmp: &Qmp) -> Result<()> {
+    for _ in 0..100 {
+        let st = qmp.execute(&QueryStatus).await?;
+        if st.running {
+            return Ok(());
+        }
+        if matches!(
+            st.status.as_str(),
+            "paused" | "postmigrate" | "finish-migrate"
+        ) {
+            let _ = qmp.execute(&Cont).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the source VM did not resume after the failed migration")
+}
+
+/// Copies the transport's counters and QEMU's progress into the status every 100 ms.
+async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared) {
+    loop {
+        let wire = session.stats();
+        let info = qmp.execute(&QueryMigrate).await.ok();
+        status.update(|s| {
+            s.wire.bytes_out = wire.wire_bytes_out;
+            s.wire.bytes_in = wire.wire_bytes_in;
+            s.wire.connections_live = wire.connections_live;
+            s.wire.replayed_frames = wire.replayed_frames;
+            s.wire.unacked_bytes = wire.unacked_bytes;
+            if let Some(info) = info {
+                s.qemu.status = info.status.unwrap_or_default();
+                if let Some(ram) = info.ram {
+                    s.qemu.transferred = ram.transferred;
+                    s.qemu.remaining = ram.remaining;
+                    s.qemu.total = ram.total;
+                    s.qemu.iteration = ram.dirty_sync_count;
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Forwards control messages into a queue the phases take them from.
+async fn read_control(session: Session, tx: mpsc::UnboundedSender<Control>) {
+    while let Ok(msg) = control::recv(&session).await {
+        if tx.send(msg).is_err() {
+            break;
+        }
+    }
+}
+
+/// Records connection events, and sizes the send window from the measured round trip.
+async fn watch_links(
+    mut rx: mpsc::UnboundedReceiver<LinkEvent>,
+    session: Session,
+    status: Shared,
+    rate_mbit: Option<f64>,
+    connections: u32,
+) {
+    let mut sized = false;
+    let mut opened = 0u32;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            LinkEvent::Connected { connection, rtt } => {
+                let rtt_ms = rtt.as_secs_f64() * 1e3;
+                if !sized {
+                    sized = true;
+                    session.set_send_limit(send_window(rate_mbit, rtt_ms));
+                }
+                opened += 1;
+                status.update(|s| {
+                    s.wire.rtt_ms = Some(rtt_ms);
+                    s.wire.reconnects = opened.saturating_sub(connections);
+                    s.event(
+                        EventKind::Connected,
+                        format!("connection {connection}, rtt {rtt_ms:.1} ms"),
+                    );
+                });
+            }
+            LinkEvent::Lost { connection, error } => status.update(|s| {
+                s.event(
+                    EventKind::ConnectionLost,
+                    format!("connection {connection}: {error}"),
+                );
+            }),
+            LinkEvent::DialFailed { connection, error } => {
+                tracing::debug!("connection {connection}: {error}");
+                status.update(|s| s.wire.last_dial_error = Some(error));
+            }
+        }
+    }
+}
+
+/// Unacknowledged bytes the sender allows: twice the bandwidth-delay product, so the pipe
+/// stays full while acknowledgements travel back, and no more, because everything buffered
+/// here is still to cross the WAN after QEMU stops the VM (it adds to the real downtime).
+pub fn send_window(rate_mbit: Option<f64>, rtt_ms: f64) -> usize {
+    let rate = rate_mbit.unwrap_or(1000.0);
+    let bdp = rate * 1e6 / 8.0 * rtt_ms / 1e3;
+    (2.0 * bdp).clamp(512.0 * 1024.0, 256.0 * 1024.0 * 1024.0) as usize
+}
+
+struct RemoveOnDrop(PathBuf);
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,203 @@
+//! Connections: dialing a peer agent (TCP, socket buffers sized to the link, TLS, Hello) and
+//! keeping N of them up for a session, reconnecting after drops until the session ends.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use rustls::pki_types::ServerName;
+use rustls::{ClientConfig, ServerConfig};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use crate::session::{exchange_hello, read_hello, Hello, Session, SessionError};
+
+/// Where and how to reach the peer.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    /// The name its certificate must carry.
+    pub name: String,
+    pub tls: Arc<ClientConfig>,
+    /// Connections to keep open.
+    pub connections: u32,
+    /// Per-connection socket buffer; `None` leaves Linux's autotuning alone.
+    pub socket_buffer: Option<u32>,
+}
+
+/// The socket buffer for one of `connections` connections on a link of `rate_mbit` and
+/// `rtt_ms`: twice the connection's share of the bandwidth-delay product, so that one lost
+/// segment does not stall it, and at least 128 KiB.
+pub fn socket_buffer_for(rate_mbit: f64, rtt_ms: f64, connections: u32) -> u32 {
+    let bdp = rate_mbit * 1e6 / 8.0 * rtt_ms / 1e3;
+    let share = 2.0 * bdp / f64::from(connections.max(1));
+    // Bounded above by 64 MiB: an absurd hint must not pin absurd kernel memory.
+    share.clamp(128.0 * 1024.0, 64.0 * 1024.0 * 1024.0) as u32
+}
+
+/// Opens one connection of `session` to `peer`: TCP, TLS (the peer must present a certificate
+/// for `peer.name` from our CA, and gets ours), then Hellos both ways. Returns the stream, the
+/// bytes that followed the peer's Hello, and the Hello round trip.
+pub async fn dial(
+    session: &Session,
+    peer: &Peer,
+    connection: u32,
+    timeout: Duration,
+) -> Result<
+    (
+        tokio_rustls::client::TlsStream<TcpStream>,
+        BytesMut,
+        Duration,
+    ),
+    SessionError,
+> {
+    let io = |what: &str, e: &dyn std::fmt::Display| {
+        SessionError::Io(format!("{what} {} ({}): {e}", peer.addr, peer.name))
+    };
+    let socket = if peer.addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .map_err(|e| io("socket for", &e))?;
+    if let Some(size) = peer.socket_buffer {
+        // Before connect, so the window scale is chosen for it.
+        let _ = socket.set_send_buffer_size(size);
+        let _ = socket.set_recv_buffer_size(size);
+    }
+    let tcp = tokio::time::timeout(timeout, socket.connect(peer.addr))
+        .await
+        .map_err(|_| io("connecting to", &format!("no answer within {timeout:?}")))?
+        .map_err(|e| io("connecting to", &e))?;
+    let _ = tcp.set_nodelay(true);
+    let name = ServerName::try_from(peer.name.clone()).map_err(|e| io("peer name of", &e))?;
+    let mut tls = tokio::time::timeout(
+        timeout,
+        TlsConnector::from(peer.tls.clone()).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| {
+        io(
+            "TLS handshake with",
+            &format!("no answer within {timeout:?}"),
+        )
+    })?
+    .map_err(|e| io("TLS handshake with", &tls_hint(&e)))?;
+    let start = Instant::now();
+    let (theirs, leftover) = exchange_hello(&mut tls, &session.hello(connection), timeout).await?;
+    let rtt = start.elapsed();
+    session.accept_hello(&theirs)?;
+    Ok((tls, leftover, rtt))
+}
+
+/// rustls's errors name the check that failed; say what it means for an operator.
+fn tls_hint(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    if text.contains("UnknownIssuer") || text.contains("BadSignature") {
+        format!("{text} (the peer's certificate is not signed by this agent's CA)")
+    } else if text.contains("NotValidForName") {
+        format!("{text} (the peer's certificate names another agent)")
+    } else if text.contains("CertificateRequired")
+        || text.contains("certificate unknown")
+        || text.contains("UnknownCA")
+        || text.contains("unknown ca")
+    {
+        format!("{text} (the peer refused our certificate: it trusts another CA)")
+    } else {
+        text
+    }
+}
+
+/// What the connection keeper reports.
+#[derive(Debug, Clone)]
+pub enum LinkEvent {
+    Connected { connection: u32, rtt: Duration },
+    Lost { connection: u32, error: String },
+    DialFailed { connection: u32, error: String },
+}
+
+/// Keeps `peer.connections` connections of `session` up until the session fails, redialing
+/// every `retry` after a drop. Each event goes to `events`.
+pub fn keep_connected(
+    session: Session,
+    peer: Peer,
+    retry: Duration,
+    events: tokio::sync::mpsc::UnboundedSender<LinkEvent>,
+) -> tokio::task::JoinSet<()> {
+    let mut set = tokio::task::JoinSet::new();
+    for connection in 0..peer.connections {
+        let (session, peer, events) = (session.clone(), peer.clone(), events.clone());
+        set.spawn(async move {
+            while session.failure().is_none() {
+                match dial(&session, &peer, connection, Duration::from_secs(10)).await {
+                    Ok((stream, leftover, rtt)) => {
+                        let _ = events.send(LinkEvent::Connected { connection, rtt });
+                        let error = session.run_connection(stream, leftover).await;
+                        if session.failure().is_some() {
+                            break;
+                        }
+                        let _ = events.send(LinkEvent::Lost {
+                            connection,
+                            error: error.to_string(),
+                        });
+                    }
+                    Err(e) => {
+                        let _ = events.send(LinkEvent::DialFailed {
+                            connection,
+                            error: e.to_string(),
+                        });
+                    }
+                }
+                tokio::time::sleep(retry).await;
+            }
+        });
+    }
+    set
+}
+
+/// The listening side of one accepted TCP connection: TLS (the dialer must present a
+/// certificate from our CA), then its Hello. The caller finds or creates the session the
+/// Hello names and hands the rest to [`answer`].
+pub async fn accept(
+    tcp: TcpStream,
+    tls: Arc<ServerConfig>,
+    timeout: Duration,
+) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, Hello, BytesMut), SessionError> {
+    let _ = tcp.set_nodelay(true);
+    let peer = tcp
+        .peer_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
+    let mut stream = tokio::time::timeout(timeout, TlsAcceptor::from(tls).accept(tcp))
+        .await
+        .map_err(|_| {
+            SessionError::Io(format!(
+                "TLS handshake from {peer}: no answer within {timeout:?}"
+            ))
+        })?
+        .map_err(|e| SessionError::Io(format!("TLS handshake from {peer}: {}", tls_hint(&e))))?;
+    let (hello, leftover) = tokio::time::timeout(timeout, read_hello(&mut stream))
+        .await
+        .map_err(|_| SessionError::Io(format!("no Hello from {peer} within {timeout:?}")))??;
+    Ok((stream, hello, leftover))
+}
+
+/// Completes an accepted connection for `session`: applies the dialer's Hello, answers with
+/// ours, and carries the session until the connection ends.
+pub async fn answer(
+    session: &Session,
+    mut stream: tokio_rustls::server::TlsStream<TcpStream>,
+    hello: &Hello,
+    leftover: BytesMut,
+) -> SessionError {
+    use tokio::io::AsyncWriteExt;
+    if let Err(e) = session.accept_hello(hello) {
+        return e;
+    }
+    let mut out = BytesMut::new();
+    session.hello(hello.connection).frame().encode(&mut out);
+    if let Err(e) = stream.write_all(&out).await {
+        return SessionError::Io(e.to_string());
+    }
+    session.run_connection(stream, leftover).await
+}
