@@ -503,7 +503,7 @@ async fn watch_links(
 pub fn send_window(rate_mbit: Option<f64>, rtt_ms: f64) -> usize {
     let rate = rate_mbit.unwrap_or(1000.0);
     let bdp = rate * 1e6 / 8.0 * rtt_ms / 1e3;
-    (2.0 * bdp).clamp(512.0 * 1024.0, 256.0 * 1024.0 * 1024.0) as usize
+    (4.0 * bdp).clamp(512.0 * 1024.0, 256.0 * 1024.0 * 1024.0) as usize
 }
 
 struct RemoveOnDrop(PathBuf);

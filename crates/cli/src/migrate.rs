@@ -25,6 +25,10 @@ pub struct MigrationFlags {
     /// ferry: how long the WAN may be down before the migration fails (the source keeps running).
     #[arg(long, default_value_t = 120)]
     pub wan_timeout_s: u64,
+    /// Test hook (ferry): flip one bit of the stream at this byte offset, after the source
+    /// hashed it, to show that the digest check stops the migration.
+    #[arg(long, hide = true)]
+    pub test_corrupt_at: Option<u64>,
     /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
     #[arg(long, default_value = "plain")]
     pub mode: String,
@@ -63,6 +67,7 @@ impl MigrationFlags {
             ferry,
             connections: self.connections,
             wan_timeout_s: self.wan_timeout_s,
+            test_corrupt_at: self.test_corrupt_at,
             mode: QemuMode::parse(&self.mode)?,
             downtime_limit_ms: self.downtime_ms,
             timeout_s: self.timeout_s,

@@ -1,5 +1,5 @@
 //! End to end: real guests under QEMU (TCG) migrated across the lab's WAN with QEMU's own
-//! migration. The guest's verifiers and a TCP connection decide whether the VM arrived intact.
+//! migration (and, for Ctrl-C, ferry's). The guest's verifiers and a TCP connection decide whether the VM arrived intact.
 
 mod common;
 
@@ -13,7 +13,7 @@ use ferry_lab::Site;
 const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 
 fn migrate_json(t: &TestLab, vm: &str, to: &str, mode: &str) -> serde_json::Value {
-    let out = t.ok(&["migrate", vm, "--to", to, "--mode", mode, "--json"]);
+    let out = t.ok(&["migrate", vm, "--to", to, "--system", "qemu", "--mode", mode, "--json"]);
     serde_json::from_str(out.trim())
         .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
 }
@@ -161,7 +161,7 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
         "2",
     ]);
     t.ok(&["lab", "outage", "down"]);
-    let out = t.run(&["migrate", "t2", "--to", "b", "--timeout-s", "8", "--json"]);
+    let out = t.run(&["migrate", "t2", "--to", "b", "--system", "qemu", "--timeout-s", "8", "--json"]);
     t.ok(&["lab", "outage", "up"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -202,7 +202,7 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
         "the source guest is not running (its dirtier made no progress)"
     );
     // And once the WAN is back, the same VM migrates.
-    let out = t.ok(&["migrate", "t2", "--to", "b", "--json"]);
+    let out = t.ok(&["migrate", "t2", "--to", "b", "--system", "qemu", "--json"]);
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["verify"]["mem_errors"], 0, "{v}");
     assert_eq!(t.site_of("t2"), Site::B);

@@ -219,14 +219,8 @@ pub async fn migrate(
     vm::kill_at(lab, &dst_spec, to, dst_pid);
     let detail = status.error.clone().unwrap_or_else(|| "failed".into());
     mark(elapsed_ms(), EventKind::Failed, &detail);
-    let outcome = MigrationOutcome {
-        completed: false,
-        total_ms: elapsed_ms(),
-        wan_bytes: wan::stats(&wan_socket).map_or(0, |s| s.total_bytes() - wan_start),
-        iterations: status.qemu.iteration,
-        ram_transferred: status.stream_bytes,
-        error: Some(detail),
-        ..Default::default()
-    };
-    Ok((outcome, src_link))
+    if interrupted {
+        bail!("interrupted by the user ({detail})");
+    }
+    bail!("{detail}")
 }

@@ -13,6 +13,29 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::session::{exchange_hello, read_hello, Hello, Session, SessionError};
 
+/// How long sent data may stay unacknowledged before the kernel gives the connection up.
+/// Without it a connection into a black-holed WAN keeps retransmitting, with exponential
+/// backoff, for many minutes, and resumes up to a minute after the WAN is back; with it the
+/// connection fails, the session redials every 500 ms and replays as soon as the WAN answers.
+pub const USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn tcp_user_timeout(socket: &impl std::os::fd::AsRawFd, timeout: Duration) {
+    let ms = libc::c_uint::try_from(timeout.as_millis()).unwrap_or(libc::c_uint::MAX);
+    // SAFETY: setsockopt on a socket we own, with a pointer to a live c_uint and its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            std::ptr::from_ref(&ms).cast(),
+            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        tracing::warn!("TCP_USER_TIMEOUT: {}", std::io::Error::last_os_error());
+    }
+}
+
 /// Where and how to reach the peer.
 #[derive(Debug, Clone)]
 pub struct Peer {
@@ -61,6 +84,7 @@ pub async fn dial(
         TcpSocket::new_v6()
     }
     .map_err(|e| io("socket for", &e))?;
+    tcp_user_timeout(&socket, USER_TIMEOUT);
     if let Some(size) = peer.socket_buffer {
         // Before connect, so the window scale is chosen for it.
         let _ = socket.set_send_buffer_size(size);
