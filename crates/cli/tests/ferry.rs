@@ -17,23 +17,40 @@ const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 const SLOW_LINK: &[&str] = &["--rate-mbit", "20", "--rtt-ms", "20"];
 
 fn json(out: &str) -> serde_json::Value {
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
+    serde_json::from_str(out.trim())
+        .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
 }
 
 fn timeline(v: &serde_json::Value) -> ferry_api::Timeline {
-    let path = v["timeline"].as_str().expect("migrate --json names its timeline");
+    let path = v["timeline"]
+        .as_str()
+        .expect("migrate --json names its timeline");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// A VM with a rewritten working set; small and gentle enough to converge on the slow link
+/// (1 MiB/s of dirtying against 2.5 MB/s).
 fn start_vm(t: &TestLab, name: &str, dirty_mib: &str) {
-    t.ok(&["vm", "start", name, "--workload", "ws", "--dirty-mib", dirty_mib, "--dirty-rate-mib-s", "2"]);
+    t.ok(&[
+        "vm",
+        "start",
+        name,
+        "--mem-mib",
+        "128",
+        "--workload",
+        "ws",
+        "--dirty-mib",
+        dirty_mib,
+        "--dirty-rate-mib-s",
+        "1",
+    ]);
 }
 
 /// Starts `ferry migrate` in the background and returns once the destination QEMU exists
 /// and the stream has been flowing for `after`.
 fn migrate_in_background(t: &TestLab, vm: &str, extra: &[&str], after: Duration) -> Child {
     let child = Command::new(common::ferry_bin())
-        .args(["migrate", vm, "--to", "b", "--json"])
+        .args(["migrate", vm, "--to", "b", "--json", "--timeout-s", "300"])
         .args(extra)
         .env("FERRY_LAB", &t.lab.name)
         .stdout(Stdio::piped())
@@ -53,8 +70,15 @@ fn assert_source_runs_intact(t: &TestLab, vm: &str) {
     assert!(reply.contains(" errors=0 "), "{reply}");
     let before = t.ok(&["guest", vm, "mem", "stats"]);
     std::thread::sleep(Duration::from_millis(500));
-    assert_ne!(before, t.ok(&["guest", vm, "mem", "stats"]), "the source guest is not running");
-    assert!(!t.lab.dir().join(format!("vms/{vm}-b.qmp")).exists(), "the destination was not removed");
+    assert_ne!(
+        before,
+        t.ok(&["guest", vm, "mem", "stats"]),
+        "the source guest is not running"
+    );
+    assert!(
+        !t.lab.dir().join(format!("vms/{vm}-b.qmp")).exists(),
+        "the destination was not removed"
+    );
 }
 
 fn stderr(out: &Output) -> String {
@@ -66,29 +90,72 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
     let t = TestLab::up("fer", FAST_LINK);
     start_vm(&t, "f1", "32");
     let ip = ferry_lab::vm::load(&t.lab, "f1").unwrap().guest_ip;
-    let tcp = TcpSeqClient::connect(&t.lab.site_ns(Site::A), &format!("{ip}:7000"), Duration::from_secs(30)).unwrap();
+    let tcp = TcpSeqClient::connect(
+        &t.lab.site_ns(Site::A),
+        &format!("{ip}:7000"),
+        Duration::from_secs(30),
+    )
+    .unwrap();
     tcp.wait_for_more(20, Duration::from_secs(30)).unwrap();
     for (to, site, connections) in [("b", Site::B, "4"), ("a", Site::A, "1")] {
-        let v = json(&t.ok(&["migrate", "f1", "--to", to, "--connections", connections, "--json"]));
+        let v = json(&t.ok(&[
+            "migrate",
+            "f1",
+            "--to",
+            to,
+            "--connections",
+            connections,
+            "--json",
+        ]));
         assert_eq!(v["system"], "ferry");
         assert_eq!(v["outcome"]["completed"], true, "{v}");
         assert!(v["verify"]["mem_pages"].as_u64().unwrap() >= 8192, "{v}");
-        assert_eq!(v["verify"]["mem_errors"], 0, "memory verifier found errors: {v}");
-        assert!(v["outcome"]["wan_bytes"].as_u64().unwrap() > 16 << 20, "too few WAN bytes: {v}");
-        let downtime = v["outcome"]["downtime_ms"].as_f64().expect("downtime measured");
-        let gap = v["outcome"]["guest_gap_ms"].as_f64().expect("heartbeat gap measured");
-        assert!(downtime > 0.0 && gap >= downtime - 5.0, "gap {gap} ms, downtime {downtime} ms: {v}");
+        assert_eq!(
+            v["verify"]["mem_errors"], 0,
+            "memory verifier found errors: {v}"
+        );
+        assert!(
+            v["outcome"]["wan_bytes"].as_u64().unwrap() > 16 << 20,
+            "too few WAN bytes: {v}"
+        );
+        let downtime = v["outcome"]["downtime_ms"]
+            .as_f64()
+            .expect("downtime measured");
+        let gap = v["outcome"]["guest_gap_ms"]
+            .as_f64()
+            .expect("heartbeat gap measured");
+        assert!(
+            downtime > 0.0 && gap >= downtime - 5.0,
+            "gap {gap} ms, downtime {downtime} ms: {v}"
+        );
         assert_eq!(t.site_of("f1"), site);
         // The timeline has the phases in order, and the commit after the resume was decided.
         let tl = timeline(&v);
-        let at = |k: EventKind| tl.find(k).unwrap_or_else(|| panic!("no {k:?} in the timeline")).t_ms;
-        let order = [EventKind::DestinationStarted, EventKind::MemoryStarted, EventKind::SourceStopped, EventKind::StreamEnded, EventKind::Committed];
+        let at = |k: EventKind| {
+            tl.find(k)
+                .unwrap_or_else(|| panic!("no {k:?} in the timeline"))
+                .t_ms
+        };
+        let order = [
+            EventKind::DestinationStarted,
+            EventKind::MemoryStarted,
+            EventKind::SourceStopped,
+            EventKind::StreamEnded,
+            EventKind::Committed,
+        ];
         let times: Vec<u64> = order.iter().map(|k| at(*k)).collect();
-        assert!(times.windows(2).all(|w| w[0] <= w[1]), "phases out of order: {times:?}");
+        assert!(
+            times.windows(2).all(|w| w[0] <= w[1]),
+            "phases out of order: {times:?}"
+        );
         assert!(at(EventKind::DestinationResumed) >= at(EventKind::SourceStopped));
         assert!(tl.samples.len() >= 3);
         tcp.wait_for_more(30, Duration::from_secs(30)).unwrap();
-        assert!(tcp.stats().intact(), "TCP sequence broken: {:?}", tcp.stats());
+        assert!(
+            tcp.stats().intact(),
+            "TCP sequence broken: {:?}",
+            tcp.stats()
+        );
     }
 }
 
@@ -108,8 +175,22 @@ fn a_30s_wan_outage_mid_migration_does_not_fail_it() {
     assert_eq!(t.site_of("f2"), Site::B);
     // The connections did drop and come back: the transport replayed, QEMU never noticed.
     let tl = timeline(&v);
-    assert!(tl.events.iter().any(|e| e.kind == EventKind::ConnectionLost), "no connection was lost: {:?}", tl.events);
-    assert!(tl.events.iter().filter(|e| e.kind == EventKind::Connected).count() > 4, "no reconnect: {:?}", tl.events);
+    assert!(
+        tl.events
+            .iter()
+            .any(|e| e.kind == EventKind::ConnectionLost),
+        "no connection was lost: {:?}",
+        tl.events
+    );
+    assert!(
+        tl.events
+            .iter()
+            .filter(|e| e.kind == EventKind::Connected)
+            .count()
+            > 4,
+        "no reconnect: {:?}",
+        tl.events
+    );
 }
 
 #[test]
@@ -118,7 +199,10 @@ fn killing_the_destination_agent_before_the_commit_keeps_the_source_running() {
     start_vm(&t, "f3", "48");
     let child = migrate_in_background(&t, "f3", &["--wan-timeout-s", "5"], Duration::from_secs(2));
     let agent_sock = t.lab.agent_socket(Site::B);
-    let killed = Command::new("pkill").args(["-KILL", "-f", &agent_sock.to_string_lossy()]).status().unwrap();
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &agent_sock.to_string_lossy()])
+        .status()
+        .unwrap();
     assert!(killed.success(), "the destination agent was not found");
     let out = child.wait_with_output().unwrap();
     let err = stderr(&out);

@@ -13,7 +13,9 @@ use ferry_lab::Site;
 const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 
 fn migrate_json(t: &TestLab, vm: &str, to: &str, mode: &str) -> serde_json::Value {
-    let out = t.ok(&["migrate", vm, "--to", to, "--system", "qemu", "--mode", mode, "--json"]);
+    let out = t.ok(&[
+        "migrate", vm, "--to", to, "--system", "qemu", "--mode", mode, "--json",
+    ]);
     serde_json::from_str(out.trim())
         .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
 }
@@ -161,7 +163,17 @@ fn a_migration_into_a_dead_wan_fails_and_the_source_keeps_running() {
         "2",
     ]);
     t.ok(&["lab", "outage", "down"]);
-    let out = t.run(&["migrate", "t2", "--to", "b", "--system", "qemu", "--timeout-s", "8", "--json"]);
+    let out = t.run(&[
+        "migrate",
+        "t2",
+        "--to",
+        "b",
+        "--system",
+        "qemu",
+        "--timeout-s",
+        "8",
+        "--json",
+    ]);
     t.ok(&["lab", "outage", "up"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -71,7 +71,7 @@ impl Outbox {
     }
 
     fn push_frame(&mut self, kind: FrameKind, payload: Bytes) -> Result<Frame, OutboxError> {
-        if !self.frames.is_empty() && self.held_bytes + payload.len() > self.limit_bytes {
+        if !payload.is_empty() && !self.has_room(payload.len()) {
             return Err(OutboxError::Full {
                 channel: self.channel.0,
                 held_bytes: self.held_bytes,

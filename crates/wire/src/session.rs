@@ -35,6 +35,9 @@ use crate::frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
 use crate::outbox::Outbox;
 use crate::reorder::Reorder;
 
+/// An idle connection sends this often (see `Session::keepalive`).
+const KEEPALIVE: Duration = Duration::from_secs(1);
+
 /// A session's identity, chosen by the side that opens it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SessionId(pub u128);
@@ -466,6 +469,8 @@ impl Session {
     fn on_frame(&self, frame: Frame) -> Result<(), SessionError> {
         let mut st = self.lock();
         match frame.kind {
+            // A keepalive from a peer that has received nothing yet.
+            FrameKind::Ack if frame.seq == Seq(0) && !st.send.contains_key(&frame.channel.0) => {}
             FrameKind::Ack => {
                 let outbox = st.send.get_mut(&frame.channel.0).ok_or_else(|| {
                     SessionError::Protocol(format!(
@@ -506,32 +511,31 @@ impl Session {
     async fn write_loop<W: AsyncWrite + Unpin>(&self, mut writer: W) -> SessionError {
         let mut out = BytesMut::new();
         loop {
-            let batch = self
-                .wait_for(|st| {
-                    let mut frames = Vec::new();
-                    for (ch, upto) in std::mem::take(&mut st.acks_due) {
-                        frames.push(Frame::ack(ChannelId(ch), Seq(upto)));
+            let next = self.wait_for(|st| {
+                let mut frames = Vec::new();
+                for (ch, upto) in std::mem::take(&mut st.acks_due) {
+                    frames.push(Frame::ack(ChannelId(ch), Seq(upto)));
+                }
+                // Up to 256 KiB per write: enough to fill a TCP window, small enough that
+                // one connection does not take the whole queue from the others.
+                let mut bytes = 0;
+                while bytes < 256 << 10 {
+                    let Some(frame) = st.queue.pop_front() else {
+                        break;
+                    };
+                    let acked = st.send.get(&frame.channel.0).map_or(Seq(0), |o| o.acked());
+                    if frame.seq < acked {
+                        continue; // acknowledged while it waited for a replay
                     }
-                    // Up to 256 KiB per write: enough to fill a TCP window, small enough that
-                    // one connection does not take the whole queue from the others.
-                    let mut bytes = 0;
-                    while bytes < 256 << 10 {
-                        let Some(frame) = st.queue.pop_front() else {
-                            break;
-                        };
-                        let acked = st.send.get(&frame.channel.0).map_or(Seq(0), |o| o.acked());
-                        if frame.seq < acked {
-                            continue; // acknowledged while it waited for a replay
-                        }
-                        bytes += frame.encoded_len();
-                        frames.push(frame);
-                    }
-                    Ok((!frames.is_empty()).then_some(frames))
-                })
-                .await;
-            let batch = match batch {
-                Ok(b) => b,
-                Err(e) => return e,
+                    bytes += frame.encoded_len();
+                    frames.push(frame);
+                }
+                Ok((!frames.is_empty()).then_some(frames))
+            });
+            let batch = match tokio::time::timeout(KEEPALIVE, next).await {
+                Ok(Ok(b)) => b,
+                Ok(Err(e)) => return e,
+                Err(_) => self.keepalive(),
             };
             out.clear();
             for f in &batch {
@@ -542,6 +546,24 @@ impl Session {
             }
             self.lock().stats.wire_bytes_out += out.len() as u64;
         }
+    }
+
+    /// What an idle connection sends: the acknowledgements again (they are cumulative, so
+    /// repeating them is harmless). Without traffic a connection whose peer gave up on it (its
+    /// own timeout fired during an outage) would look alive here forever, with this side
+    /// waiting for acknowledgements that can only come on a new connection; writing finds out
+    /// (a reset, or TCP's user timeout) and the session redials.
+    fn keepalive(&self) -> Vec<Frame> {
+        let st = self.lock();
+        let mut frames: Vec<Frame> = st
+            .recv
+            .iter()
+            .map(|(ch, rc)| Frame::ack(ChannelId(*ch), Seq(rc.acked)))
+            .collect();
+        if frames.is_empty() {
+            frames.push(Frame::ack(ChannelId(0), Seq(0)));
+        }
+        frames
     }
 }
 
