@@ -211,7 +211,8 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
             );
         }
     }
-    let id = format!("{:016x}", SessionId::random().0 as u64);
+    // 64 random bits are plenty for ids on one agent.
+    let id = format!("{:016x}", SessionId::random().0 >> 64);
     let status = Shared::new(MigrationStatus {
         id: id.clone(),
         vm: req.vm.clone(),

@@ -28,7 +28,7 @@ fn tcp_user_timeout(socket: &impl std::os::fd::AsRawFd, timeout: Duration) {
             libc::IPPROTO_TCP,
             libc::TCP_USER_TIMEOUT,
             std::ptr::from_ref(&ms).cast(),
-            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+            libc::socklen_t::try_from(std::mem::size_of::<libc::c_uint>()).expect("4 bytes"),
         )
     };
     if rc != 0 {
@@ -56,7 +56,9 @@ pub fn socket_buffer_for(rate_mbit: f64, rtt_ms: f64, connections: u32) -> u32 {
     let bdp = rate_mbit * 1e6 / 8.0 * rtt_ms / 1e3;
     let share = 2.0 * bdp / f64::from(connections.max(1));
     // Bounded above by 64 MiB: an absurd hint must not pin absurd kernel memory.
-    share.clamp(128.0 * 1024.0, 64.0 * 1024.0 * 1024.0) as u32
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped to u32 range
+    let size = share.clamp(128.0 * 1024.0, 64.0 * 1024.0 * 1024.0) as u32;
+    size
 }
 
 /// Opens one connection of `session` to `peer`: TCP, TLS (the peer must present a certificate

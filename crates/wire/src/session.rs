@@ -299,7 +299,7 @@ impl Session {
             Ok(st
                 .send
                 .get(&channel.0)
-                .map_or(true, |o| o.acked() == o.next())
+                .is_none_or(|o| o.acked() == o.next())
                 .then_some(()))
         })
         .await
@@ -456,7 +456,7 @@ impl Session {
             buf.reserve(256 << 10);
             let n = tokio::select! {
                 r = reader.read_buf(&mut buf) => r,
-                e = self.wait_for(|_| Ok(None::<()>)) => return e.err().expect("never ready"),
+                e = self.wait_for(|_| Ok(None::<()>)) => return e.expect_err("never ready"),
             };
             match n {
                 Ok(0) => return SessionError::Io("peer closed the connection".into()),

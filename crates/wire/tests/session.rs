@@ -61,7 +61,11 @@ enum Msg {
 }
 
 fn payload(i: usize, len: usize) -> Bytes {
-    Bytes::from((0..len).map(|j| (i * 31 + j) as u8).collect::<Vec<u8>>())
+    Bytes::from(
+        (0..len)
+            .map(|j| (i * 31 + j).to_le_bytes()[0])
+            .collect::<Vec<u8>>(),
+    )
 }
 
 fn expected(msgs: &[Msg]) -> Vec<Received> {
