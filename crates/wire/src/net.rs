@@ -122,7 +122,7 @@ fn tls_hint(e: &std::io::Error) -> String {
     let text = e.to_string();
     if text.contains("UnknownIssuer") || text.contains("BadSignature") {
         format!("{text} (the peer's certificate is not signed by this agent's CA)")
-    } else if text.contains("NotValidForName") {
+    } else if text.contains("NotValidForName") || text.contains("not valid for name") {
         format!("{text} (the peer's certificate names another agent)")
     } else if text.contains("CertificateRequired")
         || text.contains("certificate unknown")
