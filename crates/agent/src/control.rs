@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
+use ferry_qemu::commands::{Capability, MigrateSetCapabilities};
 use ferry_wire::{ChannelId, Received, Session};
 use serde::{Deserialize, Serialize};
 
@@ -46,5 +47,30 @@ pub async fn recv(session: &Session) -> Result<Control> {
             serde_json::from_slice(&b).context("malformed control message from the peer")
         }
         Received::Barrier => anyhow::bail!("unexpected barrier on the control channel"),
+    }
+}
+
+/// The capabilities both QEMUs get: every one that changes the stream's format (or pauses it)
+/// explicitly off, because ferry carries plain precopy and a VM that arrived by multifd would
+/// otherwise still have it on; events on.
+pub fn plain_precopy() -> MigrateSetCapabilities {
+    let off = [
+        "xbzrle",
+        "multifd",
+        "postcopy-ram",
+        "pause-before-switchover",
+        "return-path",
+        "mapped-ram",
+    ];
+    let cap = |name: &str, state: bool| Capability {
+        capability: name.into(),
+        state,
+    };
+    MigrateSetCapabilities {
+        capabilities: off
+            .iter()
+            .map(|c| cap(c, false))
+            .chain([cap("events", true)])
+            .collect(),
     }
 }

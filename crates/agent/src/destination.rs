@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use bytes::BytesMut;
-use ferry_qemu::commands::{
-    Capability, Cont, MigrateIncoming, MigrateSetCapabilities, QueryMigrate, QueryStatus, Quit,
-};
+use ferry_qemu::commands::{Cont, MigrateIncoming, QueryMigrate, QueryStatus, Quit};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
 use sha2::{Digest, Sha256};
@@ -74,25 +72,7 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
     if st.status != "inmigrate" {
         bail!("the destination QEMU is not waiting for a migration (status {:?}; start it with -incoming defer)", st.status);
     }
-    let caps = [
-        "xbzrle",
-        "multifd",
-        "postcopy-ram",
-        "return-path",
-        "mapped-ram",
-    ]
-    .iter()
-    .map(|c| Capability {
-        capability: (*c).into(),
-        state: false,
-    })
-    .chain([Capability {
-        capability: "events".into(),
-        state: true,
-    }])
-    .collect();
-    qmp.execute(&MigrateSetCapabilities { capabilities: caps })
-        .await?;
+    qmp.execute(&control::plain_precopy()).await?;
     let sock = work_dir.join(format!("{}.dst.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
     qmp.execute(&MigrateIncoming {

@@ -13,8 +13,7 @@ use bytes::{Bytes, BytesMut};
 use ferry_api::agent::{MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
-    Capability, Cont, Migrate, MigrateCancel, MigrateSetCapabilities, MigrateSetParameters,
-    QueryMigrate, QueryStatus, Quit,
+    Cont, Migrate, MigrateCancel, MigrateSetParameters, QueryMigrate, QueryStatus, Quit,
 };
 use ferry_qemu::stream::StreamParser;
 use ferry_qemu::Qmp;
@@ -372,28 +371,7 @@ fn corrupt_for_test(chunk: BytesMut, start: u64, at: Option<u64>) -> Bytes {
 }
 
 async fn set_capabilities(qmp: &Qmp, downtime_limit_ms: u64) -> Result<()> {
-    // Every capability that changes the stream's format is set explicitly off: ferry carries
-    // plain precopy (a VM that arrived by multifd would otherwise still have it on).
-    let caps = [
-        "xbzrle",
-        "multifd",
-        "postcopy-ram",
-        "pause-before-switchover",
-        "return-path",
-        "mapped-ram",
-    ]
-    .iter()
-    .map(|c| Capability {
-        capability: (*c).into(),
-        state: false,
-    })
-    .chain([Capability {
-        capability: "events".into(),
-        state: true,
-    }])
-    .collect();
-    qmp.execute(&MigrateSetCapabilities { capabilities: caps })
-        .await?;
+    qmp.execute(&control::plain_precopy()).await?;
     qmp.execute(&MigrateSetParameters {
         downtime_limit: Some(downtime_limit_ms),
         ..Default::default()
