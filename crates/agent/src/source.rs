@@ -17,7 +17,7 @@ use ferry_qemu::commands::{
 };
 use ferry_qemu::stream::StreamParser;
 use ferry_qemu::Qmp;
-use ferry_wire::net::{keep_connected, socket_buffer_for, LinkEvent, Peer};
+use ferry_wire::net::{keep_connected, LinkEvent, Peer};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
 use sha2::{Digest, Sha256};
@@ -81,9 +81,7 @@ async fn migrate(
         name: req.peer_name.clone(),
         tls,
         connections: req.connections.max(1),
-        socket_buffer: req
-            .link_rate_mbit
-            .map(|rate| socket_buffer_for(rate, 100.0, req.connections)),
+        link_rate_mbit: req.link_rate_mbit,
     };
     let (link_tx, link_rx) = mpsc::unbounded_channel();
     let _connections = keep_connected(session.clone(), peer, Duration::from_millis(500), link_tx);

@@ -29,6 +29,21 @@ pub struct Timeline {
     pub events: Vec<Event>,
 }
 
+impl Timeline {
+    /// Appends a sample, deriving its rates from the one before it.
+    pub fn push_sample(&mut self, mut sample: Sample) {
+        if let Some(prev) = self.samples.last() {
+            let dt_s = sample.t_ms.saturating_sub(prev.t_ms) as f64 / 1e3;
+            if let (Some(now), Some(before)) = (sample.qemu_transferred, prev.qemu_transferred) {
+                if dt_s > 0.0 {
+                    sample.qemu_mbit = Some(now.saturating_sub(before) as f64 * 8.0 / dt_s / 1e6);
+                }
+            }
+        }
+        self.samples.push(sample);
+    }
+}
+
 /// The state of the migration at one moment.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Sample {
@@ -45,6 +60,20 @@ pub struct Sample {
     pub iteration: Option<u64>,
     /// QEMU's own migration status (`active`, `pre-switchover`, ...).
     pub qemu_status: Option<String>,
+    /// The rate QEMU handed bytes to its channel over the last interval, Mbit/s (filled in by
+    /// [`Timeline::push_sample`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu_mbit: Option<f64>,
+    /// ferry: bytes the source agent has read from QEMU's stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_stream_bytes: Option<u64>,
+    /// ferry: bytes the transport wrote to its connections (frames, replays included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_wire_bytes: Option<u64>,
+    /// ferry: stream bytes sent but not yet consumed at the destination (the send window in
+    /// use: what would still cross after QEMU stops the guest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_unacked_bytes: Option<u64>,
 }
 
 /// Something that happened at one moment.

@@ -49,9 +49,11 @@ pub enum LabCmd {
     },
     /// Change the link while the lab runs.
     Set(LinkArgs),
-    /// Cut the WAN (`down`) or restore it (`up`).
+    /// Cut the WAN (`down`), restore it (`up`), or make it forget its connections (`reset`:
+    /// every TCP connection between the sites is aborted at both ends, as when a stateful
+    /// firewall or NAT on the path loses its state).
     Outage {
-        #[arg(value_parser = ["down", "up"])]
+        #[arg(value_parser = ["down", "up", "reset"])]
         state: String,
     },
     /// Measure RTT and throughput through the WAN and compare them with the configured link.
@@ -117,6 +119,10 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 "WAN now {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%",
                 cfg.rate_mbit, cfg.rtt_ms, cfg.jitter_ms, cfg.loss_pct
             );
+        }
+        LabCmd::Outage { state } if state == "reset" => {
+            let aborted = lab.reset_wan_connections()?;
+            println!("WAN reset: {aborted} TCP connections between the sites aborted");
         }
         LabCmd::Outage { state } => {
             let req = if state == "down" {

@@ -149,6 +149,29 @@ pub fn svg(t: &Timeline) -> String {
         r##"<polyline fill="none" stroke="#1f5fbf" stroke-width="1.5" points="{}"/>"##,
         rate.join(" ")
     );
+    // The rate QEMU hands bytes over (ferry: into the agent), clipped to the plot: it spikes
+    // while buffers fill.
+    let handed: Vec<String> = t
+        .samples
+        .iter()
+        .filter_map(|s| {
+            s.qemu_mbit
+                .map(|m| format!("{:.1},{:.1}", x(s.t_ms as f64), y_rate(m.min(max_mbit))))
+        })
+        .collect();
+    if !handed.is_empty() {
+        let _ = writeln!(
+            o,
+            r##"<polyline fill="none" stroke="#6a9be0" stroke-width="1" stroke-dasharray="3 2" points="{}"><title>QEMU's output rate, Mbit/s</title></polyline>"##,
+            handed.join(" ")
+        );
+        let _ = writeln!(
+            o,
+            r##"<text x="{:.1}" y="{:.1}" fill="#6a9be0">dashed: QEMU's output Mbit/s</text>"##,
+            LEFT + plot_w - 190.0,
+            TOP + plot_h - 6.0
+        );
+    }
     let rem: Vec<String> = t
         .samples
         .iter()

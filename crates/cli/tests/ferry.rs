@@ -159,14 +159,26 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
     }
 }
 
+/// The outage both systems face: the WAN black-holes everything for 30 s, and meanwhile a
+/// stateful middlebox on the path (a firewall, a NAT) restarts, so the TCP connections that
+/// were open are gone when the WAN returns.
+fn outage_30s_with_middlebox_reset(t: &TestLab) {
+    t.ok(&["lab", "outage", "down"]);
+    std::thread::sleep(Duration::from_secs(30));
+    t.ok(&["lab", "outage", "reset"]);
+    t.ok(&["lab", "outage", "up"]);
+}
+
 #[test]
 fn a_30s_wan_outage_mid_migration_does_not_fail_it() {
     let t = TestLab::up("out", SLOW_LINK);
     start_vm(&t, "f2", "48");
     let child = migrate_in_background(&t, "f2", &[], Duration::from_secs(3));
-    t.ok(&["lab", "outage", "down"]);
-    std::thread::sleep(Duration::from_secs(30));
-    t.ok(&["lab", "outage", "up"]);
+    // First the connections are torn down while the stream flows (frames in flight are
+    // lost with them), then the long outage.
+    t.ok(&["lab", "outage", "reset"]);
+    std::thread::sleep(Duration::from_secs(2));
+    outage_30s_with_middlebox_reset(&t);
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let v = json(&String::from_utf8_lossy(&out.stdout));
@@ -175,22 +187,39 @@ fn a_30s_wan_outage_mid_migration_does_not_fail_it() {
     assert_eq!(t.site_of("f2"), Site::B);
     // The connections did drop and come back: the transport replayed, QEMU never noticed.
     let tl = timeline(&v);
+    let count = |kind: EventKind| tl.events.iter().filter(|e| e.kind == kind).count();
     assert!(
-        tl.events
-            .iter()
-            .any(|e| e.kind == EventKind::ConnectionLost),
-        "no connection was lost: {:?}",
+        count(EventKind::ConnectionLost) >= 2,
+        "the resets and the outage lost no connection: {:?}",
         tl.events
     );
     assert!(
-        tl.events
-            .iter()
-            .filter(|e| e.kind == EventKind::Connected)
-            .count()
-            > 4,
+        count(EventKind::Connected) > 2,
         "no reconnect: {:?}",
         tl.events
     );
+}
+
+#[test]
+fn qemu_own_migration_fails_on_the_same_outage() {
+    let t = TestLab::up("qout", SLOW_LINK);
+    start_vm(&t, "q2", "48");
+    let child = migrate_in_background(
+        &t,
+        "q2",
+        &["--system", "qemu", "--mode", "plain"],
+        Duration::from_secs(3),
+    );
+    outage_30s_with_middlebox_reset(&t);
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "QEMU's migration survived: {err}"
+    );
+    assert!(err.contains("the source VM keeps running"), "{err}");
+    assert_source_runs_intact(&t, "q2");
 }
 
 #[test]

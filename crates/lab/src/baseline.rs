@@ -539,8 +539,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
             a.timeline
                 .lock()
                 .expect("timeline poisoned")
-                .samples
-                .push(Sample {
+                .push_sample(Sample {
                     t_ms: a.elapsed_ms(),
                     wan_bytes: wan_now - wan_start,
                     wan_mbit: mbit,
@@ -548,6 +547,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                     qemu_remaining: ram.map(|r| r.remaining),
                     iteration: ram.map(|r| r.dirty_sync_count),
                     qemu_status: info.and_then(|i| i.status.clone()),
+                    ..Sample::default()
                 });
             progress.send_modify(|p| {
                 p.phase = phase.to_owned();

@@ -106,6 +106,9 @@ pub struct BenchRecord {
     pub floor_ms: f64,
     pub accel: Accel,
     pub run: u32,
+    /// ferry: the TCP connections it used.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connections: Option<u32>,
 }
 
 /// The link fields of the contract.
@@ -191,5 +194,6 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
         floor_ms: floor::floor_ms(floor_bytes, sc.link.rate_mbit),
         accel: sc.vm.accel,
         run: sc.run,
+        connections: matches!(sc.system, System::Ferry).then_some(sc.migrate.connections),
     })
 }

@@ -125,7 +125,7 @@ pub async fn migrate(
         last_wan = (now, wan_now);
         {
             let mut t = timeline.lock().expect("timeline poisoned");
-            t.samples.push(Sample {
+            t.push_sample(Sample {
                 t_ms: elapsed_ms(),
                 wan_bytes: wan_now - wan_start,
                 wan_mbit: mbit,
@@ -133,6 +133,10 @@ pub async fn migrate(
                 qemu_remaining: Some(s.qemu.remaining),
                 iteration: Some(s.qemu.iteration),
                 qemu_status: Some(s.qemu.status.clone()),
+                agent_stream_bytes: Some(s.stream_bytes),
+                agent_wire_bytes: Some(s.wire.bytes_out),
+                agent_unacked_bytes: Some(s.wire.unacked_bytes),
+                ..Sample::default()
             });
             for e in &s.events[seen_events..] {
                 let t_ms = e

@@ -316,6 +316,25 @@ impl Lab {
         Ok(state)
     }
 
+    /// What a stateful middlebox on the WAN path does when it loses its state (a firewall or
+    /// NAT restarting, a route moving): every TCP connection between the sites is torn down,
+    /// at both ends, and their owners see the connection aborted. The guests' own traffic
+    /// (inside the VXLAN) is not touched. Returns how many sockets were aborted.
+    pub fn reset_wan_connections(&self) -> Result<usize> {
+        self.state()?;
+        let mut aborted = 0;
+        for site in [Site::A, Site::B] {
+            let out = sh::run_in(
+                &self.site_ns(site),
+                "ss",
+                &["-K", "-t", "dst", site.other().underlay_ip()],
+            )?;
+            // ss lists what it killed under a header line.
+            aborted += out.lines().skip(1).filter(|l| !l.trim().is_empty()).count();
+        }
+        Ok(aborted)
+    }
+
     /// Kills every process in the lab's namespaces (VMs, relay, clients), removes the namespaces
     /// and the runtime directory. Without `force`, a lab that is not up is an error.
     pub fn down(&self, force: bool) -> Result<()> {

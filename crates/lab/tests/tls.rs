@@ -42,7 +42,7 @@ async fn attempt(
         name: name.into(),
         tls: client_tls,
         connections: 1,
-        socket_buffer: None,
+        link_rate_mbit: None,
     };
     dial(&session, &peer, 0, Duration::from_secs(5))
         .await

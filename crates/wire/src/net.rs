@@ -2,6 +2,7 @@
 //! keeping N of them up for a session, reconnecting after drops until the session ends.
 
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,21 +20,53 @@ use crate::session::{exchange_hello, read_hello, Hello, Session, SessionError};
 /// connection fails, the session redials every 500 ms and replays as soon as the WAN answers.
 pub const USER_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn tcp_user_timeout(socket: &impl std::os::fd::AsRawFd, timeout: Duration) {
+fn tcp_user_timeout(socket: &impl AsRawFd, timeout: Duration) {
     let ms = libc::c_uint::try_from(timeout.as_millis()).unwrap_or(libc::c_uint::MAX);
-    // SAFETY: setsockopt on a socket we own, with a pointer to a live c_uint and its size.
+    if let Err(e) = set_option(socket, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms) {
+        tracing::warn!("TCP_USER_TIMEOUT: {e}");
+    }
+}
+
+fn set_option<T>(
+    socket: &impl AsRawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: &T,
+) -> std::io::Result<()> {
+    // SAFETY: setsockopt on a socket we own, with a pointer to a live T and its size.
     let rc = unsafe {
         libc::setsockopt(
             socket.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_USER_TIMEOUT,
-            std::ptr::from_ref(&ms).cast(),
-            libc::socklen_t::try_from(std::mem::size_of::<libc::c_uint>()).expect("4 bytes"),
+            level,
+            name,
+            std::ptr::from_ref(value).cast(),
+            libc::socklen_t::try_from(std::mem::size_of::<T>()).expect("small option"),
         )
     };
-    if rc != 0 {
-        tracing::warn!("TCP_USER_TIMEOUT: {}", std::io::Error::last_os_error());
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
+}
+
+/// The round trip the kernel measured for a fresh connection (its SYN and SYN-ACK): the
+/// first RTT sample there is, taken before any data has queued anywhere.
+fn handshake_rtt(tcp: &impl AsRawFd) -> Option<Duration> {
+    // SAFETY: tcp_info is plain old data; all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::tcp_info>()).ok()?;
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, which is that large.
+    let rc = unsafe {
+        libc::getsockopt(
+            tcp.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && info.tcpi_rtt > 0).then(|| Duration::from_micros(u64::from(info.tcpi_rtt)))
 }
 
 /// Where and how to reach the peer.
@@ -45,13 +78,14 @@ pub struct Peer {
     pub tls: Arc<ClientConfig>,
     /// Connections to keep open.
     pub connections: u32,
-    /// Per-connection socket buffer; `None` leaves Linux's autotuning alone.
-    pub socket_buffer: Option<u32>,
+    /// The link's rate, when known: each connection's send buffer is then sized from it and
+    /// the round trip TCP measured during its handshake. `None` leaves Linux's autotuning alone.
+    pub link_rate_mbit: Option<f64>,
 }
 
-/// The socket buffer for one of `connections` connections on a link of `rate_mbit` and
+/// The send buffer for one of `connections` connections on a link of `rate_mbit` and
 /// `rtt_ms`: twice the connection's share of the bandwidth-delay product, so that one lost
-/// segment does not stall it, and at least 128 KiB.
+/// segment does not stall it, and at least 128 KiB (Linux doubles it for its bookkeeping).
 pub fn socket_buffer_for(rate_mbit: f64, rtt_ms: f64, connections: u32) -> u32 {
     let bdp = rate_mbit * 1e6 / 8.0 * rtt_ms / 1e3;
     let share = 2.0 * bdp / f64::from(connections.max(1));
@@ -87,16 +121,20 @@ pub async fn dial(
     }
     .map_err(|e| io("socket for", &e))?;
     tcp_user_timeout(&socket, USER_TIMEOUT);
-    if let Some(size) = peer.socket_buffer {
-        // Before connect, so the window scale is chosen for it.
-        let _ = socket.set_send_buffer_size(size);
-        let _ = socket.set_recv_buffer_size(size);
-    }
     let tcp = tokio::time::timeout(timeout, socket.connect(peer.addr))
         .await
         .map_err(|_| io("connecting to", &format!("no answer within {timeout:?}")))?
         .map_err(|e| io("connecting to", &e))?;
     let _ = tcp.set_nodelay(true);
+    if let Some(rate) = peer.link_rate_mbit {
+        // The send buffer may change at any time; the receive side (the peer's) autotunes.
+        let rtt_ms = handshake_rtt(&tcp).map_or(100.0, |rtt| rtt.as_secs_f64() * 1e3);
+        let size = socket_buffer_for(rate, rtt_ms, peer.connections);
+        let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+        if let Err(e) = set_option(&tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
+            tracing::warn!("SO_SNDBUF {size}: {e}");
+        }
+    }
     let name = ServerName::try_from(peer.name.clone()).map_err(|e| io("peer name of", &e))?;
     let mut tls = tokio::time::timeout(
         timeout,
