@@ -20,6 +20,12 @@ use crate::session::{exchange_hello, read_hello, Hello, Session, SessionError};
 /// connection fails, the session redials every 500 ms and replays as soon as the WAN answers.
 pub const USER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long one TCP connect may wait for the peer's answer. Into a dead WAN the kernel
+/// retransmits a SYN after 1 s, then 3 s, then 7 s; a fresh attempt every 2.5 s (this plus
+/// the redial interval) instead means a returning WAN is found within about 1.5 s. Far above
+/// any terrestrial round trip.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
 fn tcp_user_timeout(socket: &impl AsRawFd, timeout: Duration) {
     let ms = libc::c_uint::try_from(timeout.as_millis()).unwrap_or(libc::c_uint::MAX);
     if let Err(e) = set_option(socket, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms) {
@@ -121,9 +127,15 @@ pub async fn dial(
     }
     .map_err(|e| io("socket for", &e))?;
     tcp_user_timeout(&socket, USER_TIMEOUT);
-    let tcp = tokio::time::timeout(timeout, socket.connect(peer.addr))
+    let connect_timeout = timeout.min(CONNECT_TIMEOUT);
+    let tcp = tokio::time::timeout(connect_timeout, socket.connect(peer.addr))
         .await
-        .map_err(|_| io("connecting to", &format!("no answer within {timeout:?}")))?
+        .map_err(|_| {
+            io(
+                "connecting to",
+                &format!("no answer within {connect_timeout:?}"),
+            )
+        })?
         .map_err(|e| io("connecting to", &e))?;
     let _ = tcp.set_nodelay(true);
     if let Some(rate) = peer.link_rate_mbit {

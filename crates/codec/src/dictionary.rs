@@ -1,0 +1,208 @@
+//! What both ends remember, kept identical: the encoder and the decoder apply the same updates
+//! in the same order, so a reference the encoder sends always names, at the decoder, the bytes
+//! the encoder meant.
+//!
+//! - A **block cache** (CloudNet's redundancy elimination): a FIFO ring of 1 KiB sub-page
+//!   blocks, indexed by a fast hash of their content. A hit is confirmed by comparing bytes, so
+//!   a hash collision costs a miss and can never substitute wrong data.
+//! - A **page history**: the last version of each page that crossed, by page key, for deltas.
+//!   Bounded; the oldest page first in is forgotten first.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::{BLOCK_SIZE, PAGE_SIZE};
+
+/// The content hash of a block. Replaceable so that tests can force collisions.
+pub type BlockHasher = fn(&[u8]) -> u64;
+
+pub fn xxh3(block: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(block)
+}
+
+/// A slot of the block cache: what a reference on the wire names.
+pub type Slot = u32;
+
+#[derive(Debug)]
+pub struct BlockCache {
+    data: Vec<u8>,
+    /// Slots written so far (until the ring is full).
+    filled: u32,
+    capacity: u32,
+    /// The slot the next insertion overwrites.
+    next: u32,
+    /// Content hash -> the newest slot holding a block with that hash.
+    index: FxHashMap<u64, Slot>,
+    /// Each slot's hash, to unindex it when it is overwritten.
+    slot_hash: Vec<u64>,
+    hasher: BlockHasher,
+}
+
+impl BlockCache {
+    /// A cache of `bytes` (rounded down to whole blocks; zero disables it).
+    pub fn new(bytes: usize, hasher: BlockHasher) -> BlockCache {
+        let capacity = u32::try_from(bytes / BLOCK_SIZE).unwrap_or(u32::MAX);
+        BlockCache {
+            data: Vec::new(),
+            filled: 0,
+            capacity,
+            next: 0,
+            index: FxHashMap::default(),
+            slot_hash: Vec::new(),
+            hasher,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
+    pub fn hash(&self, block: &[u8]) -> u64 {
+        (self.hasher)(block)
+    }
+
+    /// The slot holding exactly `block`, if any.
+    pub fn find(&self, hash: u64, block: &[u8]) -> Option<Slot> {
+        let slot = *self.index.get(&hash)?;
+        (self.block(slot)? == block).then_some(slot)
+    }
+
+    /// The block in `slot`, if the slot was ever written.
+    pub fn block(&self, slot: Slot) -> Option<&[u8]> {
+        if slot >= self.filled {
+            return None;
+        }
+        let start = slot as usize * BLOCK_SIZE;
+        Some(&self.data[start..start + BLOCK_SIZE])
+    }
+
+    /// Remembers `block`, overwriting the oldest slot once the ring is full.
+    pub fn insert(&mut self, hash: u64, block: &[u8]) {
+        if self.capacity == 0 {
+            return;
+        }
+        let slot = self.next;
+        if slot < self.filled {
+            let old = self.slot_hash[slot as usize];
+            if self.index.get(&old) == Some(&slot) {
+                self.index.remove(&old);
+            }
+            self.slot_hash[slot as usize] = hash;
+            let start = slot as usize * BLOCK_SIZE;
+            self.data[start..start + BLOCK_SIZE].copy_from_slice(block);
+        } else {
+            self.data.extend_from_slice(block);
+            self.slot_hash.push(hash);
+            self.filled += 1;
+        }
+        self.index.insert(hash, slot);
+        self.next = (slot + 1) % self.capacity;
+    }
+}
+
+/// The last version of each page that crossed.
+#[derive(Debug)]
+pub struct PageHistory {
+    pages: FxHashMap<u64, Box<[u8; PAGE_SIZE]>>,
+    /// Keys in first-insertion order, for eviction.
+    order: VecDeque<u64>,
+    max_pages: usize,
+}
+
+impl PageHistory {
+    /// A history of at most `bytes` of pages (zero disables it).
+    pub fn new(bytes: usize) -> PageHistory {
+        PageHistory {
+            pages: FxHashMap::default(),
+            order: VecDeque::new(),
+            max_pages: bytes / PAGE_SIZE,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.max_pages > 0
+    }
+
+    pub fn get(&self, key: u64) -> Option<&[u8; PAGE_SIZE]> {
+        self.pages.get(&key).map(|p| &**p)
+    }
+
+    /// Records `page` as the version of `key` the other side now has.
+    pub fn record(&mut self, key: u64, page: &[u8]) {
+        if self.max_pages == 0 {
+            return;
+        }
+        if let Some(p) = self.pages.get_mut(&key) {
+            p.copy_from_slice(page);
+            return;
+        }
+        let mut stored = if self.pages.len() >= self.max_pages {
+            self.evict_oldest()
+        } else {
+            None
+        }
+        .unwrap_or_else(|| Box::new([0u8; PAGE_SIZE]));
+        stored.copy_from_slice(page);
+        self.pages.insert(key, stored);
+        self.order.push_back(key);
+    }
+
+    /// Forgets `key` (its page became zero: zero pages are sent as such, never as deltas).
+    pub fn forget(&mut self, key: u64) {
+        // The key stays in `order` until it comes up; eviction skips keys no longer present.
+        self.pages.remove(&key);
+    }
+
+    fn evict_oldest(&mut self) -> Option<Box<[u8; PAGE_SIZE]>> {
+        while let Some(key) = self.order.pop_front() {
+            if let Some(page) = self.pages.remove(&key) {
+                return Some(page);
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(b: u8) -> Vec<u8> {
+        vec![b; BLOCK_SIZE]
+    }
+
+    #[test]
+    fn the_ring_overwrites_the_oldest_and_unindexes_it() {
+        let mut c = BlockCache::new(2 * BLOCK_SIZE, xxh3);
+        for b in 1..=3u8 {
+            let blk = block(b);
+            c.insert(c.hash(&blk), &blk);
+        }
+        let (one, three) = (block(1), block(3));
+        assert_eq!(c.find(c.hash(&one), &one), None, "evicted");
+        assert_eq!(c.find(c.hash(&three), &three), Some(0), "took slot 0");
+    }
+
+    #[test]
+    fn a_colliding_hash_is_a_miss_not_a_wrong_hit() {
+        let mut c = BlockCache::new(4 * BLOCK_SIZE, |_| 42);
+        let a = block(1);
+        c.insert(c.hash(&a), &a);
+        let b = block(2);
+        assert_eq!(c.find(c.hash(&b), &b), None);
+        assert_eq!(c.find(c.hash(&a), &a), Some(0));
+    }
+
+    #[test]
+    fn history_is_bounded_and_forgets_first_in_first() {
+        let mut h = PageHistory::new(2 * PAGE_SIZE);
+        let p = [5u8; PAGE_SIZE];
+        h.record(1, &p);
+        h.record(2, &p);
+        h.record(1, &p); // an update does not change the order
+        h.record(3, &p);
+        assert!(h.get(1).is_none());
+        assert!(h.get(2).is_some() && h.get(3).is_some());
+    }
+}
