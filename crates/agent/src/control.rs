@@ -24,6 +24,9 @@ pub enum Control {
         vm: String,
         destination_qmp: PathBuf,
         wan_timeout_s: u64,
+        /// QEMU's return path on (both QEMUs must agree).
+        #[serde(default)]
+        return_path: bool,
     },
     /// Destination: QEMU listens and the stream may start.
     Ready,
@@ -52,14 +55,13 @@ pub async fn recv(session: &Session) -> Result<Control> {
 
 /// The capabilities both QEMUs get: every one that changes the stream's format (or pauses it)
 /// explicitly off, because ferry carries plain precopy and a VM that arrived by multifd would
-/// otherwise still have it on; events on.
-pub fn plain_precopy() -> MigrateSetCapabilities {
+/// otherwise still have it on; events on; the return path as asked.
+pub fn plain_precopy(return_path: bool) -> MigrateSetCapabilities {
     let off = [
         "xbzrle",
         "multifd",
         "postcopy-ram",
         "pause-before-switchover",
-        "return-path",
         "mapped-ram",
     ];
     let cap = |name: &str, state: bool| Capability {
@@ -70,7 +72,7 @@ pub fn plain_precopy() -> MigrateSetCapabilities {
         capabilities: off
             .iter()
             .map(|c| cap(c, false))
-            .chain([cap("events", true)])
+            .chain([cap("events", true), cap("return-path", return_path)])
             .collect(),
     }
 }

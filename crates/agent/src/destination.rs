@@ -54,6 +54,7 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
         vm,
         destination_qmp,
         wan_timeout_s,
+        return_path,
     } = prepare
     else {
         bail!("expected Prepare first, got {prepare:?}");
@@ -72,7 +73,7 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
     if st.status != "inmigrate" {
         bail!("the destination QEMU is not waiting for a migration (status {:?}; start it with -incoming defer)", st.status);
     }
-    qmp.execute(&control::plain_precopy()).await?;
+    qmp.execute(&control::plain_precopy(return_path)).await?;
     let sock = work_dir.join(format!("{}.dst.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
     qmp.execute(&MigrateIncoming {

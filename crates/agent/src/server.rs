@@ -221,6 +221,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         error: None,
         started_unix_ms: now_ms(),
         stream_bytes: 0,
+        return_path_bytes: 0,
         wire: Default::default(),
         qemu: Default::default(),
         events: Vec::new(),
@@ -228,8 +229,9 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         destination_resume_unix_us: None,
         qemu_downtime_ms: None,
         // Between the source's STOP and the destination's RESUME nothing waits for an answer
-        // from the other side: the last bytes and the digest travel together, one way.
-        switchover_round_trips: Some(0.5),
+        // from the other side: the last bytes and the digest travel together, one way. With
+        // QEMU's return path the source QEMU also waits for the destination's confirmation.
+        switchover_round_trips: Some(if req.return_path { 1.5 } else { 0.5 }),
         digest: None,
     });
     agent

@@ -21,7 +21,7 @@ use ferry_wire::net::{keep_connected, LinkEvent, Peer};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
@@ -107,6 +107,7 @@ async fn migrate(
                 vm: req.vm.clone(),
                 destination_qmp: req.destination_qmp.clone(),
                 wan_timeout_s: req.wan_timeout_s,
+                return_path: req.return_path,
             },
         )
         .await?;
@@ -248,7 +249,7 @@ async fn stream(
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
     let _cleanup = RemoveOnDrop(sock.clone());
-    set_capabilities(qmp, req.downtime_limit_ms).await?;
+    set_capabilities(qmp, req.downtime_limit_ms, req.return_path).await?;
     qmp.execute(&Migrate {
         uri: format!("unix:{}", sock.display()),
     })
@@ -261,15 +262,16 @@ async fn stream(
     let (conn, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
         .await
         .context("QEMU did not connect to the agent's socket within 10s")??;
-    let (mut from_qemu, mut to_qemu) = conn.into_split();
+    let (from_qemu, mut to_qemu) = conn.into_split();
 
     // The return path: whatever the destination QEMU says goes back to the source QEMU.
-    let rp_session = session.clone();
+    let (rp_session, rp_status) = (session.clone(), status.clone());
     let return_path = tokio::spawn(async move {
         while let Ok(Received::Data(b)) = rp_session.recv(RETURN_PATH).await {
             if to_qemu.write_all(&b).await.is_err() {
                 break;
             }
+            rp_status.update(|s| s.return_path_bytes += b.len() as u64);
         }
     });
     let _abort_rp = AbortOnDrop(return_path);
@@ -281,17 +283,23 @@ async fn stream(
         let mut hash = Sha256::new();
         let mut total = 0u64;
         loop {
-            let n = from_qemu
-                .read_buf(&mut input)
-                .await
-                .context("reading QEMU's stream")?;
+            // Take what QEMU has written so far; when it has nothing more right now, send
+            // what was parsed even if it is less than a frame: QEMU may be waiting for an
+            // answer to it (with the return path on, it sends the device state and then
+            // waits for the destination's confirmation before it closes the stream).
+            input.reserve(CHUNK);
+            let (eof, drained) = match from_qemu.try_read_buf(&mut input) {
+                Ok(n) => (n == 0, n == 0),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (false, true),
+                Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
+            };
             while let Some(item) = parser.next_item(&mut input)? {
                 item.encode(&mut out);
             }
-            if n == 0 {
+            if eof {
                 parser.finish(input.len()).context("QEMU's stream")?;
             }
-            while out.len() >= CHUNK || (n == 0 && !out.is_empty()) {
+            while out.len() >= CHUNK || (drained && !out.is_empty()) {
                 let take = out.len().min(CHUNK);
                 let chunk = out.split_to(take);
                 hash.update(&chunk);
@@ -300,8 +308,14 @@ async fn stream(
                 session.send(STREAM, chunk).await?;
                 status.update(|s| s.stream_bytes = total);
             }
-            if n == 0 {
+            if eof {
                 return Ok::<_, anyhow::Error>((total, format!("{:x}", hash.finalize())));
+            }
+            if drained {
+                from_qemu
+                    .readable()
+                    .await
+                    .context("waiting for QEMU's stream")?;
             }
         }
     };
@@ -337,9 +351,10 @@ async fn stream(
             s.qemu.transferred = ram.transferred;
             s.qemu.remaining = 0;
         }
+        let rp = s.return_path_bytes;
         s.event(
             EventKind::StreamEnded,
-            format!("{bytes} bytes, sha256 {sha256}"),
+            format!("{bytes} bytes, sha256 {sha256}, return path {rp} bytes"),
         );
     });
     if !status.close_cancel() {
@@ -368,8 +383,8 @@ fn corrupt_for_test(chunk: BytesMut, start: u64, at: Option<u64>) -> Bytes {
     }
 }
 
-async fn set_capabilities(qmp: &Qmp, downtime_limit_ms: u64) -> Result<()> {
-    qmp.execute(&control::plain_precopy()).await?;
+async fn set_capabilities(qmp: &Qmp, downtime_limit_ms: u64, return_path: bool) -> Result<()> {
+    qmp.execute(&control::plain_precopy(return_path)).await?;
     qmp.execute(&MigrateSetParameters {
         downtime_limit: Some(downtime_limit_ms),
         ..Default::default()

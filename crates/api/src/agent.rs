@@ -32,6 +32,12 @@ pub struct MigrationRequest {
     /// measured round trip.
     #[serde(default)]
     pub link_rate_mbit: Option<f64>,
+    /// QEMU's return path on: the destination QEMU answers on it (it confirms it loaded the
+    /// stream before the source QEMU calls the migration complete), and the agents carry it
+    /// back. Off by default: plain precopy does not need it, and the confirmation adds a round
+    /// trip to the downtime.
+    #[serde(default)]
+    pub return_path: bool,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(default)]
@@ -77,6 +83,9 @@ pub struct MigrationStatus {
     pub started_unix_ms: u64,
     /// Stream bytes read from the source QEMU.
     pub stream_bytes: u64,
+    /// Bytes of QEMU's return path carried back to the source QEMU.
+    #[serde(default)]
+    pub return_path_bytes: u64,
     pub wire: WireStats,
     pub qemu: QemuProgress,
     pub events: Vec<AgentEvent>,

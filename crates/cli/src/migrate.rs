@@ -29,6 +29,10 @@ pub struct MigrationFlags {
     /// hashed it, to show that the digest check stops the migration.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
+    /// ferry: turn QEMU's return path on (the destination QEMU confirms it loaded the stream
+    /// before the source completes; costs a round trip of downtime).
+    #[arg(long)]
+    pub return_path: bool,
     /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
     #[arg(long, default_value = "plain")]
     pub mode: String,
@@ -68,6 +72,7 @@ impl MigrationFlags {
             connections: self.connections,
             wan_timeout_s: self.wan_timeout_s,
             test_corrupt_at: self.test_corrupt_at,
+            return_path: self.return_path,
             mode: QemuMode::parse(&self.mode)?,
             downtime_limit_ms: self.downtime_ms,
             timeout_s: self.timeout_s,

@@ -97,8 +97,12 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
     )
     .unwrap();
     tcp.wait_for_more(20, Duration::from_secs(30)).unwrap();
-    for (to, site, connections) in [("b", Site::B, "4"), ("a", Site::A, "1")] {
-        let v = json(&t.ok(&[
+    // There with four connections; back with one and QEMU's return path on, which the
+    // agents must carry from the destination QEMU to the source QEMU.
+    for (to, site, connections, return_path) in
+        [("b", Site::B, "4", false), ("a", Site::A, "1", true)]
+    {
+        let mut args = vec![
             "migrate",
             "f1",
             "--to",
@@ -106,7 +110,11 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
             "--connections",
             connections,
             "--json",
-        ]));
+        ];
+        if return_path {
+            args.push("--return-path");
+        }
+        let v = json(&t.ok(&args));
         assert_eq!(v["system"], "ferry");
         assert_eq!(v["outcome"]["completed"], true, "{v}");
         assert!(v["verify"]["mem_pages"].as_u64().unwrap() >= 8192, "{v}");
@@ -150,6 +158,20 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
         );
         assert!(at(EventKind::DestinationResumed) >= at(EventKind::SourceStopped));
         assert!(tl.samples.len() >= 3);
+        let ended = &tl
+            .find(EventKind::StreamEnded)
+            .expect("stream ended")
+            .detail;
+        let rp_bytes: u64 = ended
+            .rsplit("return path ")
+            .next()
+            .and_then(|r| r.trim_end_matches(" bytes").parse().ok())
+            .unwrap_or_else(|| panic!("no return path count in {ended:?}"));
+        assert_eq!(
+            rp_bytes > 0,
+            return_path,
+            "return path carried {rp_bytes} bytes: {ended}"
+        );
         tcp.wait_for_more(30, Duration::from_secs(30)).unwrap();
         assert!(
             tcp.stats().intact(),

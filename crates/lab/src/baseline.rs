@@ -126,6 +126,8 @@ pub struct MigrateOptions {
     pub wan_timeout_s: u64,
     /// ferry test hook: flip a bit of the stream at this offset (the digest check must catch it).
     pub test_corrupt_at: Option<u64>,
+    /// ferry: QEMU's return path on, carried back by the agents.
+    pub return_path: bool,
 }
 
 impl Default for MigrateOptions {
@@ -139,6 +141,7 @@ impl Default for MigrateOptions {
             connections: ferry_api::agent::default_connections(),
             wan_timeout_s: 120,
             test_corrupt_at: None,
+            return_path: false,
         }
     }
 }

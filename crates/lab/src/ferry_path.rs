@@ -96,6 +96,7 @@ pub async fn migrate(
         timeout_s: opts.timeout_s,
         link_rate_mbit: (rate > 0.0).then_some(rate),
         test_corrupt_at: opts.test_corrupt_at,
+        return_path: opts.return_path,
     };
     let started = match source_agent.start_migration(&req).await {
         Ok(s) => s,
