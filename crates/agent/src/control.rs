@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
+use ferry_api::agent::CodecSettings;
 use ferry_qemu::commands::{Capability, MigrateSetCapabilities};
 use ferry_wire::{ChannelId, Received, Session};
 use serde::{Deserialize, Serialize};
@@ -27,6 +28,9 @@ pub enum Control {
         /// QEMU's return path on (both QEMUs must agree).
         #[serde(default)]
         return_path: bool,
+        /// The codec's techniques on the stream channel (none: QEMU's bytes as they are).
+        #[serde(default = "no_codec")]
+        codec: CodecSettings,
     },
     /// Destination: QEMU listens and the stream may start.
     Ready,
@@ -36,6 +40,10 @@ pub enum Control {
     Committed { resume_unix_us: i64 },
     /// Either side: the migration stops here, for this reason. The source resumes its VM.
     Abort { reason: String },
+}
+
+fn no_codec() -> CodecSettings {
+    CodecSettings::NONE
 }
 
 pub async fn send(session: &Session, msg: &Control) -> Result<()> {

@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::control::{self, Control, RETURN_PATH, STREAM};
+use crate::stream_codec::StreamDecoder;
 
 /// How long a new session may take to say what it wants.
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -55,6 +56,7 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
         destination_qmp,
         wan_timeout_s,
         return_path,
+        codec,
     } = prepare
     else {
         bail!("expected Prepare first, got {prepare:?}");
@@ -109,7 +111,10 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
 
     // The stream, until the source's End and every byte it announces have arrived.
     let mut hash = Sha256::new();
+    // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
     let mut received = 0u64;
+    let mut decoder = codec.any().then(|| StreamDecoder::new(codec));
+    let mut decoded = BytesMut::with_capacity(128 << 10);
     let mut end: Option<(u64, String)> = None;
     let idle_check = || -> Result<()> {
         if session.idle_for() > wan_timeout {
@@ -124,9 +129,17 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
         tokio::select! {
             r = session.recv(STREAM) => match r? {
                 Received::Data(chunk) => {
-                    hash.update(&chunk);
-                    received += chunk.len() as u64;
-                    to_qemu.write_all(&chunk).await.context("writing the stream to the destination QEMU")?;
+                    let qemu_bytes = match &mut decoder {
+                        Some(decoder) => {
+                            decoded.clear();
+                            decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
+                            &decoded[..]
+                        }
+                        None => &chunk[..],
+                    };
+                    hash.update(qemu_bytes);
+                    received += qemu_bytes.len() as u64;
+                    to_qemu.write_all(qemu_bytes).await.context("writing the stream to the destination QEMU")?;
                 }
                 Received::Barrier => {}
             },
@@ -142,6 +155,9 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
                 bail!("received {received} stream bytes, the source announced {bytes}");
             }
         }
+    }
+    if decoder.as_ref().is_some_and(|d| !d.is_idle()) {
+        bail!("codec bytes left over after the stream's last byte");
     }
     let (_, source_digest) = end.expect("loop ends with End");
     let digest = format!("{:x}", hash.finalize());

@@ -4,6 +4,7 @@
 //!   the peer endpoint (TCP + mutual TLS) where other agents open sessions.
 //! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
+//! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`control`]: the messages between the two sides.
 //! - [`client`]: the CLI's client for the local API.
 //! - [`status`]: a migration's shared status.
@@ -14,5 +15,6 @@ pub mod destination;
 pub mod server;
 pub mod source;
 pub mod status;
+pub mod stream_codec;
 
 pub use server::{run, AgentConfig};

@@ -232,6 +232,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         // from the other side: the last bytes and the digest travel together, one way. With
         // QEMU's return path the source QEMU also waits for the destination's confirmation.
         switchover_round_trips: Some(if req.return_path { 1.5 } else { 0.5 }),
+        codec: None,
         digest: None,
     });
     agent

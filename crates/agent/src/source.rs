@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use ferry_api::agent::{MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
@@ -27,10 +27,13 @@ use tokio::sync::mpsc;
 
 use crate::control::{self, Control, RETURN_PATH, STREAM};
 use crate::status::{Events, Shared};
+use crate::stream_codec::{StreamEncoder, BATCH_BYTES};
 
 /// Stream bytes per frame: small enough that N connections share the stream evenly, large
 /// enough that the 20-byte header is noise.
 const CHUNK: usize = 64 << 10;
+/// The link rate the codec's zstd level assumes when the request does not give one.
+const ASSUMED_LINK_MBIT: f64 = 1000.0;
 
 /// Runs one migration to its end and records the outcome in `status`.
 pub async fn run(req: MigrationRequest, status: Shared, tls: Arc<ClientConfig>, work_dir: PathBuf) {
@@ -108,6 +111,7 @@ async fn migrate(
                 destination_qmp: req.destination_qmp.clone(),
                 wan_timeout_s: req.wan_timeout_s,
                 return_path: req.return_path,
+                codec: req.codec,
             },
         )
         .await?;
@@ -279,7 +283,13 @@ async fn stream(
     let pump = async {
         let mut parser = StreamParser::new();
         let mut input = BytesMut::with_capacity(CHUNK * 2);
+        // QEMU's bytes of one item: what both ends hash.
+        let mut item_bytes = BytesMut::with_capacity(CHUNK);
+        // What goes on the stream channel: QEMU's bytes, or the codec's batches.
         let mut out = BytesMut::with_capacity(CHUNK * 2);
+        let mut encoder = req.codec.any().then(|| {
+            StreamEncoder::new(req.codec, req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT))
+        });
         let mut hash = Sha256::new();
         let mut total = 0u64;
         loop {
@@ -294,19 +304,35 @@ async fn stream(
                 Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
             };
             while let Some(item) = parser.next_item(&mut input)? {
-                item.encode(&mut out);
+                item_bytes.clear();
+                item.encode(&mut item_bytes);
+                hash.update(&item_bytes);
+                corrupt_for_test(&mut item_bytes, total, req.test_corrupt_at);
+                total += item_bytes.len() as u64;
+                match &mut encoder {
+                    Some(encoder) => {
+                        encoder.push(&item, &item_bytes);
+                        if encoder.pending() >= BATCH_BYTES {
+                            encoder.flush(&mut out);
+                        }
+                    }
+                    None => out.extend_from_slice(&item_bytes),
+                }
             }
             if eof {
                 parser.finish(input.len()).context("QEMU's stream")?;
             }
+            if let (Some(encoder), true) = (&mut encoder, drained) {
+                encoder.flush(&mut out);
+            }
             while out.len() >= CHUNK || (drained && !out.is_empty()) {
-                let take = out.len().min(CHUNK);
-                let chunk = out.split_to(take);
-                hash.update(&chunk);
-                let chunk = corrupt_for_test(chunk, total, req.test_corrupt_at);
-                total += take as u64;
+                let chunk = out.split_to(out.len().min(CHUNK)).freeze();
                 session.send(STREAM, chunk).await?;
-                status.update(|s| s.stream_bytes = total);
+                let report = encoder.as_ref().map(StreamEncoder::report);
+                status.update(|s| {
+                    s.stream_bytes = total;
+                    s.codec = report;
+                });
             }
             if eof {
                 return Ok::<_, anyhow::Error>((total, format!("{:x}", hash.finalize())));
@@ -371,15 +397,12 @@ async fn stream(
     Ok(sha256)
 }
 
-fn corrupt_for_test(chunk: BytesMut, start: u64, at: Option<u64>) -> Bytes {
-    match at {
-        Some(at) if at >= start && at < start + chunk.len() as u64 => {
-            let mut chunk = chunk;
-            chunk[usize::try_from(at - start).expect("inside the chunk")] ^= 0x01;
-            tracing::warn!("test hook: flipped a bit of the stream at byte {at}");
-            chunk.freeze()
-        }
-        _ => chunk.freeze(),
+/// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item
+/// (which starts at `start`), after the source hashed it.
+fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
+    if let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) {
+        item[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
+        tracing::warn!("test hook: flipped a bit of the stream at byte {at}");
     }
 }
 

@@ -38,6 +38,10 @@ pub struct MigrationRequest {
     /// trip to the downtime.
     #[serde(default)]
     pub return_path: bool,
+    /// Which of the codec's techniques the agents apply to the stream on the WAN. All of them
+    /// by default; none carries QEMU's bytes as they are.
+    #[serde(default)]
+    pub codec: CodecSettings,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(default)]
@@ -58,6 +62,116 @@ fn default_wan_timeout() -> u64 {
 }
 fn default_timeout() -> u64 {
     900
+}
+
+/// The codec's techniques, each on or off (for ablations; `ferry_codec::Options`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodecSettings {
+    /// Zero pages as a tag.
+    pub zero: bool,
+    /// CloudNet's redundancy elimination: 1 KiB blocks the other end already holds.
+    pub dedup: bool,
+    /// Deltas against the version of the page the other end holds.
+    pub delta: bool,
+    /// zstd over each batch, at a level chosen for the link and the CPU.
+    pub zstd: bool,
+}
+
+impl Default for CodecSettings {
+    fn default() -> Self {
+        CodecSettings::ALL
+    }
+}
+
+impl CodecSettings {
+    pub const ALL: CodecSettings = CodecSettings {
+        zero: true,
+        dedup: true,
+        delta: true,
+        zstd: true,
+    };
+    pub const NONE: CodecSettings = CodecSettings {
+        zero: false,
+        dedup: false,
+        delta: false,
+        zstd: false,
+    };
+
+    /// Whether the stream goes through the codec at all (else QEMU's bytes travel as they are).
+    pub fn any(&self) -> bool {
+        self.zero || self.dedup || self.delta || self.zstd
+    }
+}
+
+impl std::fmt::Display for CodecSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == CodecSettings::ALL {
+            return f.write_str("all");
+        }
+        if *self == CodecSettings::NONE {
+            return f.write_str("none");
+        }
+        let on: Vec<&str> = [
+            (self.zero, "zero"),
+            (self.dedup, "dedup"),
+            (self.delta, "delta"),
+            (self.zstd, "zstd"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        f.write_str(&on.join(","))
+    }
+}
+
+impl std::str::FromStr for CodecSettings {
+    type Err = String;
+
+    /// `all`, `none`, or a comma-separated list of `zero`, `dedup`, `delta`, `zstd`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "all" => return Ok(CodecSettings::ALL),
+            "none" => return Ok(CodecSettings::NONE),
+            _ => {}
+        }
+        let mut c = CodecSettings::NONE;
+        for part in s.split(',').map(str::trim) {
+            match part {
+                "zero" => c.zero = true,
+                "dedup" => c.dedup = true,
+                "delta" => c.delta = true,
+                "zstd" => c.zstd = true,
+                other => {
+                    return Err(format!(
+                        "unknown codec technique {other:?}: use all, none, or a list of zero, dedup, delta, zstd"
+                    ))
+                }
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// What the codec did with the stream (source side).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CodecReport {
+    /// The techniques that ran.
+    pub settings: String,
+    /// QEMU's bytes that went in.
+    pub bytes_in: u64,
+    /// Batches as sent (after zstd), before the transport's framing.
+    pub bytes_out: u64,
+    /// RAM pages (QEMU's whole-page records) and how each went.
+    pub pages: u64,
+    pub raw: u64,
+    pub zero: u64,
+    pub unchanged: u64,
+    pub delta: u64,
+    pub blocks: u64,
+    /// 1 KiB blocks sent as references to the other end's cache.
+    pub block_hits: u64,
+    /// The zstd level of the latest batch (none: stored).
+    pub zstd_level: Option<i32>,
 }
 
 /// Where a migration is.
@@ -97,6 +211,9 @@ pub struct MigrationStatus {
     /// WAN round trips the switchover waited for between the source's STOP and the
     /// destination's RESUME.
     pub switchover_round_trips: Option<f64>,
+    /// What the codec did (none when it was off).
+    #[serde(default)]
+    pub codec: Option<CodecReport>,
     /// SHA-256 of the stream, as both ends computed it.
     pub digest: Option<String>,
 }

@@ -33,6 +33,10 @@ pub struct MigrationFlags {
     /// before the source completes; costs a round trip of downtime).
     #[arg(long)]
     pub return_path: bool,
+    /// ferry: the codec's techniques on the WAN: all, none (QEMU's bytes as they are), or a
+    /// comma-separated list of zero, dedup, delta, zstd.
+    #[arg(long, default_value = "all")]
+    pub codec: String,
     /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
     #[arg(long, default_value = "plain")]
     pub mode: String,
@@ -73,6 +77,10 @@ impl MigrationFlags {
             wan_timeout_s: self.wan_timeout_s,
             test_corrupt_at: self.test_corrupt_at,
             return_path: self.return_path,
+            codec: self
+                .codec
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--codec: {e}"))?,
             mode: QemuMode::parse(&self.mode)?,
             downtime_limit_ms: self.downtime_ms,
             timeout_s: self.timeout_s,

@@ -95,6 +95,21 @@ pub fn print_report(
         o.wan_bytes
     );
     println!("  precopy passes       {}", o.iterations);
+    if let Some(c) = &o.codec {
+        println!(
+            "  codec                {}: QEMU's {} became {} ({:.1}%), zstd {}",
+            c.settings,
+            bytes(c.bytes_in),
+            bytes(c.bytes_out),
+            100.0 * c.bytes_out as f64 / c.bytes_in.max(1) as f64,
+            c.zstd_level
+                .map_or_else(|| "off".to_owned(), |l| format!("level {l}")),
+        );
+        println!(
+            "                       {} pages: {} zero, {} unchanged, {} delta, {} with cached blocks ({} hits), {} raw",
+            c.pages, c.zero, c.unchanged, c.delta, c.blocks, c.block_hits, c.raw,
+        );
+    }
     if let Some(v) = verify {
         println!(
             "  verifier             {} ({} pages{})",

@@ -86,6 +86,11 @@ impl LevelChooser {
         }
     }
 
+    /// The fastest level (to measure again after the chooser found none fast enough).
+    pub fn fastest(&self) -> i32 {
+        self.levels[0]
+    }
+
     /// Records that `level` compressed `bytes` in `cpu_seconds`.
     pub fn observe(&mut self, level: i32, bytes: usize, cpu_seconds: f64) {
         if cpu_seconds <= 0.0 {

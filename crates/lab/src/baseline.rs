@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
+use ferry_api::agent::CodecSettings;
 use ferry_api::{EventKind, Sample, Timeline};
 use ferry_qemu::commands::{
     BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, Migrate,
@@ -84,25 +85,35 @@ impl QemuMode {
 /// Which system migrates: ferry's agents, or QEMU's own migration in one of its modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum System {
-    Ferry,
+    /// ferry, with these codec techniques.
+    Ferry(CodecSettings),
     Qemu(QemuMode),
 }
 
 impl System {
-    /// `ferry`, `qemu-<mode>`, or a bare QEMU mode (`plain`, `multifd-zstd`, ...).
+    /// `ferry` (every codec technique), `ferry-none`, `ferry-<technique>+<technique>...`
+    /// (`ferry-zero+delta`), `qemu-<mode>`, or a bare QEMU mode (`plain`, `multifd-zstd`, ...).
     pub fn parse(s: &str) -> Result<System> {
         if s == "ferry" {
-            return Ok(System::Ferry);
+            return Ok(System::Ferry(CodecSettings::ALL));
+        }
+        if let Some(codec) = s.strip_prefix("ferry-") {
+            return codec
+                .replace('+', ",")
+                .parse()
+                .map(System::Ferry)
+                .map_err(|e| anyhow::anyhow!("system {s:?}: {e}"));
         }
         QemuMode::parse(s.strip_prefix("qemu-").unwrap_or(s))
             .map(System::Qemu)
-            .map_err(|e| anyhow::anyhow!("{e:#}, or ferry"))
+            .map_err(|e| anyhow::anyhow!("{e:#}, or ferry[-none|-zero+dedup+delta+zstd]"))
     }
 
-    /// The name in reports and bench records: `ferry` or `qemu-<mode>`.
+    /// The name in reports and bench records: `ferry`, `ferry-<techniques>` or `qemu-<mode>`.
     pub fn name(self) -> String {
         match self {
-            System::Ferry => "ferry".into(),
+            System::Ferry(CodecSettings::ALL) => "ferry".into(),
+            System::Ferry(codec) => format!("ferry-{}", codec.to_string().replace(',', "+")),
             System::Qemu(m) => format!("qemu-{}", m.name()),
         }
     }
@@ -128,6 +139,8 @@ pub struct MigrateOptions {
     pub test_corrupt_at: Option<u64>,
     /// ferry: QEMU's return path on, carried back by the agents.
     pub return_path: bool,
+    /// ferry: the codec's techniques on the WAN.
+    pub codec: CodecSettings,
 }
 
 impl Default for MigrateOptions {
@@ -142,6 +155,7 @@ impl Default for MigrateOptions {
             wan_timeout_s: 120,
             test_corrupt_at: None,
             return_path: false,
+            codec: CodecSettings::ALL,
         }
     }
 }
@@ -150,7 +164,7 @@ impl MigrateOptions {
     /// The system these options select.
     pub fn system(&self) -> System {
         if self.ferry {
-            System::Ferry
+            System::Ferry(self.codec)
         } else {
             System::Qemu(self.mode)
         }
@@ -159,7 +173,10 @@ impl MigrateOptions {
     /// Selects `system`.
     pub fn set_system(&mut self, system: System) {
         match system {
-            System::Ferry => self.ferry = true,
+            System::Ferry(codec) => {
+                self.ferry = true;
+                self.codec = codec;
+            }
             System::Qemu(m) => {
                 self.ferry = false;
                 self.mode = m;
@@ -196,6 +213,9 @@ pub struct MigrationOutcome {
     pub iterations: u64,
     pub ram_transferred: u64,
     pub error: Option<String>,
+    /// ferry: what the codec did with QEMU's stream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub codec: Option<ferry_api::agent::CodecReport>,
 }
 
 pub(crate) fn now_micros() -> i64 {
@@ -737,6 +757,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         iterations: ram.dirty_sync_count,
         ram_transferred: ram.transferred,
         error: None,
+        codec: None,
     };
     progress.send_modify(|p| p.phase = "done".into());
     Ok(outcome)

@@ -194,6 +194,6 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
         floor_ms: floor::floor_ms(floor_bytes, sc.link.rate_mbit),
         accel: sc.vm.accel,
         run: sc.run,
-        connections: matches!(sc.system, System::Ferry).then_some(sc.migrate.connections),
+        connections: matches!(sc.system, System::Ferry(_)).then_some(sc.migrate.connections),
     })
 }

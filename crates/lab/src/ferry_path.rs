@@ -97,6 +97,7 @@ pub async fn migrate(
         link_rate_mbit: (rate > 0.0).then_some(rate),
         test_corrupt_at: opts.test_corrupt_at,
         return_path: opts.return_path,
+        codec: opts.codec,
     };
     let started = match source_agent.start_migration(&req).await {
         Ok(s) => s,
@@ -213,6 +214,7 @@ pub async fn migrate(
             iterations: status.qemu.iteration,
             ram_transferred: status.stream_bytes,
             error: None,
+            codec: status.codec.clone(),
         };
         progress.send_modify(|p| p.phase = "done".into());
         drop(src_link);

@@ -1,0 +1,417 @@
+//! QEMU's stream on the WAN when the codec is on: the source turns each parsed item into a
+//! codec record and the destination turns the records back into exactly the bytes QEMU wrote
+//! (both ends hash those bytes, so a codec fault is a digest mismatch, never a wrong page).
+//!
+//! On the stream channel (bytes, cut into frames anywhere):
+//!
+//! ```text
+//! channel := (le32 length, batch)*            batch: ferry_codec::compress_batch of records
+//! record  := 0x00 le32 n, n bytes             QEMU's bytes as they are (headers, markers, devices)
+//!          | 0x01 le16 n, n bytes, page       a RAM page: QEMU's record header (address word and
+//!                                             block name), then the codec's record of its 4 KiB
+//! ```
+//!
+//! A page's codec key is the RAM block's number (in order of first appearance) above its page
+//! index, so the page history and the block cache are keyed the same at both ends. Records
+//! other than whole pages (QEMU's own zero pages, end-of-section markers) travel as they are:
+//! QEMU already made them small.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use bytes::{Buf, Bytes, BytesMut};
+use ferry_api::agent::{CodecReport, CodecSettings};
+use ferry_codec::{compress_batch, decompress_batch, Decoder, Encoder, LevelChooser, Options};
+use ferry_qemu::stream::{Item, RamData, PAGE_SIZE};
+
+const OPAQUE: u8 = 0x00;
+const PAGE: u8 = 0x01;
+/// A batch is compressed and sent once it holds this much (or QEMU has nothing more to read
+/// right now): large enough for zstd to find repetition across pages, small next to the
+/// send window.
+pub const BATCH_BYTES: usize = 1 << 20;
+/// Batches smaller than this (flushed early because QEMU had nothing more to read) do not
+/// count in the zstd speed measurement: a call's fixed cost dominates them.
+const MEASURE_BYTES: usize = 64 << 10;
+/// When no zstd level kept up with the link, the fastest one is tried again after this many
+/// batches (the CPU may have been busy only for a moment).
+const REPROBE_BATCHES: u32 = 32;
+/// The largest length prefix a decoder accepts (a batch plus its header).
+const MAX_FRAMED: usize = ferry_codec::batch::MAX_BATCH + 16;
+/// Page index bits in a codec key; the block number sits above them.
+const BLOCK_SHIFT: u32 = 40;
+
+/// The codec's options for the given settings.
+pub fn options(settings: CodecSettings) -> Options {
+    Options {
+        zero: settings.zero,
+        dedup: settings.dedup,
+        delta: settings.delta,
+        ..Options::default()
+    }
+}
+
+/// Numbers RAM blocks by first appearance and remembers which one `CONTINUE` records mean.
+#[derive(Debug, Default)]
+struct BlockNumbers {
+    numbers: HashMap<Bytes, u64>,
+    current: Option<u64>,
+}
+
+impl BlockNumbers {
+    fn key(&mut self, block: Option<&Bytes>, offset: u64) -> Option<u64> {
+        if let Some(name) = block {
+            let next = self.numbers.len() as u64;
+            self.current = Some(*self.numbers.entry(name.clone()).or_insert(next));
+        }
+        Some(self.current? << BLOCK_SHIFT | offset / PAGE_SIZE as u64)
+    }
+}
+
+/// The source's half: items in, framed batches out.
+#[derive(Debug)]
+pub struct StreamEncoder {
+    settings: CodecSettings,
+    pages: Encoder,
+    levels: LevelChooser,
+    /// The link's rate, for the zstd level.
+    link_bytes_per_s: f64,
+    blocks: BlockNumbers,
+    /// Records of the batch being built.
+    records: Vec<u8>,
+    /// Where the length of the open opaque record sits, while consecutive items extend it.
+    open_opaque: Option<usize>,
+    /// Batches sent stored since zstd last ran.
+    batches_without_zstd: u32,
+    report: CodecReport,
+}
+
+impl StreamEncoder {
+    pub fn new(settings: CodecSettings, link_rate_mbit: f64) -> StreamEncoder {
+        StreamEncoder {
+            settings,
+            pages: Encoder::new(options(settings)),
+            levels: LevelChooser::default(),
+            link_bytes_per_s: link_rate_mbit * 1e6 / 8.0,
+            blocks: BlockNumbers::default(),
+            records: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
+            open_opaque: None,
+            batches_without_zstd: 0,
+            report: CodecReport {
+                settings: settings.to_string(),
+                ..CodecReport::default()
+            },
+        }
+    }
+
+    /// Adds one parsed item; `qemu` is the item's bytes as QEMU wrote them (what both ends
+    /// hash).
+    pub fn push(&mut self, item: &Item, qemu: &[u8]) {
+        self.report.bytes_in += qemu.len() as u64;
+        if let Item::Ram(record) = item {
+            if let RamData::Page(_) = record.data {
+                if let Some(key) = self.blocks.key(record.block.as_ref(), record.offset) {
+                    let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
+                    self.push_page(key, header, page);
+                    return;
+                }
+            } else if let Some(name) = &record.block {
+                // Markers and zero pages can name the block that later pages continue.
+                self.blocks.key(Some(name), record.offset);
+            }
+        }
+        self.push_opaque(qemu);
+    }
+
+    fn push_opaque(&mut self, bytes: &[u8]) {
+        let at = match self.open_opaque {
+            Some(at) => at,
+            None => {
+                self.records.push(OPAQUE);
+                self.records.extend_from_slice(&0u32.to_le_bytes());
+                let at = self.records.len() - 4;
+                self.open_opaque = Some(at);
+                at
+            }
+        };
+        self.records.extend_from_slice(bytes);
+        let len = u32::from_le_bytes(self.records[at..at + 4].try_into().expect("4 bytes"));
+        let len = len + u32::try_from(bytes.len()).expect("items are far below 4 GiB");
+        self.records[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    }
+
+    fn push_page(&mut self, key: u64, header: &[u8], page: &[u8]) {
+        self.open_opaque = None;
+        self.records.push(PAGE);
+        let n = u16::try_from(header.len()).expect("a record header is at most 264 bytes");
+        self.records.extend_from_slice(&n.to_le_bytes());
+        self.records.extend_from_slice(header);
+        self.pages.encode(key, page, &mut self.records);
+    }
+
+    /// Bytes of records waiting in the open batch.
+    pub fn pending(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Closes the open batch (if any) and appends it, framed, to `out`.
+    pub fn flush(&mut self, out: &mut BytesMut) {
+        if self.records.is_empty() {
+            return;
+        }
+        let level = self.zstd_level();
+        let started = Instant::now();
+        let mut batch = Vec::with_capacity(self.records.len() / 2 + 16);
+        compress_batch(&self.records, level, &mut batch);
+        if let Some(level) = level.filter(|_| self.records.len() >= MEASURE_BYTES) {
+            self.levels
+                .observe(level, self.records.len(), started.elapsed().as_secs_f64());
+        }
+        out.extend_from_slice(
+            &u32::try_from(batch.len())
+                .expect("batches are far below 4 GiB")
+                .to_le_bytes(),
+        );
+        out.extend_from_slice(&batch);
+        self.report.bytes_out += 4 + batch.len() as u64;
+        self.report.zstd_level = level;
+        self.records.clear();
+        self.open_opaque = None;
+    }
+
+    /// The level for the next batch: the chooser's, or the fastest one now and then when the
+    /// chooser found none fast enough, to measure again.
+    fn zstd_level(&mut self) -> Option<i32> {
+        if !self.settings.zstd {
+            return None;
+        }
+        let level = self.levels.choose(self.link_bytes_per_s);
+        if level.is_some() {
+            self.batches_without_zstd = 0;
+            return level;
+        }
+        self.batches_without_zstd += 1;
+        (self.batches_without_zstd >= REPROBE_BATCHES).then(|| {
+            self.batches_without_zstd = 0;
+            self.levels.fastest()
+        })
+    }
+
+    /// What the codec did so far.
+    pub fn report(&self) -> CodecReport {
+        let s = self.pages.stats();
+        CodecReport {
+            pages: s.pages,
+            raw: s.raw,
+            zero: s.zero,
+            unchanged: s.unchanged,
+            delta: s.delta,
+            blocks: s.blocks,
+            block_hits: s.block_hits,
+            ..self.report.clone()
+        }
+    }
+}
+
+/// The destination's half: framed batches in (cut anywhere), QEMU's bytes out.
+#[derive(Debug)]
+pub struct StreamDecoder {
+    pages: Decoder,
+    input: BytesMut,
+    page: Box<[u8; PAGE_SIZE]>,
+}
+
+impl StreamDecoder {
+    pub fn new(settings: CodecSettings) -> StreamDecoder {
+        StreamDecoder {
+            pages: Decoder::new(options(settings)),
+            input: BytesMut::new(),
+            page: Box::new([0; PAGE_SIZE]),
+        }
+    }
+
+    /// Takes the next bytes of the channel and appends the QEMU bytes of every batch they
+    /// complete to `out`.
+    pub fn feed(&mut self, bytes: &[u8], out: &mut BytesMut) -> Result<()> {
+        self.input.extend_from_slice(bytes);
+        while self.input.len() >= 4 {
+            let len = u32::from_le_bytes(self.input[..4].try_into().expect("4 bytes")) as usize;
+            ensure!(
+                len <= MAX_FRAMED,
+                "codec batch of {len} bytes announced, over the limit"
+            );
+            if self.input.len() < 4 + len {
+                break;
+            }
+            self.input.advance(4);
+            let batch = self.input.split_to(len);
+            let records = decompress_batch(&batch).context("codec batch")?;
+            self.decode_records(&records, out)?;
+        }
+        Ok(())
+    }
+
+    fn decode_records(&mut self, mut records: &[u8], out: &mut BytesMut) -> Result<()> {
+        while let Some((&tag, rest)) = records.split_first() {
+            records = rest;
+            match tag {
+                OPAQUE => {
+                    let n = take_len::<4>(&mut records)?;
+                    out.extend_from_slice(take(&mut records, n, "passed-through bytes")?);
+                }
+                PAGE => {
+                    let n = take_len::<2>(&mut records)?;
+                    let header = take(&mut records, n, "RAM record header")?;
+                    ensure!(n >= 8, "RAM record header of {n} bytes");
+                    let (key, _) = self
+                        .pages
+                        .decode(&mut records, &mut self.page)
+                        .context("page record")?;
+                    // The key must name the page the header does: catches ends out of step.
+                    let word = u64::from_be_bytes(header[..8].try_into().expect("8 bytes"));
+                    let index = (word & !ferry_qemu::stream::flag::MASK) / PAGE_SIZE as u64;
+                    if key & ((1 << BLOCK_SHIFT) - 1) != index {
+                        bail!("page record for key {key:#x} under a header for page {index:#x}");
+                    }
+                    out.extend_from_slice(header);
+                    out.extend_from_slice(&self.page[..]);
+                }
+                other => bail!("unknown codec stream record 0x{other:02x}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every byte fed so far was decoded (nothing waits for the rest of a batch).
+    pub fn is_idle(&self) -> bool {
+        self.input.is_empty()
+    }
+}
+
+fn take<'a>(input: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8]> {
+    ensure!(input.len() >= n, "codec batch ends inside {what}");
+    let (head, rest) = input.split_at(n);
+    *input = rest;
+    Ok(head)
+}
+
+fn take_len<const N: usize>(input: &mut &[u8]) -> Result<usize> {
+    let raw = take(input, N, "a length")?;
+    let mut le = [0u8; 8];
+    le[..N].copy_from_slice(raw);
+    Ok(u64::from_le_bytes(le) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_qemu::stream::StreamParser;
+
+    const STREAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../qemu/tests/streams");
+
+    /// Every captured QEMU stream, parsed, encoded, cut into odd pieces and decoded, comes
+    /// back byte for byte, under every mix of techniques.
+    fn round_trip(stream: &[u8], settings: CodecSettings, cut: usize) -> (Vec<u8>, CodecReport) {
+        let mut parser = StreamParser::new();
+        let mut input = BytesMut::from(stream);
+        let mut enc = StreamEncoder::new(settings, 100.0);
+        let mut wire = BytesMut::new();
+        let mut qemu = BytesMut::new();
+        while let Some(item) = parser.next_item(&mut input).unwrap() {
+            qemu.clear();
+            item.encode(&mut qemu);
+            enc.push(&item, &qemu);
+            if enc.pending() >= 64 << 10 {
+                enc.flush(&mut wire);
+            }
+        }
+        parser.finish(input.len()).unwrap();
+        enc.flush(&mut wire);
+        let mut dec = StreamDecoder::new(settings);
+        let mut out = BytesMut::new();
+        for piece in wire.chunks(cut) {
+            dec.feed(piece, &mut out).unwrap();
+        }
+        assert!(dec.is_idle());
+        (out.to_vec(), enc.report())
+    }
+
+    fn captured() -> Vec<Vec<u8>> {
+        let mut streams: Vec<Vec<u8>> = std::fs::read_dir(STREAMS)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "zst"))
+            .map(|p| zstd::decode_all(std::fs::File::open(p).unwrap()).unwrap())
+            .collect();
+        streams.sort();
+        assert!(!streams.is_empty(), "no captured streams in {STREAMS}");
+        streams
+    }
+
+    #[test]
+    fn captured_streams_come_back_byte_for_byte() {
+        let all: Vec<CodecSettings> = (0..16u8)
+            .map(|m| CodecSettings {
+                zero: m & 1 != 0,
+                dedup: m & 2 != 0,
+                delta: m & 4 != 0,
+                zstd: m & 8 != 0,
+            })
+            .collect();
+        for stream in captured() {
+            for (i, &settings) in all.iter().enumerate() {
+                let (out, report) = round_trip(&stream, settings, 1 + i * 997);
+                assert!(out == stream, "{settings} changed the stream");
+                assert_eq!(report.bytes_in, stream.len() as u64);
+                assert!(report.pages > 0);
+            }
+            let (_, none) = round_trip(&stream, CodecSettings::NONE, 4096);
+            let (_, all) = round_trip(&stream, CodecSettings::ALL, 4096);
+            assert!(
+                all.bytes_out < none.bytes_out,
+                "the codec saves nothing: {} vs {}",
+                all.bytes_out,
+                none.bytes_out
+            );
+        }
+    }
+
+    #[test]
+    fn damaged_input_is_an_error() {
+        let stream = &captured()[0];
+        let mut parser = StreamParser::new();
+        let mut input = BytesMut::from(&stream[..]);
+        let mut enc = StreamEncoder::new(CodecSettings::ALL, 100.0);
+        let mut qemu = BytesMut::new();
+        while let Some(item) = parser.next_item(&mut input).unwrap() {
+            qemu.clear();
+            item.encode(&mut qemu);
+            enc.push(&item, &qemu);
+        }
+        let mut wire = BytesMut::new();
+        enc.flush(&mut wire);
+        // A length over the limit, an unknown record, and a damaged zstd body.
+        let mut dec = StreamDecoder::new(CodecSettings::ALL);
+        assert!(dec
+            .feed(&u32::MAX.to_le_bytes(), &mut BytesMut::new())
+            .is_err());
+        let mut bad = Vec::new();
+        compress_batch(&[0x7f, 1, 2], None, &mut bad);
+        let mut framed = (bad.len() as u32).to_le_bytes().to_vec();
+        framed.extend_from_slice(&bad);
+        let err = StreamDecoder::new(CodecSettings::ALL)
+            .feed(&framed, &mut BytesMut::new())
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("unknown codec stream record 0x7f"));
+        let mut flipped = wire.to_vec();
+        let mid = flipped.len() / 2;
+        flipped[mid] ^= 0x40;
+        let mut out = BytesMut::new();
+        let r = StreamDecoder::new(CodecSettings::ALL).feed(&flipped, &mut out);
+        assert!(
+            r.is_err() || out[..] != stream[..],
+            "a flipped bit went unnoticed"
+        );
+    }
+}
