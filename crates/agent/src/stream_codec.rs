@@ -165,8 +165,9 @@ impl StreamEncoder {
         let mut batch = Vec::with_capacity(self.records.len() / 2 + 16);
         compress_batch(&self.records, level, &mut batch);
         if let Some(level) = level.filter(|_| self.records.len() >= MEASURE_BYTES) {
+            let seconds = started.elapsed().as_secs_f64();
             self.levels
-                .observe(level, self.records.len(), started.elapsed().as_secs_f64());
+                .observe(level, self.records.len(), batch.len(), seconds);
         }
         out.extend_from_slice(
             &u32::try_from(batch.len())

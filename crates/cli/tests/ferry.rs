@@ -97,11 +97,13 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
     )
     .unwrap();
     tcp.wait_for_more(20, Duration::from_secs(30)).unwrap();
-    // There with four connections; back with one and QEMU's return path on, which the
-    // agents must carry from the destination QEMU to the source QEMU.
-    for (to, site, connections, return_path) in
-        [("b", Site::B, "4", false), ("a", Site::A, "1", true)]
-    {
+    // There with four connections and the codec; back with one, QEMU's bytes as they are,
+    // and QEMU's return path on, which the agents must carry from the destination QEMU to the
+    // source QEMU.
+    for (to, site, connections, codec, return_path) in [
+        ("b", Site::B, "4", "all", false),
+        ("a", Site::A, "1", "none", true),
+    ] {
         let mut args = vec![
             "migrate",
             "f1",
@@ -109,23 +111,40 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
             to,
             "--connections",
             connections,
+            "--codec",
+            codec,
             "--json",
         ];
         if return_path {
             args.push("--return-path");
         }
         let v = json(&t.ok(&args));
-        assert_eq!(v["system"], "ferry");
+        let system = if codec == "all" {
+            "ferry"
+        } else {
+            "ferry-none"
+        };
+        assert_eq!(v["system"], system);
         assert_eq!(v["outcome"]["completed"], true, "{v}");
         assert!(v["verify"]["mem_pages"].as_u64().unwrap() >= 8192, "{v}");
         assert_eq!(
             v["verify"]["mem_errors"], 0,
             "memory verifier found errors: {v}"
         );
-        assert!(
-            v["outcome"]["wan_bytes"].as_u64().unwrap() > 16 << 20,
-            "too few WAN bytes: {v}"
-        );
+        let wan_bytes = v["outcome"]["wan_bytes"].as_u64().unwrap();
+        let report = &v["outcome"]["codec"];
+        if codec == "none" {
+            assert!(report.is_null(), "codec report without the codec: {v}");
+            assert!(wan_bytes > 16 << 20, "too few WAN bytes: {v}");
+        } else {
+            // The codec made QEMU's stream smaller, and what it made crossed the WAN.
+            let (qemu_bytes, coded) = (
+                report["bytes_in"].as_u64().expect("codec report"),
+                report["bytes_out"].as_u64().unwrap(),
+            );
+            assert!(coded < qemu_bytes / 100 * 95, "the codec saved little: {v}");
+            assert!(wan_bytes > coded && coded > 8 << 20, "{v}");
+        }
         let downtime = v["outcome"]["downtime_ms"]
             .as_f64()
             .expect("downtime measured");

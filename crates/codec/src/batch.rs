@@ -55,73 +55,99 @@ pub fn decompress_batch(mut batch: &[u8]) -> Result<Vec<u8>, CodecError> {
     Ok(records)
 }
 
-/// Picks the zstd level from what the link carries and what the CPU manages: the highest
-/// level whose measured compression speed still keeps ahead of the link (with a margin), so
-/// compression never becomes the bottleneck, and none when even the fastest level cannot.
+/// Picks the zstd level that moves the most of QEMU's bytes per second through the link,
+/// from what each level was measured to do on the migration's own batches: a level delivers
+/// the smaller of its compression speed (input bytes per CPU second, divided by a margin that
+/// leaves the agent time for its other work) and the link's rate divided by its ratio.
+/// Sending batches stored delivers the link's rate; a level is chosen only when it beats that,
+/// so compression never becomes the bottleneck, and on a slow link the highest level that
+/// still keeps up wins.
 ///
-/// Speeds are fed in by the caller (bytes in per second of CPU at each level, measured on the
-/// migration's own batches); the chooser itself is arithmetic.
+/// The chooser itself is arithmetic: the caller measures and reports.
 #[derive(Debug, Clone)]
 pub struct LevelChooser {
     levels: Vec<i32>,
-    /// Input bytes per CPU second, per level (an average of the latest measurements).
-    speed: Vec<Option<f64>>,
-    /// Input must compress at least this many times faster than the link carries it.
+    /// Per level: input bytes per CPU second and output/input, averaged over recent batches.
+    measured: Vec<Option<Measured>>,
+    /// Compression gets at most 1/margin of a CPU's speed in the estimate.
     margin: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Measured {
+    speed: f64,
+    ratio: f64,
 }
 
 impl Default for LevelChooser {
     fn default() -> Self {
-        LevelChooser::new(vec![1, 3, 6, 9], 2.0)
+        LevelChooser::new(vec![1, 3, 6, 9], 1.5)
     }
 }
 
 impl LevelChooser {
+    /// `levels` from fastest to strongest.
     pub fn new(levels: Vec<i32>, margin: f64) -> LevelChooser {
-        let speed = vec![None; levels.len()];
+        assert!(!levels.is_empty(), "at least one level");
+        let measured = vec![None; levels.len()];
         LevelChooser {
             levels,
-            speed,
+            measured,
             margin,
         }
     }
 
-    /// The fastest level (to measure again after the chooser found none fast enough).
+    /// The fastest level (to measure again after the chooser found none worth it).
     pub fn fastest(&self) -> i32 {
         self.levels[0]
     }
 
-    /// Records that `level` compressed `bytes` in `cpu_seconds`.
-    pub fn observe(&mut self, level: i32, bytes: usize, cpu_seconds: f64) {
-        if cpu_seconds <= 0.0 {
+    /// Records that `level` turned `bytes_in` into `bytes_out` in `cpu_seconds`.
+    pub fn observe(&mut self, level: i32, bytes_in: usize, bytes_out: usize, cpu_seconds: f64) {
+        if cpu_seconds <= 0.0 || bytes_in == 0 {
             return;
         }
         if let Some(i) = self.levels.iter().position(|&l| l == level) {
-            let now = bytes as f64 / cpu_seconds;
-            self.speed[i] = Some(self.speed[i].map_or(now, |s| 0.8 * s + 0.2 * now));
+            let now = Measured {
+                speed: bytes_in as f64 / cpu_seconds,
+                ratio: (bytes_out as f64 / bytes_in as f64).min(1.0),
+            };
+            self.measured[i] = Some(self.measured[i].map_or(now, |m| Measured {
+                speed: 0.8 * m.speed + 0.2 * now.speed,
+                ratio: 0.8 * m.ratio + 0.2 * now.ratio,
+            }));
         }
     }
 
-    /// The level for a link carrying `link_bytes_per_s`. A level never measured counts as fast
-    /// enough once the level below it is comfortably so (so the chooser tries it and learns).
+    /// Input bytes per second `level`'s measurement promises through a link of
+    /// `link_bytes_per_s`, and whether compression or the link limits it.
+    fn delivers(&self, m: Measured, link_bytes_per_s: f64) -> (f64, bool) {
+        let cpu = m.speed / self.margin;
+        let link = link_bytes_per_s / m.ratio.max(1e-6);
+        (cpu.min(link), link < cpu)
+    }
+
+    /// The level for the next batch on a link carrying `link_bytes_per_s` (`None`: send it
+    /// stored). A level never measured is tried once the level below it compresses and is
+    /// comfortably link-bound (the link, not the CPU, limits it by 2x), so the chooser climbs
+    /// as far as the CPU allows and no further.
     pub fn choose(&self, link_bytes_per_s: f64) -> Option<i32> {
-        let need = link_bytes_per_s * self.margin;
-        let mut best = None;
+        let mut best = (link_bytes_per_s, None);
         for (i, &level) in self.levels.iter().enumerate() {
-            match self.speed[i] {
-                Some(s) if s >= need => best = Some(level),
-                Some(_) => break,
-                None => {
-                    // Untried: worth a try when the level below has twice the margin.
-                    let below_fast = i == 0 || self.speed[i - 1].is_some_and(|s| s >= 2.0 * need);
-                    if below_fast {
-                        best = Some(level);
-                    }
-                    break;
-                }
+            let Some(m) = self.measured[i] else {
+                return Some(level);
+            };
+            let (rate, link_bound) = self.delivers(m, link_bytes_per_s);
+            if rate > best.0 {
+                best = (rate, Some(level));
+            }
+            // Climb only while this level compresses at all and has CPU to spare.
+            let room = m.speed / self.margin >= 2.0 * link_bytes_per_s / m.ratio.max(1e-6);
+            if !(link_bound && room && m.ratio < 0.98) {
+                break;
             }
         }
-        best
+        best.1
     }
 }
 
@@ -174,19 +200,27 @@ mod tests {
     }
 
     #[test]
-    fn the_chooser_keeps_compression_ahead_of_the_link() {
+    fn the_chooser_picks_the_level_that_moves_the_most() {
         let mut c = LevelChooser::default();
-        let link = 12.5e6; // 100 Mbit/s
-        assert_eq!(c.choose(link), Some(1), "start at the fastest level");
-        c.observe(1, 500_000_000, 1.0);
-        assert_eq!(c.choose(link), Some(3), "fast enough: try the next");
-        c.observe(3, 300_000_000, 1.0);
-        c.observe(6, 20_000_000, 1.0);
-        assert_eq!(c.choose(link), Some(3), "6 is too slow for this link");
+        let slow = 12.5e6; // 100 Mbit/s
+        assert_eq!(c.choose(slow), Some(1), "start at the fastest level");
+        c.observe(1, 400_000_000, 200_000_000, 1.0);
         assert_eq!(
-            c.choose(10e9 / 8.0),
-            None,
-            "no level keeps up with 10 Gbit/s"
+            c.choose(slow),
+            Some(3),
+            "link-bound with room: try the next"
         );
+        c.observe(3, 150_000_000, 66_000_000, 1.0);
+        assert_eq!(c.choose(slow), Some(6), "still link-bound with room");
+        c.observe(6, 30_000_000, 63_000_000 / 5 * 2, 1.0);
+        // 6 compresses a little better but only 20 MB/s of CPU: 3 delivers more.
+        assert_eq!(c.choose(slow), Some(3));
+        // On a fast link only level 1 beats sending stored, and on a very fast one nothing.
+        assert_eq!(c.choose(125e6), Some(1));
+        assert_eq!(c.choose(10e9 / 8.0), None);
+        // Incompressible data: no level beats sending stored.
+        let mut c = LevelChooser::default();
+        c.observe(1, 400_000_000, 400_000_000, 1.0);
+        assert_eq!(c.choose(slow), None);
     }
 }
