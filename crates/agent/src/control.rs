@@ -31,6 +31,9 @@ pub enum Control {
         /// The codec's techniques on the stream channel (none: QEMU's bytes as they are).
         #[serde(default = "no_codec")]
         codec: CodecSettings,
+        /// The codec's page history at each end (both must be the same size).
+        #[serde(default)]
+        history_bytes: u64,
     },
     /// Destination: QEMU listens and the stream may start.
     Ready,

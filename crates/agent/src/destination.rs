@@ -16,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::control::{self, Control, RETURN_PATH, STREAM};
-use crate::stream_codec::StreamDecoder;
+use crate::stream_codec::{self, StreamDecoder};
 
 /// How long a new session may take to say what it wants.
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,11 +57,18 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
         wan_timeout_s,
         return_path,
         codec,
+        history_bytes,
     } = prepare
     else {
         bail!("expected Prepare first, got {prepare:?}");
     };
     let wan_timeout = Duration::from_secs(wan_timeout_s);
+    if history_bytes > stream_codec::HISTORY_CAP {
+        bail!(
+            "the source asks for a {history_bytes}-byte page history; this agent keeps at most {}",
+            stream_codec::HISTORY_CAP
+        );
+    }
     tracing::info!(
         "session {}: receiving VM {vm:?} into {}",
         session.id(),
@@ -113,7 +120,9 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
     let mut hash = Sha256::new();
     // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
     let mut received = 0u64;
-    let mut decoder = codec.any().then(|| StreamDecoder::new(codec));
+    let mut decoder = codec
+        .any()
+        .then(|| StreamDecoder::new(codec, history_bytes));
     let mut decoded = BytesMut::with_capacity(128 << 10);
     let mut end: Option<(u64, String)> = None;
     let idle_check = || -> Result<()> {

@@ -13,7 +13,8 @@ use bytes::BytesMut;
 use ferry_api::agent::{MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
-    Cont, Migrate, MigrateCancel, MigrateSetParameters, QueryMigrate, QueryStatus, Quit,
+    Cont, Migrate, MigrateCancel, MigrateSetParameters, QueryMemorySizeSummary, QueryMigrate,
+    QueryStatus, Quit,
 };
 use ferry_qemu::stream::StreamParser;
 use ferry_qemu::Qmp;
@@ -27,7 +28,7 @@ use tokio::sync::mpsc;
 
 use crate::control::{self, Control, RETURN_PATH, STREAM};
 use crate::status::{Events, Shared};
-use crate::stream_codec::{StreamEncoder, BATCH_BYTES};
+use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
 
 /// Stream bytes per frame: small enough that N connections share the stream evenly, large
 /// enough that the 20-byte header is noise.
@@ -69,6 +70,9 @@ async fn migrate(
     if !st.running {
         bail!("the source VM is not running (QEMU status {:?})", st.status);
     }
+    let ram = qmp.execute(&QueryMemorySizeSummary).await?;
+    let history_bytes =
+        stream_codec::history_bytes(ram.base_memory + ram.plugged_memory.unwrap_or(0));
 
     // The session and its connections.
     let id = SessionId::random();
@@ -112,6 +116,7 @@ async fn migrate(
                 wan_timeout_s: req.wan_timeout_s,
                 return_path: req.return_path,
                 codec: req.codec,
+                history_bytes,
             },
         )
         .await?;
@@ -128,6 +133,7 @@ async fn migrate(
             &session,
             &mut ctl,
             work_dir,
+            history_bytes,
             wan_timeout,
             deadline,
         )
@@ -246,6 +252,7 @@ async fn stream(
     session: &Session,
     ctl: &mut mpsc::UnboundedReceiver<Control>,
     work_dir: &Path,
+    history_bytes: u64,
     wan_timeout: Duration,
     deadline: Instant,
 ) -> Result<String> {
@@ -288,7 +295,8 @@ async fn stream(
         // What goes on the stream channel: QEMU's bytes, or the codec's batches.
         let mut out = BytesMut::with_capacity(CHUNK * 2);
         let mut encoder = req.codec.any().then(|| {
-            StreamEncoder::new(req.codec, req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT))
+            let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
+            StreamEncoder::new(req.codec, history_bytes, link)
         });
         let mut hash = Sha256::new();
         let mut total = 0u64;

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{Buf, Bytes, BytesMut};
-use ferry_api::agent::{CodecReport, CodecSettings};
+use ferry_api::agent::{CodecReport, CodecSettings, ZstdLevelReport};
 use ferry_codec::{compress_batch, decompress_batch, Decoder, Encoder, LevelChooser, Options};
 use ferry_qemu::stream::{Item, RamData, PAGE_SIZE};
 
@@ -42,12 +42,22 @@ const MAX_FRAMED: usize = ferry_codec::batch::MAX_BATCH + 16;
 /// Page index bits in a codec key; the block number sits above them.
 const BLOCK_SHIFT: u32 = 40;
 
-/// The codec's options for the given settings.
-pub fn options(settings: CodecSettings) -> Options {
+/// The page history never holds more than this, whatever the guest's size.
+pub const HISTORY_CAP: u64 = 1 << 30;
+
+/// The page history for a guest of `ram_bytes`: all of its pages up to the cap, so a page
+/// sent again finds its last version at both ends.
+pub fn history_bytes(ram_bytes: u64) -> u64 {
+    ram_bytes.min(HISTORY_CAP)
+}
+
+/// The codec's options for the given settings and page history size.
+pub fn options(settings: CodecSettings, history_bytes: u64) -> Options {
     Options {
         zero: settings.zero,
         dedup: settings.dedup,
         delta: settings.delta,
+        history_bytes: usize::try_from(history_bytes).unwrap_or(usize::MAX),
         ..Options::default()
     }
 }
@@ -88,10 +98,10 @@ pub struct StreamEncoder {
 }
 
 impl StreamEncoder {
-    pub fn new(settings: CodecSettings, link_rate_mbit: f64) -> StreamEncoder {
+    pub fn new(settings: CodecSettings, history_bytes: u64, link_rate_mbit: f64) -> StreamEncoder {
         StreamEncoder {
             settings,
-            pages: Encoder::new(options(settings)),
+            pages: Encoder::new(options(settings, history_bytes)),
             levels: LevelChooser::default(),
             link_bytes_per_s: link_rate_mbit * 1e6 / 8.0,
             blocks: BlockNumbers::default(),
@@ -164,10 +174,13 @@ impl StreamEncoder {
         let started = Instant::now();
         let mut batch = Vec::with_capacity(self.records.len() / 2 + 16);
         compress_batch(&self.records, level, &mut batch);
-        if let Some(level) = level.filter(|_| self.records.len() >= MEASURE_BYTES) {
+        if let Some(level) = level {
             let seconds = started.elapsed().as_secs_f64();
-            self.levels
-                .observe(level, self.records.len(), batch.len(), seconds);
+            if self.records.len() >= MEASURE_BYTES {
+                self.levels
+                    .observe(level, self.records.len(), batch.len(), seconds);
+            }
+            self.count_level(level, batch.len(), seconds);
         }
         out.extend_from_slice(
             &u32::try_from(batch.len())
@@ -179,6 +192,25 @@ impl StreamEncoder {
         self.report.zstd_level = level;
         self.records.clear();
         self.open_opaque = None;
+    }
+
+    fn count_level(&mut self, level: i32, bytes_out: usize, seconds: f64) {
+        let levels = &mut self.report.zstd_levels;
+        let i = match levels.iter().position(|l| l.level == level) {
+            Some(i) => i,
+            None => {
+                levels.push(ZstdLevelReport {
+                    level,
+                    ..ZstdLevelReport::default()
+                });
+                levels.len() - 1
+            }
+        };
+        let l = &mut levels[i];
+        l.batches += 1;
+        l.bytes_in += self.records.len() as u64;
+        l.bytes_out += bytes_out as u64;
+        l.seconds += seconds;
     }
 
     /// The level for the next batch: the chooser's, or the fastest one now and then when the
@@ -224,9 +256,9 @@ pub struct StreamDecoder {
 }
 
 impl StreamDecoder {
-    pub fn new(settings: CodecSettings) -> StreamDecoder {
+    pub fn new(settings: CodecSettings, history_bytes: u64) -> StreamDecoder {
         StreamDecoder {
-            pages: Decoder::new(options(settings)),
+            pages: Decoder::new(options(settings, history_bytes)),
             input: BytesMut::new(),
             page: Box::new([0; PAGE_SIZE]),
         }
@@ -316,7 +348,7 @@ mod tests {
     fn round_trip(stream: &[u8], settings: CodecSettings, cut: usize) -> (Vec<u8>, CodecReport) {
         let mut parser = StreamParser::new();
         let mut input = BytesMut::from(stream);
-        let mut enc = StreamEncoder::new(settings, 100.0);
+        let mut enc = StreamEncoder::new(settings, 64 << 20, 100.0);
         let mut wire = BytesMut::new();
         let mut qemu = BytesMut::new();
         while let Some(item) = parser.next_item(&mut input).unwrap() {
@@ -329,7 +361,7 @@ mod tests {
         }
         parser.finish(input.len()).unwrap();
         enc.flush(&mut wire);
-        let mut dec = StreamDecoder::new(settings);
+        let mut dec = StreamDecoder::new(settings, 64 << 20);
         let mut out = BytesMut::new();
         for piece in wire.chunks(cut) {
             dec.feed(piece, &mut out).unwrap();
@@ -383,7 +415,7 @@ mod tests {
         let stream = &captured()[0];
         let mut parser = StreamParser::new();
         let mut input = BytesMut::from(&stream[..]);
-        let mut enc = StreamEncoder::new(CodecSettings::ALL, 100.0);
+        let mut enc = StreamEncoder::new(CodecSettings::ALL, 64 << 20, 100.0);
         let mut qemu = BytesMut::new();
         while let Some(item) = parser.next_item(&mut input).unwrap() {
             qemu.clear();
@@ -393,7 +425,7 @@ mod tests {
         let mut wire = BytesMut::new();
         enc.flush(&mut wire);
         // A length over the limit, an unknown record, and a damaged zstd body.
-        let mut dec = StreamDecoder::new(CodecSettings::ALL);
+        let mut dec = StreamDecoder::new(CodecSettings::ALL, 64 << 20);
         assert!(dec
             .feed(&u32::MAX.to_le_bytes(), &mut BytesMut::new())
             .is_err());
@@ -401,7 +433,7 @@ mod tests {
         compress_batch(&[0x7f, 1, 2], None, &mut bad);
         let mut framed = (bad.len() as u32).to_le_bytes().to_vec();
         framed.extend_from_slice(&bad);
-        let err = StreamDecoder::new(CodecSettings::ALL)
+        let err = StreamDecoder::new(CodecSettings::ALL, 64 << 20)
             .feed(&framed, &mut BytesMut::new())
             .unwrap_err();
         assert!(format!("{err:#}").contains("unknown codec stream record 0x7f"));
@@ -409,7 +441,7 @@ mod tests {
         let mid = flipped.len() / 2;
         flipped[mid] ^= 0x40;
         let mut out = BytesMut::new();
-        let r = StreamDecoder::new(CodecSettings::ALL).feed(&flipped, &mut out);
+        let r = StreamDecoder::new(CodecSettings::ALL, 64 << 20).feed(&flipped, &mut out);
         assert!(
             r.is_err() || out[..] != stream[..],
             "a flipped bit went unnoticed"

@@ -172,6 +172,19 @@ pub struct CodecReport {
     pub block_hits: u64,
     /// The zstd level of the latest batch (none: stored).
     pub zstd_level: Option<i32>,
+    /// Per zstd level used: batches, bytes in and out, seconds spent compressing.
+    #[serde(default)]
+    pub zstd_levels: Vec<ZstdLevelReport>,
+}
+
+/// What one zstd level did over a migration.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ZstdLevelReport {
+    pub level: i32,
+    pub batches: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub seconds: f64,
 }
 
 /// Where a migration is.

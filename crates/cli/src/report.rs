@@ -102,8 +102,23 @@ pub fn print_report(
             bytes(c.bytes_in),
             bytes(c.bytes_out),
             100.0 * c.bytes_out as f64 / c.bytes_in.max(1) as f64,
-            c.zstd_level
-                .map_or_else(|| "off".to_owned(), |l| format!("level {l}")),
+            if c.zstd_levels.is_empty() {
+                "off".to_owned()
+            } else {
+                c.zstd_levels
+                    .iter()
+                    .map(|l| {
+                        format!(
+                            "level {} on {} batches ({:.0}% of size, {:.0} MB/s)",
+                            l.level,
+                            l.batches,
+                            100.0 * l.bytes_out as f64 / l.bytes_in.max(1) as f64,
+                            l.bytes_in as f64 / l.seconds.max(1e-9) / 1e6
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
         );
         println!(
             "                       {} pages: {} zero, {} unchanged, {} delta, {} with cached blocks ({} hits), {} raw",

@@ -101,12 +101,17 @@ impl BlockCache {
     }
 }
 
-/// The last version of each page that crossed.
+/// The last version of each page that crossed, at most `max_pages` of them: when full, the page
+/// sent least recently goes (pages the guest keeps rewriting are the ones sent again, so they
+/// stay).
 #[derive(Debug)]
 pub struct PageHistory {
-    pages: FxHashMap<u64, Box<[u8; PAGE_SIZE]>>,
-    /// Keys in first-insertion order, for eviction.
-    order: VecDeque<u64>,
+    /// Each page with the tick of its latest record.
+    pages: FxHashMap<u64, (u64, Box<[u8; PAGE_SIZE]>)>,
+    /// (key, tick) per record, oldest first; an entry whose tick is no longer the key's is
+    /// stale and skipped.
+    order: VecDeque<(u64, u64)>,
+    tick: u64,
     max_pages: usize,
 }
 
@@ -116,6 +121,7 @@ impl PageHistory {
         PageHistory {
             pages: FxHashMap::default(),
             order: VecDeque::new(),
+            tick: 0,
             max_pages: bytes / PAGE_SIZE,
         }
     }
@@ -125,7 +131,7 @@ impl PageHistory {
     }
 
     pub fn get(&self, key: u64) -> Option<&[u8; PAGE_SIZE]> {
-        self.pages.get(&key).map(|p| &**p)
+        self.pages.get(&key).map(|(_, p)| &**p)
     }
 
     /// Records `page` as the version of `key` the other side now has.
@@ -133,31 +139,40 @@ impl PageHistory {
         if self.max_pages == 0 {
             return;
         }
-        if let Some(p) = self.pages.get_mut(&key) {
+        self.tick += 1;
+        let tick = self.tick;
+        self.order.push_back((key, tick));
+        if let Some((t, p)) = self.pages.get_mut(&key) {
+            *t = tick;
             p.copy_from_slice(page);
-            return;
-        }
-        let mut stored = if self.pages.len() >= self.max_pages {
-            self.evict_oldest()
         } else {
-            None
+            let mut stored = if self.pages.len() >= self.max_pages {
+                self.evict_oldest()
+            } else {
+                None
+            }
+            .unwrap_or_else(|| Box::new([0u8; PAGE_SIZE]));
+            stored.copy_from_slice(page);
+            self.pages.insert(key, (tick, stored));
         }
-        .unwrap_or_else(|| Box::new([0u8; PAGE_SIZE]));
-        stored.copy_from_slice(page);
-        self.pages.insert(key, stored);
-        self.order.push_back(key);
+        // Stale entries pile up as pages are re-sent; drop them before they outgrow the pages.
+        if self.order.len() > 2 * self.max_pages + 1024 {
+            let pages = &self.pages;
+            self.order
+                .retain(|(k, t)| pages.get(k).is_some_and(|(now, _)| now == t));
+        }
     }
 
     /// Forgets `key` (its page became zero: zero pages are sent as such, never as deltas).
     pub fn forget(&mut self, key: u64) {
-        // The key stays in `order` until it comes up; eviction skips keys no longer present.
+        // Its entries stay in `order` and are skipped as stale.
         self.pages.remove(&key);
     }
 
     fn evict_oldest(&mut self) -> Option<Box<[u8; PAGE_SIZE]>> {
-        while let Some(key) = self.order.pop_front() {
-            if let Some(page) = self.pages.remove(&key) {
-                return Some(page);
+        while let Some((key, tick)) = self.order.pop_front() {
+            if self.pages.get(&key).is_some_and(|(t, _)| *t == tick) {
+                return self.pages.remove(&key).map(|(_, p)| p);
             }
         }
         None
@@ -195,14 +210,21 @@ mod tests {
     }
 
     #[test]
-    fn history_is_bounded_and_forgets_first_in_first() {
+    fn history_is_bounded_and_forgets_the_least_recently_sent() {
         let mut h = PageHistory::new(2 * PAGE_SIZE);
         let p = [5u8; PAGE_SIZE];
         h.record(1, &p);
         h.record(2, &p);
-        h.record(1, &p); // an update does not change the order
+        h.record(1, &[6u8; PAGE_SIZE]); // sent again: now the most recent
         h.record(3, &p);
-        assert!(h.get(1).is_none());
-        assert!(h.get(2).is_some() && h.get(3).is_some());
+        assert!(h.get(2).is_none());
+        assert_eq!(h.get(1).unwrap()[0], 6);
+        assert!(h.get(3).is_some());
+        // Many re-sends of the same pages keep the bookkeeping bounded.
+        for i in 0..100_000u64 {
+            h.record(i % 2, &p);
+        }
+        assert!(h.order.len() <= 2 * 2 + 1024 + 1);
+        assert!(h.get(0).is_some() && h.get(1).is_some() && h.get(3).is_none());
     }
 }

@@ -206,3 +206,19 @@ pub struct KvmInfo {
     pub present: bool,
 }
 command!(QueryKvm, "query-kvm", KvmInfo);
+
+/// `query-memory-size-summary`: the guest's RAM.
+#[derive(Debug, Serialize)]
+pub struct QueryMemorySizeSummary;
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MemorySizeSummary {
+    pub base_memory: u64,
+    #[serde(default)]
+    pub plugged_memory: Option<u64>,
+}
+command!(
+    QueryMemorySizeSummary,
+    "query-memory-size-summary",
+    MemorySizeSummary
+);
