@@ -55,33 +55,31 @@ pub fn decompress_batch(mut batch: &[u8]) -> Result<Vec<u8>, CodecError> {
     Ok(records)
 }
 
-/// Picks the zstd level that moves the most of QEMU's bytes per second through the link,
-/// from what each level was measured to do on the migration's own batches: a level delivers
-/// the smaller of its compression speed (input bytes per CPU second, divided by a margin that
-/// leaves the agent time for its other work) and the link's rate divided by its ratio.
-/// Sending batches stored delivers the link's rate; a level is chosen only when it beats that,
-/// so compression never becomes the bottleneck, and on a slow link the highest level that
-/// still keeps up wins.
+/// Picks the zstd level from what the link carries and what the CPU manages: the strongest
+/// level that compresses faster than the link can take compressed bytes, with room to spare
+/// (its measured speed divided by a margin), so compression never becomes the bottleneck and
+/// leaves the CPU to the guest. When even the fastest level cannot keep up, it is still used
+/// if it moves more of QEMU's bytes than sending them stored would; otherwise batches go
+/// stored.
 ///
-/// The chooser itself is arithmetic: the caller measures and reports.
+/// Speeds are per level (input bytes per CPU second); the compression ratio is one figure for
+/// the data, whatever level measured it, because it depends far more on the pages than on the
+/// level. The chooser itself is arithmetic: the caller measures and reports.
 #[derive(Debug, Clone)]
 pub struct LevelChooser {
+    /// From fastest to strongest.
     levels: Vec<i32>,
-    /// Per level: input bytes per CPU second and output/input, averaged over recent batches.
-    measured: Vec<Option<Measured>>,
-    /// Compression gets at most 1/margin of a CPU's speed in the estimate.
+    /// Input bytes per CPU second per level, averaged over recent batches.
+    speed: Vec<Option<f64>>,
+    /// Output over input of recent batches.
+    ratio: Option<f64>,
+    /// A level must compress this many times faster than needed.
     margin: f64,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Measured {
-    speed: f64,
-    ratio: f64,
 }
 
 impl Default for LevelChooser {
     fn default() -> Self {
-        LevelChooser::new(vec![1, 3, 6, 9], 1.5)
+        LevelChooser::new(vec![1, 3, 6, 9], 2.0)
     }
 }
 
@@ -89,10 +87,11 @@ impl LevelChooser {
     /// `levels` from fastest to strongest.
     pub fn new(levels: Vec<i32>, margin: f64) -> LevelChooser {
         assert!(!levels.is_empty(), "at least one level");
-        let measured = vec![None; levels.len()];
+        let speed = vec![None; levels.len()];
         LevelChooser {
             levels,
-            measured,
+            speed,
+            ratio: None,
             margin,
         }
     }
@@ -107,47 +106,43 @@ impl LevelChooser {
         if cpu_seconds <= 0.0 || bytes_in == 0 {
             return;
         }
+        let ewma = |old: Option<f64>, now: f64| Some(old.map_or(now, |o| 0.8 * o + 0.2 * now));
+        let ratio = (bytes_out as f64 / bytes_in as f64).min(1.0);
+        self.ratio = ewma(self.ratio, ratio);
         if let Some(i) = self.levels.iter().position(|&l| l == level) {
-            let now = Measured {
-                speed: bytes_in as f64 / cpu_seconds,
-                ratio: (bytes_out as f64 / bytes_in as f64).min(1.0),
-            };
-            self.measured[i] = Some(self.measured[i].map_or(now, |m| Measured {
-                speed: 0.8 * m.speed + 0.2 * now.speed,
-                ratio: 0.8 * m.ratio + 0.2 * now.ratio,
-            }));
+            self.speed[i] = ewma(self.speed[i], bytes_in as f64 / cpu_seconds);
         }
-    }
-
-    /// Input bytes per second `level`'s measurement promises through a link of
-    /// `link_bytes_per_s`, and whether compression or the link limits it.
-    fn delivers(&self, m: Measured, link_bytes_per_s: f64) -> (f64, bool) {
-        let cpu = m.speed / self.margin;
-        let link = link_bytes_per_s / m.ratio.max(1e-6);
-        (cpu.min(link), link < cpu)
     }
 
     /// The level for the next batch on a link carrying `link_bytes_per_s` (`None`: send it
-    /// stored). A level never measured is tried once the level below it compresses and is
-    /// comfortably link-bound (the link, not the CPU, limits it by 2x), so the chooser climbs
-    /// as far as the CPU allows and no further.
+    /// stored). A level never measured is tried once the level below it keeps up, so the
+    /// chooser climbs as far as the CPU allows and no further.
     pub fn choose(&self, link_bytes_per_s: f64) -> Option<i32> {
-        let mut best = (link_bytes_per_s, None);
-        for (i, &level) in self.levels.iter().enumerate() {
-            let Some(m) = self.measured[i] else {
-                return Some(level);
-            };
-            let (rate, link_bound) = self.delivers(m, link_bytes_per_s);
-            if rate > best.0 {
-                best = (rate, Some(level));
-            }
-            // Climb only while this level compresses at all and has CPU to spare.
-            let room = m.speed / self.margin >= 2.0 * link_bytes_per_s / m.ratio.max(1e-6);
-            if !(link_bound && room && m.ratio < 0.98) {
-                break;
+        // QEMU bytes per second the link carries once compressed.
+        let need = link_bytes_per_s / self.ratio.unwrap_or(1.0).max(1e-3);
+        let mut best = None;
+        // Data that barely compresses gains nothing from stronger levels: stay at the fastest.
+        let levels = if self.ratio.is_some_and(|r| r >= 0.95) {
+            &self.levels[..1]
+        } else {
+            &self.levels[..]
+        };
+        for (i, &level) in levels.iter().enumerate() {
+            match self.speed[i] {
+                Some(s) if s / self.margin >= need => best = Some(level),
+                Some(_) => break,
+                None => return Some(level),
             }
         }
-        best.1
+        if best.is_none() && self.ratio.is_some_and(|r| r < 0.95) {
+            // Nothing keeps up with room to spare: the fastest level at full speed still beats
+            // sending stored if it takes in more than the link carries raw.
+            let fastest = self.speed[0].unwrap_or(0.0);
+            if fastest > 1.2 * link_bytes_per_s {
+                best = Some(self.levels[0]);
+            }
+        }
+        best
     }
 }
 
@@ -200,27 +195,31 @@ mod tests {
     }
 
     #[test]
-    fn the_chooser_picks_the_level_that_moves_the_most() {
+    fn the_chooser_climbs_while_compression_keeps_ahead_of_the_link() {
         let mut c = LevelChooser::default();
-        let slow = 12.5e6; // 100 Mbit/s
+        let slow = 12.5e6; // 100 Mbit/s: 25 MB/s of QEMU bytes at 2:1
         assert_eq!(c.choose(slow), Some(1), "start at the fastest level");
         c.observe(1, 400_000_000, 200_000_000, 1.0);
-        assert_eq!(
-            c.choose(slow),
-            Some(3),
-            "link-bound with room: try the next"
-        );
-        c.observe(3, 150_000_000, 66_000_000, 1.0);
-        assert_eq!(c.choose(slow), Some(6), "still link-bound with room");
-        c.observe(6, 30_000_000, 63_000_000 / 5 * 2, 1.0);
-        // 6 compresses a little better but only 20 MB/s of CPU: 3 delivers more.
-        assert_eq!(c.choose(slow), Some(3));
-        // On a fast link only level 1 beats sending stored, and on a very fast one nothing.
+        assert_eq!(c.choose(slow), Some(3), "keeps up with room: try the next");
+        c.observe(3, 150_000_000, 70_000_000, 1.0);
+        assert_eq!(c.choose(slow), Some(6));
+        c.observe(6, 40_000_000, 19_000_000, 1.0);
+        assert_eq!(c.choose(slow), Some(3), "6 is too slow for this link");
+        // 1 Gbit/s: level 1 is not three times ahead, but still moves more than stored.
         assert_eq!(c.choose(125e6), Some(1));
-        assert_eq!(c.choose(10e9 / 8.0), None);
-        // Incompressible data: no level beats sending stored.
+        assert_eq!(
+            c.choose(10e9 / 8.0),
+            None,
+            "nothing keeps up with 10 Gbit/s"
+        );
+        // Incompressible data: no level is worth it once the link outruns the CPU's margin.
         let mut c = LevelChooser::default();
         c.observe(1, 400_000_000, 400_000_000, 1.0);
-        assert_eq!(c.choose(slow), None);
+        assert_eq!(c.choose(250e6), None);
+        assert_eq!(
+            c.choose(slow),
+            Some(1),
+            "no climbing on data that does not compress"
+        );
     }
 }
