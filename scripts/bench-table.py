@@ -44,12 +44,47 @@ def main(paths):
             f"{median([r['guest_gap_ms'] for r in done]):.0f} | {median([r['iterations'] for r in done]):.0f} | "
             f"{sum(r['verify_errors'] or 0 for r in done)} |"
         )
+    compare(groups)
     floors = defaultdict(list)
     for (workload, _), rs in groups.items():
         floors[workload] += [r["floor_bytes"] for r in rs]
     print()
     for w, fs in sorted(floors.items()):
         print(f"- floor for {w}: median {median(fs) / 1e6:.1f} MB (range {min(fs) / 1e6:.1f}-{max(fs) / 1e6:.1f})")
+
+
+def compare(groups, target_ms=300):
+    """ferry's medians against QEMU's best mode (per figure) and QEMU plain, per workload."""
+    by_workload = defaultdict(dict)
+    for (workload, system), rs in groups.items():
+        done = [r for r in rs if r["completed"]]
+        if done:
+            by_workload[workload][system] = done
+    lines = []
+    for workload, systems in sorted(by_workload.items()):
+        qemu = {s: rs for s, rs in systems.items() if s.startswith("qemu-")}
+        if not qemu:
+            continue
+        best_bytes = min(median([r["wan_bytes"] for r in rs]) for rs in qemu.values())
+        best_time = min(median([r["total_ms"] for r in rs]) for rs in qemu.values())
+        plain = qemu.get("qemu-plain")
+        for system, rs in sorted(systems.items()):
+            if not system.startswith("ferry"):
+                continue
+            b = median([r["wan_bytes"] for r in rs])
+            t = median([r["total_ms"] for r in rs])
+            within = sum(1 for r in rs if r["downtime_ms"] is not None and r["downtime_ms"] <= target_ms)
+            vs_plain = "-"
+            if plain:
+                vs_plain = (f"{b / median([r['wan_bytes'] for r in plain]):.2f} / "
+                            f"{t / median([r['total_ms'] for r in plain]):.2f}")
+            lines.append(f"| {workload} | {system} | {b / best_bytes:.2f} / {t / best_time:.2f} | "
+                         f"{vs_plain} | {within} of {len(rs)} |")
+    if lines:
+        print()
+        print(f"| workload | system | bytes / time vs QEMU's best mode | bytes / time vs QEMU plain | real downtime <= {target_ms} ms |")
+        print("|---|---|---|---|---|")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 //! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
+//! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`control`]: the messages between the two sides.
 //! - [`client`]: the CLI's client for the local API.
 //! - [`status`]: a migration's shared status.
@@ -16,5 +17,6 @@ pub mod server;
 pub mod source;
 pub mod status;
 pub mod stream_codec;
+pub mod switchover;
 
 pub use server::{run, AgentConfig};

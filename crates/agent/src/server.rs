@@ -233,6 +233,8 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         // QEMU's return path the source QEMU also waits for the destination's confirmation.
         switchover_round_trips: Some(if req.return_path { 1.5 } else { 0.5 }),
         codec: None,
+        qemu_downtime_limit_ms: None,
+        max_cpu_throttle_pct: None,
         digest: None,
     });
     agent

@@ -13,8 +13,8 @@ use bytes::BytesMut;
 use ferry_api::agent::{MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
-    Cont, Migrate, MigrateCancel, MigrateSetParameters, QueryMemorySizeSummary, QueryMigrate,
-    QueryStatus, Quit,
+    Capability, Cont, Migrate, MigrateCancel, MigrateSetCapabilities, MigrateSetParameters,
+    QueryMemorySizeSummary, QueryMigrate, QueryStatus, Quit,
 };
 use ferry_qemu::stream::StreamParser;
 use ferry_qemu::Qmp;
@@ -29,10 +29,15 @@ use tokio::sync::mpsc;
 use crate::control::{self, Control, RETURN_PATH, STREAM};
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
+use crate::switchover;
 
 /// Stream bytes per frame: small enough that N connections share the stream evenly, large
 /// enough that the 20-byte header is noise.
 const CHUNK: usize = 64 << 10;
+/// auto-converge's first throttle and its steps (QEMU's defaults are 20 and 10; with tailslow
+/// the steps after the first follow the dirty rate over the link rate instead).
+const THROTTLE_INITIAL_PCT: u8 = 20;
+const THROTTLE_INCREMENT_PCT: u8 = 10;
 /// The link rate the codec's zstd level assumes when the request does not give one.
 const ASSUMED_LINK_MBIT: f64 = 1000.0;
 
@@ -103,6 +108,8 @@ async fn migrate(
         qmp.clone(),
         session.clone(),
         status.clone(),
+        (!req.qemu_switchover_rule).then_some(req.downtime_limit_ms),
+        req.link_rate_mbit,
     )));
     let (ctl_tx, mut ctl) = mpsc::unbounded_channel();
     tokio::spawn(read_control(session.clone(), ctl_tx));
@@ -260,7 +267,7 @@ async fn stream(
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
     let _cleanup = RemoveOnDrop(sock.clone());
-    set_capabilities(qmp, req.downtime_limit_ms, req.return_path).await?;
+    set_capabilities(qmp, req).await?;
     qmp.execute(&Migrate {
         uri: format!("unix:{}", sock.display()),
     })
@@ -414,10 +421,22 @@ fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
     }
 }
 
-async fn set_capabilities(qmp: &Qmp, downtime_limit_ms: u64, return_path: bool) -> Result<()> {
-    qmp.execute(&control::plain_precopy(return_path)).await?;
+async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest) -> Result<()> {
+    qmp.execute(&control::plain_precopy(req.return_path))
+        .await?;
+    // Throttling changes nothing in the stream: only the source has it.
+    qmp.execute(&MigrateSetCapabilities {
+        capabilities: vec![Capability {
+            capability: "auto-converge".into(),
+            state: req.converge,
+        }],
+    })
+    .await?;
     qmp.execute(&MigrateSetParameters {
-        downtime_limit: Some(downtime_limit_ms),
+        downtime_limit: Some(req.downtime_limit_ms),
+        cpu_throttle_initial: req.converge.then_some(THROTTLE_INITIAL_PCT),
+        cpu_throttle_increment: req.converge.then_some(THROTTLE_INCREMENT_PCT),
+        cpu_throttle_tailslow: req.converge.then_some(true),
         ..Default::default()
     })
     .await?;
@@ -444,17 +463,63 @@ async fn ensure_running(qmp: &Qmp) -> Result<()> {
 }
 
 /// Copies the transport's counters and QEMU's progress into the status every 100 ms.
-async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared) {
+/// Keeps the status up to date from QEMU and the session every 100 ms and, with a real
+/// downtime target, QEMU's downtime-limit in step with what is in flight
+/// ([`crate::switchover`]).
+async fn track_progress(
+    qmp: Arc<Qmp>,
+    session: Session,
+    status: Shared,
+    target_ms: Option<u64>,
+    link_rate_mbit: Option<f64>,
+) {
+    let mut limit: Option<u64> = None;
+    let mut last = (Instant::now(), 0u64);
+    // Without a given rate, the link's rate is the best recent wire rate, slowly forgotten.
+    let mut link_peak = 0.0f64;
     loop {
         let wire = session.stats();
         let info = qmp.execute(&QueryMigrate).await.ok();
+        let now = Instant::now();
+        let dt = now.duration_since(last.0).as_secs_f64();
+        if dt > 0.05 {
+            let rate = wire.wire_bytes_out.saturating_sub(last.1) as f64 / dt;
+            link_peak = (0.98 * link_peak).max(rate);
+            last = (now, wire.wire_bytes_out);
+        }
+        let active = info
+            .as_ref()
+            .and_then(|i| i.status.as_deref())
+            .is_some_and(|s| s == "active");
+        let rtt_ms = status.get().wire.rtt_ms;
+        if let (Some(target), true, Some(rtt_ms)) = (target_ms, active, rtt_ms) {
+            let link = link_rate_mbit.map_or(link_peak, |m| m * 1e6 / 8.0);
+            let flight = switchover::flight_ms(wire.unacked_bytes, link, rtt_ms);
+            let want = switchover::qemu_limit_ms(target, flight);
+            if limit.is_none_or(|l| l.abs_diff(want) >= 5) {
+                let set = qmp
+                    .execute(&MigrateSetParameters {
+                        downtime_limit: Some(want),
+                        ..Default::default()
+                    })
+                    .await;
+                match set {
+                    Ok(_) => limit = Some(want),
+                    Err(e) => tracing::warn!("setting QEMU's downtime-limit to {want} ms: {e:#}"),
+                }
+            }
+        }
         status.update(|s| {
             s.wire.bytes_out = wire.wire_bytes_out;
             s.wire.bytes_in = wire.wire_bytes_in;
             s.wire.connections_live = wire.connections_live;
             s.wire.replayed_frames = wire.replayed_frames;
             s.wire.unacked_bytes = wire.unacked_bytes;
+            s.qemu_downtime_limit_ms = limit.or(s.qemu_downtime_limit_ms);
             if let Some(info) = info {
+                if let Some(pct) = info.cpu_throttle_percentage.filter(|&p| p > 0) {
+                    s.max_cpu_throttle_pct = Some(s.max_cpu_throttle_pct.unwrap_or(0).max(pct));
+                }
                 s.qemu.status = info.status.unwrap_or_default();
                 if let Some(ram) = info.ram {
                     s.qemu.transferred = ram.transferred;

@@ -19,9 +19,19 @@ pub struct MigrationRequest {
     /// TCP connections across the WAN.
     #[serde(default = "default_connections")]
     pub connections: u32,
-    /// QEMU's downtime-limit.
+    /// The real downtime target (source STOP to destination RESUME): the agent keeps QEMU's
+    /// downtime-limit at this minus what follows QEMU's last byte (ferry's window, half a round
+    /// trip, the destination's resume). With `qemu_switchover_rule`, QEMU's limit as is.
     #[serde(default = "default_downtime")]
     pub downtime_limit_ms: u64,
+    /// When the guest dirties memory faster than the link carries it, let QEMU throttle its
+    /// vCPUs (auto-converge, raised only as far as needed) so that the migration converges.
+    #[serde(default = "default_converge")]
+    pub converge: bool,
+    /// Leave the switchover to QEMU's own rule with `downtime_limit_ms` as its limit (for
+    /// comparison).
+    #[serde(default)]
+    pub qemu_switchover_rule: bool,
     /// How long the WAN may be down before the migration fails (the source keeps running).
     #[serde(default = "default_wan_timeout")]
     pub wan_timeout_s: u64,
@@ -53,6 +63,9 @@ pub struct MigrationRequest {
 /// (BENCHMARKS.md, "How many connections").
 pub fn default_connections() -> u32 {
     1
+}
+fn default_converge() -> bool {
+    true
 }
 fn default_downtime() -> u64 {
     300
@@ -221,6 +234,12 @@ pub struct MigrationStatus {
     pub destination_resume_unix_us: Option<i64>,
     /// QEMU's own downtime figure.
     pub qemu_downtime_ms: Option<u64>,
+    /// The highest vCPU throttle auto-converge applied, percent (none: never throttled).
+    #[serde(default)]
+    pub max_cpu_throttle_pct: Option<u64>,
+    /// The downtime-limit the agent last gave QEMU.
+    #[serde(default)]
+    pub qemu_downtime_limit_ms: Option<u64>,
     /// WAN round trips the switchover waited for between the source's STOP and the
     /// destination's RESUME.
     pub switchover_round_trips: Option<f64>,

@@ -40,9 +40,19 @@ pub struct MigrationFlags {
     /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
     #[arg(long, default_value = "plain")]
     pub mode: String,
-    /// Downtime target, ms (QEMU's downtime-limit; 300 is QEMU's default).
+    /// Downtime target, ms (300 is QEMU's default). ferry: the real pause, source STOP to
+    /// destination RESUME, which the agent meets by steering QEMU's downtime-limit; qemu (or
+    /// ferry with --qemu-switchover-rule): QEMU's own downtime-limit.
     #[arg(long, default_value_t = 300)]
     pub downtime_ms: u64,
+    /// ferry: leave the switchover to QEMU's own rule, --downtime-ms as its limit (for
+    /// comparison).
+    #[arg(long)]
+    pub qemu_switchover_rule: bool,
+    /// ferry: never throttle the guest (by default QEMU's auto-converge slows its vCPUs, only
+    /// as far as needed, when it dirties memory faster than the link carries it).
+    #[arg(long)]
+    pub no_converge: bool,
     /// Give up after this many seconds; the source keeps running.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
@@ -77,6 +87,8 @@ impl MigrationFlags {
             wan_timeout_s: self.wan_timeout_s,
             test_corrupt_at: self.test_corrupt_at,
             return_path: self.return_path,
+            qemu_switchover_rule: self.qemu_switchover_rule,
+            converge: !self.no_converge,
             codec: self
                 .codec
                 .parse()

@@ -95,6 +95,9 @@ pub fn print_report(
         o.wan_bytes
     );
     println!("  precopy passes       {}", o.iterations);
+    if let Some(pct) = o.cpu_throttle_pct {
+        println!("  guest throttled      up to {pct}% of its vCPU time (auto-converge)");
+    }
     if let Some(c) = &o.codec {
         println!(
             "  codec                {}: QEMU's {} became {} ({:.1}%), zstd {}",

@@ -141,6 +141,12 @@ pub struct MigrateOptions {
     pub return_path: bool,
     /// ferry: the codec's techniques on the WAN.
     pub codec: CodecSettings,
+    /// ferry: QEMU's own switchover rule with `downtime_limit_ms` as its limit, instead of the
+    /// agent steering it to a real downtime of `downtime_limit_ms`.
+    pub qemu_switchover_rule: bool,
+    /// ferry: let QEMU throttle the guest (auto-converge) when it dirties faster than the
+    /// link carries.
+    pub converge: bool,
 }
 
 impl Default for MigrateOptions {
@@ -156,6 +162,8 @@ impl Default for MigrateOptions {
             test_corrupt_at: None,
             return_path: false,
             codec: CodecSettings::ALL,
+            qemu_switchover_rule: false,
+            converge: true,
         }
     }
 }
@@ -213,6 +221,9 @@ pub struct MigrationOutcome {
     pub iterations: u64,
     pub ram_transferred: u64,
     pub error: Option<String>,
+    /// ferry: the highest vCPU throttle auto-converge applied, percent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_pct: Option<u64>,
     /// ferry: what the codec did with QEMU's stream.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub codec: Option<ferry_api::agent::CodecReport>,
@@ -758,6 +769,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         ram_transferred: ram.transferred,
         error: None,
         codec: None,
+        cpu_throttle_pct: None,
     };
     progress.send_modify(|p| p.phase = "done".into());
     Ok(outcome)

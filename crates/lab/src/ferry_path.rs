@@ -98,6 +98,8 @@ pub async fn migrate(
         test_corrupt_at: opts.test_corrupt_at,
         return_path: opts.return_path,
         codec: opts.codec,
+        qemu_switchover_rule: opts.qemu_switchover_rule,
+        converge: opts.converge,
     };
     let started = match source_agent.start_migration(&req).await {
         Ok(s) => s,
@@ -215,6 +217,7 @@ pub async fn migrate(
             ram_transferred: status.stream_bytes,
             error: None,
             codec: status.codec.clone(),
+            cpu_throttle_pct: status.max_cpu_throttle_pct,
         };
         progress.send_modify(|p| p.phase = "done".into());
         drop(src_link);

@@ -68,6 +68,16 @@ pub struct MigrateSetParameters {
     pub multifd_compression: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub xbzrle_cache_size: Option<u64>,
+    /// auto-converge: the first throttle, percent of vCPU time taken.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_initial: Option<u8>,
+    /// auto-converge: each further step, percent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_increment: Option<u8>,
+    /// auto-converge: after the first step, raise the throttle only as far as the dirty rate
+    /// over the link rate requires, instead of by whole increments.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_tailslow: Option<bool>,
 }
 command!(MigrateSetParameters, "migrate-set-parameters", Value);
 
@@ -116,6 +126,9 @@ pub struct MigrationInfo {
     pub error_desc: Option<String>,
     #[serde(rename = "xbzrle-cache")]
     pub xbzrle_cache: Option<Value>,
+    /// auto-converge's current throttle, percent (present while it throttles).
+    #[serde(rename = "cpu-throttle-percentage", default)]
+    pub cpu_throttle_percentage: Option<u64>,
 }
 
 /// `query-migrate`'s `ram` section.
