@@ -75,7 +75,7 @@ impl BlockNumbers {
             let next = self.numbers.len() as u64;
             self.current = Some(*self.numbers.entry(name.clone()).or_insert(next));
         }
-        Some(self.current? << BLOCK_SHIFT | offset / PAGE_SIZE as u64)
+        Some((self.current? << BLOCK_SHIFT) | (offset / PAGE_SIZE as u64))
     }
 }
 
@@ -329,11 +329,12 @@ fn take<'a>(input: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8]> {
     Ok(head)
 }
 
+/// A little-endian length of `N` (at most 4) bytes.
 fn take_len<const N: usize>(input: &mut &[u8]) -> Result<usize> {
     let raw = take(input, N, "a length")?;
-    let mut le = [0u8; 8];
+    let mut le = [0u8; 4];
     le[..N].copy_from_slice(raw);
-    Ok(u64::from_le_bytes(le) as usize)
+    Ok(usize::try_from(u32::from_le_bytes(le)).expect("usize holds a u32"))
 }
 
 #[cfg(test)]
@@ -431,7 +432,7 @@ mod tests {
             .is_err());
         let mut bad = Vec::new();
         compress_batch(&[0x7f, 1, 2], None, &mut bad);
-        let mut framed = (bad.len() as u32).to_le_bytes().to_vec();
+        let mut framed = u32::try_from(bad.len()).unwrap().to_le_bytes().to_vec();
         framed.extend_from_slice(&bad);
         let err = StreamDecoder::new(CodecSettings::ALL, 64 << 20)
             .feed(&framed, &mut BytesMut::new())
