@@ -100,32 +100,36 @@ pub fn print_report(
     }
     if let Some(c) = &o.codec {
         println!(
-            "  codec                {}: QEMU's {} became {} ({:.1}%), zstd {}",
+            "  codec                {}: QEMU's {} became {} ({:.1}%)",
             c.settings,
             bytes(c.bytes_in),
             bytes(c.bytes_out),
             100.0 * c.bytes_out as f64 / c.bytes_in.max(1) as f64,
-            if c.zstd_levels.is_empty() {
-                "off".to_owned()
-            } else {
-                c.zstd_levels
-                    .iter()
-                    .map(|l| {
-                        format!(
-                            "level {} on {} batches ({:.0}% of size, {:.0} MB/s)",
-                            l.level,
-                            l.batches,
-                            100.0 * l.bytes_out as f64 / l.bytes_in.max(1) as f64,
-                            l.bytes_in as f64 / l.seconds.max(1e-9) / 1e6
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            },
         );
         println!(
             "                       {} pages: {} zero, {} unchanged, {} delta, {} with cached blocks ({} hits), {} raw",
             c.pages, c.zero, c.unchanged, c.delta, c.blocks, c.block_hits, c.raw,
+        );
+        let zstd: Vec<String> = c
+            .zstd_levels
+            .iter()
+            .map(|l| {
+                format!(
+                    "level {} x{} ({:.0}%, {:.0} MB/s)",
+                    l.level,
+                    l.batches,
+                    100.0 * l.bytes_out as f64 / l.bytes_in.max(1) as f64,
+                    l.bytes_in as f64 / l.seconds.max(1e-9) / 1e6
+                )
+            })
+            .collect();
+        println!(
+            "                       zstd batches: {}",
+            if zstd.is_empty() {
+                "off".to_owned()
+            } else {
+                zstd.join(", ")
+            }
         );
     }
     if let Some(v) = verify {
