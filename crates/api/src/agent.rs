@@ -296,3 +296,34 @@ pub struct Health {
 pub struct ApiError {
     pub error: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codec_settings_parse_and_print_the_same_names() {
+        for text in ["all", "none", "zero", "dedup,delta", "zero,dedup,delta"] {
+            let c: CodecSettings = text.parse().unwrap();
+            assert_eq!(c.to_string(), text);
+        }
+        assert_eq!(
+            "zero,dedup,delta,zstd".parse::<CodecSettings>().unwrap(),
+            CodecSettings::ALL
+        );
+        assert!(!CodecSettings::NONE.any());
+        let err = "zero,zip".parse::<CodecSettings>().unwrap_err();
+        assert!(err.contains("\"zip\""), "{err}");
+    }
+
+    #[test]
+    fn an_old_request_gets_the_defaults() {
+        let req: MigrationRequest = serde_json::from_str(
+            r#"{"vm":"v","source_qmp":"/q","peer":"p:1","peer_name":"b","destination_qmp":"/d"}"#,
+        )
+        .unwrap();
+        assert_eq!(req.codec, CodecSettings::ALL);
+        assert!(req.converge && !req.qemu_switchover_rule && !req.return_path);
+        assert_eq!(req.connections, 1);
+    }
+}
