@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::CodecSettings;
+use ferry_api::agent::{CodecSettings, SeedReport};
 use ferry_qemu::commands::{Capability, MigrateSetCapabilities};
 use ferry_wire::{ChannelId, Received, Session};
 use serde::{Deserialize, Serialize};
@@ -16,6 +16,8 @@ pub const CONTROL: ChannelId = ChannelId(0);
 pub const STREAM: ChannelId = ChannelId(1);
 /// QEMU's return path, destination to source.
 pub const RETURN_PATH: ChannelId = ChannelId(2);
+/// The destination's seed index, destination to source, before the stream starts.
+pub const SEED: ChannelId = ChannelId(3);
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]
@@ -34,9 +36,16 @@ pub enum Control {
         /// The codec's page history at each end (both must be the same size).
         #[serde(default)]
         history_bytes: u64,
+        /// With seeding on: whose earlier image to index (none: the VM's own).
+        #[serde(default)]
+        seed_from: Option<String>,
     },
-    /// Destination: QEMU listens and the stream may start.
-    Ready,
+    /// Destination: QEMU listens and the stream may start. With a seed image, its index
+    /// (`seed.index_bytes` bytes) follows on the seed channel.
+    Ready {
+        #[serde(default)]
+        seed: Option<SeedReport>,
+    },
     /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
     End { bytes: u64, sha256: String },
     /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time).

@@ -3,7 +3,7 @@
 //! commit: QEMU is resumed only when the stream's digest matches the source's and QEMU says it
 //! loaded. Any failure before that quits the destination QEMU; the source resumes its VM.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -15,16 +15,19 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::control::{self, Control, RETURN_PATH, STREAM};
+use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
+use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
 
+/// The seed index goes to the source in pieces of this size.
+const SEED_PIECE: usize = 256 << 10;
 /// How long a new session may take to say what it wants.
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves one incoming session to its end.
-pub async fn run(session: Session, work_dir: std::path::PathBuf) {
+pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf) {
     let mut qmp = None;
-    let result = serve(&session, &work_dir, &mut qmp).await;
+    let result = serve(&session, &work_dir, &seed_dir, &mut qmp).await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
         // Not committed: the destination VM goes.
@@ -47,7 +50,12 @@ pub async fn run(session: Session, work_dir: std::path::PathBuf) {
     }
 }
 
-async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -> Result<()> {
+async fn serve(
+    session: &Session,
+    work_dir: &Path,
+    seed_dir: &Path,
+    qmp_slot: &mut Option<Qmp>,
+) -> Result<()> {
     let prepare = tokio::time::timeout(PREPARE_TIMEOUT, control::recv(session))
         .await
         .context("the source sent nothing within 30s")??;
@@ -58,6 +66,7 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
         return_path,
         codec,
         history_bytes,
+        seed_from,
     } = prepare
     else {
         bail!("expected Prepare first, got {prepare:?}");
@@ -74,6 +83,11 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
         session.id(),
         destination_qmp.display()
     );
+    // The seed image is read and indexed while QEMU gets ready.
+    let seed = codec.seed.then(|| {
+        let (dir, name) = (seed_dir.to_owned(), seed_from.unwrap_or_else(|| vm.clone()));
+        tokio::task::spawn_blocking(move || seed_store::load(&dir, &name))
+    });
     let qmp = Qmp::connect(&destination_qmp)
         .await
         .with_context(|| format!("destination QMP {}", destination_qmp.display()))?;
@@ -93,7 +107,38 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
     let conn = connect_retry(&sock).await?;
     let _ = std::fs::remove_file(&sock);
     let (mut from_qemu, mut to_qemu) = conn.into_split();
-    control::send(session, &Control::Ready).await?;
+    let seed = match seed {
+        Some(task) => task.await.context("indexing the seed image")??,
+        None => None,
+    };
+    control::send(
+        session,
+        &Control::Ready {
+            seed: seed.as_ref().map(|s| s.report.clone()),
+        },
+    )
+    .await?;
+    let mut decoder = codec
+        .any()
+        .then(|| StreamDecoder::new(codec, history_bytes));
+    if let Some(seed) = seed {
+        tracing::info!(
+            "session {}: offering seed image {:?} ({} pages, a {}-byte index, {} ms to index)",
+            session.id(),
+            seed.report.image,
+            seed.report.pages,
+            seed.report.index_bytes,
+            seed.report.index_ms
+        );
+        for piece in seed.index.chunks(SEED_PIECE) {
+            session
+                .send(SEED, bytes::Bytes::copy_from_slice(piece))
+                .await?;
+        }
+        if let Some(decoder) = &mut decoder {
+            decoder.set_seed(seed.image);
+        }
+    }
 
     // The return path, destination QEMU to source QEMU.
     let rp_session = session.clone();
@@ -120,9 +165,6 @@ async fn serve(session: &Session, work_dir: &Path, qmp_slot: &mut Option<Qmp>) -
     let mut hash = Sha256::new();
     // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
     let mut received = 0u64;
-    let mut decoder = codec
-        .any()
-        .then(|| StreamDecoder::new(codec, history_bytes));
     let mut decoded = BytesMut::with_capacity(128 << 10);
     let mut end: Option<(u64, String)> = None;
     let idle_check = || -> Result<()> {

@@ -5,6 +5,7 @@
 //! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
+//! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`control`]: the messages between the two sides.
 //! - [`client`]: the CLI's client for the local API.
@@ -13,6 +14,7 @@
 pub mod client;
 pub mod control;
 pub mod destination;
+pub mod seed_store;
 pub mod server;
 pub mod source;
 pub mod status;

@@ -32,6 +32,8 @@ pub struct AgentConfig {
     pub api_socket: PathBuf,
     /// Sockets to and from QEMU live here.
     pub work_dir: PathBuf,
+    /// Memory images of VMs that left this host, for their return ([`crate::seed_store`]).
+    pub seed_dir: PathBuf,
     pub identity: Identity,
 }
 
@@ -129,7 +131,12 @@ impl Agent {
         sessions.insert(id, session.clone());
         let (agent, s) = (self.clone(), session.clone());
         tokio::spawn(async move {
-            destination::run(s, agent.config.work_dir.clone()).await;
+            destination::run(
+                s,
+                agent.config.work_dir.clone(),
+                agent.config.seed_dir.clone(),
+            )
+            .await;
             agent.sessions.lock().expect("lock").remove(&id);
             agent.finished.lock().expect("lock").insert(id);
         });
@@ -247,6 +254,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         status.clone(),
         agent.client_tls.clone(),
         agent.config.work_dir.clone(),
+        agent.config.seed_dir.clone(),
     ));
     (StatusCode::CREATED, Json(status.get())).into_response()
 }

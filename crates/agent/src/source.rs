@@ -26,7 +26,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
-use crate::control::{self, Control, RETURN_PATH, STREAM};
+use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
+use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
 use crate::switchover;
@@ -42,8 +43,14 @@ const THROTTLE_INCREMENT_PCT: u8 = 10;
 const ASSUMED_LINK_MBIT: f64 = 1000.0;
 
 /// Runs one migration to its end and records the outcome in `status`.
-pub async fn run(req: MigrationRequest, status: Shared, tls: Arc<ClientConfig>, work_dir: PathBuf) {
-    let result = migrate(&req, &status, tls, &work_dir).await;
+pub async fn run(
+    req: MigrationRequest,
+    status: Shared,
+    tls: Arc<ClientConfig>,
+    work_dir: PathBuf,
+    seed_dir: PathBuf,
+) {
+    let result = migrate(&req, &status, tls, &work_dir, &seed_dir).await;
     status.update(|s| match result {
         Ok(()) => {
             s.state = MigrationState::Committed;
@@ -63,6 +70,7 @@ async fn migrate(
     status: &Shared,
     tls: Arc<ClientConfig>,
     work_dir: &Path,
+    seed_dir: &Path,
 ) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(req.timeout_s);
     let wan_timeout = Duration::from_secs(req.wan_timeout_s);
@@ -76,8 +84,8 @@ async fn migrate(
         bail!("the source VM is not running (QEMU status {:?})", st.status);
     }
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
-    let history_bytes =
-        stream_codec::history_bytes(ram.base_memory + ram.plugged_memory.unwrap_or(0));
+    let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
+    let history_bytes = stream_codec::history_bytes(ram_bytes);
 
     // The session and its connections.
     let id = SessionId::random();
@@ -124,14 +132,36 @@ async fn migrate(
                 return_path: req.return_path,
                 codec: req.codec,
                 history_bytes,
+                seed_from: req.seed_from.clone(),
             },
         )
         .await?;
         status.update(|s| s.phase = "preparing the destination".into());
-        match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
-            Some(Control::Ready) => {}
+        let seed = match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
+            Some(Control::Ready { seed }) => seed,
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
             other => bail!("unexpected answer to Prepare: {other:?}"),
+        };
+        let mut encoder = req.codec.any().then(|| {
+            let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
+            StreamEncoder::new(req.codec, history_bytes, link)
+        });
+        if let (Some(offer), Some(encoder)) = (seed, &mut encoder) {
+            status.update(|s| {
+                s.phase = format!(
+                    "receiving the destination's seed index ({} pages of {:?})",
+                    offer.pages, offer.image
+                );
+            });
+            let index = watchdog(
+                &session,
+                status,
+                wan_timeout,
+                deadline,
+                receive_seed_index(&session, offer.index_bytes),
+            )
+            .await??;
+            encoder.set_seed(index, offer);
         }
         stream(
             req,
@@ -140,7 +170,7 @@ async fn migrate(
             &session,
             &mut ctl,
             work_dir,
-            history_bytes,
+            encoder,
             wan_timeout,
             deadline,
         )
@@ -201,7 +231,20 @@ async fn migrate(
                 s.destination_resume_unix_us = Some(resume_unix_us);
                 s.event(EventKind::Committed, "destination runs");
             });
-            // The destination runs: the source must never run again.
+            // The destination runs: the source must never run again. Its memory stays here
+            // as the seed for the VM's return.
+            if req.codec.seed {
+                status
+                    .update(|s| s.phase = "committed; saving the VM's image for its return".into());
+                match seed_store::save(&qmp, seed_dir, &req.vm, ram_bytes).await {
+                    Ok(bytes) => {
+                        tracing::info!("kept {bytes} bytes of {:?}'s memory for its return", req.vm)
+                    }
+                    Err(e) => {
+                        tracing::warn!("could not keep {:?}'s memory for its return: {e:#}", req.vm)
+                    }
+                }
+            }
             let _ = qmp.execute(&Quit).await;
             session.fail("migration committed");
             Ok(())
@@ -218,6 +261,26 @@ async fn migrate(
             )
         }
     }
+}
+
+/// The destination's seed index: `bytes` bytes on the seed channel.
+async fn receive_seed_index(session: &Session, bytes: u64) -> Result<ferry_codec::SeedIndex> {
+    let mut index = Vec::new();
+    while (index.len() as u64) < bytes {
+        match session.recv(SEED).await? {
+            Received::Data(piece) => index.extend_from_slice(&piece),
+            Received::Barrier => bail!("unexpected barrier on the seed channel"),
+        }
+    }
+    if index.len() as u64 != bytes {
+        bail!(
+            "the destination announced a {bytes}-byte seed index and sent {}",
+            index.len()
+        );
+    }
+    tokio::task::spawn_blocking(move || ferry_codec::SeedIndex::parse(&index))
+        .await?
+        .context("the destination's seed index")
 }
 
 /// Waits for `fut`, failing when the WAN has been down longer than `wan_timeout` or the
@@ -259,7 +322,7 @@ async fn stream(
     session: &Session,
     ctl: &mut mpsc::UnboundedReceiver<Control>,
     work_dir: &Path,
-    history_bytes: u64,
+    mut encoder: Option<StreamEncoder>,
     wan_timeout: Duration,
     deadline: Instant,
 ) -> Result<String> {
@@ -301,10 +364,6 @@ async fn stream(
         let mut item_bytes = BytesMut::with_capacity(CHUNK);
         // What goes on the stream channel: QEMU's bytes, or the codec's batches.
         let mut out = BytesMut::with_capacity(CHUNK * 2);
-        let mut encoder = req.codec.any().then(|| {
-            let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
-            StreamEncoder::new(req.codec, history_bytes, link)
-        });
         let mut hash = Sha256::new();
         let mut total = 0u64;
         loop {
@@ -434,6 +493,8 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest) -> Result<()> {
     .await?;
     qmp.execute(&MigrateSetParameters {
         downtime_limit: Some(req.downtime_limit_ms),
+        // QEMU's own measurement until the agent steers (an earlier attempt may have set it).
+        avail_switchover_bandwidth: Some(0),
         cpu_throttle_initial: req.converge.then_some(THROTTLE_INITIAL_PCT),
         cpu_throttle_increment: req.converge.then_some(THROTTLE_INCREMENT_PCT),
         cpu_throttle_tailslow: req.converge.then_some(true),
@@ -473,7 +534,9 @@ async fn track_progress(
     target_ms: Option<u64>,
     link_rate_mbit: Option<f64>,
 ) {
+    // What the agent last set: QEMU's downtime-limit and the switchover bandwidth.
     let mut limit: Option<u64> = None;
+    let mut rate: Option<u64> = None;
     let mut last = (Instant::now(), 0u64);
     // Without a given rate, the link's rate is the best recent wire rate, slowly forgotten.
     let mut link_peak = 0.0f64;
@@ -491,21 +554,30 @@ async fn track_progress(
             .as_ref()
             .and_then(|i| i.status.as_deref())
             .is_some_and(|s| s == "active");
-        let rtt_ms = status.get().wire.rtt_ms;
+        let (rtt_ms, resend_cost) = {
+            let s = status.get();
+            (s.wire.rtt_ms, s.codec.and_then(|c| c.resend_cost))
+        };
         if let (Some(target), true, Some(rtt_ms)) = (target_ms, active, rtt_ms) {
             let link = link_rate_mbit.map_or(link_peak, |m| m * 1e6 / 8.0);
             let flight = switchover::flight_ms(wire.unacked_bytes, link, rtt_ms);
-            let want = switchover::qemu_limit_ms(target, flight);
-            if limit.is_none_or(|l| l.abs_diff(want) >= 5) {
+            let want_limit = switchover::qemu_limit_ms(target, flight);
+            let want_rate = switchover::end_game_rate(link, resend_cost);
+            let stale_limit = limit.is_none_or(|l| l.abs_diff(want_limit) >= 5);
+            let stale_rate = rate.is_none_or(|r| r.abs_diff(want_rate) * 20 >= r);
+            if stale_limit || stale_rate {
                 let set = qmp
                     .execute(&MigrateSetParameters {
-                        downtime_limit: Some(want),
+                        downtime_limit: Some(want_limit),
+                        avail_switchover_bandwidth: Some(want_rate),
                         ..Default::default()
                     })
                     .await;
                 match set {
-                    Ok(_) => limit = Some(want),
-                    Err(e) => tracing::warn!("setting QEMU's downtime-limit to {want} ms: {e:#}"),
+                    Ok(_) => (limit, rate) = (Some(want_limit), Some(want_rate)),
+                    Err(e) => tracing::warn!(
+                        "setting QEMU's downtime-limit to {want_limit} ms at {want_rate} B/s: {e:#}"
+                    ),
                 }
             }
         }

@@ -21,8 +21,10 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{Buf, Bytes, BytesMut};
-use ferry_api::agent::{CodecReport, CodecSettings, ZstdLevelReport};
-use ferry_codec::{compress_batch, decompress_batch, Decoder, Encoder, LevelChooser, Options};
+use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
+use ferry_codec::{
+    compress_batch, decompress_batch, Decoder, Encoder, LevelChooser, Options, SeedImage, SeedIndex,
+};
 use ferry_qemu::stream::{Item, RamData, PAGE_SIZE};
 
 const OPAQUE: u8 = 0x00;
@@ -62,6 +64,68 @@ pub fn options(settings: CodecSettings, history_bytes: u64) -> Options {
     }
 }
 
+/// Bits of pages sent at least once, per RAM block number: a page sent again is what the last
+/// pass carries, so its cost on the wire is what the switchover must plan for.
+#[derive(Debug, Default)]
+struct SentPages {
+    blocks: Vec<Vec<u64>>,
+}
+
+impl SentPages {
+    /// Marks `key` sent and says whether it was sent before.
+    fn mark(&mut self, key: u64) -> bool {
+        let (block, page) = (key >> BLOCK_SHIFT, key & ((1 << BLOCK_SHIFT) - 1));
+        let (block, word, bit) = (
+            usize::try_from(block).expect("block numbers are small"),
+            usize::try_from(page / 64).expect("page indices fit in memory"),
+            page % 64,
+        );
+        if self.blocks.len() <= block {
+            self.blocks.resize_with(block + 1, Vec::new);
+        }
+        let bits = &mut self.blocks[block];
+        if bits.len() <= word {
+            bits.resize(word + 1, 0);
+        }
+        let before = bits[word] & (1 << bit) != 0;
+        bits[word] |= 1 << bit;
+        before
+    }
+}
+
+/// What pages sent again cost on the wire per QEMU byte, over recent batches (older batches
+/// count less and less).
+#[derive(Debug, Default)]
+struct ResendCost {
+    /// In the open batch: QEMU's bytes of resent pages, and their records' bytes.
+    batch_qemu: u64,
+    batch_records: u64,
+    /// Decayed sums over closed batches: QEMU bytes, and wire bytes (records scaled by their
+    /// batch's zstd ratio).
+    qemu: f64,
+    wire: f64,
+}
+
+impl ResendCost {
+    /// Each closed batch keeps this share of the history before it.
+    const DECAY: f64 = 0.8;
+    /// Resent bytes needed before the estimate counts.
+    const MIN_QEMU_BYTES: f64 = 256.0 * 1024.0;
+
+    fn close_batch(&mut self, zstd_ratio: f64) {
+        if self.batch_qemu > 0 {
+            self.qemu = self.qemu * Self::DECAY + self.batch_qemu as f64;
+            self.wire = self.wire * Self::DECAY + self.batch_records as f64 * zstd_ratio;
+        }
+        self.batch_qemu = 0;
+        self.batch_records = 0;
+    }
+
+    fn estimate(&self) -> Option<f64> {
+        (self.qemu >= Self::MIN_QEMU_BYTES).then(|| self.wire / self.qemu)
+    }
+}
+
 /// Numbers RAM blocks by first appearance and remembers which one `CONTINUE` records mean.
 #[derive(Debug, Default)]
 struct BlockNumbers {
@@ -94,6 +158,8 @@ pub struct StreamEncoder {
     open_opaque: Option<usize>,
     /// Batches sent stored since zstd last ran.
     batches_without_zstd: u32,
+    sent: SentPages,
+    resend: ResendCost,
     report: CodecReport,
 }
 
@@ -108,11 +174,19 @@ impl StreamEncoder {
             records: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             open_opaque: None,
             batches_without_zstd: 0,
+            sent: SentPages::default(),
+            resend: ResendCost::default(),
             report: CodecReport {
                 settings: settings.to_string(),
                 ..CodecReport::default()
             },
         }
+    }
+
+    /// Pages the destination's seed image holds go as references to it from now on.
+    pub fn set_seed(&mut self, index: SeedIndex, offer: SeedReport) {
+        self.pages.set_seed(index);
+        self.report.seed = Some(offer);
     }
 
     /// Adds one parsed item; `qemu` is the item's bytes as QEMU wrote them (what both ends
@@ -153,11 +227,16 @@ impl StreamEncoder {
 
     fn push_page(&mut self, key: u64, header: &[u8], page: &[u8]) {
         self.open_opaque = None;
+        let start = self.records.len();
         self.records.push(PAGE);
         let n = u16::try_from(header.len()).expect("a record header is at most 264 bytes");
         self.records.extend_from_slice(&n.to_le_bytes());
         self.records.extend_from_slice(header);
         self.pages.encode(key, page, &mut self.records);
+        if self.sent.mark(key) {
+            self.resend.batch_qemu += (header.len() + page.len()) as u64;
+            self.resend.batch_records += (self.records.len() - start) as u64;
+        }
     }
 
     /// Bytes of records waiting in the open batch.
@@ -188,6 +267,9 @@ impl StreamEncoder {
                 .to_le_bytes(),
         );
         out.extend_from_slice(&batch);
+        self.resend
+            .close_batch((4 + batch.len()) as f64 / self.records.len() as f64);
+        self.report.resend_cost = self.resend.estimate();
         self.report.bytes_out += 4 + batch.len() as u64;
         self.report.zstd_level = level;
         self.records.clear();
@@ -242,6 +324,7 @@ impl StreamEncoder {
             delta: s.delta,
             blocks: s.blocks,
             block_hits: s.block_hits,
+            seeded: s.seeded,
             ..self.report.clone()
         }
     }
@@ -262,6 +345,11 @@ impl StreamDecoder {
             input: BytesMut::new(),
             page: Box::new([0; PAGE_SIZE]),
         }
+    }
+
+    /// The seed image whose index the source was given.
+    pub fn set_seed(&mut self, image: SeedImage) {
+        self.pages.set_seed(image);
     }
 
     /// Takes the next bytes of the channel and appends the QEMU bytes of every batch they
@@ -391,6 +479,7 @@ mod tests {
                 dedup: m & 2 != 0,
                 delta: m & 4 != 0,
                 zstd: m & 8 != 0,
+                seed: false,
             })
             .collect();
         for stream in captured() {

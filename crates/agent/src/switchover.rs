@@ -1,10 +1,14 @@
 //! When the source QEMU may stop the VM. QEMU switches over once its remaining bytes fit in its
-//! `downtime-limit` at the bandwidth it measures. Through ferry that bandwidth is the rate its
-//! bytes get through the codec and the link, so QEMU's estimate covers its own last bytes; but
-//! the pause the guest sees also holds what is still in ferry's send window ahead of them, the
-//! last half round trip, and the destination's final decode, load and resume. The source agent
-//! therefore keeps QEMU's limit at the real target minus that flight, recomputed as the window
-//! fills and drains, so QEMU's own rule fires only when the real pause fits the target.
+//! `downtime-limit` at a bandwidth: by default the rate it measured over the last 100 ms, which
+//! through ferry is the rate the agent took its bytes. That rate says little about the last
+//! pass: pages the destination already holds (seeded, zero, unchanged) go through the codec
+//! far faster than the rewritten pages the last pass carries. So the agent tells QEMU the rate
+//! the link drains *resent* pages at (`avail-switchover-bandwidth`: the link's rate over what
+//! a resent QEMU byte costs on the wire, measured by the codec). And the pause the guest sees
+//! also holds what is still in ferry's send window ahead of QEMU's last bytes, the last half
+//! round trip, and the destination's final decode, load and resume: the agent keeps QEMU's
+//! limit at the real target minus that flight, recomputed as the window fills and drains, so
+//! QEMU's own rule fires only when the real pause fits the target.
 //!
 //! Pure arithmetic; `source` measures and applies it.
 
@@ -15,6 +19,22 @@
 pub const RESUME_MS: f64 = 75.0;
 /// The lowest limit set: QEMU keeps iterating until its remainder is about this small.
 pub const MIN_LIMIT_MS: u64 = 20;
+
+/// The transport's framing and TLS on top of the codec's bytes (measured: about 0.2%), and a
+/// margin for the cost estimate's noise.
+const WIRE_OVERHEAD: f64 = 1.05;
+/// The cheapest a resent byte is assumed to be (a delta of a few bytes per page), so that a
+/// lucky stretch of unchanged pages cannot make the last pass look free.
+const MIN_RESEND_COST: f64 = 0.02;
+
+/// QEMU bytes per second the link carries in the last pass: the link's rate over what a
+/// resent QEMU byte costs on the wire (1 without the codec, or before any page was resent).
+pub fn end_game_rate(link_bytes_per_s: f64, resend_cost: Option<f64>) -> u64 {
+    let cost = resend_cost.unwrap_or(1.0).max(MIN_RESEND_COST) * WIRE_OVERHEAD;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // positive, far below 2^64
+    let rate = (link_bytes_per_s / cost).max(1.0) as u64;
+    rate
+}
 
 /// Milliseconds from the source QEMU's last byte leaving it until the destination resumes,
 /// beyond QEMU's own estimate: the unacknowledged bytes ahead of it (queued, on the wire, or
@@ -49,6 +69,18 @@ mod tests {
         assert!((flight - 275.0).abs() < 1.0, "{flight}");
         assert_eq!(qemu_limit_ms(300, flight), 25);
         assert_eq!(qemu_limit_ms(1000, flight), 725);
+    }
+
+    #[test]
+    fn the_end_game_rate_follows_what_resent_pages_cost() {
+        assert_eq!(end_game_rate(LINK, None), 11_904_761);
+        // Resent pages compress 2:1: twice the QEMU bytes per second.
+        assert_eq!(end_game_rate(LINK, Some(0.5)), 23_809_523);
+        // Nearly free resends are capped.
+        assert_eq!(
+            end_game_rate(LINK, Some(0.0001)),
+            end_game_rate(LINK, Some(MIN_RESEND_COST))
+        );
     }
 
     #[test]

@@ -52,6 +52,10 @@ pub struct MigrationRequest {
     /// by default; none carries QEMU's bytes as they are.
     #[serde(default)]
     pub codec: CodecSettings,
+    /// With seeding on: the VM whose earlier image the destination should index (a sibling
+    /// made from the same template); by default the migrating VM's own, if it ran there before.
+    #[serde(default)]
+    pub seed_from: Option<String>,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(default)]
@@ -88,6 +92,11 @@ pub struct CodecSettings {
     pub delta: bool,
     /// zstd over each batch, at a level chosen for the link and the CPU.
     pub zstd: bool,
+    /// Seeding: the destination indexes an earlier image of the VM it holds (or a sibling's)
+    /// and pages it already has go as references; the source keeps the departing VM's image
+    /// for its return. Off when a request from before it omits it.
+    #[serde(default)]
+    pub seed: bool,
 }
 
 impl Default for CodecSettings {
@@ -102,17 +111,19 @@ impl CodecSettings {
         dedup: true,
         delta: true,
         zstd: true,
+        seed: true,
     };
     pub const NONE: CodecSettings = CodecSettings {
         zero: false,
         dedup: false,
         delta: false,
         zstd: false,
+        seed: false,
     };
 
     /// Whether the stream goes through the codec at all (else QEMU's bytes travel as they are).
     pub fn any(&self) -> bool {
-        self.zero || self.dedup || self.delta || self.zstd
+        self.zero || self.dedup || self.delta || self.zstd || self.seed
     }
 }
 
@@ -129,6 +140,7 @@ impl std::fmt::Display for CodecSettings {
             (self.dedup, "dedup"),
             (self.delta, "delta"),
             (self.zstd, "zstd"),
+            (self.seed, "seed"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))
@@ -140,7 +152,7 @@ impl std::fmt::Display for CodecSettings {
 impl std::str::FromStr for CodecSettings {
     type Err = String;
 
-    /// `all`, `none`, or a comma-separated list of `zero`, `dedup`, `delta`, `zstd`.
+    /// `all`, `none`, or a comma-separated list of `zero`, `dedup`, `delta`, `zstd`, `seed`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "all" => return Ok(CodecSettings::ALL),
@@ -154,9 +166,10 @@ impl std::str::FromStr for CodecSettings {
                 "dedup" => c.dedup = true,
                 "delta" => c.delta = true,
                 "zstd" => c.zstd = true,
+                "seed" => c.seed = true,
                 other => {
                     return Err(format!(
-                        "unknown codec technique {other:?}: use all, none, or a list of zero, dedup, delta, zstd"
+                        "unknown codec technique {other:?}: use all, none, or a list of zero, dedup, delta, zstd, seed"
                     ))
                 }
             }
@@ -183,11 +196,33 @@ pub struct CodecReport {
     pub blocks: u64,
     /// 1 KiB blocks sent as references to the other end's cache.
     pub block_hits: u64,
+    /// Pages sent as references to the destination's seed image.
+    #[serde(default)]
+    pub seeded: u64,
+    /// The seed the destination offered: the image's name, its distinct non-zero pages, and
+    /// the index's size on the WAN (none: it held no image).
+    #[serde(default)]
+    pub seed: Option<SeedReport>,
+    /// Bytes on the wire per QEMU byte for pages sent again, over recent batches: what the
+    /// last pass's pages cost, which the switchover plans with (none: too few resent yet).
+    #[serde(default)]
+    pub resend_cost: Option<f64>,
     /// The zstd level of the latest batch (none: stored).
     pub zstd_level: Option<i32>,
     /// Per zstd level used: batches, bytes in and out, seconds spent compressing.
     #[serde(default)]
     pub zstd_levels: Vec<ZstdLevelReport>,
+}
+
+/// The destination's seed image, as offered to the source.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SeedReport {
+    /// The VM whose earlier image it is.
+    pub image: String,
+    pub pages: u64,
+    pub index_bytes: u64,
+    /// How long the destination took to read and index it.
+    pub index_ms: u64,
 }
 
 /// What one zstd level did over a migration.
@@ -303,12 +338,21 @@ mod tests {
 
     #[test]
     fn codec_settings_parse_and_print_the_same_names() {
-        for text in ["all", "none", "zero", "dedup,delta", "zero,dedup,delta"] {
+        for text in [
+            "all",
+            "none",
+            "zero",
+            "dedup,delta",
+            "zero,dedup,delta",
+            "zstd,seed",
+        ] {
             let c: CodecSettings = text.parse().unwrap();
             assert_eq!(c.to_string(), text);
         }
         assert_eq!(
-            "zero,dedup,delta,zstd".parse::<CodecSettings>().unwrap(),
+            "zero,dedup,delta,zstd,seed"
+                .parse::<CodecSettings>()
+                .unwrap(),
             CodecSettings::ALL
         );
         assert!(!CodecSettings::NONE.any());

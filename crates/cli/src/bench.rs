@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use ferry_lab::baseline::System;
 use ferry_lab::bench::{run_scenario, Scenario, Workload};
@@ -46,6 +46,11 @@ pub struct BenchArgs {
     /// Write every migration's timeline (JSON, for `ferry report`) into this directory.
     #[arg(long)]
     timelines: Option<std::path::PathBuf>,
+    /// After each migration, let the guest run at the other site until this percent of its
+    /// pages changed, then migrate it back and report that too (`"leg": "return"`): the
+    /// seeded return.
+    #[arg(long)]
+    return_after_pct: Option<f64>,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -74,6 +79,11 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
         .collect();
     for w in &workloads {
         w.validate(a.shape.mem_mib)?;
+    }
+    if let Some(pct) = a.return_after_pct {
+        if !(pct > 0.0 && pct < 100.0) {
+            bail!("--return-after-pct {pct} must be between 0 and 100");
+        }
     }
     ferry_lab::topology::require_root()?;
     let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
@@ -114,9 +124,14 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                     migrate: base.clone(),
                     run,
                     timeline_dir: a.timelines.clone(),
+                    return_after_pct: a.return_after_pct,
                 };
                 match run_scenario(&lab, &img, &sc).await {
-                    Ok(r) => println!("{}", serde_json::to_string(&r)?),
+                    Ok(records) => {
+                        for r in records {
+                            println!("{}", serde_json::to_string(&r)?);
+                        }
+                    }
                     Err(e) => {
                         failures += 1;
                         eprintln!(

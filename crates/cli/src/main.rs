@@ -71,6 +71,10 @@ struct AgentArgs {
     /// Directory for the sockets to and from QEMU.
     #[arg(long)]
     work_dir: std::path::PathBuf,
+    /// Where memory images of VMs that left this host are kept for their return (default:
+    /// `seeds` in the work directory).
+    #[arg(long)]
+    seed_dir: Option<std::path::PathBuf>,
     /// The fleet CA (PEM): peers must present a certificate it signed.
     #[arg(long)]
     ca: std::path::PathBuf,
@@ -160,6 +164,7 @@ fn main() -> ExitCode {
                 name: a.name,
                 listen: a.listen,
                 api_socket: a.api,
+                seed_dir: a.seed_dir.unwrap_or_else(|| a.work_dir.join("seeds")),
                 work_dir: a.work_dir,
                 identity: ferry_wire::tls::Identity { ca: a.ca, cert: a.cert, key: a.key },
             })

@@ -34,9 +34,14 @@ pub struct MigrationFlags {
     #[arg(long)]
     pub return_path: bool,
     /// ferry: the codec's techniques on the WAN: all, none (QEMU's bytes as they are), or a
-    /// comma-separated list of zero, dedup, delta, zstd.
+    /// comma-separated list of zero, dedup, delta, zstd, seed (pages the destination still
+    /// holds from the VM's earlier stay there go as references).
     #[arg(long, default_value = "all")]
     pub codec: String,
+    /// ferry, with seeding: index this VM's earlier image at the destination instead of the
+    /// migrating VM's own (a sibling made from the same template).
+    #[arg(long)]
+    pub seed_from: Option<String>,
     /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
     #[arg(long, default_value = "plain")]
     pub mode: String,
@@ -89,6 +94,7 @@ impl MigrationFlags {
             return_path: self.return_path,
             qemu_switchover_rule: self.qemu_switchover_rule,
             converge: !self.no_converge,
+            seed_from: self.seed_from.clone(),
             codec: self
                 .codec
                 .parse()

@@ -110,6 +110,16 @@ pub fn print_report(
             "                       {} pages: {} zero, {} unchanged, {} delta, {} with cached blocks ({} hits), {} raw",
             c.pages, c.zero, c.unchanged, c.delta, c.blocks, c.block_hits, c.raw,
         );
+        if let Some(seed) = &c.seed {
+            println!(
+                "                       seed: {} pages from the destination's image of {} ({} index, {} ms to index), {} pages sent as references",
+                seed.pages,
+                seed.image,
+                bytes(seed.index_bytes),
+                seed.index_ms,
+                c.seeded,
+            );
+        }
         let zstd: Vec<String> = c
             .zstd_levels
             .iter()

@@ -5,6 +5,8 @@
 //!   delta against the version the other side has ([`rle`]), 1 KiB blocks the other side
 //!   already holds (CloudNet's redundancy elimination, [`dictionary`]), or raw bytes.
 //! - [`batch`]: zstd over a batch of records, at a level chosen for the link and the CPU.
+//! - [`seed`]: pages the other side already holds in an earlier image, indexed by content
+//!   there, sent as references to that image.
 //!
 //! Every technique can be switched off on its own ([`Options`]) for ablations. Both ends must
 //! use the same options; the decoder checks everything it is given and fails with a
@@ -14,10 +16,12 @@ pub mod batch;
 pub mod dictionary;
 pub mod page;
 pub mod rle;
+pub mod seed;
 mod varint;
 
 pub use batch::{compress_batch, decompress_batch, LevelChooser};
 pub use page::{Decoder, Encoder, PageKind, PageStats};
+pub use seed::{index_image, SeedImage, SeedIndex};
 
 /// Pages are 4 KiB (x86 guests; QEMU's target page size).
 pub const PAGE_SIZE: usize = 4096;
@@ -82,6 +86,10 @@ pub enum CodecError {
     NoBase(u64),
     #[error("malformed page delta")]
     BadDelta,
+    #[error("reference to seed page {0}, which the receiver's image does not hold")]
+    NoSeedPage(u64),
+    #[error("malformed seed index: {0}")]
+    BadSeedIndex(&'static str),
     #[error("malformed batch: {0}")]
     BadBatch(String),
 }

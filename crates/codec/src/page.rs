@@ -11,13 +11,15 @@
 //! | 2 unchanged | key (identical to the version the decoder has) |
 //! | 3 delta | key, length, XOR run-length delta against the decoder's version ([`crate::rle`]) |
 //! | 4 blocks | key, a mask byte (bit i: block i is a cache reference), then per block a u32 slot (little endian) or its 1024 bytes |
+//! | 5 seed | key, the page number in the receiver's seed image holding this content ([`crate::seed`]) |
 //!
-//! Order of checks, per page: zero; unchanged; a delta under the threshold (unless every
+//! Order of checks, per page: zero; unchanged; in the seed (when the receiver gave an index); a delta under the threshold (unless every
 //! block is in the cache); otherwise blocks (some or all from the cache) or raw. After any record except zero and unchanged,
 //! the blocks that missed the cache are inserted, in order; after any record the page becomes
 //! the key's version in the history (a zero page is forgotten instead).
 
 use crate::dictionary::{BlockCache, BlockHasher, PageHistory, Slot};
+use crate::seed::{SeedImage, SeedIndex};
 use crate::{rle, varint, CodecError, Options, BLOCK_SIZE, PAGE_SIZE};
 
 const BLOCKS: usize = PAGE_SIZE / BLOCK_SIZE;
@@ -27,6 +29,7 @@ const TAG_ZERO: u8 = 1;
 const TAG_UNCHANGED: u8 = 2;
 const TAG_DELTA: u8 = 3;
 const TAG_BLOCKS: u8 = 4;
+const TAG_SEED: u8 = 5;
 
 /// How a page was sent, for statistics and ablations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +39,8 @@ pub enum PageKind {
     Unchanged,
     Delta,
     Blocks,
+    /// A reference to the receiver's seed image.
+    Seeded,
 }
 
 /// Counts per kind and bytes in and out.
@@ -47,6 +52,7 @@ pub struct PageStats {
     pub unchanged: u64,
     pub delta: u64,
     pub blocks: u64,
+    pub seeded: u64,
     /// Cache references sent inside block records.
     pub block_hits: u64,
     pub bytes_out: u64,
@@ -62,6 +68,7 @@ impl PageStats {
             PageKind::Unchanged => &mut self.unchanged,
             PageKind::Delta => &mut self.delta,
             PageKind::Blocks => &mut self.blocks,
+            PageKind::Seeded => &mut self.seeded,
         } += 1;
     }
 }
@@ -131,6 +138,8 @@ impl Dictionary {
 pub struct Encoder {
     dict: Dictionary,
     stats: PageStats,
+    /// What the receiver's seed image holds, if it gave an index.
+    seed: Option<SeedIndex>,
 }
 
 impl Encoder {
@@ -143,7 +152,14 @@ impl Encoder {
         Encoder {
             dict: Dictionary::new(options, hasher),
             stats: PageStats::default(),
+            seed: None,
         }
+    }
+
+    /// From now on, pages whose content the receiver's seed image holds go as references to
+    /// it (the receiver's [`Decoder::set_seed`] must have the image the index was made from).
+    pub fn set_seed(&mut self, index: SeedIndex) {
+        self.seed = Some(index);
     }
 
     pub fn stats(&self) -> &PageStats {
@@ -165,6 +181,9 @@ impl Encoder {
         // Zero and unchanged pages neither use nor change the block cache.
         let found =
             (self.dict.cache.enabled() && !zero && !unchanged).then(|| self.dict.lookup(page));
+        let seeded = (!zero && !unchanged)
+            .then(|| self.seed.as_ref()?.find(page))
+            .flatten();
         let kind = if zero {
             out.push(TAG_ZERO);
             varint::put(out, key);
@@ -173,6 +192,11 @@ impl Encoder {
             out.push(TAG_UNCHANGED);
             varint::put(out, key);
             PageKind::Unchanged
+        } else if let Some(seed_page) = seeded {
+            out.push(TAG_SEED);
+            varint::put(out, key);
+            varint::put(out, seed_page);
+            PageKind::Seeded
         } else {
             self.write_record(key, page, found.as_ref(), out)
         };
@@ -242,6 +266,7 @@ impl Encoder {
 #[derive(Debug)]
 pub struct Decoder {
     dict: Dictionary,
+    seed: SeedImage,
 }
 
 impl Decoder {
@@ -252,7 +277,13 @@ impl Decoder {
     pub fn with_hasher(options: Options, hasher: BlockHasher) -> Decoder {
         Decoder {
             dict: Dictionary::new(options, hasher),
+            seed: SeedImage::default(),
         }
+    }
+
+    /// The seed image whose index the sender was given.
+    pub fn set_seed(&mut self, image: SeedImage) {
+        self.seed = image;
     }
 
     /// Decodes the record at the front of `input` into `page`, advancing `input`; returns the
@@ -306,6 +337,11 @@ impl Decoder {
                     }
                 }
                 PageKind::Blocks
+            }
+            TAG_SEED => {
+                let n = varint::get(input)?;
+                page.copy_from_slice(self.seed.page(n)?);
+                PageKind::Seeded
             }
             other => return Err(CodecError::UnknownTag(other)),
         };

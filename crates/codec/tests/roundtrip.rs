@@ -3,7 +3,8 @@
 //! block hash collides.
 
 use ferry_codec::{
-    compress_batch, decompress_batch, Decoder, Encoder, Options, PageKind, BLOCK_SIZE, PAGE_SIZE,
+    compress_batch, decompress_batch, index_image, Decoder, Encoder, Options, PageKind, SeedImage,
+    SeedIndex, BLOCK_SIZE, PAGE_SIZE,
 };
 use proptest::prelude::*;
 
@@ -151,6 +152,27 @@ proptest! {
     }
 
     #[test]
+    fn seeded_pages_come_back_exactly(
+        opts in options(),
+        seed_shapes in prop::collection::vec((0u64..24, shape()), 1..40),
+        shapes in prop::collection::vec((0u64..24, shape()), 1..80),
+        batch in 1usize..20,
+    ) {
+        // The receiver holds an image; the pages that follow share some of its content
+        // (copies and edits of its pages) and not the rest.
+        let image: Vec<u8> = build(&seed_shapes).into_iter().flat_map(|(_, p)| p).collect();
+        let mut all = seed_shapes.clone();
+        all.extend(shapes);
+        let pages = build(&all);
+        let (index, _) = index_image(&image);
+        let mut enc = Encoder::new(opts);
+        enc.set_seed(SeedIndex::parse(&index).unwrap());
+        let mut dec = Decoder::new(opts);
+        dec.set_seed(SeedImage::new(image));
+        roundtrip(&pages[seed_shapes.len()..], enc, dec, batch);
+    }
+
+    #[test]
     fn colliding_hashes_never_substitute_a_block(
         shapes in prop::collection::vec((0u64..24, shape()), 1..80),
     ) {
@@ -204,6 +226,47 @@ fn each_technique_does_its_job() {
     for (key, page) in &pages {
         assert_eq!(enc.encode(*key, page, &mut records), PageKind::Raw);
     }
+}
+
+#[test]
+fn pages_the_receiver_holds_go_as_references() {
+    let held = noise(3);
+    let mut image = vec![0u8; PAGE_SIZE];
+    image.extend_from_slice(&held);
+    let (index, entries) = index_image(&image);
+    assert_eq!(entries, 1, "zero pages are not indexed");
+    let mut enc = Encoder::new(Options::default());
+    enc.set_seed(SeedIndex::parse(&index).unwrap());
+    let mut dec = Decoder::new(Options::default());
+    dec.set_seed(SeedImage::new(image));
+    let pages = vec![
+        (5, held.clone()),
+        (5, held.clone()),
+        (6, held.clone()),
+        (7, noise(4)),
+    ];
+    let kinds = roundtrip(&pages, enc, dec, 4);
+    assert_eq!(
+        kinds,
+        vec![
+            PageKind::Seeded,
+            PageKind::Unchanged,
+            PageKind::Seeded,
+            PageKind::Raw
+        ]
+    );
+    // A decoder without the image refuses the reference.
+    let mut enc = Encoder::new(Options::default());
+    enc.set_seed(SeedIndex::parse(&index).unwrap());
+    let mut record = Vec::new();
+    enc.encode(5, &held, &mut record);
+    let err = Decoder::new(Options::default())
+        .decode(&mut record.as_slice(), &mut [0u8; PAGE_SIZE])
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "reference to seed page 1, which the receiver's image does not hold"
+    );
 }
 
 #[test]

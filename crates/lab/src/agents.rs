@@ -11,6 +11,13 @@ use anyhow::{Context, Result};
 use crate::pki;
 use crate::topology::{detach, reap, wait_until, Lab, Site};
 
+/// Where `site`'s agent keeps the memory images of VMs that left it.
+pub fn seed_dir(lab: &Lab, site: Site) -> std::path::PathBuf {
+    lab.dir()
+        .join(format!("agent-{}", site.name()))
+        .join("seeds")
+}
+
 /// Starts `site`'s agent and waits until its API answers. Returns its pid.
 pub fn start(lab: &Lab, site: Site, ferry_exe: &Path, _link_rate_mbit: Option<f64>) -> Result<u32> {
     let name = pki::agent_name(site);
@@ -33,6 +40,8 @@ pub fn start(lab: &Lab, site: Site, ferry_exe: &Path, _link_rate_mbit: Option<f6
         .arg(&sock)
         .arg("--work-dir")
         .arg(lab.dir().join(format!("agent-{}", site.name())))
+        .arg("--seed-dir")
+        .arg(seed_dir(lab, site))
         .arg("--ca")
         .arg(&id.ca)
         .arg("--cert")

@@ -147,6 +147,8 @@ pub struct MigrateOptions {
     /// ferry: let QEMU throttle the guest (auto-converge) when it dirties faster than the
     /// link carries.
     pub converge: bool,
+    /// ferry, with seeding: whose earlier image the destination indexes (none: the VM's own).
+    pub seed_from: Option<String>,
 }
 
 impl Default for MigrateOptions {
@@ -164,6 +166,7 @@ impl Default for MigrateOptions {
             codec: CodecSettings::ALL,
             qemu_switchover_rule: false,
             converge: true,
+            seed_from: None,
         }
     }
 }

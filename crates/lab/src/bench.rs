@@ -109,6 +109,14 @@ pub struct BenchRecord {
     /// ferry: the TCP connections it used.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub connections: Option<u32>,
+    /// `return`: the way back to the first site after a migration away from it (none: the
+    /// way there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leg: Option<String>,
+    /// On the way back: percent of the guest's pages that changed since it arrived at the
+    /// other site (measured on its memory file just before the migration back started).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub changed_pct: Option<f64>,
 }
 
 /// The link fields of the contract.
@@ -131,38 +139,97 @@ pub struct Scenario {
     pub run: u32,
     /// Write each migration's timeline here, if set.
     pub timeline_dir: Option<std::path::PathBuf>,
+    /// Migrate back once this percent of the guest's pages changed at the other site.
+    pub return_after_pct: Option<f64>,
 }
 
-/// Runs one scenario in a lab that is already up; the VM is removed afterwards, whatever
-/// happened.
-pub async fn run_scenario(lab: &Lab, img: &Image, sc: &Scenario) -> Result<BenchRecord> {
+/// Runs one scenario in a lab that is already up: one record for the way there, and one for
+/// the way back when the scenario asks for it. The VM is removed afterwards, whatever happened.
+pub async fn run_scenario(lab: &Lab, img: &Image, sc: &Scenario) -> Result<Vec<BenchRecord>> {
     let name = format!("bench{}", sc.run);
     let result = scenario_inner(lab, img, sc, &name).await;
     let _ = vm::stop(lab, &name);
     result
 }
 
-async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Result<BenchRecord> {
+async fn scenario_inner(
+    lab: &Lab,
+    img: &Image,
+    sc: &Scenario,
+    name: &str,
+) -> Result<Vec<BenchRecord>> {
     let disk_rate = sc.vm.disk.then_some(0.5);
-    let (rec, link) = boot_with_workload(lab, name, &sc.vm, img, &sc.workload, disk_rate).await?;
+    let (_, link) = boot_with_workload(lab, name, &sc.vm, img, &sc.workload, disk_rate).await?;
     tokio::time::sleep(sc.warmup).await;
-    let mem_file = rec
+    let (there, link) = measured_migration(lab, sc, name, Site::B, link, None).await?;
+    let mut records = vec![there];
+    let Some(pct) = sc.return_after_pct else {
+        return Ok(records);
+    };
+    if !records[0].outcome.completed {
+        return Ok(records);
+    }
+    let changed = wait_for_changes(lab, name, pct).await?;
+    let (back, _) = measured_migration(lab, sc, name, Site::A, link, Some(changed)).await?;
+    records.push(back);
+    Ok(records)
+}
+
+/// Keeps a copy of the guest's memory as it arrived, then waits until `pct` percent of its
+/// pages differ from it; returns the percent reached.
+async fn wait_for_changes(lab: &Lab, name: &str, pct: f64) -> Result<f64> {
+    let mem_file = vm::load(lab, name)?
         .spec
         .mem_file
-        .clone()
+        .context("bench VMs have a shared memory file")?;
+    let arrived = std::fs::read(&mem_file)
+        .with_context(|| format!("read guest memory {}", mem_file.display()))?;
+    let arrived = Arc::new(arrived);
+    let deadline = std::time::Instant::now() + Duration::from_secs(600);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (file, before) = (mem_file.clone(), arrived.clone());
+        let changed = tokio::task::spawn_blocking(move || -> Result<f64> {
+            let now = std::fs::read(&file)?;
+            Ok(floor::changed_pct(&before, &now))
+        })
+        .await??;
+        if changed >= pct {
+            return Ok(changed);
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("only {changed:.1}% of the guest's pages changed in 600 s (waiting for {pct}%)");
+        }
+    }
+}
+
+/// Migrates the VM to `to` and measures it: floor first, verifiers after.
+async fn measured_migration(
+    lab: &Lab,
+    sc: &Scenario,
+    name: &str,
+    to: Site,
+    link: GuestLink,
+    changed_pct: Option<f64>,
+) -> Result<(BenchRecord, GuestLink)> {
+    let mem_file = vm::load(lab, name)?
+        .spec
+        .mem_file
         .context("bench VMs have a shared memory file")?;
     let floor_bytes = tokio::task::spawn_blocking(move || floor::floor_bytes(&mem_file)).await??;
     let (tx, _rx) = watch::channel(baseline::Progress::default());
     let mut opts = sc.migrate.clone();
     opts.set_system(sc.system);
     let timeline = std::sync::Mutex::default();
-    let result = baseline::migrate(lab, name, Site::B, &opts, link, &tx, &timeline).await;
+    let result = baseline::migrate(lab, name, to, &opts, link, &tx, &timeline).await;
+    let leg = changed_pct.map(|_| "return".to_owned());
     if let Some(dir) = &sc.timeline_dir {
         let file = format!(
-            "{}-{}-run{}.json",
+            "{}-{}-run{}{}.json",
             sc.workload.pattern,
             sc.system.name(),
-            sc.run
+            sc.run,
+            leg.as_deref().map_or(String::new(), |l| format!("-{l}")),
         );
         baseline::write_timeline(&dir.join(file), &timeline)?;
     }
@@ -172,7 +239,7 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
     } else {
         None
     };
-    Ok(BenchRecord {
+    let record = BenchRecord {
         system: sc.system.name(),
         workload: sc.workload.pattern.clone(),
         link: LinkSummary {
@@ -195,5 +262,8 @@ async fn scenario_inner(lab: &Lab, img: &Image, sc: &Scenario, name: &str) -> Re
         accel: sc.vm.accel,
         run: sc.run,
         connections: matches!(sc.system, System::Ferry(_)).then_some(sc.migrate.connections),
-    })
+        leg,
+        changed_pct,
+    };
+    Ok((record, dst_link))
 }

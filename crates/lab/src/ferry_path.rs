@@ -100,6 +100,7 @@ pub async fn migrate(
         codec: opts.codec,
         qemu_switchover_rule: opts.qemu_switchover_rule,
         converge: opts.converge,
+        seed_from: opts.seed_from.clone(),
     };
     let started = match source_agent.start_migration(&req).await {
         Ok(s) => s,

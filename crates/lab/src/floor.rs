@@ -40,6 +40,17 @@ pub fn floor_bytes(mem_file: &Path) -> Result<u64> {
     Ok(enc.finish()?.0)
 }
 
+/// Percent of the pages of `before` (a copy of guest memory) that differ in `now`.
+pub fn changed_pct(before: &[u8], now: &[u8]) -> f64 {
+    let pages = before.len().min(now.len()) / PAGE_BYTES;
+    let changed = before
+        .chunks_exact(PAGE_BYTES)
+        .zip(now.chunks_exact(PAGE_BYTES))
+        .filter(|(a, b)| a != b)
+        .count();
+    100.0 * changed as f64 / pages.max(1) as f64
+}
+
 /// The time `bytes` take at `rate_mbit`.
 pub fn floor_ms(bytes: u64, rate_mbit: f64) -> f64 {
     bytes as f64 * 8.0 / (rate_mbit * 1e6) * 1000.0
@@ -73,6 +84,15 @@ impl Write for CountingWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changed_pct_counts_pages_that_differ() {
+        let before = vec![0u8; 4 * PAGE_BYTES];
+        let mut now = before.clone();
+        now[PAGE_BYTES + 5] = 1;
+        assert!((changed_pct(&before, &now) - 25.0).abs() < 1e-9);
+        assert!(changed_pct(&before, &before).abs() < 1e-9);
+    }
 
     #[test]
     fn zero_and_duplicate_pages_cost_nothing() {

@@ -354,6 +354,10 @@ pub fn stop(lab: &Lab, name: &str) -> Result<()> {
     let rec = load(lab, name)?;
     kill_at(lab, &rec.spec, rec.site, rec.pid);
     let _ = fs::remove_dir_all(data_dir(lab, name));
+    // A later VM of the same name must not find this one's memory at the sites it left.
+    for site in Site::ALL {
+        let _ = fs::remove_file(crate::agents::seed_dir(lab, site).join(format!("{name}.ram")));
+    }
     fs::remove_file(vms_dir(lab).join(format!("{name}.json")))?;
     Ok(())
 }

@@ -62,6 +62,10 @@ pub struct MigrateSetParameters {
     pub downtime_limit: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_bandwidth: Option<u64>,
+    /// Bytes per second QEMU assumes for its last bytes when it decides the switchover
+    /// (0: the rate it measured in the last 100 ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub avail_switchover_bandwidth: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub multifd_channels: Option<u8>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -219,6 +223,15 @@ pub struct KvmInfo {
     pub present: bool,
 }
 command!(QueryKvm, "query-kvm", KvmInfo);
+
+/// `pmemsave`: write guest-physical memory `[val, val + size)` to a file on QEMU's host.
+#[derive(Debug, Serialize)]
+pub struct Pmemsave {
+    pub val: u64,
+    pub size: u64,
+    pub filename: String,
+}
+command!(Pmemsave, "pmemsave", Value);
 
 /// `query-memory-size-summary`: the guest's RAM.
 #[derive(Debug, Serialize)]
