@@ -19,6 +19,38 @@ def spread(xs):
     return f"{min(xs):.0f}-{max(xs):.0f}" if xs else "-"
 
 
+def label_workload(r):
+    """The workload, and the leg when it is the way back."""
+    return r["workload"] + (f" ({r['leg']})" if r.get("leg") else "")
+
+
+def label_system(r):
+    """The system, and ferry's switchover policy when it is not the default."""
+    policy = r.get("switchover")
+    if policy and policy != "target+converge":
+        return f"{r['system']} [{policy}]"
+    return r["system"]
+
+
+def returns(groups):
+    """The way back: how much of the guest's memory crossed the WAN."""
+    rows = [(k, rs) for k, rs in sorted(groups.items()) if rs[0].get("leg") == "return"]
+    if not rows:
+        return
+    print()
+    print("| workload | system | runs | changed at the other site, % of pages (median) | WAN MB (median) | WAN bytes, % of guest memory (median, range) | seeded pages (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for (workload, system), rs in rows:
+        done = [r for r in rs if r["completed"]]
+        pct = [100.0 * r["wan_bytes"] / (r["mem_mib"] << 20) for r in done]
+        seeded = median([(r.get("codec") or {}).get("seeded") for r in done])
+        print(
+            f"| {workload} | {system} | {len(rs)} | {median([r['changed_pct'] for r in rs]):.1f} | "
+            f"{median([r['wan_bytes'] for r in done]) / 1e6:.1f} | {median(pct):.1f} ({min(pct):.1f}-{max(pct):.1f}) | "
+            f"{'-' if seeded is None else f'{seeded:.0f}'} |"
+        )
+
+
 def main(paths):
     groups = defaultdict(list)
     for path in paths:
@@ -27,7 +59,7 @@ def main(paths):
                 line = line.strip()
                 if line.startswith("{"):
                     r = json.loads(line)
-                    groups[(r["workload"], r["system"])].append(r)
+                    groups[(label_workload(r), label_system(r))].append(r)
     print("| workload | system | runs | completed | total s (median) | WAN MB (median) | x floor bytes | x floor time | downtime ms (median, range) | QEMU's downtime ms | guest gap ms | passes | verify errors |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (workload, system), rs in sorted(groups.items()):
@@ -45,6 +77,7 @@ def main(paths):
             f"{sum(r['verify_errors'] or 0 for r in done)} |"
         )
     compare(groups)
+    returns(groups)
     floors = defaultdict(list)
     for (workload, _), rs in groups.items():
         floors[workload] += [r["floor_bytes"] for r in rs]

@@ -206,6 +206,18 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
             format!("connections must be 1 to 64, not {}", req.connections),
         );
     }
+    // The seed image names become file names at both ends: refuse what cannot be one now,
+    // rather than after the destination QEMU was prepared.
+    if req.codec.seed {
+        for name in std::iter::once(&req.vm).chain(req.seed_from.as_ref()) {
+            if let Err(e) = crate::seed_store::image_path(&agent.config.seed_dir, name) {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("{e:#} (or turn seeding off: codec without seed)"),
+                );
+            }
+        }
+    }
     {
         let migrations = agent.migrations.lock().expect("lock");
         if let Some(m) = migrations
@@ -242,6 +254,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         codec: None,
         qemu_downtime_limit_ms: None,
         max_cpu_throttle_pct: None,
+        throttle_vcpu_s: 0.0,
         digest: None,
     });
     agent

@@ -14,9 +14,9 @@ use ferry_api::agent::{MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
     Capability, Cont, Migrate, MigrateCancel, MigrateSetCapabilities, MigrateSetParameters,
-    QueryMemorySizeSummary, QueryMigrate, QueryStatus, Quit,
+    QueryMemorySizeSummary, QueryMigrate, QueryStatus, Quit, RamStats,
 };
-use ferry_qemu::stream::StreamParser;
+use ferry_qemu::stream::{StreamParser, PAGE_SIZE};
 use ferry_qemu::Qmp;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer};
 use ferry_wire::tls::ClientConfig;
@@ -116,8 +116,7 @@ async fn migrate(
         qmp.clone(),
         session.clone(),
         status.clone(),
-        (!req.qemu_switchover_rule).then_some(req.downtime_limit_ms),
-        req.link_rate_mbit,
+        req.clone(),
     )));
     let (ctl_tx, mut ctl) = mpsc::unbounded_channel();
     tokio::spawn(read_control(session.clone(), ctl_tx));
@@ -523,20 +522,112 @@ async fn ensure_running(qmp: &Qmp) -> Result<()> {
     bail!("the source VM did not resume after the failed migration")
 }
 
-/// Copies the transport's counters and QEMU's progress into the status every 100 ms.
-/// Keeps the status up to date from QEMU and the session every 100 ms and, with a real
-/// downtime target, QEMU's downtime-limit in step with what is in flight
-/// ([`crate::switchover`]).
-async fn track_progress(
-    qmp: Arc<Qmp>,
-    session: Session,
-    status: Shared,
+/// What the agent steers in the source QEMU while it migrates, and what it set last.
+struct Steering {
+    /// The real downtime target (none: QEMU's own rule).
     target_ms: Option<u64>,
-    link_rate_mbit: Option<f64>,
-) {
-    // What the agent last set: QEMU's downtime-limit and the switchover bandwidth.
-    let mut limit: Option<u64> = None;
-    let mut rate: Option<u64> = None;
+    converge: bool,
+    limit: Option<u64>,
+    rate: Option<u64>,
+    throttle_initial: Option<u8>,
+    smart: Option<switchover::SmartStop>,
+    /// Once smart stop fired, QEMU's threshold stays where it cannot be missed.
+    stopping: bool,
+}
+
+/// What the steering needs to know about the link at one moment.
+struct LinkNow {
+    bytes_per_s: f64,
+    rtt_ms: Option<f64>,
+    unacked_bytes: u64,
+    /// Wire bytes per QEMU byte of resent pages (none: no codec, or nothing resent yet).
+    resend_cost: Option<f64>,
+    /// The rate QEMU measured over its last 100 ms (none before its first measurement).
+    qemu_bytes_per_s: Option<f64>,
+}
+
+impl Steering {
+    async fn apply(&mut self, qmp: &Qmp, status: &Shared, ram: &RamStats, link: &LinkNow) {
+        self.smart_stop(qmp, status, ram).await;
+        if self.stopping {
+            return;
+        }
+        let end_game =
+            switchover::end_game_rate(link.bytes_per_s, link.resend_cost, link.qemu_bytes_per_s);
+        let mut set = MigrateSetParameters::default();
+        if let (Some(target), Some(rtt_ms)) = (self.target_ms, link.rtt_ms) {
+            let flight = switchover::flight_ms(link.unacked_bytes, link.bytes_per_s, rtt_ms);
+            let limit = switchover::qemu_limit_ms(target, flight);
+            let stale_limit = self.limit.is_none_or(|l| l.abs_diff(limit) >= 5);
+            let stale_rate = self.rate.is_none_or(|r| r.abs_diff(end_game) * 20 >= r);
+            if stale_limit || stale_rate {
+                set.downtime_limit = Some(limit);
+                set.avail_switchover_bandwidth = Some(end_game);
+            }
+        }
+        // Until auto-converge first throttles, its first step is what this guest needs.
+        if self.converge && ram.dirty_pages_rate > 0 {
+            let dirty = ram.dirty_pages_rate as f64 * PAGE_SIZE as f64;
+            let pct = switchover::needed_throttle_pct(dirty, end_game as f64);
+            if self.throttle_initial.is_none_or(|p| p.abs_diff(pct) >= 5) {
+                set.cpu_throttle_initial = Some(pct);
+            }
+        }
+        if set.downtime_limit.is_none() && set.cpu_throttle_initial.is_none() {
+            return;
+        }
+        match qmp.execute(&set).await {
+            Ok(_) => {
+                if set.downtime_limit.is_some() {
+                    (self.limit, self.rate) = (set.downtime_limit, set.avail_switchover_bandwidth);
+                }
+                self.throttle_initial = set.cpu_throttle_initial.or(self.throttle_initial);
+            }
+            Err(e) => tracing::warn!("steering QEMU's switchover ({set:?}): {e:#}"),
+        }
+    }
+
+    async fn smart_stop(&mut self, qmp: &Qmp, status: &Shared, ram: &RamStats) {
+        let Some(smart) = &mut self.smart else { return };
+        if self.stopping || !smart.observe(ram.dirty_sync_count, ram.remaining) {
+            return;
+        }
+        let set = MigrateSetParameters {
+            downtime_limit: Some(switchover::FORCE_LIMIT_MS),
+            avail_switchover_bandwidth: Some(switchover::FORCE_BYTES_PER_S),
+            ..Default::default()
+        };
+        match qmp.execute(&set).await {
+            Ok(_) => {
+                self.stopping = true;
+                let (pass, mib) = (
+                    ram.dirty_sync_count,
+                    ram.remaining as f64 / f64::from(1 << 20),
+                );
+                status.update(|s| {
+                    s.event(
+                        EventKind::SmartStop,
+                        format!("pass {pass}, {mib:.1} MiB remaining"),
+                    );
+                });
+            }
+            Err(e) => tracing::warn!("smart stop: {e:#}"),
+        }
+    }
+}
+
+/// Every 100 ms: QEMU's progress and the session's counters into the status, and the
+/// switchover steered (see `switchover`).
+async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared, req: MigrationRequest) {
+    let mut steering = Steering {
+        target_ms: (!req.qemu_switchover_rule).then_some(req.downtime_limit_ms),
+        converge: req.converge,
+        limit: None,
+        rate: None,
+        throttle_initial: None,
+        smart: req.smart_stop.then(switchover::SmartStop::default),
+        stopping: false,
+    };
     let mut last = (Instant::now(), 0u64);
     // Without a given rate, the link's rate is the best recent wire rate, slowly forgotten.
     let mut link_peak = 0.0f64;
@@ -554,32 +645,16 @@ async fn track_progress(
             .as_ref()
             .and_then(|i| i.status.as_deref())
             .is_some_and(|s| s == "active");
-        let (rtt_ms, resend_cost) = {
+        if let (true, Some(ram)) = (active, info.as_ref().and_then(|i| i.ram.as_ref())) {
             let s = status.get();
-            (s.wire.rtt_ms, s.codec.and_then(|c| c.resend_cost))
-        };
-        if let (Some(target), true, Some(rtt_ms)) = (target_ms, active, rtt_ms) {
-            let link = link_rate_mbit.map_or(link_peak, |m| m * 1e6 / 8.0);
-            let flight = switchover::flight_ms(wire.unacked_bytes, link, rtt_ms);
-            let want_limit = switchover::qemu_limit_ms(target, flight);
-            let want_rate = switchover::end_game_rate(link, resend_cost);
-            let stale_limit = limit.is_none_or(|l| l.abs_diff(want_limit) >= 5);
-            let stale_rate = rate.is_none_or(|r| r.abs_diff(want_rate) * 20 >= r);
-            if stale_limit || stale_rate {
-                let set = qmp
-                    .execute(&MigrateSetParameters {
-                        downtime_limit: Some(want_limit),
-                        avail_switchover_bandwidth: Some(want_rate),
-                        ..Default::default()
-                    })
-                    .await;
-                match set {
-                    Ok(_) => (limit, rate) = (Some(want_limit), Some(want_rate)),
-                    Err(e) => tracing::warn!(
-                        "setting QEMU's downtime-limit to {want_limit} ms at {want_rate} B/s: {e:#}"
-                    ),
-                }
-            }
+            let link = LinkNow {
+                bytes_per_s: req.link_rate_mbit.map_or(link_peak, |m| m * 1e6 / 8.0),
+                rtt_ms: s.wire.rtt_ms,
+                unacked_bytes: wire.unacked_bytes,
+                resend_cost: s.codec.and_then(|c| c.resend_cost),
+                qemu_bytes_per_s: (ram.mbps > 0.0).then(|| ram.mbps * 1e6 / 8.0),
+            };
+            steering.apply(&qmp, &status, ram, &link).await;
         }
         status.update(|s| {
             s.wire.bytes_out = wire.wire_bytes_out;
@@ -587,10 +662,12 @@ async fn track_progress(
             s.wire.connections_live = wire.connections_live;
             s.wire.replayed_frames = wire.replayed_frames;
             s.wire.unacked_bytes = wire.unacked_bytes;
-            s.qemu_downtime_limit_ms = limit.or(s.qemu_downtime_limit_ms);
+            s.qemu_downtime_limit_ms = steering.limit.or(s.qemu_downtime_limit_ms);
             if let Some(info) = info {
                 if let Some(pct) = info.cpu_throttle_percentage.filter(|&p| p > 0) {
                     s.max_cpu_throttle_pct = Some(s.max_cpu_throttle_pct.unwrap_or(0).max(pct));
+                    // The vCPU time the throttle took over this interval.
+                    s.throttle_vcpu_s += pct as f64 / 100.0 * dt;
                 }
                 s.qemu.status = info.status.unwrap_or_default();
                 if let Some(ram) = info.ram {

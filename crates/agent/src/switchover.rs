@@ -10,7 +10,16 @@
 //! limit at the real target minus that flight, recomputed as the window fills and drains, so
 //! QEMU's own rule fires only when the real pause fits the target.
 //!
+//! Smart stop (CloudNet) is the other way to end: when the guest rewrites its pages faster
+//! than they travel, the remaining pages stop shrinking and QEMU's rule may never fire. Past
+//! that crossover (a pass began with at least as many pages as the one before it), the first
+//! pass that begins with fewer pages than every pass in a short window before it is where the
+//! pause is smallest for a while: the agent then makes QEMU switch over at once (a threshold
+//! it cannot miss), accepting a pause over the target instead of slowing the guest.
+//!
 //! Pure arithmetic; `source` measures and applies it.
+
+use std::collections::VecDeque;
 
 /// Time from the destination receiving the last byte to its RESUME event (the last batch's
 /// decode, QEMU loading the device state, `cont`), plus a margin for QEMU overshooting its own
@@ -28,12 +37,90 @@ const WIRE_OVERHEAD: f64 = 1.05;
 const MIN_RESEND_COST: f64 = 0.02;
 
 /// QEMU bytes per second the link carries in the last pass: the link's rate over what a
-/// resent QEMU byte costs on the wire (1 without the codec, or before any page was resent).
-pub fn end_game_rate(link_bytes_per_s: f64, resend_cost: Option<f64>) -> u64 {
+/// resent QEMU byte costs on the wire (1 without the codec, or before any page was resent),
+/// and never more than the rate QEMU itself measured last, when it measured one. Each is
+/// wrong one way: QEMU's measure is far too high just after a pass of pages the destination
+/// already held (a seeded return paused 822 ms against a 300 ms target on it alone), and the
+/// average cost of resent pages can be lower than that of the last pass's pages (ws paused
+/// 323 ms on it alone, where QEMU's measure gave 202-230 ms).
+pub fn end_game_rate(
+    link_bytes_per_s: f64,
+    resend_cost: Option<f64>,
+    qemu_bytes_per_s: Option<f64>,
+) -> u64 {
     let cost = resend_cost.unwrap_or(1.0).max(MIN_RESEND_COST) * WIRE_OVERHEAD;
+    let rate = (link_bytes_per_s / cost).min(qemu_bytes_per_s.unwrap_or(f64::INFINITY));
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // positive, far below 2^64
-    let rate = (link_bytes_per_s / cost).max(1.0) as u64;
+    let rate = rate.max(1.0) as u64;
     rate
+}
+
+/// What smart stop sets to make QEMU switch over at its next check: a threshold of
+/// 60 s x 100 GB/s, more than any guest's memory.
+pub const FORCE_LIMIT_MS: u64 = 60_000;
+pub const FORCE_BYTES_PER_S: u64 = 100_000_000_000;
+
+/// Passes smart stop compares a pass's remaining pages with (CloudNet left it unspecified).
+pub const SMART_STOP_WINDOW: usize = 4;
+
+/// CloudNet's smart stop, fed the remaining bytes at the start of each pass.
+#[derive(Debug, Default)]
+pub struct SmartStop {
+    /// The pass last seen, and the remaining bytes at the start of recent passes.
+    pass: u64,
+    recent: VecDeque<u64>,
+    crossed: bool,
+}
+
+impl SmartStop {
+    /// Takes QEMU's pass count and remaining bytes (sampled); returns true when the VM should
+    /// stop now. Only the first sample of each pass counts (its start).
+    pub fn observe(&mut self, pass: u64, remaining: u64) -> bool {
+        if pass <= self.pass {
+            return false;
+        }
+        self.pass = pass;
+        if self
+            .recent
+            .back()
+            .is_some_and(|&before| remaining >= before)
+        {
+            self.crossed = true;
+        }
+        let stop = self.crossed
+            && self
+                .recent
+                .iter()
+                .min()
+                .is_some_and(|&lowest| remaining < lowest);
+        if self.recent.len() == SMART_STOP_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(remaining);
+        stop
+    }
+
+    /// Whether the crossover happened.
+    pub fn crossed(&self) -> bool {
+        self.crossed
+    }
+}
+
+/// With a throttled guest, the share of the last pass's drain rate it may still dirty: half,
+/// so each pass is at most half the one before (the same share QEMU's auto-converge uses to
+/// decide that a guest dirties too fast).
+const CONVERGE_SHARE: f64 = 0.5;
+
+/// The vCPU throttle (percent of its time taken) at which a guest dirtying
+/// `dirty_bytes_per_s` dirties at most half of what the link drains in the last pass
+/// (`end_game_bytes_per_s`): auto-converge's first step, so that it lands where it is needed
+/// at once instead of climbing 10 points per pass (55 s to reach 95% in the lab).
+pub fn needed_throttle_pct(dirty_bytes_per_s: f64, end_game_bytes_per_s: f64) -> u8 {
+    let keep = CONVERGE_SHARE * end_game_bytes_per_s / dirty_bytes_per_s.max(1.0);
+    let pct = (100.0 * (1.0 - keep)).ceil();
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped to 10..=99
+    let pct = pct.clamp(10.0, 99.0) as u8;
+    pct
 }
 
 /// Milliseconds from the source QEMU's last byte leaving it until the destination resumes,
@@ -73,14 +160,57 @@ mod tests {
 
     #[test]
     fn the_end_game_rate_follows_what_resent_pages_cost() {
-        assert_eq!(end_game_rate(LINK, None), 11_904_761);
+        assert_eq!(end_game_rate(LINK, None, None), 11_904_761);
         // Resent pages compress 2:1: twice the QEMU bytes per second.
-        assert_eq!(end_game_rate(LINK, Some(0.5)), 23_809_523);
+        assert_eq!(end_game_rate(LINK, Some(0.5), None), 23_809_523);
         // Nearly free resends are capped.
         assert_eq!(
-            end_game_rate(LINK, Some(0.0001)),
-            end_game_rate(LINK, Some(MIN_RESEND_COST))
+            end_game_rate(LINK, Some(0.0001), None),
+            end_game_rate(LINK, Some(MIN_RESEND_COST), None)
         );
+        // QEMU measured less: its figure.
+        assert_eq!(end_game_rate(LINK, Some(0.5), Some(15e6)), 15_000_000);
+        assert_eq!(end_game_rate(LINK, Some(0.5), Some(1e9)), 23_809_523);
+    }
+
+    #[test]
+    fn smart_stop_waits_for_the_crossover_then_a_windowed_minimum() {
+        let mut s = SmartStop::default();
+        // Shrinking passes: phase 1, never a stop however small.
+        for (pass, remaining) in [(1, 1000), (2, 300), (3, 120)] {
+            assert!(!s.observe(pass, remaining));
+        }
+        assert!(!s.crossed());
+        // More samples of the same pass do not count.
+        assert!(!s.observe(3, 10));
+        // The crossover: a pass starts with more than the one before.
+        assert!(!s.observe(4, 130));
+        assert!(s.crossed());
+        // Not below every pass in the window (120 is in it).
+        assert!(!s.observe(5, 125));
+        // Below all of 300, 120, 130, 125: stop.
+        assert!(s.observe(6, 110));
+    }
+
+    #[test]
+    fn smart_stop_forgets_passes_beyond_its_window() {
+        let mut s = SmartStop::default();
+        for (pass, remaining) in [(1, 100), (2, 200), (3, 210), (4, 220), (5, 230)] {
+            assert!(!s.observe(pass, remaining));
+        }
+        // 100 left the window: 150 is below 200, 210, 220, 230.
+        assert!(s.observe(6, 150));
+    }
+
+    #[test]
+    fn the_throttle_leaves_the_guest_half_the_drain_rate() {
+        // Dirtying 4x what the link drains: keep 1/8 of the vCPU.
+        assert_eq!(needed_throttle_pct(4.0 * LINK, LINK), 88);
+        // Barely faster than half the drain: the smallest step.
+        assert_eq!(needed_throttle_pct(0.5 * LINK, LINK), 10);
+        // Absurd rates stay within QEMU's range.
+        assert_eq!(needed_throttle_pct(1e15, 1.0), 99);
+        assert_eq!(needed_throttle_pct(0.0, LINK), 10);
     }
 
     #[test]

@@ -32,6 +32,11 @@ pub struct MigrationRequest {
     /// comparison).
     #[serde(default)]
     pub qemu_switchover_rule: bool,
+    /// CloudNet's smart stop: once the guest rewrites pages faster than they travel, switch
+    /// over at the first pass that starts with fewer pages than each of the 4 before it,
+    /// even if the pause then exceeds `downtime_limit_ms` (instead of iterating on).
+    #[serde(default)]
+    pub smart_stop: bool,
     /// How long the WAN may be down before the migration fails (the source keeps running).
     #[serde(default = "default_wan_timeout")]
     pub wan_timeout_s: u64,
@@ -272,6 +277,10 @@ pub struct MigrationStatus {
     /// The highest vCPU throttle auto-converge applied, percent (none: never throttled).
     #[serde(default)]
     pub max_cpu_throttle_pct: Option<u64>,
+    /// The guest's vCPU time the throttle took, seconds per vCPU (the throttle's percent
+    /// summed over time): the slowdown convergence cost the guest.
+    #[serde(default)]
+    pub throttle_vcpu_s: f64,
     /// The downtime-limit the agent last gave QEMU.
     #[serde(default)]
     pub qemu_downtime_limit_ms: Option<u64>,

@@ -114,6 +114,9 @@ pub enum EventKind {
     StreamEnded,
     /// Both ends' digests matched and the destination loaded: the commit point.
     Committed,
+    /// Smart stop (CloudNet) told QEMU to switch over now: past the crossover, the remaining
+    /// pages reached a new minimum of the recent passes.
+    SmartStop,
 }
 
 impl EventKind {
@@ -132,6 +135,7 @@ impl EventKind {
             EventKind::Connected => "connected",
             EventKind::StreamEnded => "stream end",
             EventKind::Committed => "commit",
+            EventKind::SmartStop => "smart stop",
         }
     }
 }

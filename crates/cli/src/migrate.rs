@@ -54,6 +54,12 @@ pub struct MigrationFlags {
     /// comparison).
     #[arg(long)]
     pub qemu_switchover_rule: bool,
+    /// ferry: CloudNet's smart stop: once the guest rewrites memory faster than it travels,
+    /// switch over at the first pass with fewer pages left than each of the 4 before it, even
+    /// if the pause then exceeds --downtime-ms (use with --no-converge to compare with
+    /// throttling).
+    #[arg(long)]
+    pub smart_stop: bool,
     /// ferry: never throttle the guest (by default QEMU's auto-converge slows its vCPUs, only
     /// as far as needed, when it dirties memory faster than the link carries it).
     #[arg(long)]
@@ -93,6 +99,7 @@ impl MigrationFlags {
             test_corrupt_at: self.test_corrupt_at,
             return_path: self.return_path,
             qemu_switchover_rule: self.qemu_switchover_rule,
+            smart_stop: self.smart_stop,
             converge: !self.no_converge,
             seed_from: self.seed_from.clone(),
             codec: self

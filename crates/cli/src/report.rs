@@ -96,7 +96,10 @@ pub fn print_report(
     );
     println!("  precopy passes       {}", o.iterations);
     if let Some(pct) = o.cpu_throttle_pct {
-        println!("  guest throttled      up to {pct}% of its vCPU time (auto-converge)");
+        println!(
+            "  guest throttled      up to {pct}% of its vCPU time, {:.1} s of vCPU time taken (auto-converge)",
+            o.throttle_vcpu_s.unwrap_or(0.0)
+        );
     }
     if let Some(c) = &o.codec {
         println!(

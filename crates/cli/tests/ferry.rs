@@ -215,6 +215,24 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
             tcp.stats()
         );
     }
+
+    // A sibling from the same template: site b kept f1's memory when f1 left it, and a new
+    // VM booted from the same image finds its kernel's pages there.
+    start_vm(&t, "f2", "8");
+    let refused = t.fails(&["migrate", "f2", "--to", "b", "--seed-from", "../f1"], 1);
+    assert!(refused.contains("not a VM name"), "{refused}");
+    assert_eq!(t.site_of("f2"), Site::A);
+    let v = json(&t.ok(&["migrate", "f2", "--to", "b", "--seed-from", "f1", "--json"]));
+    assert_eq!(
+        v["verify"]["mem_errors"], 0,
+        "memory verifier found errors: {v}"
+    );
+    let report = &v["outcome"]["codec"];
+    assert_eq!(report["seed"]["image"], "f1", "{v}");
+    assert!(
+        report["seeded"].as_u64().unwrap() > 1024,
+        "few pages went as seed references: {v}"
+    );
 }
 
 /// The outage both systems face: the WAN black-holes everything for 30 s, and meanwhile a

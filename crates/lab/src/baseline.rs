@@ -144,6 +144,8 @@ pub struct MigrateOptions {
     /// ferry: QEMU's own switchover rule with `downtime_limit_ms` as its limit, instead of the
     /// agent steering it to a real downtime of `downtime_limit_ms`.
     pub qemu_switchover_rule: bool,
+    /// ferry: CloudNet's smart stop (switch over at a windowed minimum past the crossover).
+    pub smart_stop: bool,
     /// ferry: let QEMU throttle the guest (auto-converge) when it dirties faster than the
     /// link carries.
     pub converge: bool,
@@ -165,6 +167,7 @@ impl Default for MigrateOptions {
             return_path: false,
             codec: CodecSettings::ALL,
             qemu_switchover_rule: false,
+            smart_stop: false,
             converge: true,
             seed_from: None,
         }
@@ -227,6 +230,9 @@ pub struct MigrationOutcome {
     /// ferry: the highest vCPU throttle auto-converge applied, percent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_throttle_pct: Option<u64>,
+    /// ferry: the guest's vCPU time the throttle took, seconds per vCPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throttle_vcpu_s: Option<f64>,
     /// ferry: what the codec did with QEMU's stream.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub codec: Option<ferry_api::agent::CodecReport>,
@@ -773,6 +779,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         error: None,
         codec: None,
         cpu_throttle_pct: None,
+        throttle_vcpu_s: None,
     };
     progress.send_modify(|p| p.phase = "done".into());
     Ok(outcome)

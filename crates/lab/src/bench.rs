@@ -109,6 +109,11 @@ pub struct BenchRecord {
     /// ferry: the TCP connections it used.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub connections: Option<u32>,
+    /// ferry: how the switchover was decided (`target`: the agent steers QEMU's rule to the
+    /// real downtime target; `qemu-rule`; `smart-stop`), with `+converge` when QEMU could
+    /// throttle the guest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub switchover: Option<String>,
     /// `return`: the way back to the first site after a migration away from it (none: the
     /// way there).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -173,6 +178,23 @@ async fn scenario_inner(
     let (back, _) = measured_migration(lab, sc, name, Site::A, link, Some(changed)).await?;
     records.push(back);
     Ok(records)
+}
+
+/// The switchover policy of ferry's options, as the record names it.
+fn switchover_policy(o: &baseline::MigrateOptions) -> String {
+    let rule = if o.qemu_switchover_rule {
+        "qemu-rule"
+    } else {
+        "target"
+    };
+    let mut p = rule.to_owned();
+    if o.smart_stop {
+        p.push_str("+smart-stop");
+    }
+    if o.converge {
+        p.push_str("+converge");
+    }
+    p
 }
 
 /// Keeps a copy of the guest's memory as it arrived, then waits until `pct` percent of its
@@ -262,6 +284,7 @@ async fn measured_migration(
         accel: sc.vm.accel,
         run: sc.run,
         connections: matches!(sc.system, System::Ferry(_)).then_some(sc.migrate.connections),
+        switchover: matches!(sc.system, System::Ferry(_)).then(|| switchover_policy(&sc.migrate)),
         leg,
         changed_pct,
     };

@@ -99,6 +99,7 @@ pub async fn migrate(
         return_path: opts.return_path,
         codec: opts.codec,
         qemu_switchover_rule: opts.qemu_switchover_rule,
+        smart_stop: opts.smart_stop,
         converge: opts.converge,
         seed_from: opts.seed_from.clone(),
     };
@@ -219,6 +220,7 @@ pub async fn migrate(
             error: None,
             codec: status.codec.clone(),
             cpu_throttle_pct: status.max_cpu_throttle_pct,
+            throttle_vcpu_s: status.max_cpu_throttle_pct.map(|_| status.throttle_vcpu_s),
         };
         progress.send_modify(|p| p.phase = "done".into());
         drop(src_link);
