@@ -107,8 +107,15 @@ async fn serve(
     let conn = connect_retry(&sock).await?;
     let _ = std::fs::remove_file(&sock);
     let (mut from_qemu, mut to_qemu) = conn.into_split();
+    // A seed only saves bytes: one that cannot be read means a migration without it.
     let seed = match seed {
-        Some(task) => task.await.context("indexing the seed image")??,
+        Some(task) => match task.await.context("indexing the seed image")? {
+            Ok(seed) => seed,
+            Err(e) => {
+                tracing::warn!("session {}: no seed offered: {e:#}", session.id());
+                None
+            }
+        },
         None => None,
     };
     control::send(
