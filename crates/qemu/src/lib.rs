@@ -6,11 +6,11 @@
 //! - [`launch`]: a VM spec and the QEMU command line it becomes.
 //! - [`stream`]: QEMU's migration stream: RAM records found, every other byte passed through,
 //!   re-emitted byte for byte.
-//!
-//! The NBD server and client (issue 5) come here too.
+//! - [`nbd`]: NBD server (the disk mirror's target) and client (the destination's export).
 
 pub mod commands;
 pub mod launch;
+pub mod nbd;
 pub mod qmp;
 pub mod stream;
 
