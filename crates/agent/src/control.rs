@@ -18,6 +18,17 @@ pub const STREAM: ChannelId = ChannelId(1);
 pub const RETURN_PATH: ChannelId = ChannelId(2);
 /// The destination's seed index, destination to source, before the stream starts.
 pub const SEED: ChannelId = ChannelId(3);
+/// Disk writes (snapshots of the transmit buffer), source to destination.
+pub const DISK: ChannelId = ChannelId(4);
+/// Disk snapshots applied, destination to source.
+pub const DISK_ACK: ChannelId = ChannelId(5);
+
+/// A disk to move: the QEMU node name (the same at both ends) and its size in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskPlan {
+    pub node: String,
+    pub size: u64,
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]
@@ -39,6 +50,9 @@ pub enum Control {
         /// With seeding on: whose earlier image to index (none: the VM's own).
         #[serde(default)]
         seed_from: Option<String>,
+        /// The disks whose writes follow on the disk channel; the destination exports them.
+        #[serde(default)]
+        disks: Vec<DiskPlan>,
     },
     /// Destination: QEMU listens and the stream may start. With a seed image, its index
     /// (`seed.index_bytes` bytes) follows on the seed channel.
@@ -46,6 +60,9 @@ pub enum Control {
         #[serde(default)]
         seed: Option<SeedReport>,
     },
+    /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
+    /// disk channel, and their operations hash to this SHA-256.
+    DiskEnd { snapshots: u64, sha256: String },
     /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
     End { bytes: u64, sha256: String },
     /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time).

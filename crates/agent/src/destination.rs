@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
+use crate::disk::apply::DestinationDisks;
 use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
 
@@ -67,6 +68,7 @@ async fn serve(
         codec,
         history_bytes,
         seed_from,
+        disks,
     } = prepare
     else {
         bail!("expected Prepare first, got {prepare:?}");
@@ -106,6 +108,12 @@ async fn serve(
     .context("destination QEMU refused migrate-incoming")?;
     let conn = connect_retry(&sock).await?;
     let _ = std::fs::remove_file(&sock);
+    // The disks are exported before Ready: the source starts its mirrors once it has it.
+    let dst_disks = if disks.is_empty() {
+        None
+    } else {
+        Some(DestinationDisks::start(qmp, work_dir, session.id(), &disks).await?)
+    };
     let (mut from_qemu, mut to_qemu) = conn.into_split();
     // A seed only saves bytes: one that cannot be read means a migration without it.
     let seed = match seed {
@@ -168,6 +176,17 @@ async fn serve(
         }
     });
 
+    // The disks' writes, applied while the stream flows.
+    let disk_apply = async {
+        match &dst_disks {
+            Some(d) => d.apply(session, codec).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(disk_apply);
+    let mut disk_applied: Option<(u64, String)> = None;
+    let mut disk_end: Option<(u64, String)> = None;
+
     // The stream, until the source's End and every byte it announces have arrived.
     let mut hash = Sha256::new();
     // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
@@ -201,8 +220,12 @@ async fn serve(
                 }
                 Received::Barrier => {}
             },
+            r = &mut disk_apply, if dst_disks.is_some() && disk_applied.is_none() => {
+                disk_applied = Some(r.context("applying the disk writes")?);
+            }
             msg = control::recv(session) => match msg? {
                 Control::End { bytes, sha256 } => end = Some((bytes, sha256)),
+                Control::DiskEnd { snapshots, sha256 } => disk_end = Some((snapshots, sha256)),
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
                 other => bail!("unexpected control message during the stream: {other:?}"),
             },
@@ -236,6 +259,28 @@ async fn serve(
         }
         idle_check()?;
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Every disk write the guest saw complete must be here, flushed, and be the source's.
+    if let Some(d) = &dst_disks {
+        let (snapshots, digest) = match disk_applied {
+            Some(done) => done,
+            None => loop {
+                tokio::select! {
+                    r = &mut disk_apply => break r.context("applying the disk writes")?,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+                }
+            },
+        };
+        let Some((source_snapshots, source_digest)) = disk_end else {
+            bail!("the stream ended without the source's disk summary (DiskEnd)");
+        };
+        if (snapshots, &digest) != (source_snapshots, &source_digest) {
+            bail!(
+                "disk digest mismatch: source {source_snapshots} snapshots, sha256 {source_digest}; \
+                 destination {snapshots} snapshots, sha256 {digest}"
+            );
+        }
+        d.stop(qmp).await?;
     }
     // The commit point: digests match and QEMU loaded. From here the source never runs again.
     qmp.execute(&Cont)

@@ -7,6 +7,7 @@
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
+//! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`control`]: the messages between the two sides.
 //! - [`client`]: the CLI's client for the local API.
 //! - [`status`]: a migration's shared status.
@@ -14,6 +15,7 @@
 pub mod client;
 pub mod control;
 pub mod destination;
+pub mod disk;
 pub mod seed_store;
 pub mod server;
 pub mod source;

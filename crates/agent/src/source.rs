@@ -13,8 +13,8 @@ use bytes::BytesMut;
 use ferry_api::agent::{MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
-    Capability, Cont, Migrate, MigrateCancel, MigrateSetCapabilities, MigrateSetParameters,
-    QueryMemorySizeSummary, QueryMigrate, QueryStatus, Quit, RamStats,
+    Capability, Cont, Migrate, MigrateCancel, MigrateContinue, MigrateSetCapabilities,
+    MigrateSetParameters, QueryMemorySizeSummary, QueryMigrate, QueryStatus, Quit, RamStats,
 };
 use ferry_qemu::stream::{StreamParser, PAGE_SIZE};
 use ferry_qemu::Qmp;
@@ -27,6 +27,7 @@ use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
+use crate::disk::{self, mirror::SourceDisks};
 use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
@@ -86,6 +87,11 @@ async fn migrate(
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
     let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
     let history_bytes = stream_codec::history_bytes(ram_bytes);
+    let disk_plans = if req.disks.is_empty() {
+        Vec::new()
+    } else {
+        disk::mirror::plan(&qmp, &req.disks).await?
+    };
 
     // The session and its connections.
     let id = SessionId::random();
@@ -120,6 +126,7 @@ async fn migrate(
     )));
     let (ctl_tx, mut ctl) = mpsc::unbounded_channel();
     tokio::spawn(read_control(session.clone(), ctl_tx));
+    let mut disks: Option<SourceDisks> = None;
 
     let result = async {
         control::send(
@@ -132,6 +139,7 @@ async fn migrate(
                 codec: req.codec,
                 history_bytes,
                 seed_from: req.seed_from.clone(),
+                disks: disk_plans.clone(),
             },
         )
         .await?;
@@ -162,6 +170,33 @@ async fn migrate(
             .await??;
             encoder.set_seed(index, offer);
         }
+        if !disk_plans.is_empty() {
+            status.update(|s| {
+                s.phase = "disk: bulk copy".into();
+                s.event(
+                    EventKind::DiskCopyStarted,
+                    format!(
+                        "{} disk(s), {} mode",
+                        disk_plans.len(),
+                        req.disk_mode.name()
+                    ),
+                );
+            });
+            let started = SourceDisks::start(
+                &qmp,
+                &session,
+                work_dir,
+                &disk_plans,
+                req.disk_mode,
+                req.disk_buffer_mib.max(1) << 20,
+                req.codec,
+            )
+            .await?;
+            let d = &*disks.insert(started);
+            watchdog(&session, status, wan_timeout, deadline, d.wait_ready(&qmp)).await??;
+            d.memory_phase(req.link_rate_mbit, req.downtime_limit_ms);
+            status.update(|s| s.event(EventKind::DiskReady, ""));
+        }
         stream(
             req,
             status,
@@ -170,6 +205,7 @@ async fn migrate(
             &mut ctl,
             work_dir,
             encoder,
+            disks.as_mut(),
             wan_timeout,
             deadline,
         )
@@ -183,6 +219,9 @@ async fn migrate(
             // Before the stream's end went out the destination cannot commit: stop QEMU's
             // migration, tell the destination, resume the source.
             let _ = qmp.execute(&MigrateCancel).await;
+            if let Some(d) = &mut disks {
+                d.abort(&qmp).await;
+            }
             let _ = tokio::time::timeout(
                 Duration::from_secs(2),
                 control::send(
@@ -322,6 +361,7 @@ async fn stream(
     ctl: &mut mpsc::UnboundedReceiver<Control>,
     work_dir: &Path,
     mut encoder: Option<StreamEncoder>,
+    disks: Option<&mut SourceDisks>,
     wan_timeout: Duration,
     deadline: Instant,
 ) -> Result<String> {
@@ -329,7 +369,7 @@ async fn stream(
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
     let _cleanup = RemoveOnDrop(sock.clone());
-    set_capabilities(qmp, req).await?;
+    set_capabilities(qmp, req, disks.is_some()).await?;
     qmp.execute(&Migrate {
         uri: format!("unix:{}", sock.display()),
     })
@@ -418,12 +458,48 @@ async fn stream(
             }
         }
     };
-    let (bytes, sha256) = tokio::select! {
-        r = watchdog(session, status, wan_timeout, deadline, pump) => r??,
-        msg = ctl.recv() => match msg {
-            Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
-            other => bail!("unexpected message from the destination during the stream: {other:?}"),
-        },
+    // With disks QEMU pauses the VM before its last pass and waits: the mirrors complete,
+    // the disk channel's end goes out, then QEMU goes on.
+    let has_disks = disks.is_some();
+    let disk_switchover = async {
+        let Some(disks) = disks else {
+            return std::future::pending().await;
+        };
+        while qmp
+            .wait_event(
+                "MIGRATION",
+                |v| v["status"] == "pre-switchover",
+                Duration::from_secs(3600),
+            )
+            .await
+            .is_none()
+        {}
+        status.update(|s| s.phase = "switchover: completing the disk mirrors".into());
+        let (snapshots, sha256) = disks.finish(qmp).await?;
+        control::send(session, &Control::DiskEnd { snapshots, sha256 }).await?;
+        qmp.execute(&MigrateContinue {
+            state: "pre-switchover".into(),
+        })
+        .await
+        .context("continuing the migration after the disk mirrors completed")?;
+        Ok::<_, anyhow::Error>(())
+    };
+    tokio::pin!(disk_switchover);
+    let pump = watchdog(session, status, wan_timeout, deadline, pump);
+    tokio::pin!(pump);
+    let mut switched = !has_disks;
+    let (bytes, sha256) = loop {
+        tokio::select! {
+            r = &mut pump => break r??,
+            r = &mut disk_switchover, if !switched => {
+                r?;
+                switched = true;
+            }
+            msg = ctl.recv() => match msg {
+                Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
+                other => bail!("unexpected message from the destination during the stream: {other:?}"),
+            },
+        }
     };
 
     // QEMU closed the stream: it must say it completed (else the bytes are not a migration).
@@ -479,15 +555,22 @@ fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
     }
 }
 
-async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest) -> Result<()> {
+async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Result<()> {
     qmp.execute(&control::plain_precopy(req.return_path))
         .await?;
-    // Throttling changes nothing in the stream: only the source has it.
+    // Throttling changes nothing in the stream: only the source has it. With disks the
+    // source stops before its last pass so that the mirrors can complete (libvirt's way).
     qmp.execute(&MigrateSetCapabilities {
-        capabilities: vec![Capability {
-            capability: "auto-converge".into(),
-            state: req.converge,
-        }],
+        capabilities: vec![
+            Capability {
+                capability: "auto-converge".into(),
+                state: req.converge,
+            },
+            Capability {
+                capability: "pause-before-switchover".into(),
+                state: disks,
+            },
+        ],
     })
     .await?;
     qmp.execute(&MigrateSetParameters {

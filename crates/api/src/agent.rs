@@ -61,10 +61,56 @@ pub struct MigrationRequest {
     /// made from the same template); by default the migrating VM's own, if it ran there before.
     #[serde(default)]
     pub seed_from: Option<String>,
+    /// The VM's disks to move (QEMU block node names); the destination QEMU must have a node
+    /// of the same name and size. Empty: memory only (shared storage, or no disks).
+    #[serde(default)]
+    pub disks: Vec<String>,
+    /// How the disk writes the guest makes during the migration reach the destination.
+    #[serde(default)]
+    pub disk_mode: DiskMode,
+    /// The source's disk transmit buffer, MiB (asynchronous mirroring's bound).
+    #[serde(default = "default_disk_buffer_mib")]
+    pub disk_buffer_mib: u64,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(default)]
     pub test_corrupt_at: Option<u64>,
+}
+
+/// How guest disk writes made during a migration are mirrored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DiskMode {
+    /// XvMotion's asynchronous mirroring: a write completes once it is in the source agent's
+    /// bounded buffer; the buffer drains over the WAN and pushes back when full.
+    #[default]
+    Async,
+    /// Write-blocking: a write completes once the destination applied it (a WAN round trip).
+    Sync,
+    /// CloudNet's schedule: asynchronous during the bulk copy, synchronous from the memory
+    /// phase on, so nothing is left to drain at the switchover.
+    Cloudnet,
+}
+
+impl DiskMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskMode::Async => "async",
+            DiskMode::Sync => "sync",
+            DiskMode::Cloudnet => "cloudnet",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DiskMode> {
+        [DiskMode::Async, DiskMode::Sync, DiskMode::Cloudnet]
+            .into_iter()
+            .find(|m| m.name() == s)
+    }
+}
+
+/// 16 MiB: XvMotion's per-disk cap on the transmit queue (1.3 s of a 100 Mbit/s link).
+fn default_disk_buffer_mib() -> u64 {
+    16
 }
 
 /// One: on the lab's 100 Mbit/s, 50 ms link one connection matched QEMU's own throughput

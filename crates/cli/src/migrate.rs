@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use ferry_api::agent::DiskMode;
 use ferry_lab::baseline::{self, MigrateOptions, MigrationOutcome, Progress, QemuMode};
 use ferry_lab::guest::{self, GuestLink, Heartbeats, VerifyOutcome};
 use ferry_lab::{vm, Lab, Site};
@@ -64,6 +65,15 @@ pub struct MigrationFlags {
     /// as far as needed, when it dirties memory faster than the link carries it).
     #[arg(long)]
     pub no_converge: bool,
+    /// ferry, VMs with disks: how the guest's writes during the migration reach the
+    /// destination: async (XvMotion: a write completes once in the source agent's bounded
+    /// buffer), sync (once the destination applied it), cloudnet (async during the disk's bulk
+    /// copy, sync from the memory phase on).
+    #[arg(long, default_value = "async")]
+    pub disk_mode: String,
+    /// ferry, VMs with disks: the source agent's disk transmit buffer, MiB (async mode's bound).
+    #[arg(long, default_value_t = 16)]
+    pub disk_buffer_mib: u64,
     /// Give up after this many seconds; the source keeps running.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
@@ -92,6 +102,18 @@ impl MigrationFlags {
         if self.timeout_s == 0 {
             bail!("--timeout-s must be at least 1");
         }
+        let Some(disk_mode) = DiskMode::parse(&self.disk_mode) else {
+            bail!(
+                "unknown --disk-mode {:?} (known: async, sync, cloudnet)",
+                self.disk_mode
+            );
+        };
+        if !(1..=4096).contains(&self.disk_buffer_mib) {
+            bail!(
+                "--disk-buffer-mib {} is out of range; use 1 to 4096",
+                self.disk_buffer_mib
+            );
+        }
         Ok(MigrateOptions {
             ferry,
             connections: self.connections,
@@ -102,6 +124,8 @@ impl MigrationFlags {
             smart_stop: self.smart_stop,
             converge: !self.no_converge,
             seed_from: self.seed_from.clone(),
+            disk_mode,
+            disk_buffer_mib: self.disk_buffer_mib,
             codec: self
                 .codec
                 .parse()

@@ -5,6 +5,7 @@
 //!   delta against the version the other side has ([`rle`]), 1 KiB blocks the other side
 //!   already holds (CloudNet's redundancy elimination, [`dictionary`]), or raw bytes.
 //! - [`batch`]: zstd over a batch of records, at a level chosen for the link and the CPU.
+//! - [`disk`]: disk writes as records, their whole blocks through the page codec.
 //! - [`seed`]: pages the other side already holds in an earlier image, indexed by content
 //!   there, sent as references to that image.
 //!
@@ -14,12 +15,14 @@
 
 pub mod batch;
 pub mod dictionary;
+pub mod disk;
 pub mod page;
 pub mod rle;
 pub mod seed;
 mod varint;
 
 pub use batch::{compress_batch, decompress_batch, LevelChooser};
+pub use disk::{DiskDecoder, DiskEncoder, DiskOp};
 pub use page::{Decoder, Encoder, PageKind, PageStats};
 pub use seed::{index_image, SeedImage, SeedIndex};
 

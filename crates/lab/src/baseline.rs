@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use ferry_api::agent::CodecSettings;
+use ferry_api::agent::{CodecSettings, DiskMode};
 use ferry_api::{EventKind, Sample, Timeline};
 use ferry_qemu::commands::{
     BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, Migrate,
@@ -30,7 +30,7 @@ use tokio::sync::watch;
 
 use crate::guest::{GuestLink, Heartbeats};
 use crate::topology::{Lab, Site};
-use crate::{interrupt, sh, vm, wan};
+use crate::{interrupt, vm, wan};
 
 /// The destination QEMU listens for the migration stream on this port plus an offset that
 /// differs per attempt: a cancelled attempt's TCP connect into a dead WAN can stay pending in
@@ -151,6 +151,10 @@ pub struct MigrateOptions {
     pub converge: bool,
     /// ferry, with seeding: whose earlier image the destination indexes (none: the VM's own).
     pub seed_from: Option<String>,
+    /// ferry: how guest disk writes reach the destination during the migration.
+    pub disk_mode: DiskMode,
+    /// ferry: the source agent's disk transmit buffer, MiB.
+    pub disk_buffer_mib: u64,
 }
 
 impl Default for MigrateOptions {
@@ -170,6 +174,8 @@ impl Default for MigrateOptions {
             smart_stop: false,
             converge: true,
             seed_from: None,
+            disk_mode: DiskMode::Async,
+            disk_buffer_mib: 16,
         }
     }
 }
@@ -320,31 +326,7 @@ pub async fn migrate(
     let mut dst_spec = vm::spec_at(lab, &rec, to);
     dst_spec.incoming = Some("defer".into());
     dst_spec.paused = true;
-    for (src_disk, dst_disk) in rec.spec.disks.iter().zip(&dst_spec.disks) {
-        let info = sh::run(
-            "qemu-img",
-            &[
-                "info",
-                "-U",
-                "--output=json",
-                &src_disk.path.to_string_lossy(),
-            ],
-        )?;
-        let size = serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"]
-            .as_u64()
-            .context("qemu-img info: no virtual-size")?;
-        sh::run(
-            "qemu-img",
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                &dst_disk.path.to_string_lossy(),
-                &size.to_string(),
-            ],
-        )?;
-    }
+    vm::create_destination_disks(&rec.spec, &dst_spec)?;
     progress.send_modify(|p| p.phase = "starting destination".into());
     let dst_pid = match vm::launch(lab, to, &dst_spec).await {
         Ok(pid) => pid,
@@ -633,6 +615,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                 device: d.id.clone(),
                 target: format!("tgt-{}", d.id),
                 sync: "full".into(),
+                copy_mode: None,
             })
             .await?;
         }
@@ -682,6 +665,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                     let job = format!("mirror-{}", d.id);
                     src.execute(&BlockJobCancel {
                         device: job.clone(),
+                        force: false,
                     })
                     .await?;
                     src.wait_event(

@@ -34,9 +34,6 @@ pub async fn migrate(
     if rec.site == to {
         bail!("VM {name:?} already runs at site {}", to.name());
     }
-    if rec.has_disk() {
-        bail!("VM {name:?} has a disk: ferry carries memory only so far (disk migration is issue 5); use --system qemu");
-    }
     let source_agent = AgentClient::new(lab.agent_socket(rec.site));
     source_agent.health().await.context(
         "the source site's agent (is the lab up? `ferry lab down && ferry lab up` restarts it)",
@@ -62,10 +59,12 @@ pub async fn migrate(
     let mut dst_spec = vm::spec_at(lab, &rec, to);
     dst_spec.incoming = Some("defer".into());
     dst_spec.paused = true;
+    vm::create_destination_disks(&rec.spec, &dst_spec)?;
     let dst_pid = match vm::launch(lab, to, &dst_spec).await {
         Ok(pid) => pid,
         Err(e) => {
             vm::kill_at(lab, &dst_spec, to, 0);
+            remove_disks(&dst_spec);
             return Err(e.context("starting the destination; the source VM keeps running"));
         }
     };
@@ -80,6 +79,7 @@ pub async fn migrate(
         Ok(l) => l,
         Err(e) => {
             vm::kill_at(lab, &dst_spec, to, dst_pid);
+            remove_disks(&dst_spec);
             return Err(e.context("destination serial; the source VM keeps running"));
         }
     };
@@ -102,11 +102,15 @@ pub async fn migrate(
         smart_stop: opts.smart_stop,
         converge: opts.converge,
         seed_from: opts.seed_from.clone(),
+        disks: rec.spec.disks.iter().map(|d| d.id.clone()).collect(),
+        disk_mode: opts.disk_mode,
+        disk_buffer_mib: opts.disk_buffer_mib,
     };
     let started = match source_agent.start_migration(&req).await {
         Ok(s) => s,
         Err(e) => {
             vm::kill_at(lab, &dst_spec, to, dst_pid);
+            remove_disks(&dst_spec);
             return Err(
                 e.context("the source agent refused the migration; the source VM keeps running")
             );
@@ -206,6 +210,8 @@ pub async fn migrate(
         moved.pid = dst_pid;
         moved.spec = vm::spec_at(lab, &rec, to);
         vm::save(lab, &moved)?;
+        // The disks live at the destination now.
+        remove_disks(&rec.spec);
         let resume_micros = resume.unwrap_or_else(now_micros);
         let outcome = MigrationOutcome {
             completed: true,
@@ -228,12 +234,20 @@ pub async fn migrate(
     }
 
     // Not committed: the agents quit the destination QEMU and resumed the source; make sure
-    // the destination process is gone.
+    // the destination process is gone, and its disks with it.
     vm::kill_at(lab, &dst_spec, to, dst_pid);
+    remove_disks(&dst_spec);
     let detail = status.error.clone().unwrap_or_else(|| "failed".into());
     mark(elapsed_ms(), EventKind::Failed, &detail);
     if interrupted {
         bail!("interrupted by the user ({detail})");
     }
     bail!("{detail}")
+}
+
+/// Removes a VM's disk images at one site (the copy that is not the VM's any more).
+fn remove_disks(spec: &ferry_qemu::VmSpec) {
+    for d in &spec.disks {
+        let _ = std::fs::remove_file(&d.path);
+    }
 }

@@ -80,6 +80,37 @@ pub fn remove_lab_files(lab: &Lab) {
     }
 }
 
+/// Creates the destination's empty disk images (qcow2, each the size of the source's), for
+/// a migration that copies the disks.
+pub fn create_destination_disks(src: &VmSpec, dst: &VmSpec) -> Result<()> {
+    for (src_disk, dst_disk) in src.disks.iter().zip(&dst.disks) {
+        let info = sh::run(
+            "qemu-img",
+            &[
+                "info",
+                "-U",
+                "--output=json",
+                &src_disk.path.to_string_lossy(),
+            ],
+        )?;
+        let size = serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"]
+            .as_u64()
+            .context("qemu-img info: no virtual-size")?;
+        sh::run(
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                &dst_disk.path.to_string_lossy(),
+                &size.to_string(),
+            ],
+        )?;
+    }
+    Ok(())
+}
+
 /// The spec of VM `name` placed at `site`: sockets, tap and memory file belong to the site.
 pub fn spec_at(lab: &Lab, rec: &VmRecord, site: Site) -> VmSpec {
     let dir = vms_dir(lab);

@@ -169,6 +169,13 @@ impl NbdServerStart {
             addr: serde_json::json!({"type": "inet", "data": {"host": host, "port": port.to_string()}}),
         }
     }
+
+    /// Listen on a unix socket.
+    pub fn unix(path: &std::path::Path) -> Self {
+        NbdServerStart {
+            addr: serde_json::json!({"type": "unix", "data": {"path": path}}),
+        }
+    }
 }
 
 /// `nbd-server-stop`.
@@ -203,15 +210,55 @@ pub struct BlockdevMirror {
     pub device: String,
     pub target: String,
     pub sync: String,
+    /// `background` (QEMU's default) or `write-blocking` (every guest write is also written
+    /// to the target before the guest sees it complete).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copy_mode: Option<String>,
 }
 command!(BlockdevMirror, "blockdev-mirror", Value);
 
-/// `block-job-cancel`: for a ready mirror this completes it without pivoting.
+/// `block-job-cancel`: for a ready mirror this completes it without pivoting; with `force`
+/// it abandons the job at once.
 #[derive(Debug, Serialize)]
 pub struct BlockJobCancel {
     pub device: String,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 command!(BlockJobCancel, "block-job-cancel", Value);
+
+/// `blockdev-del`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockdevDel {
+    pub node_name: String,
+}
+command!(BlockdevDel, "blockdev-del", Value);
+
+/// `query-named-block-nodes` (flat: only the nodes themselves).
+#[derive(Debug, Serialize)]
+pub struct QueryNamedBlockNodes {
+    pub flat: bool,
+}
+command!(
+    QueryNamedBlockNodes,
+    "query-named-block-nodes",
+    Vec<BlockNode>
+);
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockNode {
+    #[serde(default)]
+    pub node_name: String,
+    pub image: BlockImage,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockImage {
+    pub virtual_size: u64,
+}
 
 /// `query-kvm`.
 #[derive(Debug, Serialize)]

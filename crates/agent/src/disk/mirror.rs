@@ -1,0 +1,395 @@
+//! The source side of disk migration: one NBD server per disk on a unix socket in the agent's
+//! work directory, the target of a `blockdev-mirror` (sync=full, copy-mode write-blocking) in
+//! the source QEMU; the transmit buffer they fill; the task that sends its snapshots; the task
+//! that takes the destination's acknowledgements.
+//!
+//! QEMU's mirror copies the allocated part of each disk once (the bulk copy) and, in
+//! write-blocking mode, hands every guest write to the target before completing it; at
+//! `BLOCK_JOB_READY` the destination has (or will have, once the buffer drains) the whole
+//! disk. At the switchover (source paused at `pre-switchover`) `block-job-cancel` completes
+//! the mirrors without pivoting, the buffer closes, and its last snapshots go out.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use ferry_api::agent::{CodecSettings, DiskMode};
+use ferry_codec::DiskEncoder;
+use ferry_qemu::commands::{
+    BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryNamedBlockNodes,
+};
+use ferry_qemu::nbd::{self, proto, Blocks, Export};
+use ferry_qemu::Qmp;
+use ferry_wire::{Received, Session};
+use sha2::{Digest, Sha256};
+use tokio::net::UnixListener;
+use tokio::task::JoinHandle;
+
+use super::buffer::{Extent, TransmitBuffer};
+use super::{codec_options, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
+use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
+use crate::control::{DiskPlan, DISK, DISK_ACK};
+
+/// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
+const MIN_MEMORY_PHASE_BUFFER: u64 = 256 << 10;
+
+/// What QEMU's mirror writes into: one disk's view of the shared transmit buffer.
+struct MirrorTarget {
+    buffer: Arc<TransmitBuffer>,
+    disk: u8,
+}
+
+impl MirrorTarget {
+    /// Buffers `what`; in synchronous mode also waits until the destination applied it.
+    async fn put(&self, offset: u64, len: u64, what: Extent) -> Result<(), u32> {
+        let seq = self
+            .buffer
+            .put(self.disk, offset, len, what)
+            .await
+            .map_err(|_| proto::ESHUTDOWN)?;
+        if self.buffer.is_synchronous() {
+            self.buffer.wait_applied(seq).await.ok_or(proto::EIO)?;
+        }
+        Ok(())
+    }
+}
+
+impl Blocks for MirrorTarget {
+    async fn write(&self, offset: u64, data: Bytes) -> Result<(), u32> {
+        let len = data.len() as u64;
+        self.put(offset, len, Extent::Data(data)).await
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> Result<(), u32> {
+        self.put(offset, len, Extent::Zeroes { may_trim }).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64) -> Result<(), u32> {
+        self.put(offset, len, Extent::Trim).await
+    }
+
+    /// Asynchronous: the source's own disk holds the data (QEMU flushes it); the destination's
+    /// copy is made durable before it resumes. Synchronous: the destination flushed too.
+    async fn flush(&self) -> Result<(), u32> {
+        let seq = self.buffer.flush(self.disk).map_err(|_| proto::ESHUTDOWN)?;
+        if self.buffer.is_synchronous() {
+            self.buffer.wait_applied(seq).await.ok_or(proto::EIO)?;
+        }
+        Ok(())
+    }
+}
+
+/// The disks of one migration, source side.
+pub struct SourceDisks {
+    pub buffer: Arc<TransmitBuffer>,
+    nodes: Vec<String>,
+    mode: DiskMode,
+    sockets: Vec<PathBuf>,
+    servers: Vec<JoinHandle<()>>,
+    acks: JoinHandle<()>,
+    sender: Option<JoinHandle<Result<(u64, String)>>>,
+}
+
+fn job_id(node: &str) -> String {
+    format!("ferry-mirror-{node}")
+}
+
+fn target_node(node: &str) -> String {
+    format!("ferry-target-{node}")
+}
+
+/// The size of each node, from the source QEMU, in the order given.
+pub async fn plan(qmp: &Qmp, nodes: &[String]) -> Result<Vec<DiskPlan>> {
+    if nodes.len() > 255 {
+        bail!("{} disks: at most 255 can move with one VM", nodes.len());
+    }
+    let known = qmp.execute(&QueryNamedBlockNodes { flat: true }).await?;
+    nodes
+        .iter()
+        .map(|node| {
+            let found = known
+                .iter()
+                .find(|n| &n.node_name == node)
+                .with_context(|| {
+                    let names: Vec<&str> = known.iter().map(|n| n.node_name.as_str()).collect();
+                    format!("the source QEMU has no block node {node:?} (it has {names:?})")
+                })?;
+            Ok(DiskPlan {
+                node: node.clone(),
+                size: found.image.virtual_size,
+            })
+        })
+        .collect()
+}
+
+impl SourceDisks {
+    /// Starts the NBD targets, the sender and the mirrors. On error, whatever was started is
+    /// stopped again ([`SourceDisks::abort`] is not needed).
+    pub async fn start(
+        qmp: &Qmp,
+        session: &Session,
+        work_dir: &Path,
+        plans: &[DiskPlan],
+        mode: DiskMode,
+        buffer_bytes: u64,
+        codec: CodecSettings,
+    ) -> Result<SourceDisks> {
+        let buffer = Arc::new(TransmitBuffer::new(buffer_bytes, mode == DiskMode::Sync));
+        let mut servers = Vec::new();
+        let mut sockets = Vec::new();
+        for (i, plan) in plans.iter().enumerate() {
+            let sock = work_dir.join(format!("{}.disk{i}.sock", session.id()));
+            let _ = std::fs::remove_file(&sock);
+            let listener =
+                UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
+            let target = Arc::new(MirrorTarget {
+                buffer: buffer.clone(),
+                disk: u8::try_from(i).expect("at most 255 disks"),
+            });
+            let export = Export {
+                name: plan.node.clone(),
+                size: plan.size,
+            };
+            servers.push(tokio::spawn(serve_mirror(listener, export, target)));
+            sockets.push(sock);
+        }
+        let acks = tokio::spawn(take_acks(session.clone(), buffer.clone()));
+        let sender = tokio::spawn(send_snapshots(buffer.clone(), session.clone(), codec));
+        let mut disks = SourceDisks {
+            buffer,
+            nodes: plans.iter().map(|p| p.node.clone()).collect(),
+            mode,
+            sockets,
+            servers,
+            acks,
+            sender: Some(sender),
+        };
+        if let Err(e) = disks.start_mirrors(qmp).await {
+            disks.abort(qmp).await;
+            return Err(e);
+        }
+        Ok(disks)
+    }
+
+    async fn start_mirrors(&self, qmp: &Qmp) -> Result<()> {
+        for (node, sock) in self.nodes.iter().zip(&self.sockets) {
+            qmp.execute(&BlockdevAdd(serde_json::json!({
+                "driver": "nbd",
+                "node-name": target_node(node),
+                "export": node,
+                "server": {"type": "unix", "path": sock},
+                // Zeroing through the target is cheap (a record on the WAN), so let the
+                // mirror use it for the unallocated parts.
+                "discard": "unmap",
+            })))
+            .await
+            .with_context(|| {
+                format!("connecting the source QEMU to ferry's NBD target for {node}")
+            })?;
+            qmp.execute(&BlockdevMirror {
+                job_id: job_id(node),
+                device: node.clone(),
+                target: target_node(node),
+                sync: "full".into(),
+                copy_mode: Some("write-blocking".into()),
+            })
+            .await
+            .with_context(|| format!("starting the mirror of {node}"))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every mirror is ready (its bulk copy is in the buffer). Cancel-safe.
+    pub async fn wait_ready(&self, qmp: &Qmp) -> Result<()> {
+        for node in &self.nodes {
+            let job = job_id(node);
+            loop {
+                if qmp
+                    .wait_event(
+                        "BLOCK_JOB_READY",
+                        |v| v["device"] == job.as_str(),
+                        Duration::from_millis(200),
+                    )
+                    .await
+                    .is_some()
+                {
+                    break;
+                }
+                if let Some(e) =
+                    qmp.find_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str())
+                {
+                    bail!("the mirror of {node} ended before it was ready: {}", e.data);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The memory phase begins. CloudNet's schedule turns synchronous here. Asynchronous
+    /// mirroring keeps going, with the buffer cut to what the link drains in a third of the
+    /// downtime target: what is buffered at the pause must cross before the destination
+    /// resumes, so a guest that writes faster than the link is slowed to it from now on.
+    pub fn memory_phase(&self, link_rate_mbit: Option<f64>, downtime_ms: u64) {
+        match self.mode {
+            DiskMode::Cloudnet => self.buffer.set_synchronous(true),
+            DiskMode::Async => {
+                if let Some(rate) = link_rate_mbit {
+                    let drain = rate * 1e6 / 8.0 * downtime_ms as f64 / 3000.0;
+                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                    self.buffer
+                        .set_limit((drain as u64).max(MIN_MEMORY_PHASE_BUFFER));
+                }
+            }
+            DiskMode::Sync => {}
+        }
+    }
+
+    /// At the switchover (the VM is paused): completes the mirrors without pivoting, closes
+    /// the buffer, and waits until every snapshot went to the session. Returns the number of
+    /// snapshots and the operations' digest for [`crate::control::Control::DiskEnd`].
+    pub async fn finish(&mut self, qmp: &Qmp) -> Result<(u64, String)> {
+        for node in &self.nodes {
+            let job = job_id(node);
+            qmp.execute(&BlockJobCancel {
+                device: job.clone(),
+                force: false,
+            })
+            .await
+            .with_context(|| format!("completing the mirror of {node}"))?;
+            let done = qmp
+                .wait_event(
+                    "BLOCK_JOB_COMPLETED",
+                    |v| v["device"] == job.as_str(),
+                    Duration::from_secs(60),
+                )
+                .await
+                .with_context(|| format!("the mirror of {node} did not complete within 60s"))?;
+            if let Some(err) = done.data.get("error").and_then(|e| e.as_str()) {
+                bail!("the mirror of {node} failed: {err}");
+            }
+        }
+        self.buffer.close();
+        let sender = self.sender.take().expect("finish runs once");
+        let result = sender.await.context("the disk sender task")??;
+        self.remove_targets(qmp).await;
+        Ok(result)
+    }
+
+    /// Stops everything (the migration failed): the mirrors are abandoned, the source QEMU's
+    /// disks are untouched, the guest's writes that wait on the destination are released.
+    pub async fn abort(&mut self, qmp: &Qmp) {
+        for node in &self.nodes {
+            let job = job_id(node);
+            if qmp
+                .execute(&BlockJobCancel {
+                    device: job.clone(),
+                    force: true,
+                })
+                .await
+                .is_ok()
+            {
+                let _ = qmp
+                    .wait_event(
+                        "BLOCK_JOB_COMPLETED",
+                        |v| v["device"] == job.as_str(),
+                        Duration::from_secs(10),
+                    )
+                    .await;
+            }
+        }
+        self.buffer.close();
+        self.buffer.stop_acknowledging();
+        if let Some(s) = self.sender.take() {
+            s.abort();
+        }
+        self.remove_targets(qmp).await;
+    }
+
+    async fn remove_targets(&self, qmp: &Qmp) {
+        for node in &self.nodes {
+            let _ = qmp
+                .execute(&BlockdevDel {
+                    node_name: target_node(node),
+                })
+                .await;
+        }
+    }
+}
+
+impl Drop for SourceDisks {
+    fn drop(&mut self) {
+        for s in &self.servers {
+            s.abort();
+        }
+        self.acks.abort();
+        if let Some(s) = &self.sender {
+            s.abort();
+        }
+        for sock in &self.sockets {
+            let _ = std::fs::remove_file(sock);
+        }
+    }
+}
+
+/// Serves QEMU's NBD client, again if it reconnects.
+async fn serve_mirror(listener: UnixListener, export: Export, target: Arc<MirrorTarget>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
+        match nbd::serve(stream, &export, target.clone()).await {
+            Ok(end) => tracing::debug!(export = export.name, ?end, "mirror connection ended"),
+            Err(e) => tracing::warn!(export = export.name, "mirror connection failed: {e}"),
+        }
+    }
+}
+
+async fn take_acks(session: Session, buffer: Arc<TransmitBuffer>) {
+    while let Ok(Received::Data(b)) = session.recv(DISK_ACK).await {
+        match parse_ack(&b) {
+            Ok(applied) => buffer.applied(applied),
+            Err(e) => {
+                session.fail(format!("from the destination: {e}"));
+                break;
+            }
+        }
+    }
+    buffer.stop_acknowledging();
+}
+
+/// Sends snapshots until the buffer closes; returns how many and the operations' digest.
+async fn send_snapshots(
+    buffer: Arc<TransmitBuffer>,
+    session: Session,
+    codec: CodecSettings,
+) -> Result<(u64, String)> {
+    let mut encoder = DiskEncoder::new(codec_options(codec));
+    let level = zstd_level(codec);
+    let mut hash = Sha256::new();
+    let mut count = 0u64;
+    let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));
+    while let Some(snap) = buffer.take().await {
+        let (seq, bytes) = (snap.seq, snap.bytes());
+        let mut ops = snap.into_ops().peekable();
+        while let Some(op) = ops.next() {
+            hash_op(&mut hash, &op);
+            encoder.encode(&op, &mut records);
+            let last = ops.peek().is_none();
+            if records.len() >= FRAME_RECORDS || last {
+                let flags = if last { LAST_OF_SNAPSHOT } else { 0 };
+                session
+                    .send(DISK, Frame::encode(seq, flags, &records, level))
+                    .await?;
+                records.clear();
+            }
+        }
+        buffer.sent(bytes);
+        count += 1;
+    }
+    session
+        .send(DISK, Frame::encode(count, LAST_OF_ALL, &[], None))
+        .await?;
+    Ok((count, format!("{:x}", hash.finalize())))
+}
