@@ -429,7 +429,7 @@ mod tests {
             x % m
         };
         let mut s = Snapshot::default();
-        let mut model = vec![0u8; 65536];
+        let mut model = vec![0u8; 131072];
         for i in 0..500u64 {
             let start = next(120) * 512;
             let len = (1 + next(16)) * 512;
@@ -467,7 +467,7 @@ mod tests {
         for w in ends.windows(2) {
             assert!(w[0].1 <= w[1].0, "pieces overlap: {w:?}");
         }
-        let mut disk = vec![0u8; 65536];
+        let mut disk = vec![0u8; 131072];
         let mut ops: Vec<DiskOp> = s.into_ops().collect();
         ops.reverse();
         apply(&mut disk, ops.into_iter());
