@@ -262,6 +262,7 @@ async fn serve(
     }
     // Every disk write the guest saw complete must be here, flushed, and be the source's.
     if let Some(d) = &dst_disks {
+        let t0 = std::time::Instant::now();
         let (snapshots, digest) = match disk_applied {
             Some(done) => done,
             None => loop {
@@ -280,7 +281,14 @@ async fn serve(
                  destination {snapshots} snapshots, sha256 {digest}"
             );
         }
+        let applied_ms = t0.elapsed().as_secs_f64() * 1e3;
         d.stop(qmp).await?;
+        tracing::info!(
+            applied_ms,
+            stopped_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "session {}: disks applied, flushed and checked",
+            session.id()
+        );
     }
     // The commit point: digests match and QEMU loaded. From here the source never runs again.
     qmp.execute(&Cont)

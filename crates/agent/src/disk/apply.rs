@@ -123,7 +123,9 @@ impl DestinationDisks {
                 Received::Barrier => bail!("unexpected barrier on the disk channel"),
             };
             if frame.last_of_all {
+                let t0 = std::time::Instant::now();
                 applier.drain().await?;
+                let drained_ms = t0.elapsed().as_secs_f64() * 1e3;
                 for (client, plan) in self.clients.iter().zip(&self.plans) {
                     client
                         .flush()
@@ -132,6 +134,11 @@ impl DestinationDisks {
                         .await
                         .with_context(|| format!("flushing disk {:?}", plan.node))?;
                 }
+                tracing::info!(
+                    drained_ms,
+                    flushed_ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "disk channel ended; every disk flushed"
+                );
                 return Ok((frame.seq, format!("{:x}", hash.finalize())));
             }
             let records = ferry_codec::decompress_batch(&frame.batch)

@@ -250,6 +250,7 @@ impl SourceDisks {
     /// the buffer, and waits until every snapshot went to the session. Returns the number of
     /// snapshots and the operations' digest for [`crate::control::Control::DiskEnd`].
     pub async fn finish(&mut self, qmp: &Qmp) -> Result<(u64, String)> {
+        let t0 = std::time::Instant::now();
         for node in &self.nodes {
             let job = job_id(node);
             qmp.execute(&BlockJobCancel {
@@ -270,9 +271,17 @@ impl SourceDisks {
                 bail!("the mirror of {node} failed: {err}");
             }
         }
+        let completed_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let held = self.buffer.stats().held;
         self.buffer.close();
         let sender = self.sender.take().expect("finish runs once");
         let result = sender.await.context("the disk sender task")??;
+        tracing::info!(
+            completed_ms,
+            held_bytes = held,
+            sent_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "disk mirrors completed at the switchover; the buffer went out"
+        );
         self.remove_targets(qmp).await;
         Ok(result)
     }
