@@ -256,6 +256,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         max_cpu_throttle_pct: None,
         throttle_vcpu_s: 0.0,
         digest: None,
+        disk: None,
     });
     agent
         .migrations

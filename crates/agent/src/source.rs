@@ -27,7 +27,7 @@ use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
-use crate::disk::{self, mirror::SourceDisks};
+use crate::disk::{self, mirror::DiskSettings, mirror::SourceDisks};
 use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
@@ -187,9 +187,12 @@ async fn migrate(
                 &session,
                 work_dir,
                 &disk_plans,
-                req.disk_mode,
-                req.disk_buffer_mib.max(1) << 20,
-                req.codec,
+                DiskSettings {
+                    mode: req.disk_mode,
+                    buffer_bytes: req.disk_buffer_mib.max(1) << 20,
+                    codec: req.codec,
+                },
+                status.clone(),
             )
             .await?;
             let d = &*disks.insert(started);

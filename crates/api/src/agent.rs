@@ -338,6 +338,28 @@ pub struct MigrationStatus {
     pub codec: Option<CodecReport>,
     /// SHA-256 of the stream, as both ends computed it.
     pub digest: Option<String>,
+    /// With disks: what the disk path did.
+    #[serde(default)]
+    pub disk: Option<DiskReport>,
+}
+
+/// What the disk path did (source side).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DiskReport {
+    pub mode: DiskMode,
+    pub disks: u32,
+    /// Data bytes QEMU's mirror wrote into the transmit buffer (bulk copy and guest writes).
+    pub written_bytes: u64,
+    /// Data bytes replaced by a later write to the same place before they were sent.
+    pub coalesced_bytes: u64,
+    /// Zero and trim ranges sent as ranges, bytes they cover.
+    pub zero_bytes: u64,
+    /// Bytes of disk frames handed to the WAN (after the codec and zstd).
+    pub frame_bytes: u64,
+    /// Snapshots sent.
+    pub snapshots: u64,
+    /// Bytes in the transmit buffer now.
+    pub held_bytes: u64,
 }
 
 /// The transport's counters.

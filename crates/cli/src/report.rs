@@ -101,6 +101,18 @@ pub fn print_report(
             o.throttle_vcpu_s.unwrap_or(0.0)
         );
     }
+    if let Some(d) = &o.disk {
+        println!(
+            "  disks                {} ({} mirroring): {} written by the mirror, {} coalesced before sending, {} as zero ranges, {} on the WAN in {} snapshots",
+            d.disks,
+            d.mode.name(),
+            bytes(d.written_bytes),
+            bytes(d.coalesced_bytes),
+            bytes(d.zero_bytes),
+            bytes(d.frame_bytes),
+            d.snapshots,
+        );
+    }
     if let Some(c) = &o.codec {
         println!(
             "  codec                {}: QEMU's {} became {} ({:.1}%)",

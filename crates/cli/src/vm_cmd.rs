@@ -19,7 +19,8 @@ pub struct VmShape {
     /// Virtual CPUs.
     #[arg(long, default_value_t = 1)]
     pub vcpus: u32,
-    /// Attach a small ext4 data disk (migrated with QEMU's mirror to an NBD export).
+    /// Attach a small ext4 data disk (64 MiB): ferry's agents move it with the VM, or with
+    /// --system qemu QEMU's mirror copies it straight to the destination's NBD export.
     #[arg(long)]
     pub disk: bool,
 }

@@ -100,6 +100,11 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
         let v = json(&out);
         assert_arrived_intact(&v, 4096, mode);
         assert_disk_before_memory(&v);
+        let disk = &v["outcome"]["disk"];
+        assert_eq!(disk["mode"], mode, "{v}");
+        // At least the writer's 16 MiB file came through the mirror, and went on the WAN.
+        assert!(disk["written_bytes"].as_u64().unwrap() >= 16 << 20, "{v}");
+        assert!(disk["frame_bytes"].as_u64().unwrap() > 0, "{v}");
         assert_eq!(t.site_of("d1"), site, "{mode}");
     }
     // A wrong mode is refused before anything starts.

@@ -242,6 +242,9 @@ pub struct MigrationOutcome {
     /// ferry: what the codec did with QEMU's stream.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub codec: Option<ferry_api::agent::CodecReport>,
+    /// ferry, with disks: what the disk path did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<ferry_api::agent::DiskReport>,
 }
 
 pub(crate) fn now_micros() -> i64 {
@@ -764,6 +767,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         codec: None,
         cpu_throttle_pct: None,
         throttle_vcpu_s: None,
+        disk: None,
     };
     progress.send_modify(|p| p.phase = "done".into());
     Ok(outcome)

@@ -225,6 +225,7 @@ pub async fn migrate(
             ram_transferred: status.stream_bytes,
             error: None,
             codec: status.codec.clone(),
+            disk: status.disk.clone(),
             cpu_throttle_pct: status.max_cpu_throttle_pct,
             throttle_vcpu_s: status.max_cpu_throttle_pct.map(|_| status.throttle_vcpu_s),
         };

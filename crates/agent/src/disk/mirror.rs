@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::{CodecSettings, DiskMode};
-use ferry_codec::DiskEncoder;
+use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
+use ferry_codec::{DiskEncoder, DiskOp};
 use ferry_qemu::commands::{
     BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryNamedBlockNodes,
 };
@@ -31,6 +31,7 @@ use super::buffer::{Extent, TransmitBuffer};
 use super::{codec_options, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
 use crate::control::{DiskPlan, DISK, DISK_ACK};
+use crate::status::Shared;
 
 /// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
 const MIN_MEMORY_PHASE_BUFFER: u64 = 256 << 10;
@@ -79,6 +80,15 @@ impl Blocks for MirrorTarget {
         }
         Ok(())
     }
+}
+
+/// How the disks of one migration are carried.
+#[derive(Debug, Clone, Copy)]
+pub struct DiskSettings {
+    pub mode: DiskMode,
+    /// The transmit buffer's bound during the bulk copy.
+    pub buffer_bytes: u64,
+    pub codec: CodecSettings,
 }
 
 /// The disks of one migration, source side.
@@ -132,10 +142,14 @@ impl SourceDisks {
         session: &Session,
         work_dir: &Path,
         plans: &[DiskPlan],
-        mode: DiskMode,
-        buffer_bytes: u64,
-        codec: CodecSettings,
+        settings: DiskSettings,
+        status: Shared,
     ) -> Result<SourceDisks> {
+        let DiskSettings {
+            mode,
+            buffer_bytes,
+            codec,
+        } = settings;
         let buffer = Arc::new(TransmitBuffer::new(buffer_bytes, mode == DiskMode::Sync));
         let mut servers = Vec::new();
         let mut sockets = Vec::new();
@@ -156,7 +170,18 @@ impl SourceDisks {
             sockets.push(sock);
         }
         let acks = tokio::spawn(take_acks(session.clone(), buffer.clone()));
-        let sender = tokio::spawn(send_snapshots(buffer.clone(), session.clone(), codec));
+        let report = DiskReport {
+            mode,
+            disks: u32::try_from(plans.len()).expect("at most 255 disks"),
+            ..DiskReport::default()
+        };
+        let sender = tokio::spawn(send_snapshots(
+            buffer.clone(),
+            session.clone(),
+            codec,
+            report,
+            status,
+        ));
         let mut disks = SourceDisks {
             buffer,
             nodes: plans.iter().map(|p| p.node.clone()).collect(),
@@ -373,6 +398,8 @@ async fn send_snapshots(
     buffer: Arc<TransmitBuffer>,
     session: Session,
     codec: CodecSettings,
+    mut report: DiskReport,
+    status: Shared,
 ) -> Result<(u64, String)> {
     let mut encoder = DiskEncoder::new(codec_options(codec));
     let level = zstd_level(codec);
@@ -384,18 +411,27 @@ async fn send_snapshots(
         let mut ops = snap.into_ops().peekable();
         while let Some(op) = ops.next() {
             hash_op(&mut hash, &op);
+            if let DiskOp::Zeroes { len, .. } | DiskOp::Trim { len, .. } = op {
+                report.zero_bytes += len;
+            }
             encoder.encode(&op, &mut records);
             let last = ops.peek().is_none();
             if records.len() >= FRAME_RECORDS || last {
                 let flags = if last { LAST_OF_SNAPSHOT } else { 0 };
-                session
-                    .send(DISK, Frame::encode(seq, flags, &records, level))
-                    .await?;
+                let frame = Frame::encode(seq, flags, &records, level);
+                report.frame_bytes += frame.len() as u64;
+                session.send(DISK, frame).await?;
                 records.clear();
             }
         }
         buffer.sent(bytes);
         count += 1;
+        let b = buffer.stats();
+        report.written_bytes = b.written;
+        report.coalesced_bytes = b.coalesced;
+        report.held_bytes = b.held;
+        report.snapshots = count;
+        status.update(|s| s.disk = Some(report.clone()));
     }
     session
         .send(DISK, Frame::encode(count, LAST_OF_ALL, &[], None))
