@@ -22,6 +22,9 @@ pub const SEED: ChannelId = ChannelId(3);
 pub const DISK: ChannelId = ChannelId(4);
 /// Disk snapshots applied, destination to source.
 pub const DISK_ACK: ChannelId = ChannelId(5);
+/// The index of what the destination's disks already hold, destination to source, before the
+/// mirrors start.
+pub const DISK_BASE: ChannelId = ChannelId(6);
 
 /// A disk to move: the QEMU node name (the same at both ends) and its size in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +62,10 @@ pub enum Control {
     Ready {
         #[serde(default)]
         seed: Option<SeedReport>,
+        /// With disks that already hold an older copy: the size of their index
+        /// ([`ferry_codec::DiskBase`]), which follows on the disk-base channel.
+        #[serde(default)]
+        disk_base_bytes: Option<u64>,
     },
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
     /// disk channel, and their operations hash to this SHA-256.
@@ -78,6 +85,37 @@ fn no_codec() -> CodecSettings {
 pub async fn send(session: &Session, msg: &Control) -> Result<()> {
     let bytes = serde_json::to_vec(msg).expect("control messages serialize");
     session.send(CONTROL, Bytes::from(bytes)).await?;
+    Ok(())
+}
+
+/// A blob announced as `bytes` long, sent in pieces on `channel`.
+pub async fn recv_blob(
+    session: &Session,
+    channel: ChannelId,
+    bytes: u64,
+    what: &str,
+) -> Result<Vec<u8>> {
+    let mut blob = Vec::new();
+    while (blob.len() as u64) < bytes {
+        match session.recv(channel).await? {
+            Received::Data(piece) => blob.extend_from_slice(&piece),
+            Received::Barrier => anyhow::bail!("unexpected barrier on the {what} channel"),
+        }
+    }
+    if blob.len() as u64 != bytes {
+        anyhow::bail!(
+            "the destination announced a {bytes}-byte {what} and sent {}",
+            blob.len()
+        );
+    }
+    Ok(blob)
+}
+
+/// Sends `blob` on `channel` in pieces of 256 KiB (so that it shares the connections).
+pub async fn send_blob(session: &Session, channel: ChannelId, blob: &[u8]) -> Result<()> {
+    for piece in blob.chunks(256 << 10) {
+        session.send(channel, Bytes::copy_from_slice(piece)).await?;
+    }
     Ok(())
 }
 

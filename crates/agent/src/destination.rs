@@ -126,13 +126,35 @@ async fn serve(
         },
         None => None,
     };
+    // An older copy of the disks here (the VM was here before): index it for the source.
+    let disk_base = match &dst_disks {
+        Some(d) => {
+            let key = u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked");
+            let t0 = std::time::Instant::now();
+            let index = d.index(qmp, key).await?;
+            if let Some(index) = &index {
+                tracing::info!(
+                    "session {}: offering the index of the disks' older copy ({} bytes, {} ms)",
+                    session.id(),
+                    index.len(),
+                    t0.elapsed().as_millis()
+                );
+            }
+            index
+        }
+        None => None,
+    };
     control::send(
         session,
         &Control::Ready {
             seed: seed.as_ref().map(|s| s.report.clone()),
+            disk_base_bytes: disk_base.as_ref().map(|b| b.len() as u64),
         },
     )
     .await?;
+    if let Some(index) = &disk_base {
+        control::send_blob(session, control::DISK_BASE, index).await?;
+    }
     let mut decoder = codec
         .any()
         .then(|| StreamDecoder::new(codec, history_bytes));

@@ -127,6 +127,7 @@ async fn migrate(
     let (ctl_tx, mut ctl) = mpsc::unbounded_channel();
     tokio::spawn(read_control(session.clone(), ctl_tx));
     let mut disks: Option<SourceDisks> = None;
+    let mut disk_base_len: Option<u64> = None;
 
     let result = async {
         control::send(
@@ -145,7 +146,13 @@ async fn migrate(
         .await?;
         status.update(|s| s.phase = "preparing the destination".into());
         let seed = match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
-            Some(Control::Ready { seed }) => seed,
+            Some(Control::Ready {
+                seed,
+                disk_base_bytes,
+            }) => {
+                disk_base_len = disk_base_bytes;
+                seed
+            }
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
             other => bail!("unexpected answer to Prepare: {other:?}"),
         };
@@ -171,6 +178,32 @@ async fn migrate(
             encoder.set_seed(index, offer);
         }
         if !disk_plans.is_empty() {
+            let base = match disk_base_len {
+                Some(bytes) => {
+                    status.update(|s| {
+                        s.phase = format!(
+                            "receiving the index of the destination's older disk copy ({bytes} bytes)"
+                        );
+                    });
+                    let blob = watchdog(
+                        &session,
+                        status,
+                        wan_timeout,
+                        deadline,
+                        control::recv_blob(&session, control::DISK_BASE, bytes, "disk index"),
+                    )
+                    .await??;
+                    let sizes: Vec<u64> = disk_plans.iter().map(|p| p.size).collect();
+                    Some(
+                        tokio::task::spawn_blocking(move || {
+                            ferry_codec::DiskBase::parse(&blob, &sizes)
+                        })
+                        .await?
+                        .context("the destination's disk index")?,
+                    )
+                }
+                None => None,
+            };
             status.update(|s| {
                 s.phase = "disk: bulk copy".into();
                 s.event(
@@ -192,6 +225,7 @@ async fn migrate(
                     buffer_bytes: req.disk_buffer_mib.max(1) << 20,
                     codec: req.codec,
                 },
+                base,
                 status.clone(),
             )
             .await?;
@@ -306,19 +340,7 @@ async fn migrate(
 
 /// The destination's seed index: `bytes` bytes on the seed channel.
 async fn receive_seed_index(session: &Session, bytes: u64) -> Result<ferry_codec::SeedIndex> {
-    let mut index = Vec::new();
-    while (index.len() as u64) < bytes {
-        match session.recv(SEED).await? {
-            Received::Data(piece) => index.extend_from_slice(&piece),
-            Received::Barrier => bail!("unexpected barrier on the seed channel"),
-        }
-    }
-    if index.len() as u64 != bytes {
-        bail!(
-            "the destination announced a {bytes}-byte seed index and sent {}",
-            index.len()
-        );
-    }
+    let index = control::recv_blob(session, SEED, bytes, "seed index").await?;
     tokio::task::spawn_blocking(move || ferry_codec::SeedIndex::parse(&index))
         .await?
         .context("the destination's seed index")

@@ -354,6 +354,9 @@ pub struct DiskReport {
     pub coalesced_bytes: u64,
     /// Zero and trim ranges sent as ranges, bytes they cover.
     pub zero_bytes: u64,
+    /// Bytes the destination already held (an older copy of the disk), sent as references.
+    #[serde(default)]
+    pub same_bytes: u64,
     /// Bytes of disk frames handed to the WAN (after the codec and zstd).
     pub frame_bytes: u64,
     /// Snapshots sent.

@@ -103,12 +103,13 @@ pub fn print_report(
     }
     if let Some(d) = &o.disk {
         println!(
-            "  disks                {} ({} mirroring): {} written by the mirror, {} coalesced before sending, {} as zero ranges, {} on the WAN in {} snapshots",
+            "  disks                {} ({} mirroring): {} written by the mirror, {} coalesced before sending, {} as zero ranges, {} already at the destination, {} on the WAN in {} snapshots",
             d.disks,
             d.mode.name(),
             bytes(d.written_bytes),
             bytes(d.coalesced_bytes),
             bytes(d.zero_bytes),
+            bytes(d.same_bytes),
             bytes(d.frame_bytes),
             d.snapshots,
         );

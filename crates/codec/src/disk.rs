@@ -9,7 +9,11 @@
 //!           | ZEROES disk:u8 offset:varint len:varint may_trim:u8
 //!           | TRIM   disk:u8 offset:varint len:varint
 //!           | FLUSH  disk:u8
+//!           | SAME   disk:u8 offset:varint len:varint
 //! ```
+//!
+//! SAME says the receiver's disk already holds these bytes (it was there before, and what it
+//! kept was indexed); nothing is written.
 //!
 //! The head is the bytes before the first 4 KiB boundary inside the write, the tail those after
 //! the last; both lengths follow from offset and len, so they are not sent. The encoder and the
@@ -23,6 +27,7 @@ const TAG_WRITE: u8 = 1;
 const TAG_ZEROES: u8 = 2;
 const TAG_TRIM: u8 = 3;
 const TAG_FLUSH: u8 = 4;
+const TAG_SAME: u8 = 5;
 
 /// The largest write a record may carry (the NBD server's maximum request).
 pub const MAX_WRITE: u64 = 32 << 20;
@@ -51,6 +56,12 @@ pub enum DiskOp {
     Flush {
         disk: u8,
     },
+    /// The receiver already holds these bytes.
+    Same {
+        disk: u8,
+        offset: u64,
+        len: u64,
+    },
 }
 
 impl DiskOp {
@@ -61,7 +72,8 @@ impl DiskOp {
             DiskOp::Zeroes {
                 disk, offset, len, ..
             }
-            | DiskOp::Trim { disk, offset, len } => Some((*disk, *offset, *len)),
+            | DiskOp::Trim { disk, offset, len }
+            | DiskOp::Same { disk, offset, len } => Some((*disk, *offset, *len)),
             DiskOp::Flush { .. } => None,
         }
     }
@@ -143,6 +155,12 @@ impl DiskEncoder {
                 out.push(TAG_FLUSH);
                 out.push(*disk);
             }
+            DiskOp::Same { disk, offset, len } => {
+                out.push(TAG_SAME);
+                out.push(*disk);
+                varint::put(out, *offset);
+                varint::put(out, *len);
+            }
         }
     }
 }
@@ -198,7 +216,7 @@ impl DiskDecoder {
                 data.extend_from_slice(take(input, tail, "disk write tail")?);
                 Ok(DiskOp::Write { disk, offset, data })
             }
-            TAG_ZEROES | TAG_TRIM => {
+            TAG_ZEROES | TAG_TRIM | TAG_SAME => {
                 let offset = varint::get(input)?;
                 let len = varint::get(input)?;
                 if len > MAX_RANGE || offset.checked_add(len).is_none() {
@@ -208,6 +226,9 @@ impl DiskDecoder {
                 }
                 if tag == TAG_TRIM {
                     return Ok(DiskOp::Trim { disk, offset, len });
+                }
+                if tag == TAG_SAME {
+                    return Ok(DiskOp::Same { disk, offset, len });
                 }
                 let may_trim = take(input, 1, "zeroes flag")?[0] != 0;
                 Ok(DiskOp::Zeroes {

@@ -6,6 +6,7 @@
 //!   already holds (CloudNet's redundancy elimination, [`dictionary`]), or raw bytes.
 //! - [`batch`]: zstd over a batch of records, at a level chosen for the link and the CPU.
 //! - [`disk`]: disk writes as records, their whole blocks through the page codec.
+//! - [`disk_base`]: what the receiver's disks already hold, so unchanged blocks go as SAME.
 //! - [`seed`]: pages the other side already holds in an earlier image, indexed by content
 //!   there, sent as references to that image.
 //!
@@ -16,6 +17,7 @@
 pub mod batch;
 pub mod dictionary;
 pub mod disk;
+pub mod disk_base;
 pub mod page;
 pub mod rle;
 pub mod seed;
@@ -23,6 +25,7 @@ mod varint;
 
 pub use batch::{compress_batch, decompress_batch, LevelChooser};
 pub use disk::{DiskDecoder, DiskEncoder, DiskOp};
+pub use disk_base::{BaseBuilder, DiskBase};
 pub use page::{Decoder, Encoder, PageKind, PageStats};
 pub use seed::{index_image, SeedImage, SeedIndex};
 

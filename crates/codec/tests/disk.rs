@@ -31,6 +31,8 @@ fn op() -> impl Strategy<Value = DiskOp> {
         1 => (0u8..2, 0u64..64, 1u64..64)
             .prop_map(|(disk, s, n)| DiskOp::Trim { disk, offset: s * 512, len: n * 512 }),
         1 => (0u8..2).prop_map(|disk| DiskOp::Flush { disk }),
+        1 => (0u8..2, 0u64..64, 1u64..64)
+            .prop_map(|(disk, s, n)| DiskOp::Same { disk, offset: s * 512, len: n * 512 }),
     ]
 }
 

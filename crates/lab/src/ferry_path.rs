@@ -59,12 +59,13 @@ pub async fn migrate(
     let mut dst_spec = vm::spec_at(lab, &rec, to);
     dst_spec.incoming = Some("defer".into());
     dst_spec.paused = true;
-    vm::create_destination_disks(&rec.spec, &dst_spec)?;
+    // A copy of the disks the VM left at the destination on an earlier stay is kept: the
+    // agents send only what changed since.
+    vm::create_destination_disks(&rec.spec, &dst_spec, true)?;
     let dst_pid = match vm::launch(lab, to, &dst_spec).await {
         Ok(pid) => pid,
         Err(e) => {
             vm::kill_at(lab, &dst_spec, to, 0);
-            remove_disks(&dst_spec);
             return Err(e.context("starting the destination; the source VM keeps running"));
         }
     };
@@ -79,7 +80,6 @@ pub async fn migrate(
         Ok(l) => l,
         Err(e) => {
             vm::kill_at(lab, &dst_spec, to, dst_pid);
-            remove_disks(&dst_spec);
             return Err(e.context("destination serial; the source VM keeps running"));
         }
     };
@@ -110,7 +110,6 @@ pub async fn migrate(
         Ok(s) => s,
         Err(e) => {
             vm::kill_at(lab, &dst_spec, to, dst_pid);
-            remove_disks(&dst_spec);
             return Err(
                 e.context("the source agent refused the migration; the source VM keeps running")
             );
@@ -210,8 +209,8 @@ pub async fn migrate(
         moved.pid = dst_pid;
         moved.spec = vm::spec_at(lab, &rec, to);
         vm::save(lab, &moved)?;
-        // The disks live at the destination now.
-        remove_disks(&rec.spec);
+        // The source's disks stay as the older copy for the VM's return (`vm stop` removes
+        // them).
         let resume_micros = resume.unwrap_or_else(now_micros);
         let outcome = MigrationOutcome {
             completed: true,
@@ -235,20 +234,13 @@ pub async fn migrate(
     }
 
     // Not committed: the agents quit the destination QEMU and resumed the source; make sure
-    // the destination process is gone, and its disks with it.
+    // the destination process is gone. Its disk images stay: whatever they hold is indexed by
+    // content on the next attempt, so they only save bytes.
     vm::kill_at(lab, &dst_spec, to, dst_pid);
-    remove_disks(&dst_spec);
     let detail = status.error.clone().unwrap_or_else(|| "failed".into());
     mark(elapsed_ms(), EventKind::Failed, &detail);
     if interrupted {
         bail!("interrupted by the user ({detail})");
     }
     bail!("{detail}")
-}
-
-/// Removes a VM's disk images at one site (the copy that is not the VM's any more).
-fn remove_disks(spec: &ferry_qemu::VmSpec) {
-    for d in &spec.disks {
-        let _ = std::fs::remove_file(&d.path);
-    }
 }

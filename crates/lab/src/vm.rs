@@ -81,9 +81,13 @@ pub fn remove_lab_files(lab: &Lab) {
 }
 
 /// Creates the destination's empty disk images (qcow2, each the size of the source's), for
-/// a migration that copies the disks.
-pub fn create_destination_disks(src: &VmSpec, dst: &VmSpec) -> Result<()> {
+/// a migration that copies the disks. With `reuse`, an image already at the destination (the
+/// copy the VM left there when it moved away) is kept: ferry then sends only what changed.
+pub fn create_destination_disks(src: &VmSpec, dst: &VmSpec, reuse: bool) -> Result<()> {
     for (src_disk, dst_disk) in src.disks.iter().zip(&dst.disks) {
+        if reuse && dst_disk.path.exists() {
+            continue;
+        }
         let info = sh::run(
             "qemu-img",
             &[

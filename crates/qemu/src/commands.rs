@@ -258,6 +258,9 @@ pub struct BlockNode {
 #[serde(rename_all = "kebab-case")]
 pub struct BlockImage {
     pub virtual_size: u64,
+    /// Bytes the image file takes on the host (what is allocated).
+    #[serde(default)]
+    pub actual_size: Option<u64>,
 }
 
 /// `query-kvm`.

@@ -15,9 +15,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::CodecSettings;
-use ferry_codec::{DiskDecoder, DiskOp};
-use ferry_qemu::commands::{BlockExportAdd, NbdServerStart, NbdServerStop};
-use ferry_qemu::nbd::{Client, Pending};
+use ferry_codec::{BaseBuilder, DiskDecoder, DiskOp};
+use ferry_qemu::commands::{BlockExportAdd, NbdServerStart, NbdServerStop, QueryNamedBlockNodes};
+use ferry_qemu::nbd::{Client, Command, Pending};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
 use sha2::{Digest, Sha256};
@@ -31,6 +31,11 @@ use crate::control::{DiskPlan, DISK, DISK_ACK};
 const MAX_IN_FLIGHT: usize = 32;
 /// The largest write or zero request sent in one NBD request (QEMU's server takes 32 MiB).
 const MAX_REQUEST: u64 = 32 << 20;
+/// A freshly created qcow2 image takes about 200 KiB on the host; more means it holds data.
+const FRESH_IMAGE_BYTES: u64 = 1 << 20;
+/// Indexing reads 4 MiB at a time, 4 in flight.
+const INDEX_READ_BYTES: u64 = 4 << 20;
+const INDEX_READS_IN_FLIGHT: usize = 4;
 
 type NbdClient = Client<UnixStream>;
 
@@ -91,6 +96,46 @@ impl DestinationDisks {
             plans: plans.to_vec(),
             socket,
         })
+    }
+
+    /// When a disk here already holds data (an older copy of the VM's disk, left by an earlier
+    /// stay), the index of what every disk holds, for the source to send only what changed.
+    /// None when they are all freshly created (empty).
+    pub async fn index(&self, qmp: &Qmp, key: u64) -> Result<Option<Vec<u8>>> {
+        let nodes = qmp.execute(&QueryNamedBlockNodes { flat: true }).await?;
+        let holds_data = self.plans.iter().any(|p| {
+            nodes
+                .iter()
+                .find(|n| n.node_name == p.node)
+                .and_then(|n| n.image.actual_size)
+                .is_some_and(|a| a > FRESH_IMAGE_BYTES)
+        });
+        if !holds_data {
+            return Ok(None);
+        }
+        let mut builder = BaseBuilder::new(key);
+        for (client, plan) in self.clients.iter().zip(&self.plans) {
+            builder.disk(plan.size);
+            // Reads pipelined a few deep: the export is local, the hashing cheap.
+            let mut pending = std::collections::VecDeque::new();
+            let mut offset = 0u64;
+            while offset < plan.size || !pending.is_empty() {
+                while offset < plan.size && pending.len() < INDEX_READS_IN_FLIGHT {
+                    let len =
+                        u32::try_from((plan.size - offset).min(INDEX_READ_BYTES)).expect("capped");
+                    let p = client.submit(Command::Read, 0, offset, len, None).await?;
+                    pending.push_back((offset, p));
+                    offset += u64::from(len);
+                }
+                let (at, p) = pending.pop_front().expect("non-empty");
+                let data = p
+                    .wait()
+                    .await
+                    .with_context(|| format!("reading disk {:?} to index it", plan.node))?;
+                builder.add(at, &data);
+            }
+        }
+        Ok(Some(builder.finish()))
     }
 
     /// Applies the disk channel until the source's last frame; returns the number of
@@ -306,6 +351,8 @@ async fn submit(client: &NbdClient, op: DiskOp) -> Result<Vec<Pending>> {
         } => (offset, len, Some(may_trim)),
         DiskOp::Trim { offset, len, .. } => (offset, len, None),
         DiskOp::Flush { .. } => return Ok(vec![client.flush().await?]),
+        // Already there: nothing to write.
+        DiskOp::Same { .. } => return Ok(Vec::new()),
     };
     let mut pending = Vec::new();
     let mut at = offset;

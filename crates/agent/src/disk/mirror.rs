@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
-use ferry_codec::{DiskEncoder, DiskOp};
+use ferry_codec::{DiskBase, DiskEncoder, DiskOp};
 use ferry_qemu::commands::{
     BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryNamedBlockNodes,
 };
@@ -143,6 +143,7 @@ impl SourceDisks {
         work_dir: &Path,
         plans: &[DiskPlan],
         settings: DiskSettings,
+        base: Option<DiskBase>,
         status: Shared,
     ) -> Result<SourceDisks> {
         let DiskSettings {
@@ -175,10 +176,15 @@ impl SourceDisks {
             disks: u32::try_from(plans.len()).expect("at most 255 disks"),
             ..DiskReport::default()
         };
+        // With an older copy at the destination, the mirror must not zero the target first
+        // (it does when the target can zero cheaply, `discard=unmap`): it copies every block,
+        // and the ones the destination holds go as SAME.
+        let zero_first = base.is_none();
         let sender = tokio::spawn(send_snapshots(
             buffer.clone(),
             session.clone(),
             codec,
+            base,
             report,
             status,
         ));
@@ -191,14 +197,14 @@ impl SourceDisks {
             acks,
             sender: Some(sender),
         };
-        if let Err(e) = disks.start_mirrors(qmp).await {
+        if let Err(e) = disks.start_mirrors(qmp, zero_first).await {
             disks.abort(qmp).await;
             return Err(e);
         }
         Ok(disks)
     }
 
-    async fn start_mirrors(&self, qmp: &Qmp) -> Result<()> {
+    async fn start_mirrors(&self, qmp: &Qmp, zero_first: bool) -> Result<()> {
         for (node, sock) in self.nodes.iter().zip(&self.sockets) {
             qmp.execute(&BlockdevAdd(serde_json::json!({
                 "driver": "nbd",
@@ -206,8 +212,8 @@ impl SourceDisks {
                 "export": node,
                 "server": {"type": "unix", "path": sock},
                 // Zeroing through the target is cheap (a record on the WAN), so let the
-                // mirror use it for the unallocated parts.
-                "discard": "unmap",
+                // mirror zero it all first and then copy only the allocated parts.
+                "discard": if zero_first { "unmap" } else { "ignore" },
             })))
             .await
             .with_context(|| {
@@ -398,6 +404,7 @@ async fn send_snapshots(
     buffer: Arc<TransmitBuffer>,
     session: Session,
     codec: CodecSettings,
+    mut base: Option<DiskBase>,
     mut report: DiskReport,
     status: Shared,
 ) -> Result<(u64, String)> {
@@ -408,7 +415,18 @@ async fn send_snapshots(
     let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));
     while let Some(snap) = buffer.take().await {
         let (seq, bytes) = (snap.seq, snap.bytes());
-        let mut ops = snap.into_ops().peekable();
+        let ops: Vec<DiskOp> = match &mut base {
+            Some(base) => {
+                let mut out = Vec::new();
+                for op in snap.into_ops() {
+                    base.filter(op, &mut out);
+                }
+                report.same_bytes = base.same_bytes;
+                out
+            }
+            None => snap.into_ops().collect(),
+        };
+        let mut ops = ops.into_iter().peekable();
         while let Some(op) = ops.next() {
             hash_op(&mut hash, &op);
             if let DiskOp::Zeroes { len, .. } | DiskOp::Trim { len, .. } = op {

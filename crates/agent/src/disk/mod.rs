@@ -121,6 +121,11 @@ pub fn hash_op(h: &mut Sha256, op: &DiskOp) {
             h.update(len.to_le_bytes());
         }
         DiskOp::Flush { disk } => h.update([4, *disk]),
+        DiskOp::Same { disk, offset, len } => {
+            h.update([5, *disk]);
+            h.update(offset.to_le_bytes());
+            h.update(len.to_le_bytes());
+        }
     }
 }
 
