@@ -17,7 +17,9 @@
 
 #define BLOCK_BYTES 4096u
 /* Latency histogram: 1 µs buckets up to 100 ms, then one overflow bucket. */
+/* Write latency histogram: 10 us buckets up to 1 s; slower writes land in the last one. */
 #define LAT_BUCKETS 100001u
+#define LAT_BUCKET_US 10u
 
 static struct {
     pthread_mutex_t lock;
@@ -28,6 +30,8 @@ static struct {
     uint32_t *version;
     double rate_mib_s;
     uint64_t writes;
+    /* writes counted in the histogram (since the start or the last stats reset) */
+    uint64_t lat_writes;
     uint64_t *lat_us;
     uint64_t lat_max_us;
     uint64_t rng;
@@ -80,7 +84,9 @@ static void *writer(void *arg)
             disk.version[idx] = v;
             disk.writes++;
             uint64_t us = (uint64_t)((t1 - t0) * 1e6);
-            disk.lat_us[us < LAT_BUCKETS - 1 ? us : LAT_BUCKETS - 1]++;
+            uint64_t b = us / LAT_BUCKET_US;
+            disk.lat_us[b < LAT_BUCKETS - 1 ? b : LAT_BUCKETS - 1]++;
+            disk.lat_writes++;
             if (us > disk.lat_max_us)
                 disk.lat_max_us = us;
         }
@@ -246,14 +252,25 @@ long long disk_inject(int stale, char *err, size_t errlen)
 
 static uint64_t percentile_us(double q)
 {
-    uint64_t target = (uint64_t)(q * (double)disk.writes);
+    uint64_t target = (uint64_t)(q * (double)disk.lat_writes);
     uint64_t seen = 0;
-    for (uint64_t i = 0; i < LAT_BUCKETS; i++) {
+    for (uint64_t i = 0; i < LAT_BUCKETS - 1; i++) {
         seen += disk.lat_us[i];
         if (seen > target)
-            return i;
+            return (i + 1) * LAT_BUCKET_US; /* the bucket's upper edge */
     }
     return disk.lat_max_us;
+}
+
+/* Starts a new latency measurement (the writer and its blocks' versions go on). */
+void disk_reset_stats(void)
+{
+    pthread_mutex_lock(&disk.lock);
+    if (disk.lat_us)
+        memset(disk.lat_us, 0, LAT_BUCKETS * sizeof *disk.lat_us);
+    disk.lat_writes = 0;
+    disk.lat_max_us = 0;
+    pthread_mutex_unlock(&disk.lock);
 }
 
 void disk_stats(char *out, size_t len)
@@ -263,9 +280,10 @@ void disk_stats(char *out, size_t len)
         snprintf(out, len, "blocks=0 writes=0");
     } else {
         snprintf(out, len,
-                 "blocks=%llu rate_mib_s=%.2f writes=%llu lat_p50_us=%llu lat_p99_us=%llu "
-                 "lat_p999_us=%llu lat_max_us=%llu",
+                 "blocks=%llu rate_mib_s=%.2f writes=%llu lat_writes=%llu lat_p50_us=%llu "
+                 "lat_p99_us=%llu lat_p999_us=%llu lat_max_us=%llu",
                  (unsigned long long)disk.blocks, disk.rate_mib_s, (unsigned long long)disk.writes,
+                 (unsigned long long)disk.lat_writes,
                  (unsigned long long)percentile_us(0.50), (unsigned long long)percentile_us(0.99),
                  (unsigned long long)percentile_us(0.999), (unsigned long long)disk.lat_max_us);
     }

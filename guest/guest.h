@@ -33,6 +33,7 @@ int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t er
 int disk_set(double rate, char *err, size_t errlen);
 int disk_verify(struct verify_result *r, char *err, size_t errlen);
 void disk_stats(char *out, size_t len);
+void disk_reset_stats(void);
 /* The same for a disk block (the write goes through O_DIRECT like the writer's). */
 long long disk_inject(int stale, char *err, size_t errlen);
 

@@ -230,10 +230,13 @@ static void command(char *line)
         } else if (strcmp(sub, "stats") == 0) {
             disk_stats(out, sizeof out);
             tty_line("R %s ok %s", id, out);
+        } else if (strcmp(sub, "reset-stats") == 0) {
+            disk_reset_stats();
+            tty_line("R %s ok", id);
         } else if (strcmp(sub, "inject") == 0) {
             inject(id, argc, argv, "disk", "block", disk_inject);
         } else {
-            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats inject)", id, sub);
+            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats reset-stats inject)", id, sub);
         }
     } else {
         tty_line("R %s err unknown command \"%s\" (known: ping mem disk)", id, cmd);

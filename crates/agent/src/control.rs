@@ -31,6 +31,9 @@ pub const DISK_BASE: ChannelId = ChannelId(6);
 pub struct DiskPlan {
     pub node: String,
     pub size: u64,
+    /// The SHA-256 of the source's backing image file, when the disk is an overlay.
+    #[serde(default)]
+    pub backing_sha256: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -66,6 +69,11 @@ pub enum Control {
         /// ([`ferry_codec::DiskBase`]), which follows on the disk-base channel.
         #[serde(default)]
         disk_base_bytes: Option<u64>,
+        /// Per disk of `Prepare`: the destination's image is a fresh overlay on a backing image
+        /// with the same content as the source's, so only the source's overlay is to be
+        /// copied (SnapMig). Missing entries are false.
+        #[serde(default)]
+        top_only: Vec<bool>,
     },
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
     /// disk channel, and their operations hash to this SHA-256.

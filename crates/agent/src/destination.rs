@@ -17,6 +17,7 @@ use tokio::net::UnixStream;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
 use crate::disk::apply::DestinationDisks;
+use crate::disk::backing::backing_of;
 use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
 
@@ -144,11 +145,34 @@ async fn serve(
         }
         None => None,
     };
+    // SnapMig: a fresh overlay here on the same backing image as the source's needs only the
+    // source's overlay. (With an older copy here, everything is compared block by block.)
+    let mut top_only = Vec::new();
+    if disk_base.is_none() {
+        for plan in &disks {
+            let same = match (&plan.backing_sha256, backing_of(qmp, &plan.node).await?) {
+                (Some(theirs), Some((path, ours))) => {
+                    let same = *theirs == ours;
+                    tracing::info!(
+                        "session {}: disk {:?}: backing image {} {} the source's",
+                        session.id(),
+                        plan.node,
+                        path.display(),
+                        if same { "matches" } else { "differs from" }
+                    );
+                    same
+                }
+                _ => false,
+            };
+            top_only.push(same);
+        }
+    }
     control::send(
         session,
         &Control::Ready {
             seed: seed.as_ref().map(|s| s.report.clone()),
             disk_base_bytes: disk_base.as_ref().map(|b| b.len() as u64),
+            top_only,
         },
     )
     .await?;

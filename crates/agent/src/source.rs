@@ -27,7 +27,8 @@ use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
-use crate::disk::{self, mirror::DiskSettings, mirror::SourceDisks};
+use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
+use crate::disk;
 use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
@@ -90,7 +91,9 @@ async fn migrate(
     let disk_plans = if req.disks.is_empty() {
         Vec::new()
     } else {
-        disk::mirror::plan(&qmp, &req.disks).await?
+        let mut plans = disk::mirror::plan(&qmp, &req.disks).await?;
+        disk::mirror::add_backing(&qmp, &mut plans).await?;
+        plans
     };
 
     // The session and its connections.
@@ -128,6 +131,7 @@ async fn migrate(
     tokio::spawn(read_control(session.clone(), ctl_tx));
     let mut disks: Option<SourceDisks> = None;
     let mut disk_base_len: Option<u64> = None;
+    let mut disk_top_only: Vec<bool> = Vec::new();
 
     let result = async {
         control::send(
@@ -149,8 +153,10 @@ async fn migrate(
             Some(Control::Ready {
                 seed,
                 disk_base_bytes,
+                top_only,
             }) => {
                 disk_base_len = disk_base_bytes;
+                disk_top_only = top_only;
                 seed
             }
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
@@ -225,7 +231,10 @@ async fn migrate(
                     buffer_bytes: req.disk_buffer_mib.max(1) << 20,
                     codec: req.codec,
                 },
-                base,
+                AtDestination {
+                    base,
+                    top_only: disk_top_only.clone(),
+                },
                 status.clone(),
             )
             .await?;

@@ -348,6 +348,9 @@ pub struct MigrationStatus {
 pub struct DiskReport {
     pub mode: DiskMode,
     pub disks: u32,
+    /// Disks whose backing image the destination already held: only their overlay was copied.
+    #[serde(default)]
+    pub overlay_only: u32,
     /// Data bytes QEMU's mirror wrote into the transmit buffer (bulk copy and guest writes).
     pub written_bytes: u64,
     /// Data bytes replaced by a later write to the same place before they were sent.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use clap::Args;
 use ferry_lab::baseline::System;
-use ferry_lab::bench::{run_scenario, Scenario, Workload};
+use ferry_lab::bench::{run_scenario, DiskWriter, Scenario, Workload};
 use ferry_lab::{accel, image, vm, Lab};
 
 use crate::lab_cmd::LinkArgs;
@@ -51,6 +51,13 @@ pub struct BenchArgs {
     /// seeded return.
     #[arg(long)]
     return_after_pct: Option<f64>,
+    /// With a disk: the guest writer's file, MiB (written once before the migration, then
+    /// rewritten at random).
+    #[arg(long, default_value_t = 16)]
+    disk_file_mib: u32,
+    /// With a disk: the writer's rate, MiB/s of 4 KiB O_DIRECT|O_DSYNC writes.
+    #[arg(long, default_value_t = 0.5)]
+    disk_rate_mib_s: f64,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -79,6 +86,20 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
         .collect();
     for w in &workloads {
         w.validate(a.shape.mem_mib)?;
+    }
+    a.shape.validate()?;
+    let disk_mib = a.shape.disk_mib.unwrap_or(64);
+    if a.shape.has_disk() && (a.disk_file_mib == 0 || a.disk_file_mib + 8 > disk_mib) {
+        bail!(
+            "--disk-file-mib {} must be at least 1 and leave 8 MiB of the {disk_mib} MiB disk to the file system",
+            a.disk_file_mib
+        );
+    }
+    if !(a.disk_rate_mib_s.is_finite() && a.disk_rate_mib_s >= 0.0) {
+        bail!(
+            "--disk-rate-mib-s {} must be a non-negative number",
+            a.disk_rate_mib_s
+        );
     }
     if let Some(pct) = a.return_after_pct {
         if !(pct > 0.0 && pct < 100.0) {
@@ -116,7 +137,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                     vm: vm::VmOptions {
                         mem_mib: a.shape.mem_mib,
                         vcpus: a.shape.vcpus,
-                        disk: a.shape.disk,
+                        disk: a.shape.has_disk(),
+                        disk_mib: a.shape.disk_mib,
+                        disk_template_mib: a.shape.disk_template_mib,
                         accel,
                     },
                     link,
@@ -125,6 +148,10 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                     run,
                     timeline_dir: a.timelines.clone(),
                     return_after_pct: a.return_after_pct,
+                    disk_writer: DiskWriter {
+                        file_mib: a.disk_file_mib,
+                        rate_mib_s: a.disk_rate_mib_s,
+                    },
                 };
                 match run_scenario(&lab, &img, &sc).await {
                     Ok(records) => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ferry_lab::bench::{boot_with_workload, Workload};
+use ferry_lab::bench::{boot_with_workload, DiskWriter, Workload};
 use ferry_lab::tcpseq::TcpSeqClient;
 use ferry_lab::{accel, image, vm, Lab, Site};
 
@@ -111,7 +111,9 @@ async fn demo_inner(
     let vm_opts = vm::VmOptions {
         mem_mib: a.shape.mem_mib,
         vcpus: a.shape.vcpus,
-        disk: a.shape.disk,
+        disk: a.shape.has_disk(),
+        disk_mib: a.shape.disk_mib,
+        disk_template_mib: a.shape.disk_template_mib,
         accel,
     };
     println!(
@@ -122,8 +124,8 @@ async fn demo_inner(
         workload.dirty_mib,
         workload.rate_mib_s
     );
-    let disk_rate = vm_opts.disk.then_some(0.5);
-    let (rec, link) = boot_with_workload(lab, "demo", &vm_opts, img, workload, disk_rate).await?;
+    let writer = vm_opts.disk.then(DiskWriter::default);
+    let (rec, link) = boot_with_workload(lab, "demo", &vm_opts, img, workload, writer).await?;
     let addr = format!("{}:7000", rec.guest_ip);
     let ns = lab.site_ns(Site::A);
     let tcp = tokio::task::spawn_blocking(move || {

@@ -113,6 +113,12 @@ pub fn print_report(
             bytes(d.frame_bytes),
             d.snapshots,
         );
+        if d.overlay_only > 0 {
+            println!(
+                "                       {} disk(s) copied as overlay only: the destination held their backing image",
+                d.overlay_only
+            );
+        }
     }
     if let Some(c) = &o.codec {
         println!(

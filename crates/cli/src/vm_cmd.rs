@@ -23,6 +23,38 @@ pub struct VmShape {
     /// --system qemu QEMU's mirror copies it straight to the destination's NBD export.
     #[arg(long)]
     pub disk: bool,
+    /// A data disk of this many MiB instead (a fresh ext4 file system; implies --disk).
+    #[arg(long)]
+    pub disk_mib: Option<u32>,
+    /// Make the data disk an overlay on a template, holding this many MiB of data, that every
+    /// site's image library holds (implies --disk; ferry then copies the overlay only).
+    #[arg(long)]
+    pub disk_template_mib: Option<u32>,
+}
+
+impl VmShape {
+    /// Whether the VM gets a data disk.
+    pub fn has_disk(&self) -> bool {
+        self.disk || self.disk_mib.is_some() || self.disk_template_mib.is_some()
+    }
+
+    /// Checks the disk size.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if let Some(mib) = self.disk_mib {
+            if !(16..=1 << 20).contains(&mib) {
+                anyhow::bail!("--disk-mib {mib} is out of range; use 16 to 1048576");
+            }
+        }
+        if let Some(data) = self.disk_template_mib {
+            let disk = self.disk_mib.unwrap_or(64);
+            if data == 0 || data + 16 > disk {
+                anyhow::bail!(
+                    "--disk-template-mib {data} must be at least 1 and leave 16 MiB of the {disk} MiB disk"
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Subcommand)]
@@ -78,6 +110,7 @@ pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
                 dirty_mib,
                 rate_mib_s: dirty_rate_mib_s,
             });
+            shape.validate()?;
             if let Some(w) = &workload {
                 w.validate(shape.mem_mib)?;
             }
@@ -90,7 +123,9 @@ pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
             let opts = vm::VmOptions {
                 mem_mib: shape.mem_mib,
                 vcpus: shape.vcpus,
-                disk: shape.disk,
+                disk: shape.has_disk(),
+                disk_mib: shape.disk_mib,
+                disk_template_mib: shape.disk_template_mib,
                 accel,
             };
             let rec = vm::start(&lab, &name, site, &opts, &img).await?;

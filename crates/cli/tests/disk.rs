@@ -192,3 +192,37 @@ fn a_wan_drop_during_the_disk_copy_resumes_without_starting_over() {
         tl.events
     );
 }
+
+#[test]
+fn an_overlay_on_a_template_the_destination_holds_moves_without_its_backing_image() {
+    let t = TestLab::up("dsksnap", FAST_LINK);
+    // The disk is an overlay on a template with 24 MiB of incompressible data, which both
+    // sites' libraries hold (SnapMig): only the overlay (the writer's 8 MiB) may travel.
+    t.ok(&[
+        "vm",
+        "start",
+        "s1",
+        "--disk-template-mib",
+        "24",
+        "--mem-mib",
+        "128",
+        "--workload",
+        "ws",
+        "--dirty-mib",
+        "16",
+        "--dirty-rate-mib-s",
+        "1",
+    ]);
+    t.ok(&["guest", "s1", "disk", "start", "mib=8", "rate=0.2"]);
+    let v = json(&t.ok(&["migrate", "s1", "--to", "b", "--json"]));
+    assert_arrived_intact(&v, 2048, "overlay");
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(
+        disk["overlay_only"], 1,
+        "the backing image was not recognised: {v}"
+    );
+    assert!(
+        disk["frame_bytes"].as_u64().unwrap() < 12 << 20,
+        "more than the overlay crossed: {v}"
+    );
+}

@@ -329,7 +329,7 @@ pub async fn migrate(
     let mut dst_spec = vm::spec_at(lab, &rec, to);
     dst_spec.incoming = Some("defer".into());
     dst_spec.paused = true;
-    vm::create_destination_disks(&rec.spec, &dst_spec, false)?;
+    vm::create_destination_disks(&rec.spec, &dst_spec)?;
     progress.send_modify(|p| p.phase = "starting destination".into());
     let dst_pid = match vm::launch(lab, to, &dst_spec).await {
         Ok(pid) => pid,

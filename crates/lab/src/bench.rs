@@ -27,6 +27,23 @@ pub struct Workload {
     pub rate_mib_s: f64,
 }
 
+/// The guest's disk writer: a file of `file_mib` MiB on the data disk, 4 KiB blocks rewritten
+/// at random at `rate_mib_s` (O_DIRECT|O_DSYNC, like Iometer's random writes).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct DiskWriter {
+    pub file_mib: u32,
+    pub rate_mib_s: f64,
+}
+
+impl Default for DiskWriter {
+    fn default() -> Self {
+        DiskWriter {
+            file_mib: 16,
+            rate_mib_s: 0.5,
+        }
+    }
+}
+
 /// Patterns the guest dirtier knows.
 pub const PATTERNS: [&str; 5] = ["zero", "delta", "ws", "hot", "idle"];
 
@@ -69,7 +86,7 @@ pub async fn boot_with_workload(
     opts: &vm::VmOptions,
     img: &Image,
     workload: &Workload,
-    disk_rate_mib_s: Option<f64>,
+    disk_writer: Option<DiskWriter>,
 ) -> Result<(vm::VmRecord, GuestLink)> {
     let rec = vm::start(lab, name, Site::A, opts, img).await?;
     let link = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
@@ -77,10 +94,11 @@ pub async fn boot_with_workload(
     // Filling the region touches every page once under TCG: allow a minute or two.
     link.call(&workload.start_command(), Duration::from_secs(180))
         .await?;
-    if let Some(rate) = disk_rate_mib_s {
+    if let Some(w) = disk_writer {
+        // The initial fill writes the whole file once (O_DIRECT, under TCG): allow minutes.
         link.call(
-            &format!("disk start mib=16 rate={rate}"),
-            Duration::from_secs(120),
+            &format!("disk start mib={} rate={}", w.file_mib, w.rate_mib_s),
+            Duration::from_secs(600),
         )
         .await?;
     }
@@ -122,6 +140,15 @@ pub struct BenchRecord {
     /// other site (measured on its memory file just before the migration back started).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub changed_pct: Option<f64>,
+    /// ferry with disks: how the guest's writes were mirrored.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_mode: Option<String>,
+    /// With a disk writer: its file and rate, and the latency of its writes during the
+    /// migration (from the migrate request to the destination's verifiers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_writer: Option<DiskWriter>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_write_latency: Option<guest::DiskLatency>,
 }
 
 /// The link fields of the contract.
@@ -146,6 +173,8 @@ pub struct Scenario {
     pub timeline_dir: Option<std::path::PathBuf>,
     /// Migrate back once this percent of the guest's pages changed at the other site.
     pub return_after_pct: Option<f64>,
+    /// With a disk: the guest's writer.
+    pub disk_writer: DiskWriter,
 }
 
 /// Runs one scenario in a lab that is already up: one record for the way there, and one for
@@ -163,8 +192,8 @@ async fn scenario_inner(
     sc: &Scenario,
     name: &str,
 ) -> Result<Vec<BenchRecord>> {
-    let disk_rate = sc.vm.disk.then_some(0.5);
-    let (_, link) = boot_with_workload(lab, name, &sc.vm, img, &sc.workload, disk_rate).await?;
+    let writer = sc.vm.disk.then_some(sc.disk_writer);
+    let (_, link) = boot_with_workload(lab, name, &sc.vm, img, &sc.workload, writer).await?;
     tokio::time::sleep(sc.warmup).await;
     let (there, link) = measured_migration(lab, sc, name, Site::B, link, None).await?;
     let mut records = vec![there];
@@ -243,6 +272,9 @@ async fn measured_migration(
     let mut opts = sc.migrate.clone();
     opts.set_system(sc.system);
     let timeline = std::sync::Mutex::default();
+    if sc.vm.disk {
+        guest::reset_disk_latency(&link).await?;
+    }
     let result = baseline::migrate(lab, name, to, &opts, link, &tx, &timeline).await;
     let leg = changed_pct.map(|_| "return".to_owned());
     if let Some(dir) = &sc.timeline_dir {
@@ -256,6 +288,11 @@ async fn measured_migration(
         baseline::write_timeline(&dir.join(file), &timeline)?;
     }
     let (outcome, dst_link) = result?;
+    let disk_write_latency = if sc.vm.disk {
+        Some(guest::disk_latency(&dst_link).await?)
+    } else {
+        None
+    };
     let verify_errors = if outcome.completed {
         Some(guest::verify(&dst_link, sc.vm.disk).await?.errors())
     } else {
@@ -270,10 +307,10 @@ async fn measured_migration(
             loss_pct: sc.link.loss_pct,
         },
         mem_mib: sc.vm.mem_mib,
-        disk_mib: if sc.vm.disk {
-            u32::try_from(crate::image::DATA_DISK_MIB).unwrap_or(0)
-        } else {
-            0
+        disk_mib: match (sc.vm.disk, sc.vm.disk_mib) {
+            (false, _) => 0,
+            (true, Some(mib)) => mib,
+            (true, None) => u32::try_from(crate::image::DATA_DISK_MIB).unwrap_or(0),
         },
         dirty_mib: sc.workload.dirty_mib,
         dirty_rate_mib_s: sc.workload.rate_mib_s,
@@ -287,6 +324,10 @@ async fn measured_migration(
         switchover: matches!(sc.system, System::Ferry(_)).then(|| switchover_policy(&sc.migrate)),
         leg,
         changed_pct,
+        disk_mode: (sc.vm.disk && matches!(sc.system, System::Ferry(_)))
+            .then(|| sc.migrate.disk_mode.name().to_owned()),
+        disk_writer: sc.vm.disk.then_some(sc.disk_writer),
+        disk_write_latency,
     };
     Ok((record, dst_link))
 }

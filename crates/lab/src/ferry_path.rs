@@ -61,7 +61,7 @@ pub async fn migrate(
     dst_spec.paused = true;
     // A copy of the disks the VM left at the destination on an earlier stay is kept: the
     // agents send only what changed since.
-    vm::create_destination_disks(&rec.spec, &dst_spec, true)?;
+    vm::ferry_destination_disks(&rec.spec, &dst_spec, rec.site, to)?;
     let dst_pid = match vm::launch(lab, to, &dst_spec).await {
         Ok(pid) => pid,
         Err(e) => {

@@ -243,6 +243,35 @@ pub async fn verify(link: &GuestLink, disk: bool) -> Result<VerifyOutcome> {
     Ok(out)
 }
 
+/// The guest's disk write latencies since the last reset (`disk reset-stats`).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct DiskLatency {
+    pub writes: u64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+}
+
+/// Starts a new measurement of the guest's disk write latencies.
+pub async fn reset_disk_latency(link: &GuestLink) -> Result<()> {
+    link.call("disk reset-stats", Duration::from_secs(30))
+        .await?;
+    Ok(())
+}
+
+/// The guest's disk write latencies since [`reset_disk_latency`].
+pub async fn disk_latency(link: &GuestLink) -> Result<DiskLatency> {
+    let d = link.call("disk stats", Duration::from_secs(30)).await?;
+    Ok(DiskLatency {
+        writes: d.u64("lat_writes")?,
+        p50_us: d.u64("lat_p50_us")?,
+        p99_us: d.u64("lat_p99_us")?,
+        p999_us: d.u64("lat_p999_us")?,
+        max_us: d.u64("lat_max_us")?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

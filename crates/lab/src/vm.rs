@@ -5,7 +5,7 @@
 //! serial sockets are files, reachable from any namespace.
 
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -22,8 +22,14 @@ use crate::{image, sh};
 pub struct VmOptions {
     pub mem_mib: u32,
     pub vcpus: u32,
-    /// Attach the image's ext4 data disk (as a qcow2 copy).
+    /// Attach an ext4 data disk (as a qcow2 image).
     pub disk: bool,
+    /// Its size: None is the image's 64 MiB disk; a size makes a fresh ext4 file system of
+    /// that many MiB (sparse: only what the guest writes takes space).
+    pub disk_mib: Option<u32>,
+    /// Make the disk an overlay on a template holding this many MiB of data, which every
+    /// site's library holds (SnapMig's case: the base image is already there).
+    pub disk_template_mib: Option<u32>,
     pub accel: Accel,
 }
 
@@ -80,39 +86,163 @@ pub fn remove_lab_files(lab: &Lab) {
     }
 }
 
+/// The size of a disk image, from `qemu-img info`.
+fn virtual_size(path: &Path) -> Result<u64> {
+    let info = sh::run(
+        "qemu-img",
+        &["info", "-U", "--output=json", &path.to_string_lossy()],
+    )?;
+    serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"]
+        .as_u64()
+        .context("qemu-img info: no virtual-size")
+}
+
+/// The backing file of a disk image, if it is an overlay.
+fn backing_file(path: &Path) -> Result<Option<PathBuf>> {
+    let info = sh::run(
+        "qemu-img",
+        &["info", "-U", "--output=json", &path.to_string_lossy()],
+    )?;
+    Ok(
+        serde_json::from_str::<serde_json::Value>(&info)?["full-backing-filename"]
+            .as_str()
+            .map(PathBuf::from),
+    )
+}
+
+/// An empty qcow2 image of `size` bytes, an overlay on `backing` if given.
+fn create_qcow2(path: &Path, size: u64, backing: Option<&Path>) -> Result<()> {
+    let mut args = vec![
+        "create".to_owned(),
+        "-q".into(),
+        "-f".into(),
+        "qcow2".into(),
+    ];
+    if let Some(b) = backing {
+        args.extend([
+            "-b".into(),
+            b.to_string_lossy().into_owned(),
+            "-F".into(),
+            "qcow2".into(),
+        ]);
+    }
+    args.extend([path.to_string_lossy().into_owned(), size.to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    sh::run("qemu-img", &args)?;
+    Ok(())
+}
+
 /// Creates the destination's empty disk images (qcow2, each the size of the source's), for
-/// a migration that copies the disks. With `reuse`, an image already at the destination (the
-/// copy the VM left there when it moved away) is kept: ferry then sends only what changed.
-pub fn create_destination_disks(src: &VmSpec, dst: &VmSpec, reuse: bool) -> Result<()> {
+/// QEMU's own migration (its mirror copies the whole disk into them).
+pub fn create_destination_disks(src: &VmSpec, dst: &VmSpec) -> Result<()> {
     for (src_disk, dst_disk) in src.disks.iter().zip(&dst.disks) {
-        if reuse && dst_disk.path.exists() {
+        create_qcow2(&dst_disk.path, virtual_size(&src_disk.path)?, None)?;
+    }
+    Ok(())
+}
+
+/// The destination's disk images for ferry. An image already there (the copy the VM left on
+/// an earlier stay) is kept: the agents send only what changed since. Otherwise a new image,
+/// and when the source's is an overlay on a template that the destination site's library
+/// holds too, an overlay on that one (the agents then copy the overlay only).
+pub fn ferry_destination_disks(src: &VmSpec, dst: &VmSpec, from: Site, to: Site) -> Result<()> {
+    for (src_disk, dst_disk) in src.disks.iter().zip(&dst.disks) {
+        if dst_disk.path.exists() {
             continue;
         }
-        let info = sh::run(
-            "qemu-img",
-            &[
-                "info",
-                "-U",
-                "--output=json",
-                &src_disk.path.to_string_lossy(),
-            ],
-        )?;
-        let size = serde_json::from_str::<serde_json::Value>(&info)?["virtual-size"]
-            .as_u64()
-            .context("qemu-img info: no virtual-size")?;
-        sh::run(
-            "qemu-img",
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                &dst_disk.path.to_string_lossy(),
-                &size.to_string(),
-            ],
+        let backing = backing_file(&src_disk.path)?.and_then(|b| {
+            let name = b.file_name()?.to_owned();
+            let theirs = b
+                .parent()?
+                .ends_with(format!("{TEMPLATES}/{}", from.name()));
+            let ours = b.parent()?.parent()?.join(to.name()).join(name);
+            (theirs && ours.exists()).then_some(ours)
+        });
+        create_qcow2(
+            &dst_disk.path,
+            virtual_size(&src_disk.path)?,
+            backing.as_deref(),
         )?;
     }
     Ok(())
+}
+
+/// Where each site keeps its library of template disks.
+const TEMPLATES: &str = ".templates";
+
+fn template_dir(lab: &Lab, site: Site) -> PathBuf {
+    let base = std::env::var_os("FERRY_DATA_DIR")
+        .map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
+    base.join(&lab.name).join(TEMPLATES).join(site.name())
+}
+
+/// Makes, once, a template disk in every site's library: an ext4 file system of `disk_mib`
+/// MiB holding `template.bin`, `data_mib` MiB of fixed pseudo-random bytes (as an operating
+/// system image a cloud's image library holds at every site). Returns its file name.
+fn ensure_template(lab: &Lab, disk_mib: u32, data_mib: u32) -> Result<String> {
+    let name = format!("template-{disk_mib}-{data_mib}.qcow2");
+    // Made once, then copied: the libraries hold the same bytes (mkfs alone would not give
+    // the same file system twice: it draws UUIDs and stamps times).
+    let first = template_dir(lab, Site::A).join(&name);
+    if !first.exists() {
+        let dir = template_dir(lab, Site::A);
+        fs::create_dir_all(&dir)?;
+        let tree = dir.join(format!("{name}.tree"));
+        let _ = fs::remove_dir_all(&tree);
+        fs::create_dir_all(&tree)?;
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let bytes: Vec<u8> = (0..u64::from(data_mib) << 20)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()[0]
+            })
+            .collect();
+        fs::write(tree.join("template.bin"), bytes)?;
+        let raw = dir.join(format!("{name}.raw"));
+        sh::run(
+            "truncate",
+            &["-s", &format!("{disk_mib}M"), &raw.to_string_lossy()],
+        )?;
+        sh::run(
+            "mkfs.ext4",
+            &[
+                "-q",
+                "-F",
+                "-L",
+                "ferry-data",
+                "-d",
+                &tree.to_string_lossy(),
+                &raw.to_string_lossy(),
+            ],
+        )?;
+        let tmp = dir.join(format!("{name}.partial"));
+        sh::run(
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "-O",
+                "qcow2",
+                &raw.to_string_lossy(),
+                &tmp.to_string_lossy(),
+            ],
+        )?;
+        fs::rename(&tmp, &first)?;
+        let _ = fs::remove_file(&raw);
+        let _ = fs::remove_dir_all(&tree);
+    }
+    for site in Site::ALL {
+        let path = template_dir(lab, site).join(&name);
+        if !path.exists() {
+            fs::create_dir_all(template_dir(lab, site))?;
+            let tmp = path.with_extension("partial");
+            fs::copy(&first, &tmp)?;
+            fs::rename(&tmp, &path)?;
+        }
+    }
+    Ok(name)
 }
 
 /// The spec of VM `name` placed at `site`: sockets, tap and memory file belong to the site.
@@ -272,6 +402,27 @@ pub async fn start(
     let spec = spec_at(lab, &rec, site);
     fs::create_dir_all(data_dir(lab, name))?;
     for d in &spec.disks {
+        if let Some(data_mib) = opts.disk_template_mib {
+            let disk_mib = opts.disk_mib.unwrap_or(64);
+            let template = template_dir(lab, site).join(ensure_template(lab, disk_mib, data_mib)?);
+            create_qcow2(&d.path, u64::from(disk_mib) << 20, Some(&template))?;
+            continue;
+        }
+        let raw = match opts.disk_mib {
+            Some(mib) => {
+                let raw = data_dir(lab, name).join(format!("{}.raw", d.id));
+                sh::run(
+                    "truncate",
+                    &["-s", &format!("{mib}M"), &raw.to_string_lossy()],
+                )?;
+                sh::run(
+                    "mkfs.ext4",
+                    &["-q", "-F", "-L", "ferry-data", &raw.to_string_lossy()],
+                )?;
+                Some(raw)
+            }
+            None => None,
+        };
         sh::run(
             "qemu-img",
             &[
@@ -279,10 +430,13 @@ pub async fn start(
                 "-q",
                 "-O",
                 "qcow2",
-                &img.data_disk.to_string_lossy(),
+                &raw.as_ref().unwrap_or(&img.data_disk).to_string_lossy(),
                 &d.path.to_string_lossy(),
             ],
         )?;
+        if let Some(raw) = raw {
+            let _ = fs::remove_file(raw);
+        }
     }
     rec.pid = match launch(lab, site, &spec).await {
         Ok(pid) => pid,

@@ -261,6 +261,9 @@ pub struct BlockImage {
     /// Bytes the image file takes on the host (what is allocated).
     #[serde(default)]
     pub actual_size: Option<u64>,
+    /// The backing image's file, when the image is an overlay.
+    #[serde(default)]
+    pub full_backing_filename: Option<String>,
 }
 
 /// `query-kvm`.

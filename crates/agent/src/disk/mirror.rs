@@ -27,6 +27,7 @@ use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
+use super::backing::backing_of;
 use super::buffer::{Extent, TransmitBuffer};
 use super::{codec_options, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
@@ -91,6 +92,15 @@ pub struct DiskSettings {
     pub codec: CodecSettings,
 }
 
+/// What the destination said it already holds.
+#[derive(Default)]
+pub struct AtDestination {
+    /// An older copy of the disks, indexed.
+    pub base: Option<DiskBase>,
+    /// Per disk: the same backing image, under a fresh overlay (copy the overlay only).
+    pub top_only: Vec<bool>,
+}
+
 /// The disks of one migration, source side.
 pub struct SourceDisks {
     pub buffer: Arc<TransmitBuffer>,
@@ -129,9 +139,18 @@ pub async fn plan(qmp: &Qmp, nodes: &[String]) -> Result<Vec<DiskPlan>> {
             Ok(DiskPlan {
                 node: node.clone(),
                 size: found.image.virtual_size,
+                backing_sha256: None,
             })
         })
         .collect()
+}
+
+/// Adds the backing images' hashes to the plans (SnapMig: the destination may hold them).
+pub async fn add_backing(qmp: &Qmp, plans: &mut [DiskPlan]) -> Result<()> {
+    for plan in plans {
+        plan.backing_sha256 = backing_of(qmp, &plan.node).await?.map(|(_, h)| h);
+    }
+    Ok(())
 }
 
 impl SourceDisks {
@@ -143,9 +162,11 @@ impl SourceDisks {
         work_dir: &Path,
         plans: &[DiskPlan],
         settings: DiskSettings,
-        base: Option<DiskBase>,
+        there: AtDestination,
         status: Shared,
     ) -> Result<SourceDisks> {
+        let AtDestination { base, top_only } = there;
+        let top_only = &top_only[..];
         let DiskSettings {
             mode,
             buffer_bytes,
@@ -174,6 +195,8 @@ impl SourceDisks {
         let report = DiskReport {
             mode,
             disks: u32::try_from(plans.len()).expect("at most 255 disks"),
+            overlay_only: u32::try_from(top_only.iter().filter(|t| **t).count())
+                .expect("at most 255 disks"),
             ..DiskReport::default()
         };
         // With an older copy at the destination, the mirror must not zero the target first
@@ -197,15 +220,17 @@ impl SourceDisks {
             acks,
             sender: Some(sender),
         };
-        if let Err(e) = disks.start_mirrors(qmp, zero_first).await {
+        if let Err(e) = disks.start_mirrors(qmp, zero_first, top_only).await {
             disks.abort(qmp).await;
             return Err(e);
         }
         Ok(disks)
     }
 
-    async fn start_mirrors(&self, qmp: &Qmp, zero_first: bool) -> Result<()> {
-        for (node, sock) in self.nodes.iter().zip(&self.sockets) {
+    async fn start_mirrors(&self, qmp: &Qmp, zero_first: bool, top_only: &[bool]) -> Result<()> {
+        for (i, (node, sock)) in self.nodes.iter().zip(&self.sockets).enumerate() {
+            // SnapMig: the destination holds the backing image; copy the overlay only.
+            let top = top_only.get(i).copied().unwrap_or(false);
             qmp.execute(&BlockdevAdd(serde_json::json!({
                 "driver": "nbd",
                 "node-name": target_node(node),
@@ -223,7 +248,7 @@ impl SourceDisks {
                 job_id: job_id(node),
                 device: node.clone(),
                 target: target_node(node),
-                sync: "full".into(),
+                sync: if top { "top" } else { "full" }.into(),
                 copy_mode: Some("write-blocking".into()),
             })
             .await

@@ -15,6 +15,7 @@
 //! [`Control::DiskEnd`]: crate::control::Control::DiskEnd
 
 pub mod apply;
+pub mod backing;
 pub mod buffer;
 pub mod mirror;
 
