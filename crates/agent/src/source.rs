@@ -27,8 +27,8 @@ use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
-use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
 use crate::disk;
+use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
 use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};

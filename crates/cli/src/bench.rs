@@ -51,6 +51,10 @@ pub struct BenchArgs {
     /// seeded return.
     #[arg(long)]
     return_after_pct: Option<f64>,
+    /// Or migrate back after this many seconds at the other site (for disks: the writer's
+    /// changes since are measured against the copy left behind, `disk_changed_pct`).
+    #[arg(long, conflicts_with = "return_after_pct")]
+    return_after_s: Option<u64>,
     /// With a disk: the guest writer's file, MiB (written once before the migration, then
     /// rewritten at random).
     #[arg(long, default_value_t = 16)]
@@ -148,6 +152,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                     run,
                     timeline_dir: a.timelines.clone(),
                     return_after_pct: a.return_after_pct,
+                    return_after_s: a.return_after_s,
                     disk_writer: DiskWriter {
                         file_mib: a.disk_file_mib,
                         rate_mib_s: a.disk_rate_mib_s,

@@ -74,6 +74,10 @@ pub struct MigrationFlags {
     /// ferry, VMs with disks: the source agent's disk transmit buffer, MiB (async mode's bound).
     #[arg(long, default_value_t = 16)]
     pub disk_buffer_mib: u64,
+    /// QEMU's own migration, VMs with disks: run the mirror in write-blocking copy mode (each
+    /// guest write waits for the destination) instead of background.
+    #[arg(long)]
+    pub qemu_mirror_write_blocking: bool,
     /// Give up after this many seconds; the source keeps running.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
@@ -126,6 +130,7 @@ impl MigrationFlags {
             seed_from: self.seed_from.clone(),
             disk_mode,
             disk_buffer_mib: self.disk_buffer_mib,
+            qemu_mirror_write_blocking: self.qemu_mirror_write_blocking,
             codec: self
                 .codec
                 .parse()

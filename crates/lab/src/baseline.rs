@@ -155,6 +155,10 @@ pub struct MigrateOptions {
     pub disk_mode: DiskMode,
     /// ferry: the source agent's disk transmit buffer, MiB.
     pub disk_buffer_mib: u64,
+    /// QEMU's own migration with disks: the mirror in write-blocking copy mode (every guest
+    /// write waits for the destination; libvirt's --copy-storage-synchronous-writes) instead
+    /// of background.
+    pub qemu_mirror_write_blocking: bool,
 }
 
 impl Default for MigrateOptions {
@@ -176,6 +180,7 @@ impl Default for MigrateOptions {
             seed_from: None,
             disk_mode: DiskMode::Async,
             disk_buffer_mib: 16,
+            qemu_mirror_write_blocking: false,
         }
     }
 }
@@ -618,7 +623,9 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                 device: d.id.clone(),
                 target: format!("tgt-{}", d.id),
                 sync: "full".into(),
-                copy_mode: None,
+                copy_mode: opts
+                    .qemu_mirror_write_blocking
+                    .then(|| "write-blocking".into()),
             })
             .await?;
         }

@@ -140,7 +140,8 @@ pub struct BenchRecord {
     /// other site (measured on its memory file just before the migration back started).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub changed_pct: Option<f64>,
-    /// ferry with disks: how the guest's writes were mirrored.
+    /// With disks: how the guest's writes were mirrored (ferry: async, sync, cloudnet; QEMU's
+    /// mirror: background, write-blocking).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_mode: Option<String>,
     /// With a disk writer: its file and rate, and the latency of its writes during the
@@ -149,6 +150,10 @@ pub struct BenchRecord {
     pub disk_writer: Option<DiskWriter>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_write_latency: Option<guest::DiskLatency>,
+    /// On the way back with a disk: percent of its blocks that differ from the copy the VM
+    /// left at the site it returns to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_changed_pct: Option<f64>,
 }
 
 /// The link fields of the contract.
@@ -173,6 +178,8 @@ pub struct Scenario {
     pub timeline_dir: Option<std::path::PathBuf>,
     /// Migrate back once this percent of the guest's pages changed at the other site.
     pub return_after_pct: Option<f64>,
+    /// Or migrate back after this many seconds at the other site.
+    pub return_after_s: Option<u64>,
     /// With a disk: the guest's writer.
     pub disk_writer: DiskWriter,
 }
@@ -197,13 +204,17 @@ async fn scenario_inner(
     tokio::time::sleep(sc.warmup).await;
     let (there, link) = measured_migration(lab, sc, name, Site::B, link, None).await?;
     let mut records = vec![there];
-    let Some(pct) = sc.return_after_pct else {
-        return Ok(records);
-    };
     if !records[0].outcome.completed {
         return Ok(records);
     }
-    let changed = wait_for_changes(lab, name, pct).await?;
+    let changed = match (sc.return_after_pct, sc.return_after_s) {
+        (Some(pct), _) => wait_for_changes(lab, name, pct).await?,
+        (None, Some(secs)) => {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            mem_changed_pct(lab, name).await?
+        }
+        (None, None) => return Ok(records),
+    };
     let (back, _) = measured_migration(lab, sc, name, Site::A, link, Some(changed)).await?;
     records.push(back);
     Ok(records)
@@ -224,6 +235,67 @@ fn switchover_policy(o: &baseline::MigrateOptions) -> String {
         p.push_str("+converge");
     }
     p
+}
+
+/// Percent of the guest's pages that differ from the image its first site kept (the seed),
+/// for a return after a fixed time.
+async fn mem_changed_pct(lab: &Lab, name: &str) -> Result<f64> {
+    let rec = vm::load(lab, name)?;
+    let mem_file = rec
+        .spec
+        .mem_file
+        .context("bench VMs have a shared memory file")?;
+    let seed = crate::agents::seed_dir(lab, Site::A).join(format!("{name}.ram"));
+    tokio::task::spawn_blocking(move || -> Result<f64> {
+        let Ok(before) = std::fs::read(&seed) else {
+            return Ok(f64::NAN);
+        };
+        Ok(floor::changed_pct(&before, &std::fs::read(&mem_file)?))
+    })
+    .await?
+}
+
+/// Percent of the disk's 4 KiB blocks that differ between the copy the VM left at `kept`
+/// and the one it runs on now (read through qemu-img, sparse raw copies in /tmp).
+async fn disk_changed_pct(lab: &Lab, name: &str, kept: Site) -> Result<Option<f64>> {
+    let rec = vm::load(lab, name)?;
+    let (Some(now), Some(old)) = (
+        rec.spec.disks.first().map(|d| d.path.clone()),
+        vm::spec_at(lab, &rec, kept)
+            .disks
+            .first()
+            .map(|d| d.path.clone()),
+    ) else {
+        return Ok(None);
+    };
+    if !old.exists() {
+        return Ok(None);
+    }
+    tokio::task::spawn_blocking(move || -> Result<Option<f64>> {
+        let raw = |p: &std::path::Path, tag: &str| -> Result<Vec<u8>> {
+            let out =
+                std::env::temp_dir().join(format!("ferry-bench-{}-{tag}.raw", std::process::id()));
+            crate::sh::run(
+                "qemu-img",
+                &[
+                    "convert",
+                    "-U",
+                    "-O",
+                    "raw",
+                    &p.to_string_lossy(),
+                    &out.to_string_lossy(),
+                ],
+            )?;
+            let bytes = std::fs::read(&out)?;
+            let _ = std::fs::remove_file(&out);
+            Ok(bytes)
+        };
+        Ok(Some(floor::changed_pct(
+            &raw(&old, "old")?,
+            &raw(&now, "now")?,
+        )))
+    })
+    .await?
 }
 
 /// Keeps a copy of the guest's memory as it arrived, then waits until `pct` percent of its
@@ -272,6 +344,10 @@ async fn measured_migration(
     let mut opts = sc.migrate.clone();
     opts.set_system(sc.system);
     let timeline = std::sync::Mutex::default();
+    let disk_changed_pct = match (sc.vm.disk, changed_pct) {
+        (true, Some(_)) => disk_changed_pct(lab, name, to).await?,
+        _ => None,
+    };
     if sc.vm.disk {
         guest::reset_disk_latency(&link).await?;
     }
@@ -324,10 +400,14 @@ async fn measured_migration(
         switchover: matches!(sc.system, System::Ferry(_)).then(|| switchover_policy(&sc.migrate)),
         leg,
         changed_pct,
-        disk_mode: (sc.vm.disk && matches!(sc.system, System::Ferry(_)))
-            .then(|| sc.migrate.disk_mode.name().to_owned()),
+        disk_mode: sc.vm.disk.then(|| match sc.system {
+            System::Ferry(_) => sc.migrate.disk_mode.name().to_owned(),
+            System::Qemu(_) if sc.migrate.qemu_mirror_write_blocking => "write-blocking".into(),
+            System::Qemu(_) => "background".into(),
+        }),
         disk_writer: sc.vm.disk.then_some(sc.disk_writer),
         disk_write_latency,
+        disk_changed_pct,
     };
     Ok((record, dst_link))
 }
