@@ -8,25 +8,13 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::TestLab;
+use common::{json, timeline, TestLab};
 use ferry_api::EventKind;
 use ferry_lab::Site;
 
 const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 /// Slow enough that the disk's bulk copy (about 24 MiB here) takes several seconds.
 const SLOW_LINK: &[&str] = &["--rate-mbit", "20", "--rtt-ms", "20"];
-
-fn json(out: &str) -> serde_json::Value {
-    serde_json::from_str(out.trim())
-        .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
-}
-
-fn timeline(v: &serde_json::Value) -> ferry_api::Timeline {
-    let path = v["timeline"]
-        .as_str()
-        .expect("migrate --json names its timeline");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
 
 /// A small VM with a data disk, a gently rewritten working set and a disk writer that keeps
 /// rewriting `file_mib` of 4 KiB blocks (O_DIRECT|O_DSYNC) at `rate` MiB/s.

@@ -7,7 +7,7 @@ mod common;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
-use common::TestLab;
+use common::{json, timeline, TestLab};
 use ferry_api::EventKind;
 use ferry_lab::tcpseq::TcpSeqClient;
 use ferry_lab::Site;
@@ -15,18 +15,6 @@ use ferry_lab::Site;
 const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 /// Slow enough that a migration is still copying when a test interferes with it.
 const SLOW_LINK: &[&str] = &["--rate-mbit", "20", "--rtt-ms", "20"];
-
-fn json(out: &str) -> serde_json::Value {
-    serde_json::from_str(out.trim())
-        .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
-}
-
-fn timeline(v: &serde_json::Value) -> ferry_api::Timeline {
-    let path = v["timeline"]
-        .as_str()
-        .expect("migrate --json names its timeline");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
 
 /// A VM with a rewritten working set; small and gentle enough to converge on the slow link
 /// (1 MiB/s of dirtying against 2.5 MB/s).

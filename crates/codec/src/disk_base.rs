@@ -197,6 +197,11 @@ impl DiskBase {
                     }
                     at += n;
                 }
+                if let [(false, _, _)] = runs[..] {
+                    // Nothing the receiver holds: the write goes as it is, uncopied.
+                    out.push(DiskOp::Write { disk, offset, data });
+                    return;
+                }
                 for (same, a, b) in runs {
                     let off = offset + a as u64;
                     if same {

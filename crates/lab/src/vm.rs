@@ -167,6 +167,42 @@ pub fn ferry_destination_disks(src: &VmSpec, dst: &VmSpec, from: Site, to: Site)
     Ok(())
 }
 
+/// A qcow2 image at `out` holding a fresh ext4 file system of `mib` MiB, populated from `tree`
+/// if given (made as a sparse raw file in `work`, then converted).
+fn make_ext4_qcow2(work: &Path, mib: u32, tree: Option<&Path>, out: &Path) -> Result<()> {
+    let raw = work.join(format!(
+        "{}.raw",
+        out.file_name()
+            .map_or("disk".into(), |n| n.to_string_lossy())
+    ));
+    sh::run(
+        "truncate",
+        &["-s", &format!("{mib}M"), &raw.to_string_lossy()],
+    )?;
+    let tree = tree.map(|t| t.to_string_lossy().into_owned());
+    let mut mkfs = vec!["-q", "-F", "-L", "ferry-data"];
+    if let Some(t) = &tree {
+        mkfs.extend(["-d", t.as_str()]);
+    }
+    let raw_s = raw.to_string_lossy().into_owned();
+    mkfs.push(&raw_s);
+    let made = sh::run("mkfs.ext4", &mkfs).and_then(|_| {
+        sh::run(
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "-O",
+                "qcow2",
+                &raw_s,
+                &out.to_string_lossy(),
+            ],
+        )
+    });
+    let _ = fs::remove_file(&raw);
+    made.map(|_| ())
+}
+
 /// Where each site keeps its library of template disks.
 const TEMPLATES: &str = ".templates";
 
@@ -200,37 +236,9 @@ fn ensure_template(lab: &Lab, disk_mib: u32, data_mib: u32) -> Result<String> {
             })
             .collect();
         fs::write(tree.join("template.bin"), bytes)?;
-        let raw = dir.join(format!("{name}.raw"));
-        sh::run(
-            "truncate",
-            &["-s", &format!("{disk_mib}M"), &raw.to_string_lossy()],
-        )?;
-        sh::run(
-            "mkfs.ext4",
-            &[
-                "-q",
-                "-F",
-                "-L",
-                "ferry-data",
-                "-d",
-                &tree.to_string_lossy(),
-                &raw.to_string_lossy(),
-            ],
-        )?;
         let tmp = dir.join(format!("{name}.partial"));
-        sh::run(
-            "qemu-img",
-            &[
-                "convert",
-                "-q",
-                "-O",
-                "qcow2",
-                &raw.to_string_lossy(),
-                &tmp.to_string_lossy(),
-            ],
-        )?;
+        make_ext4_qcow2(&dir, disk_mib, Some(&tree), &tmp)?;
         fs::rename(&tmp, &first)?;
-        let _ = fs::remove_file(&raw);
         let _ = fs::remove_dir_all(&tree);
     }
     for site in Site::ALL {
@@ -408,34 +416,21 @@ pub async fn start(
             create_qcow2(&d.path, u64::from(disk_mib) << 20, Some(&template))?;
             continue;
         }
-        let raw = match opts.disk_mib {
-            Some(mib) => {
-                let raw = data_dir(lab, name).join(format!("{}.raw", d.id));
+        match opts.disk_mib {
+            Some(mib) => make_ext4_qcow2(&data_dir(lab, name), mib, None, &d.path)?,
+            None => {
                 sh::run(
-                    "truncate",
-                    &["-s", &format!("{mib}M"), &raw.to_string_lossy()],
+                    "qemu-img",
+                    &[
+                        "convert",
+                        "-q",
+                        "-O",
+                        "qcow2",
+                        &img.data_disk.to_string_lossy(),
+                        &d.path.to_string_lossy(),
+                    ],
                 )?;
-                sh::run(
-                    "mkfs.ext4",
-                    &["-q", "-F", "-L", "ferry-data", &raw.to_string_lossy()],
-                )?;
-                Some(raw)
             }
-            None => None,
-        };
-        sh::run(
-            "qemu-img",
-            &[
-                "convert",
-                "-q",
-                "-O",
-                "qcow2",
-                &raw.as_ref().unwrap_or(&img.data_disk).to_string_lossy(),
-                &d.path.to_string_lossy(),
-            ],
-        )?;
-        if let Some(raw) = raw {
-            let _ = fs::remove_file(raw);
         }
     }
     rec.pid = match launch(lab, site, &spec).await {

@@ -110,3 +110,17 @@ impl Drop for TestLab {
         }
     }
 }
+
+/// The JSON object `ferry migrate --json` printed.
+pub fn json(out: &str) -> serde_json::Value {
+    serde_json::from_str(out.trim())
+        .unwrap_or_else(|e| panic!("migrate --json printed {out:?}: {e}"))
+}
+
+/// The timeline a `ferry migrate --json` result names.
+pub fn timeline(v: &serde_json::Value) -> ferry_api::Timeline {
+    let path = v["timeline"]
+        .as_str()
+        .expect("migrate --json names its timeline");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
