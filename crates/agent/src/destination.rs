@@ -12,12 +12,13 @@ use ferry_qemu::commands::{Cont, MigrateIncoming, QueryMigrate, QueryStatus, Qui
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
 use crate::disk::apply::DestinationDisks;
 use crate::disk::backing::backing_of;
+use crate::feeder::{self, Feeder};
 use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
 
@@ -115,7 +116,7 @@ async fn serve(
     } else {
         Some(DestinationDisks::start(qmp, work_dir, session.id(), &disks).await?)
     };
-    let (mut from_qemu, mut to_qemu) = conn.into_split();
+    let (mut from_qemu, to_qemu) = conn.into_split();
     // A seed only saves bytes: one that cannot be read means a migration without it.
     let seed = match seed {
         Some(task) => match task.await.context("indexing the seed image")? {
@@ -238,6 +239,7 @@ async fn serve(
     // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
     let mut received = 0u64;
     let mut decoded = BytesMut::with_capacity(128 << 10);
+    let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
     let mut end: Option<(u64, String)> = None;
     let idle_check = || -> Result<()> {
         if session.idle_for() > wan_timeout {
@@ -254,15 +256,14 @@ async fn serve(
                 Received::Data(chunk) => {
                     let qemu_bytes = match &mut decoder {
                         Some(decoder) => {
-                            decoded.clear();
                             decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
-                            &decoded[..]
+                            decoded.split().freeze()
                         }
-                        None => &chunk[..],
+                        None => chunk,
                     };
-                    hash.update(qemu_bytes);
+                    hash.update(&qemu_bytes);
                     received += qemu_bytes.len() as u64;
-                    to_qemu.write_all(qemu_bytes).await.context("writing the stream to the destination QEMU")?;
+                    feeder.push(qemu_bytes).await?;
                 }
                 Received::Barrier => {}
             },
@@ -286,6 +287,7 @@ async fn serve(
     if decoder.as_ref().is_some_and(|d| !d.is_idle()) {
         bail!("codec bytes left over after the stream's last byte");
     }
+    feeder.finish().await?;
     let (_, source_digest) = end.expect("loop ends with End");
     let digest = format!("{:x}", hash.finalize());
     if digest != source_digest {

@@ -4,6 +4,7 @@
 //!   the peer endpoint (TCP + mutual TLS) where other agents open sessions.
 //! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
+//! - [`feeder`]: the destination QEMU's stream, written from a bounded queue.
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
@@ -16,6 +17,7 @@ pub mod client;
 pub mod control;
 pub mod destination;
 pub mod disk;
+pub mod feeder;
 pub mod seed_store;
 pub mod server;
 pub mod source;

@@ -123,6 +123,23 @@ pub fn needed_throttle_pct(dirty_bytes_per_s: f64, end_game_bytes_per_s: f64) ->
     pct
 }
 
+/// QEMU's `downtime-limit` and `avail-switchover-bandwidth` while the first pass's lookahead
+/// (`source::send_limit`) is still queued: a threshold of one byte, so QEMU keeps iterating
+/// (it switches over only with no dirty page left at all). Not zero: QEMU 10 syncs its dirty
+/// bitmap only when its estimate falls below the threshold, and completes whenever the
+/// estimate is zero, so with a zero threshold it stops the VM at the end of the pass without
+/// looking at what the guest dirtied meanwhile (a ws guest paused 2.2 s that way). Without the
+/// hold, a guest that converges at once (the zero-heavy one) stopped at the end of its first
+/// pass with a second of backlog still to cross: 943-958 ms pauses against a 300 ms target.
+pub const HOLD_LIMIT_MS: u64 = 1;
+pub const HOLD_BYTES_PER_S: u64 = 1000;
+
+/// Whether the first pass's lookahead has crossed: QEMU is past its first pass and what its
+/// stream has queued fits the plain send window again.
+pub fn lookahead_drained(pass: u64, stream_unacked_bytes: u64, window_bytes: u64) -> bool {
+    pass > 1 && stream_unacked_bytes <= window_bytes
+}
+
 /// Milliseconds from the source QEMU's last byte leaving it until the destination resumes,
 /// beyond QEMU's own estimate: the unacknowledged bytes ahead of it (queued, on the wire, or
 /// delivered with the acknowledgement still on its way), then half a round trip, then the
@@ -211,6 +228,17 @@ mod tests {
         // Absurd rates stay within QEMU's range.
         assert_eq!(needed_throttle_pct(1e15, 1.0), 99);
         assert_eq!(needed_throttle_pct(0.0, LINK), 10);
+    }
+
+    #[test]
+    fn the_hold_lasts_through_the_first_pass_and_its_backlog() {
+        let window = 1_250_000;
+        // The first pass: held however little is queued.
+        assert!(!lookahead_drained(1, 0, window));
+        // Later passes: held while the lookahead's backlog is still queued.
+        assert!(!lookahead_drained(2, 12_000_000, window));
+        assert!(lookahead_drained(2, window, window));
+        assert!(lookahead_drained(5, 0, window));
     }
 
     #[test]

@@ -365,6 +365,14 @@ impl Session {
         stats
     }
 
+    /// Unacknowledged payload bytes on one channel.
+    pub fn unacked_bytes_on(&self, channel: ChannelId) -> u64 {
+        self.lock()
+            .send
+            .get(&channel.0)
+            .map_or(0, |o| o.held_bytes() as u64)
+    }
+
     /// How long no connection has been up (zero while one is).
     pub fn idle_for(&self) -> Duration {
         self.lock()
