@@ -669,8 +669,10 @@ struct Steering {
 struct LinkNow {
     bytes_per_s: f64,
     rtt_ms: Option<f64>,
+    /// Bytes still to cross after QEMU's last byte: unacknowledged on the session, and held in
+    /// the disks' transmit buffer.
     unacked_bytes: u64,
-    /// Of those, QEMU's stream's, and the send window without the first pass's lookahead.
+    /// Of the session's, QEMU's stream's, and the send window without the first pass's lookahead.
     stream_unacked_bytes: u64,
     window_bytes: u64,
     /// Wire bytes per QEMU byte of resent pages (none: no codec, or nothing resent yet).
@@ -792,10 +794,23 @@ async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared, req: Mi
             .is_some_and(|s| s == "active");
         if let (true, Some(ram)) = (active, info.as_ref().and_then(|i| i.ram.as_ref())) {
             let s = status.get();
-            // The first pass's lookahead shrinks with it (see `send_limit`).
+            // The first pass's lookahead shrinks with it (see `send_limit`); near the
+            // switchover the window shrinks to what drains within the target.
             if let Some(rtt_ms) = s.wire.rtt_ms {
                 let first_pass = (ram.dirty_sync_count <= 1).then_some(ram.remaining);
-                let now = send_limit(req.link_rate_mbit, rtt_ms, first_pass, lookahead(&req));
+                let mut now = send_limit(req.link_rate_mbit, rtt_ms, first_pass, lookahead(&req));
+                if let (Some(target), None, Some(rate)) =
+                    (steering.target_ms, first_pass, req.link_rate_mbit)
+                {
+                    let cost = s.codec.as_ref().and_then(|c| c.resend_cost).unwrap_or(1.0);
+                    if switchover::near_switchover(ram.remaining, cost, now) {
+                        now = now.min(switchover::end_game_window(
+                            target,
+                            rtt_ms,
+                            rate * 1e6 / 8.0,
+                        ));
+                    }
+                }
                 if now != limit {
                     limit = now;
                     session.set_send_limit(limit);
@@ -804,7 +819,10 @@ async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared, req: Mi
             let link = LinkNow {
                 bytes_per_s: req.link_rate_mbit.map_or(link_peak, |m| m * 1e6 / 8.0),
                 rtt_ms: s.wire.rtt_ms,
-                unacked_bytes: wire.unacked_bytes,
+                // The disks' transmit buffer crosses in the pause too (it drains at the
+                // pre-switchover stop, before QEMU sends its last pass).
+                unacked_bytes: wire.unacked_bytes
+                    + s.disk.as_ref().map_or(0, |d| d.held_bytes),
                 stream_unacked_bytes: session.unacked_bytes_on(STREAM),
                 window_bytes: s
                     .wire

@@ -140,6 +140,29 @@ pub fn lookahead_drained(pass: u64, stream_unacked_bytes: u64, window_bytes: u64
     pass > 1 && stream_unacked_bytes <= window_bytes
 }
 
+/// What QEMU's own part of the pause is left at least when the end-game window is sized: its
+/// last pass and the device state.
+pub const QEMU_SHARE_MS: f64 = 50.0;
+/// The smallest end-game window.
+const MIN_END_GAME_WINDOW: usize = 128 << 10;
+
+/// The send window near the switchover: no more than drains within the target after half a
+/// round trip, the destination's resume and QEMU's own share. At 100 Mbit/s and 50 ms the
+/// usual 2 x BDP window (100 ms to drain) fits a 300 ms target as it is; at 50 Mbit/s and
+/// 150 ms it takes 300 ms to drain, so a VM that stopped with it full paused 318-388 ms.
+pub fn end_game_window(target_ms: u64, rtt_ms: f64, link_bytes_per_s: f64) -> usize {
+    let ms = target_ms as f64 - rtt_ms / 2.0 - RESUME_MS - QEMU_SHARE_MS;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped below
+    let bytes = (ms.max(0.0) / 1e3 * link_bytes_per_s) as usize;
+    bytes.max(MIN_END_GAME_WINDOW)
+}
+
+/// Whether QEMU's remaining bytes, at `cost` wire bytes each, would fit in two windows: the
+/// pass may end, and QEMU may stop the VM, before the window refills twice.
+pub fn near_switchover(remaining_bytes: u64, cost: f64, window_bytes: usize) -> bool {
+    remaining_bytes as f64 * cost.max(MIN_RESEND_COST) <= 2.0 * window_bytes as f64
+}
+
 /// Milliseconds from the source QEMU's last byte leaving it until the destination resumes,
 /// beyond QEMU's own estimate: the unacknowledged bytes ahead of it (queued, on the wire, or
 /// delivered with the acknowledgement still on its way), then half a round trip, then the
@@ -239,6 +262,19 @@ mod tests {
         assert!(!lookahead_drained(2, 12_000_000, window));
         assert!(lookahead_drained(2, window, window));
         assert!(lookahead_drained(5, 0, window));
+    }
+
+    #[test]
+    fn the_end_game_window_fits_the_target_on_long_links_only() {
+        // 100 Mbit/s, 50 ms: 1.875 MB fits, more than the usual 2 x BDP (1.25 MB).
+        assert_eq!(end_game_window(300, 50.0, LINK), 1_875_000);
+        // 50 Mbit/s, 150 ms: 100 ms of the link, two thirds of a BDP.
+        assert_eq!(end_game_window(300, 150.0, LINK / 2.0), 625_000);
+        // A target below the fixed costs: the smallest window, not none.
+        assert_eq!(end_game_window(100, 150.0, LINK), MIN_END_GAME_WINDOW);
+        // Near the switchover when what is left fits in two windows on the wire.
+        assert!(near_switchover(4_000_000, 0.25, 1_000_000));
+        assert!(!near_switchover(4_000_000, 1.0, 1_000_000));
     }
 
     #[test]
