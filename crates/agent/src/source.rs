@@ -821,8 +821,7 @@ async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared, req: Mi
                 rtt_ms: s.wire.rtt_ms,
                 // The disks' transmit buffer crosses in the pause too (it drains at the
                 // pre-switchover stop, before QEMU sends its last pass).
-                unacked_bytes: wire.unacked_bytes
-                    + s.disk.as_ref().map_or(0, |d| d.held_bytes),
+                unacked_bytes: wire.unacked_bytes + s.disk.as_ref().map_or(0, |d| d.held_bytes),
                 stream_unacked_bytes: session.unacked_bytes_on(STREAM),
                 window_bytes: s
                     .wire
