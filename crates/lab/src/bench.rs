@@ -354,14 +354,14 @@ async fn measured_migration(
     let result = baseline::migrate(lab, name, to, &opts, link, &tx, &timeline).await;
     let leg = changed_pct.map(|_| "return".to_owned());
     if let Some(dir) = &sc.timeline_dir {
-        let file = format!(
-            "{}-{}-run{}{}.json",
+        let stem = format!(
+            "{}-{}-run{}{}",
             sc.workload.pattern,
             sc.system.name(),
             sc.run,
             leg.as_deref().map_or(String::new(), |l| format!("-{l}")),
         );
-        baseline::write_timeline(&dir.join(file), &timeline)?;
+        baseline::write_timeline(&unused_path(dir, &stem), &timeline)?;
     }
     let (outcome, dst_link) = result?;
     let disk_write_latency = if sc.vm.disk {
@@ -410,4 +410,39 @@ async fn measured_migration(
         disk_changed_pct,
     };
     Ok((record, dst_link))
+}
+
+/// `dir/stem.json`, or `dir/stem-2.json` and so on when that exists: a second bench writing
+/// into the same directory (say, the same workload with and without a disk) keeps the first
+/// one's timelines.
+fn unused_path(dir: &std::path::Path, stem: &str) -> std::path::PathBuf {
+    let mut path = dir.join(format!("{stem}.json"));
+    let mut n = 2;
+    while path.exists() {
+        path = dir.join(format!("{stem}-{n}.json"));
+        n += 1;
+    }
+    path
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timelines_never_overwrite_each_other() {
+        let dir = std::env::temp_dir().join(format!("ferry-unused-path-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = unused_path(&dir, "ws-ferry-run1");
+        assert_eq!(first, dir.join("ws-ferry-run1.json"));
+        std::fs::write(&first, b"{}").unwrap();
+        let second = unused_path(&dir, "ws-ferry-run1");
+        assert_eq!(second, dir.join("ws-ferry-run1-2.json"));
+        std::fs::write(&second, b"{}").unwrap();
+        assert_eq!(
+            unused_path(&dir, "ws-ferry-run1"),
+            dir.join("ws-ferry-run1-3.json")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
