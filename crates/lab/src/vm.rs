@@ -186,21 +186,25 @@ fn make_ext4_qcow2(work: &Path, mib: u32, tree: Option<&Path>, out: &Path) -> Re
     }
     let raw_s = raw.to_string_lossy().into_owned();
     mkfs.push(&raw_s);
-    let made = sh::run("mkfs.ext4", &mkfs).and_then(|_| {
-        sh::run(
-            "qemu-img",
-            &[
-                "convert",
-                "-q",
-                "-O",
-                "qcow2",
-                &raw_s,
-                &out.to_string_lossy(),
-            ],
-        )
-    });
+    let made = sh::run("mkfs.ext4", &mkfs).and_then(|_| convert_to_qcow2(&raw, out));
     let _ = fs::remove_file(&raw);
-    made.map(|_| ())
+    made
+}
+
+/// A qcow2 copy of the image at `from` (any format qemu-img reads) at `to`.
+fn convert_to_qcow2(from: &Path, to: &Path) -> Result<()> {
+    sh::run(
+        "qemu-img",
+        &[
+            "convert",
+            "-q",
+            "-O",
+            "qcow2",
+            &from.to_string_lossy(),
+            &to.to_string_lossy(),
+        ],
+    )
+    .map(|_| ())
 }
 
 /// Where each site keeps its library of template disks.
@@ -418,19 +422,7 @@ pub async fn start(
         }
         match opts.disk_mib {
             Some(mib) => make_ext4_qcow2(&data_dir(lab, name), mib, None, &d.path)?,
-            None => {
-                sh::run(
-                    "qemu-img",
-                    &[
-                        "convert",
-                        "-q",
-                        "-O",
-                        "qcow2",
-                        &img.data_disk.to_string_lossy(),
-                        &d.path.to_string_lossy(),
-                    ],
-                )?;
-            }
+            None => convert_to_qcow2(&img.data_disk, &d.path)?,
         }
     }
     rec.pid = match launch(lab, site, &spec).await {
