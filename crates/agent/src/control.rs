@@ -2,10 +2,11 @@
 //! (JSON, one per frame), and the channel numbers.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::{CodecSettings, SeedReport};
+use ferry_api::agent::{CodecSettings, DestinationSwitchover, SeedReport};
 use ferry_qemu::commands::{Capability, MigrateSetCapabilities};
 use ferry_wire::{ChannelId, Received, Session};
 use serde::{Deserialize, Serialize};
@@ -81,7 +82,12 @@ pub enum Control {
     /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
     End { bytes: u64, sha256: String },
     /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time).
-    Committed { resume_unix_us: i64 },
+    Committed {
+        resume_unix_us: i64,
+        /// When the stream had arrived and when QEMU had loaded it (absent from older agents).
+        #[serde(default)]
+        switchover: Option<DestinationSwitchover>,
+    },
     /// Either side: the migration stops here, for this reason. The source resumes its VM.
     Abort { reason: String },
 }
@@ -158,4 +164,16 @@ pub fn plain_precopy(return_path: bool) -> MigrateSetCapabilities {
             .chain([cap("events", true), cap("return-path", return_path)])
             .collect(),
     }
+}
+
+/// How long a finished session waits for its connections to park (one round trip when the
+/// peer is there) before it closes them instead.
+const PARK_GRACE: Duration = Duration::from_secs(2);
+
+/// Ends a session that did its work: its connections park (see `ferry_wire::net::Pool`) so the
+/// next migration to the same peer starts on a warm one, then the session ends with `reason`.
+pub async fn park_and_end(session: &Session, reason: &str) {
+    session.park();
+    let _ = tokio::time::timeout(PARK_GRACE, session.parked()).await;
+    session.fail(reason);
 }

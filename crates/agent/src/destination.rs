@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use bytes::BytesMut;
+use ferry_api::agent::DestinationSwitchover;
 use ferry_qemu::commands::{Cont, MigrateIncoming, QueryMigrate, QueryStatus, Quit};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
@@ -293,12 +294,13 @@ async fn serve(
     if digest != source_digest {
         bail!("stream digest mismatch: source sha256 {source_digest}, destination sha256 {digest}");
     }
+    let arrived_unix_us = unix_us();
 
     // QEMU must say it loaded the whole stream.
-    loop {
+    let loaded_unix_us = loop {
         let info = qmp.execute(&QueryMigrate).await?;
         match info.status.as_deref() {
-            Some("completed") => break,
+            Some("completed") => break unix_us(),
             Some("failed") => bail!(
                 "destination QEMU failed to load the stream: {}",
                 info.error_desc.unwrap_or_default()
@@ -307,7 +309,7 @@ async fn serve(
         }
         idle_check()?;
         tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    };
     // Every disk write the guest saw complete must be here, flushed, and be the source's.
     if let Some(d) = &dst_disks {
         let t0 = std::time::Instant::now();
@@ -352,6 +354,10 @@ async fn serve(
         session,
         &Control::Committed {
             resume_unix_us: resume,
+            switchover: Some(DestinationSwitchover {
+                arrived_unix_us,
+                loaded_unix_us,
+            }),
         },
     )
     .await
@@ -363,8 +369,16 @@ async fn serve(
     }
     // Make sure the source learns it (it waits, paused, until it does).
     let _ = tokio::time::timeout(Duration::from_secs(600), session.flushed(control::CONTROL)).await;
-    session.fail("migration committed");
+    control::park_and_end(session, "migration committed").await;
     Ok(())
+}
+
+/// Wall-clock microseconds, as QMP's event timestamps.
+fn unix_us() -> i64 {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX)
 }
 
 async fn connect_retry(sock: &Path) -> Result<UnixStream> {

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use ferry_api::agent::{ApiError, Health, MigrationRequest, MigrationState, MigrationStatus};
-use ferry_wire::net::{accept, answer};
+use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, Identity, ServerConfig};
-use ferry_wire::{Session, SessionConfig, SessionId};
+use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
 use tokio::net::{TcpListener, UnixListener};
 
 use crate::status::{now_ms, Shared};
@@ -40,6 +40,8 @@ pub struct AgentConfig {
 struct Agent {
     config: AgentConfig,
     client_tls: Arc<ClientConfig>,
+    /// Connections to peers that finished a migration, for the next one (warm).
+    pool: Arc<Pool>,
     migrations: Mutex<HashMap<String, Shared>>,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
@@ -62,6 +64,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let agent = Arc::new(Agent {
         config,
         client_tls,
+        pool: Pool::new(),
         migrations: Mutex::new(HashMap::new()),
         sessions: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashSet::new()),
@@ -97,22 +100,39 @@ async fn serve_peers(
             .context("accepting peer connections")?;
         let (agent, tls) = (agent.clone(), tls.clone());
         tokio::spawn(async move {
-            let (stream, hello, leftover) = match accept(tcp, tls, Duration::from_secs(10)).await {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!("peer {from} refused: {e}");
+            let (mut stream, mut hello, mut leftover) =
+                match accept(tcp, tls, Duration::from_secs(10)).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        tracing::warn!("peer {from} refused: {e}");
+                        return;
+                    }
+                };
+            // One session after another: a connection its session parked waits for the
+            // dialer's next one.
+            loop {
+                let Some(session) = agent.session_for(hello.session) else {
+                    tracing::warn!(
+                        "peer {from}: session {} has ended; connection refused",
+                        hello.session
+                    );
                     return;
-                }
-            };
-            let Some(session) = agent.session_for(hello.session) else {
-                tracing::warn!(
-                    "peer {from}: session {} has ended; connection refused",
-                    hello.session
-                );
-                return;
-            };
-            let e = answer(&session, stream, &hello, leftover).await;
-            tracing::debug!("peer {from}: connection {} ended: {e}", hello.connection);
+                };
+                let (parked, rest) = match answer(&session, stream, &hello, leftover).await {
+                    ConnectionEnd::Parked(parked, rest) => (parked, rest),
+                    ConnectionEnd::Lost(e) => {
+                        tracing::debug!("peer {from}: connection {} ended: {e}", hello.connection);
+                        return;
+                    }
+                };
+                (stream, hello, leftover) = match next_hello(parked, rest).await {
+                    Ok(next) => next,
+                    Err(e) => {
+                        tracing::debug!("peer {from}: parked connection closed: {e}");
+                        return;
+                    }
+                };
+            }
         });
     }
 }
@@ -246,6 +266,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         events: Vec::new(),
         source_stop_unix_us: None,
         destination_resume_unix_us: None,
+        destination_switchover: None,
         qemu_downtime_ms: None,
         // Between the source's STOP and the destination's RESUME nothing waits for an answer
         // from the other side: the last bytes and the digest travel together, one way. With
@@ -267,6 +288,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         req,
         status.clone(),
         agent.client_tls.clone(),
+        agent.pool.clone(),
         agent.config.work_dir.clone(),
         agent.config.seed_dir.clone(),
     ));

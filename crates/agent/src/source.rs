@@ -18,7 +18,7 @@ use ferry_qemu::commands::{
 };
 use ferry_qemu::stream::{StreamParser, PAGE_SIZE};
 use ferry_qemu::Qmp;
-use ferry_wire::net::{keep_connected, LinkEvent, Peer};
+use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
 use sha2::{Digest, Sha256};
@@ -49,10 +49,11 @@ pub async fn run(
     req: MigrationRequest,
     status: Shared,
     tls: Arc<ClientConfig>,
+    pool: Arc<Pool>,
     work_dir: PathBuf,
     seed_dir: PathBuf,
 ) {
-    let result = migrate(&req, &status, tls, &work_dir, &seed_dir).await;
+    let result = migrate(&req, &status, tls, pool, &work_dir, &seed_dir).await;
     status.update(|s| match result {
         Ok(()) => {
             s.state = MigrationState::Committed;
@@ -71,6 +72,7 @@ async fn migrate(
     req: &MigrationRequest,
     status: &Shared,
     tls: Arc<ClientConfig>,
+    pool: Arc<Pool>,
     work_dir: &Path,
     seed_dir: &Path,
 ) -> Result<()> {
@@ -111,6 +113,7 @@ async fn migrate(
         tls,
         connections: req.connections.max(1),
         link_rate_mbit: req.link_rate_mbit,
+        pool,
     };
     let (link_tx, link_rx) = mpsc::unbounded_channel();
     let _connections = keep_connected(session.clone(), peer, Duration::from_millis(500), link_tx);
@@ -310,11 +313,17 @@ async fn migrate(
         }
     };
     match verdict {
-        Some(Control::Committed { resume_unix_us }) => {
+        Some(Control::Committed {
+            resume_unix_us,
+            switchover,
+        }) => {
             status.update(|s| {
                 s.destination_resume_unix_us = Some(resume_unix_us);
+                s.destination_switchover = switchover;
                 s.event(EventKind::Committed, "destination runs");
             });
+            // The session's work is done: its connections can park while the seed is saved.
+            session.park();
             // The destination runs: the source must never run again. Its memory stays here
             // as the seed for the VM's return.
             if req.codec.seed {
@@ -330,7 +339,7 @@ async fn migrate(
                 }
             }
             let _ = qmp.execute(&Quit).await;
-            session.fail("migration committed");
+            control::park_and_end(&session, "migration committed").await;
             Ok(())
         }
         Some(Control::Abort { reason }) => {
@@ -879,7 +888,11 @@ async fn watch_links(
     let mut opened = 0u32;
     while let Some(ev) = rx.recv().await {
         match ev {
-            LinkEvent::Connected { connection, rtt } => {
+            LinkEvent::Connected {
+                connection,
+                rtt,
+                warm,
+            } => {
                 let rtt_ms = rtt.as_secs_f64() * 1e3;
                 if !sized {
                     sized = true;
@@ -890,9 +903,12 @@ async fn watch_links(
                 status.update(|s| {
                     s.wire.rtt_ms = Some(rtt_ms);
                     s.wire.reconnects = opened.saturating_sub(connections);
+                    let how = warm.map_or_else(String::new, |parked| {
+                        format!(", warm (parked {:.1} s)", parked.as_secs_f64())
+                    });
                     s.event(
                         EventKind::Connected,
-                        format!("connection {connection}, rtt {rtt_ms:.1} ms"),
+                        format!("connection {connection}{how}, rtt {rtt_ms:.1} ms"),
                     );
                 });
             }

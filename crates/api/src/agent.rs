@@ -297,6 +297,15 @@ pub enum MigrationState {
     Failed,
 }
 
+/// The destination's side of the switchover, wall clock (µs since the epoch).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DestinationSwitchover {
+    /// The stream's last byte had arrived, decoded, and the digests matched.
+    pub arrived_unix_us: i64,
+    /// The destination QEMU reported the stream loaded (`completed`).
+    pub loaded_unix_us: i64,
+}
+
 /// `GET /v1/migrations/{id}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MigrationStatus {
@@ -318,6 +327,10 @@ pub struct MigrationStatus {
     /// QMP timestamps (wall clock, µs) of the source's STOP and the destination's RESUME.
     pub source_stop_unix_us: Option<i64>,
     pub destination_resume_unix_us: Option<i64>,
+    /// The destination's side of the switchover (wall clock, µs): when the stream's last byte
+    /// had arrived and its digest matched, and when its QEMU said it loaded the stream.
+    #[serde(default)]
+    pub destination_switchover: Option<DestinationSwitchover>,
     /// QEMU's own downtime figure.
     pub qemu_downtime_ms: Option<u64>,
     /// The highest vCPU throttle auto-converge applied, percent (none: never throttled).

@@ -74,6 +74,10 @@ pub struct Sample {
     /// use: what would still cross after QEMU stops the guest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_unacked_bytes: Option<u64>,
+    /// Frames the WAN emulator dropped since the request (random loss and a full queue, both
+    /// directions): a loss among a stream's last segments costs a retransmission timeout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wan_drops: Option<u64>,
 }
 
 /// Something that happened at one moment.
@@ -100,6 +104,8 @@ pub enum EventKind {
     MemoryStarted,
     /// QEMU stopped the source for the final pass (QMP STOP).
     SourceStopped,
+    /// ferry: the stream's last byte reached the destination agent and the digests matched.
+    StreamArrived,
     /// The destination loaded the whole stream.
     DestinationLoaded,
     /// The destination runs (QMP RESUME): the commit point has passed.
@@ -128,6 +134,7 @@ impl EventKind {
             EventKind::DiskReady => "disk ready",
             EventKind::MemoryStarted => "memory",
             EventKind::SourceStopped => "src STOP",
+            EventKind::StreamArrived => "dst got stream",
             EventKind::DestinationLoaded => "dst loaded",
             EventKind::DestinationResumed => "dst RESUME",
             EventKind::Failed => "failed",

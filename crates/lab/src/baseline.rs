@@ -235,6 +235,8 @@ pub struct MigrationOutcome {
     pub qemu_downtime_ms: Option<u64>,
     pub guest_gap_ms: Option<f64>,
     pub wan_bytes: u64,
+    /// Frames the WAN emulator dropped during the migration (random loss and a full queue).
+    pub wan_drops: u64,
     pub iterations: u64,
     pub ram_transferred: u64,
     pub error: Option<String>,
@@ -312,7 +314,8 @@ pub async fn migrate(
     }
     let heartbeats: Arc<Heartbeats> = src_link.heartbeats().clone();
     let wan_socket = lab.wan_socket();
-    let wan_start = wan::stats(&wan_socket)?.total_bytes();
+    let wan0 = wan::stats(&wan_socket)?;
+    let (wan_start, drops_start) = (wan0.total_bytes(), wan0.total_drops());
     let t0_micros = now_micros();
     let t0 = Instant::now();
     heartbeats.reset_max_gap();
@@ -364,6 +367,7 @@ pub async fn migrate(
             t0,
             t0_micros,
             wan_start,
+            drops_start,
             heartbeats: &heartbeats,
             timeline,
         };
@@ -498,6 +502,8 @@ struct Attempt<'a> {
     t0: Instant,
     t0_micros: i64,
     wan_start: u64,
+    /// The WAN emulator's drop count at the request.
+    drops_start: u64,
     heartbeats: &'a Heartbeats,
     timeline: &'a Mutex<Timeline>,
 }
@@ -534,6 +540,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         t0,
         t0_micros,
         wan_start,
+        drops_start,
         heartbeats,
         ..
     } = *a;
@@ -560,7 +567,8 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
     let mut sample =
         |phase: &str, info: Option<&ferry_qemu::commands::MigrationInfo>| -> Result<()> {
             let now = Instant::now();
-            let wan_now = wan::stats(&wan_socket)?.total_bytes();
+            let stats = wan::stats(&wan_socket)?;
+            let wan_now = stats.total_bytes();
             let dt = now.duration_since(last_wan.0).as_secs_f64();
             let mbit = if dt > 0.0 {
                 (wan_now - last_wan.1) as f64 * 8.0 / dt / 1e6
@@ -580,6 +588,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                     qemu_remaining: ram.map(|r| r.remaining),
                     iteration: ram.map(|r| r.dirty_sync_count),
                     qemu_status: info.and_then(|i| i.status.clone()),
+                    wan_drops: Some(stats.total_drops() - drops_start),
                     ..Sample::default()
                 });
             progress.send_modify(|p| {
@@ -702,6 +711,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                 completed: false,
                 total_ms: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
                 wan_bytes: wan::stats(&wan_socket)?.total_bytes() - wan_start,
+                wan_drops: wan::stats(&wan_socket)?.total_drops() - drops_start,
                 iterations: ram.dirty_sync_count,
                 ram_transferred: ram.transferred,
                 error: Some(format!(
@@ -746,7 +756,9 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         a.mark(a.event_ms(r), EventKind::DestinationResumed);
     }
     let stop = src.find_event("STOP", |_| true);
-    let wan_bytes = wan::stats(&wan_socket).map_or(0, |s| s.total_bytes() - wan_start);
+    let (wan_bytes, wan_drops) = wan::stats(&wan_socket).map_or((0, 0), |s| {
+        (s.total_bytes() - wan_start, s.total_drops() - drops_start)
+    });
     // The gap ends with the destination's first beats; wait for a few of them.
     let beats = heartbeats.count();
     let waited = Instant::now();
@@ -768,6 +780,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         guest_gap_ms: (heartbeats.count() > beats)
             .then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
         wan_bytes,
+        wan_drops,
         iterations: ram.dirty_sync_count,
         ram_transferred: ram.transferred,
         error: None,

@@ -40,7 +40,8 @@ pub async fn migrate(
     )?;
     let heartbeats = src_link.heartbeats().clone();
     let wan_socket = lab.wan_socket();
-    let wan_start = wan::stats(&wan_socket)?.total_bytes();
+    let wan0 = wan::stats(&wan_socket)?;
+    let (wan_start, drops_start) = (wan0.total_bytes(), wan0.total_drops());
     let t0_micros = now_micros();
     let t0 = Instant::now();
     heartbeats.reset_max_gap();
@@ -124,7 +125,8 @@ pub async fn migrate(
         tokio::time::sleep(Duration::from_millis(100)).await;
         let s = source_agent.migration(&started.id).await?;
         let now = Instant::now();
-        let wan_now = wan::stats(&wan_socket)?.total_bytes();
+        let stats = wan::stats(&wan_socket)?;
+        let wan_now = stats.total_bytes();
         let dt = now.duration_since(last_wan.0).as_secs_f64();
         let mbit = if dt > 0.0 {
             (wan_now - last_wan.1) as f64 * 8.0 / dt / 1e6
@@ -145,6 +147,7 @@ pub async fn migrate(
                 agent_stream_bytes: Some(s.stream_bytes),
                 agent_wire_bytes: Some(s.wire.bytes_out),
                 agent_unacked_bytes: Some(s.wire.unacked_bytes),
+                wan_drops: Some(stats.total_drops() - drops_start),
                 ..Sample::default()
             });
             for e in &s.events[seen_events..] {
@@ -190,6 +193,18 @@ pub async fn migrate(
                 "",
             );
         }
+        if let Some(d) = status.destination_switchover {
+            for (at, kind) in [
+                (d.arrived_unix_us, EventKind::StreamArrived),
+                (d.loaded_unix_us, EventKind::DestinationLoaded),
+            ] {
+                mark(
+                    u64::try_from((at - t0_micros).max(0) / 1000).unwrap_or(0),
+                    kind,
+                    "",
+                );
+            }
+        }
         if let Some(r) = resume {
             mark(
                 u64::try_from((r - t0_micros).max(0) / 1000).unwrap_or(0),
@@ -220,6 +235,7 @@ pub async fn migrate(
             guest_gap_ms: (heartbeats.count() > beats)
                 .then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
             wan_bytes: wan::stats(&wan_socket).map_or(0, |s| s.total_bytes() - wan_start),
+            wan_drops: wan::stats(&wan_socket).map_or(0, |s| s.total_drops() - drops_start),
             iterations: status.qemu.iteration,
             ram_transferred: status.stream_bytes,
             error: None,

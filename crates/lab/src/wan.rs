@@ -83,6 +83,15 @@ impl WanStats {
     pub fn total_bytes(&self) -> u64 {
         self.a_to_b.bytes + self.b_to_a.bytes
     }
+
+    /// Frames the link dropped, both directions: random loss and a full queue (not an
+    /// outage's, which are counted apart).
+    pub fn total_drops(&self) -> u64 {
+        [&self.a_to_b, &self.b_to_a]
+            .iter()
+            .map(|d| d.dropped_loss + d.dropped_queue)
+            .sum()
+    }
 }
 
 /// A request on the control socket: one JSON object per line; the reply is one line.

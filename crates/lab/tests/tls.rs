@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ferry_lab::pki;
-use ferry_wire::net::{accept, answer, dial, Peer};
+use ferry_wire::net::{accept, answer, dial, Peer, Pool};
 use ferry_wire::{Session, SessionConfig, SessionId};
 use tokio::net::TcpListener;
 
@@ -43,6 +43,7 @@ async fn attempt(
         tls: client_tls,
         connections: 1,
         link_rate_mbit: None,
+        pool: Pool::new(),
     };
     dial(&session, &peer, 0, Duration::from_secs(5))
         .await

@@ -50,6 +50,10 @@ pub enum FrameKind {
     /// First frame on every connection, both ways: the session it belongs to and what the
     /// sender has consumed per channel (JSON payload, see `session`).
     Hello = 4,
+    /// The sender's last frame on this connection for the session: the connection leaves the
+    /// session cleanly, and once both sides have sent one it may carry another session's Hello
+    /// (a warm connection kept between migrations, see `net::Pool`). No payload.
+    Park = 5,
 }
 
 impl FrameKind {
@@ -59,6 +63,7 @@ impl FrameKind {
             2 => Some(FrameKind::Ack),
             3 => Some(FrameKind::Barrier),
             4 => Some(FrameKind::Hello),
+            5 => Some(FrameKind::Park),
             _ => None,
         }
     }
@@ -81,7 +86,7 @@ pub enum FrameError {
     BadMagic { found: u16 },
     #[error("wire: frame version {found} is not supported (this ferry speaks {WIRE_VERSION})")]
     Version { found: u8 },
-    #[error("wire: unknown frame kind {found} (known: 1 data, 2 ack, 3 barrier, 4 hello)")]
+    #[error("wire: unknown frame kind {found} (known: 1 data, 2 ack, 3 barrier, 4 hello, 5 park)")]
     Kind { found: u8 },
     #[error("wire: reserved flags {found:#06x} are set (expected 0)")]
     Flags { found: u16 },
@@ -118,6 +123,16 @@ impl Frame {
             kind: FrameKind::Barrier,
             channel,
             seq,
+            payload: Bytes::new(),
+        }
+    }
+
+    /// The last frame this side sends on a connection it parks.
+    pub fn park() -> Frame {
+        Frame {
+            kind: FrameKind::Park,
+            channel: ChannelId(0),
+            seq: Seq(0),
             payload: Bytes::new(),
         }
     }
@@ -176,7 +191,7 @@ impl Frame {
         if len > MAX_PAYLOAD_BYTES {
             return Err(FrameError::TooLong { found: len });
         }
-        if matches!(kind, FrameKind::Ack | FrameKind::Barrier) && len != 0 {
+        if matches!(kind, FrameKind::Ack | FrameKind::Barrier | FrameKind::Park) && len != 0 {
             return Err(FrameError::UnexpectedPayload { kind, found: len });
         }
         let total = HEADER_BYTES + usize::try_from(len).expect("u32 fits in usize");
@@ -218,10 +233,12 @@ mod tests {
         let mut buf = whole.clone();
         buf.extend_from_slice(&encoded(&Frame::ack(ChannelId(3), Seq(43))));
         assert_eq!(Frame::decode(&mut buf).unwrap(), Some(f));
+        buf.extend_from_slice(&encoded(&Frame::park()));
         assert_eq!(
             Frame::decode(&mut buf).unwrap(),
             Some(Frame::ack(ChannelId(3), Seq(43)))
         );
+        assert_eq!(Frame::decode(&mut buf).unwrap(), Some(Frame::park()));
         assert!(buf.is_empty());
     }
 

@@ -19,4 +19,6 @@ pub mod tls;
 pub use frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
 pub use outbox::{Outbox, OutboxError};
 pub use reorder::{Reorder, ReorderError};
-pub use session::{Received, Session, SessionConfig, SessionError, SessionId, SessionStats};
+pub use session::{
+    ConnectionEnd, Received, Session, SessionConfig, SessionError, SessionId, SessionStats,
+};

@@ -1,9 +1,11 @@
 //! Connections: dialing a peer agent (TCP, socket buffers sized to the link, TLS, Hello) and
-//! keeping N of them up for a session, reconnecting after drops until the session ends.
+//! keeping N of them up for a session, reconnecting after drops until the session ends; and
+//! the [`Pool`] of parked connections a session leaves behind for the next one to the same peer.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -12,7 +14,9 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use crate::session::{exchange_hello, read_hello, Hello, Session, SessionError};
+use crate::session::{
+    exchange_hello, read_hello, read_hello_after, ConnectionEnd, Hello, Session, SessionError,
+};
 
 /// How long sent data may stay unacknowledged before the kernel gives the connection up.
 /// Without it a connection into a black-holed WAN keeps retransmitting, with exponential
@@ -56,9 +60,10 @@ fn set_option<T>(
     }
 }
 
-/// The round trip the kernel measured for a fresh connection (its SYN and SYN-ACK): the
-/// first RTT sample there is, taken before any data has queued anywhere.
-fn handshake_rtt(tcp: &impl AsRawFd) -> Option<Duration> {
+/// The round trip the kernel measured: on a fresh connection its SYN and SYN-ACK, the first
+/// sample there is, taken before any data has queued anywhere; on a parked one, what it
+/// measured while it last carried a session.
+fn tcp_rtt(tcp: &impl AsRawFd) -> Option<Duration> {
     // SAFETY: tcp_info is plain old data; all zeroes is a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::tcp_info>()).ok()?;
@@ -75,6 +80,68 @@ fn handshake_rtt(tcp: &impl AsRawFd) -> Option<Duration> {
     (rc == 0 && info.tcpi_rtt > 0).then(|| Duration::from_micros(u64::from(info.tcpi_rtt)))
 }
 
+/// A parked connection is used again for at most this long after it parked. The listening
+/// side waits [`PARKED_IDLE_LIMIT`], longer, so a connection taken just before this age runs
+/// out is still there at the other end.
+pub const POOL_MAX_IDLE: Duration = Duration::from_secs(300);
+/// How long the listening side keeps a parked connection waiting for the next Hello.
+pub const PARKED_IDLE_LIMIT: Duration = Duration::from_secs(600);
+/// Parked connections kept per peer (more than any session opens by default).
+const POOL_MAX_PER_PEER: usize = 8;
+/// How long a parked connection may take to answer a new session's Hello before it is
+/// dropped and a fresh one dialed: a peer that closed it answers at once, with a reset.
+const WARM_HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The client side of a connection to a peer agent.
+pub type ClientStream = tokio_rustls::client::TlsStream<TcpStream>;
+
+/// Connections that finished a session cleanly (both sides sent `Park`), kept for the next
+/// session to the same peer. One reused skips TCP's and TLS's handshakes (two round trips) and
+/// keeps the congestion state it had: Linux's BBR does not restart from its initial window
+/// after idle, so a migration on a warm connection starts at the link's rate instead of
+/// spending its first few hundred milliseconds in slow start.
+#[derive(Debug, Default)]
+pub struct Pool {
+    idle: Mutex<HashMap<PeerKey, Vec<(ClientStream, Instant)>>>,
+}
+
+/// A peer's address and the name its certificate carries.
+type PeerKey = (SocketAddr, String);
+
+impl Pool {
+    pub fn new() -> Arc<Pool> {
+        Arc::new(Pool::default())
+    }
+
+    /// The most recently parked connection to `peer` that is young enough, if any.
+    fn take(&self, peer: &Peer) -> Option<(ClientStream, Duration)> {
+        let mut idle = self.idle.lock().expect("pool lock");
+        let parked = idle.get_mut(&(peer.addr, peer.name.clone()))?;
+        parked.retain(|(_, since)| since.elapsed() < POOL_MAX_IDLE);
+        parked
+            .pop()
+            .map(|(stream, since)| (stream, since.elapsed()))
+    }
+
+    fn put(&self, peer: &Peer, stream: ClientStream) {
+        let mut idle = self.idle.lock().expect("pool lock");
+        let parked = idle.entry((peer.addr, peer.name.clone())).or_default();
+        parked.push((stream, Instant::now()));
+        if parked.len() > POOL_MAX_PER_PEER {
+            parked.remove(0);
+        }
+    }
+
+    /// Parked connections to `peer` (for tests and reports).
+    pub fn parked(&self, peer: &Peer) -> usize {
+        self.idle
+            .lock()
+            .expect("pool lock")
+            .get(&(peer.addr, peer.name.clone()))
+            .map_or(0, Vec::len)
+    }
+}
+
 /// Where and how to reach the peer.
 #[derive(Debug, Clone)]
 pub struct Peer {
@@ -87,6 +154,8 @@ pub struct Peer {
     /// The link's rate, when known: each connection's send buffer is then sized from it and
     /// the round trip TCP measured during its handshake. `None` leaves Linux's autotuning alone.
     pub link_rate_mbit: Option<f64>,
+    /// Parked connections: a dial takes one from here first, and parked ones go back.
+    pub pool: Arc<Pool>,
 }
 
 /// The send buffer for one of `connections` connections on a link of `rate_mbit` and
@@ -118,22 +187,86 @@ pub fn pacing_rate_for(rate_mbit: f64, connections: u32) -> u64 {
 /// pacing does not (Ethernet headers: about 1%).
 const PACING_SHARE: f64 = 0.98;
 
-/// Opens one connection of `session` to `peer`: TCP, TLS (the peer must present a certificate
-/// for `peer.name` from our CA, and gets ours), then Hellos both ways. Returns the stream, the
-/// bytes that followed the peer's Hello, and the Hello round trip.
+/// A connection [`dial`] opened.
+#[derive(Debug)]
+pub struct Dialed {
+    pub stream: ClientStream,
+    /// What followed the peer's Hello.
+    pub leftover: BytesMut,
+    /// The connection's round trip (the Hellos', or TCP's own measure when they were not
+    /// exchanged).
+    pub rtt: Duration,
+    /// How long it had been parked, when it came from the pool.
+    pub warm: Option<Duration>,
+    /// Only our Hello went out: the peer's is the first frame to read (carry it with
+    /// [`Session::run_connection_before_hello`]).
+    pub hello_due: bool,
+}
+
+impl Dialed {
+    /// Carries `session` over this connection until it ends.
+    pub async fn carry(self, session: &Session) -> ConnectionEnd<ClientStream> {
+        if self.hello_due {
+            session.run_connection_before_hello(self.stream).await
+        } else {
+            session.run_connection(self.stream, self.leftover).await
+        }
+    }
+}
+
+/// Opens one connection of `session` to `peer`: a parked one from the pool when there is one,
+/// else TCP and TLS (the peer must present a certificate for `peer.name` from our CA, and gets
+/// ours); then the Hellos. A fresh session does not wait for the peer's Hello (nothing to
+/// replay depends on it): what it queued, the destination's Prepare, goes out with ours.
 pub async fn dial(
     session: &Session,
     peer: &Peer,
     connection: u32,
     timeout: Duration,
-) -> Result<
-    (
-        tokio_rustls::client::TlsStream<TcpStream>,
-        BytesMut,
-        Duration,
-    ),
-    SessionError,
-> {
+) -> Result<Dialed, SessionError> {
+    let pipelined = session.is_fresh();
+    while let Some((mut stream, parked_for)) = peer.pool.take(peer) {
+        tune_socket(stream.get_ref().0, peer);
+        if pipelined {
+            // A parked connection the peer closed shows when the session reads from it; the
+            // keeper then dials again at once.
+            match send_hello(&mut stream, session, connection).await {
+                Ok(()) => {
+                    return Ok(Dialed {
+                        rtt: tcp_rtt(stream.get_ref().0).unwrap_or_default(),
+                        stream,
+                        leftover: BytesMut::new(),
+                        warm: Some(parked_for),
+                        hello_due: true,
+                    })
+                }
+                Err(e) => {
+                    tracing::debug!("parked connection to {} is gone: {e}", peer.addr);
+                    continue;
+                }
+            }
+        }
+        let start = Instant::now();
+        let hello = session.hello(connection);
+        match exchange_hello(&mut stream, &hello, timeout.min(WARM_HELLO_TIMEOUT)).await {
+            Ok((theirs, leftover)) => {
+                let rtt = start.elapsed();
+                session.accept_hello(&theirs)?;
+                return Ok(Dialed {
+                    stream,
+                    leftover,
+                    rtt,
+                    warm: Some(parked_for),
+                    hello_due: false,
+                });
+            }
+            Err(e) => tracing::debug!(
+                "parked connection to {} ({}) is gone: {e}",
+                peer.addr,
+                peer.name
+            ),
+        }
+    }
     let io = |what: &str, e: &dyn std::fmt::Display| {
         SessionError::Io(format!("{what} {} ({}): {e}", peer.addr, peer.name))
     };
@@ -155,19 +288,7 @@ pub async fn dial(
         })?
         .map_err(|e| io("connecting to", &e))?;
     let _ = tcp.set_nodelay(true);
-    if let Some(rate) = peer.link_rate_mbit {
-        // The send buffer may change at any time; the receive side (the peer's) autotunes.
-        let rtt_ms = handshake_rtt(&tcp).map_or(100.0, |rtt| rtt.as_secs_f64() * 1e3);
-        let size = socket_buffer_for(rate, rtt_ms, peer.connections);
-        let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
-        if let Err(e) = set_option(&tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
-            tracing::warn!("SO_SNDBUF {size}: {e}");
-        }
-        let pace = pacing_rate_for(rate, peer.connections);
-        if let Err(e) = set_option(&tcp, libc::SOL_SOCKET, libc::SO_MAX_PACING_RATE, &pace) {
-            tracing::warn!("SO_MAX_PACING_RATE {pace}: {e}");
-        }
-    }
+    tune_socket(&tcp, peer);
     let name = ServerName::try_from(peer.name.clone()).map_err(|e| io("peer name of", &e))?;
     let mut tls = tokio::time::timeout(
         timeout,
@@ -181,11 +302,60 @@ pub async fn dial(
         )
     })?
     .map_err(|e| io("TLS handshake with", &tls_hint(&e)))?;
+    if pipelined {
+        send_hello(&mut tls, session, connection).await?;
+        return Ok(Dialed {
+            rtt: tcp_rtt(tls.get_ref().0).unwrap_or_default(),
+            stream: tls,
+            leftover: BytesMut::new(),
+            warm: None,
+            hello_due: true,
+        });
+    }
     let start = Instant::now();
     let (theirs, leftover) = exchange_hello(&mut tls, &session.hello(connection), timeout).await?;
     let rtt = start.elapsed();
     session.accept_hello(&theirs)?;
-    Ok((tls, leftover, rtt))
+    Ok(Dialed {
+        stream: tls,
+        leftover,
+        rtt,
+        warm: None,
+        hello_due: false,
+    })
+}
+
+async fn send_hello(
+    stream: &mut ClientStream,
+    session: &Session,
+    connection: u32,
+) -> Result<(), SessionError> {
+    use tokio::io::AsyncWriteExt;
+    let mut out = BytesMut::new();
+    session.hello(connection).frame().encode(&mut out);
+    stream
+        .write_all(&out)
+        .await
+        .map_err(|e| SessionError::Io(e.to_string()))
+}
+
+/// Sizes a connection's send buffer and pace for `peer`'s link, when its rate is known. The
+/// send buffer may change at any time (so a parked connection is tuned again for the session
+/// that takes it); the receive side (the peer's) autotunes.
+fn tune_socket(tcp: &TcpStream, peer: &Peer) {
+    let Some(rate) = peer.link_rate_mbit else {
+        return;
+    };
+    let rtt_ms = tcp_rtt(tcp).map_or(100.0, |rtt| rtt.as_secs_f64() * 1e3);
+    let size = socket_buffer_for(rate, rtt_ms, peer.connections);
+    let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+    if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
+        tracing::warn!("SO_SNDBUF {size}: {e}");
+    }
+    let pace = pacing_rate_for(rate, peer.connections);
+    if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_MAX_PACING_RATE, &pace) {
+        tracing::warn!("SO_MAX_PACING_RATE {pace}: {e}");
+    }
 }
 
 /// rustls's errors name the check that failed; say what it means for an operator.
@@ -209,13 +379,25 @@ fn tls_hint(e: &std::io::Error) -> String {
 /// What the connection keeper reports.
 #[derive(Debug, Clone)]
 pub enum LinkEvent {
-    Connected { connection: u32, rtt: Duration },
-    Lost { connection: u32, error: String },
-    DialFailed { connection: u32, error: String },
+    Connected {
+        connection: u32,
+        rtt: Duration,
+        /// How long the connection had been parked, when it came from the pool.
+        warm: Option<Duration>,
+    },
+    Lost {
+        connection: u32,
+        error: String,
+    },
+    DialFailed {
+        connection: u32,
+        error: String,
+    },
 }
 
-/// Keeps `peer.connections` connections of `session` up until the session fails, redialing
-/// every `retry` after a drop. Each event goes to `events`.
+/// Keeps `peer.connections` connections of `session` up until the session fails or parks,
+/// redialing every `retry` after a drop; parked connections go to `peer.pool`. Each event goes
+/// to `events`.
 pub fn keep_connected(
     session: Session,
     peer: Peer,
@@ -226,18 +408,37 @@ pub fn keep_connected(
     for connection in 0..peer.connections {
         let (session, peer, events) = (session.clone(), peer.clone(), events.clone());
         set.spawn(async move {
-            while session.failure().is_none() {
+            while session.failure().is_none() && !session.is_parking() {
                 match dial(&session, &peer, connection, Duration::from_secs(10)).await {
-                    Ok((stream, leftover, rtt)) => {
-                        let _ = events.send(LinkEvent::Connected { connection, rtt });
-                        let error = session.run_connection(stream, leftover).await;
-                        if session.failure().is_some() {
+                    Ok(d) => {
+                        let warm = d.warm.is_some();
+                        let _ = events.send(LinkEvent::Connected {
+                            connection,
+                            rtt: d.rtt,
+                            warm: d.warm,
+                        });
+                        let error = match d.carry(&session).await {
+                            // Bytes after the peer's Park break the protocol: not reusable.
+                            ConnectionEnd::Parked(stream, rest) if rest.is_empty() => {
+                                peer.pool.put(&peer, stream);
+                                break;
+                            }
+                            ConnectionEnd::Parked(..) => {
+                                SessionError::Protocol("bytes after the peer's Park".into())
+                            }
+                            ConnectionEnd::Lost(e) => e,
+                        };
+                        if session.failure().is_some() || session.is_parking() {
                             break;
                         }
                         let _ = events.send(LinkEvent::Lost {
                             connection,
                             error: error.to_string(),
                         });
+                        if warm {
+                            // A parked connection failing says nothing about the WAN.
+                            continue;
+                        }
                     }
                     Err(e) => {
                         let _ = events.send(LinkEvent::DialFailed {
@@ -279,22 +480,44 @@ pub async fn accept(
     Ok((stream, hello, leftover))
 }
 
+/// The server side of a connection from a peer agent.
+pub type ServerStream = tokio_rustls::server::TlsStream<TcpStream>;
+
 /// Completes an accepted connection for `session`: applies the dialer's Hello, answers with
-/// ours, and carries the session until the connection ends.
+/// ours, and carries the session until the connection ends. A parked connection comes back
+/// for [`next_hello`].
 pub async fn answer(
     session: &Session,
-    mut stream: tokio_rustls::server::TlsStream<TcpStream>,
+    mut stream: ServerStream,
     hello: &Hello,
     leftover: BytesMut,
-) -> SessionError {
+) -> ConnectionEnd<ServerStream> {
     use tokio::io::AsyncWriteExt;
     if let Err(e) = session.accept_hello(hello) {
-        return e;
+        return ConnectionEnd::Lost(e);
     }
     let mut out = BytesMut::new();
     session.hello(hello.connection).frame().encode(&mut out);
     if let Err(e) = stream.write_all(&out).await {
-        return SessionError::Io(e.to_string());
+        return ConnectionEnd::Lost(SessionError::Io(e.to_string()));
     }
     session.run_connection(stream, leftover).await
+}
+
+/// Waits on a parked connection for the dialer's next session (its Hello), at most
+/// [`PARKED_IDLE_LIMIT`]. The dialer closing it, which it does once it is too old to use, ends
+/// the wait with an error.
+pub async fn next_hello(
+    mut stream: ServerStream,
+    leftover: BytesMut,
+) -> Result<(ServerStream, Hello, BytesMut), SessionError> {
+    let (hello, rest) =
+        tokio::time::timeout(PARKED_IDLE_LIMIT, read_hello_after(&mut stream, leftover))
+            .await
+            .map_err(|_| {
+                SessionError::Io(format!(
+                    "parked connection unused for {PARKED_IDLE_LIMIT:?}"
+                ))
+            })??;
+    Ok((stream, hello, rest))
 }

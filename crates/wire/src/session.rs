@@ -19,10 +19,17 @@
 //! - **Barriers** are numbered like data and delivered in order: a consumer that receives one
 //!   knows it has everything sent before it on that channel.
 //!
+//! - **Parking**: a session that has done its work can give its connections back instead of
+//!   closing them ([`Session::park`]): each side sends a `Park` frame after everything it had
+//!   queued, and a connection on which both sides have sent one ends as
+//!   [`ConnectionEnd::Parked`], ready for the next session's Hello. A connection reused that way
+//!   skips TCP's and TLS's handshakes and keeps its congestion window.
+//!
 //! The session never fails on its own because connections drop; the owner decides how long
 //! it waits (see [`Session::idle_for`]) and then calls [`Session::fail`].
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -156,6 +163,9 @@ pub struct SessionStats {
     pub connections_live: u32,
     pub connections_opened: u32,
     pub connections_lost: u32,
+    /// Connections that left the session cleanly (see [`Session::park`]).
+    #[serde(default)]
+    pub connections_parked: u32,
     /// Unacknowledged payload bytes over all send channels.
     pub unacked_bytes: u64,
 }
@@ -180,6 +190,8 @@ struct State {
     stats: SessionStats,
     /// When the last connection went down (None while one is up).
     down_since: Option<Instant>,
+    /// The owner is done: connections send `Park` once their queue is empty.
+    parking: bool,
 }
 
 #[derive(Debug)]
@@ -209,6 +221,7 @@ impl Session {
                     failed: None,
                     stats: SessionStats::default(),
                     down_since: Some(Instant::now()),
+                    parking: false,
                 }),
                 changed: Notify::new(),
             }),
@@ -353,6 +366,27 @@ impl Session {
         self.wake();
     }
 
+    /// Gives the session's connections back for reuse: each sends what it has queued, then
+    /// `Park`, and ends as [`ConnectionEnd::Parked`] once the peer's `Park` arrived. The session
+    /// dials no new connection from here on. Wait with [`Session::parked`], then
+    /// [`Session::fail`] to end it.
+    pub fn park(&self) {
+        self.lock().parking = true;
+        self.wake();
+    }
+
+    /// Whether [`Session::park`] was called.
+    pub fn is_parking(&self) -> bool {
+        self.lock().parking
+    }
+
+    /// Waits until no connection is up: after [`Session::park`], until every connection has
+    /// parked (or dropped). Bound it with a timeout: a peer that never answers keeps it waiting.
+    pub async fn parked(&self) -> Result<(), SessionError> {
+        self.wait_for(|st| Ok((st.stats.connections_live == 0).then_some(())))
+            .await
+    }
+
     /// Why the session failed, if it did.
     pub fn failure(&self) -> Option<String> {
         self.lock().failed.clone()
@@ -403,6 +437,16 @@ impl Session {
 
     /// Applies the peer's Hello: what it consumed is acknowledged, the rest will be sent again.
     pub fn accept_hello(&self, hello: &Hello) -> Result<(), SessionError> {
+        self.ack_hello(hello)?;
+        let mut st = self.lock();
+        requeue_unacked(&mut st);
+        drop(st);
+        self.wake();
+        Ok(())
+    }
+
+    /// What the peer's Hello acknowledges, acknowledged.
+    fn ack_hello(&self, hello: &Hello) -> Result<(), SessionError> {
         if hello.session != self.inner.id {
             return Err(SessionError::Protocol(format!(
                 "peer's Hello is for session {}, this is {}",
@@ -417,15 +461,39 @@ impl Session {
                 })?;
             }
         }
-        requeue_unacked(&mut st);
         drop(st);
         self.wake();
         Ok(())
     }
 
-    /// Carries the session over one connection whose Hellos were exchanged, until it fails
-    /// or the session does. Returns why the connection ended.
-    pub async fn run_connection<S>(&self, stream: S, leftover: BytesMut) -> SessionError
+    /// Carries the session over one connection whose Hellos were exchanged, until it fails,
+    /// the session does, or both sides parked it.
+    pub async fn run_connection<S>(&self, stream: S, leftover: BytesMut) -> ConnectionEnd<S>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        self.carry(stream, leftover, false).await
+    }
+
+    /// Whether no connection has carried the session yet: its first connection may send before
+    /// the peer's Hello arrives (see [`Session::run_connection_before_hello`]).
+    pub fn is_fresh(&self) -> bool {
+        self.lock().stats.connections_opened == 0
+    }
+
+    /// Carries a fresh session over a connection on which only this side's Hello went out: the
+    /// peer's Hello is the first frame read. Queued frames go out at once, in the same flight
+    /// as the Hello (the destination's Prepare: a round trip saved). Only for a session with
+    /// nothing to replay: a peer's Hello arriving later acknowledges what it consumed but puts
+    /// nothing back in the queue, so it must have consumed nothing.
+    pub async fn run_connection_before_hello<S>(&self, stream: S) -> ConnectionEnd<S>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        self.carry(stream, BytesMut::new(), true).await
+    }
+
+    async fn carry<S>(&self, stream: S, leftover: BytesMut, hello_due: bool) -> ConnectionEnd<S>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
@@ -436,40 +504,58 @@ impl Session {
             st.down_since = None;
         }
         // The bookkeeping for a lost connection runs even if this future is dropped.
-        let _down = ConnectionDown(self);
-        let (reader, writer) = tokio::io::split(stream);
-        tokio::select! {
-            e = self.read_loop(reader, leftover) => e,
-            e = self.write_loop(writer) => e,
+        let mut down = ConnectionDown {
+            session: self,
+            parked: false,
+        };
+        let (mut reader, mut writer) = tokio::io::split(stream);
+        // Set when the peer's Park arrives: this side then parks the connection too.
+        let peer_parked = AtomicBool::new(false);
+        let ended = tokio::try_join!(
+            self.read_loop(&mut reader, leftover, hello_due, &peer_parked),
+            self.write_loop(&mut writer, &peer_parked),
+        );
+        match ended {
+            Ok((leftover, ())) => {
+                down.parked = true;
+                ConnectionEnd::Parked(reader.unsplit(writer), leftover)
+            }
+            Err(e) => ConnectionEnd::Lost(e),
         }
     }
 
+    /// Reads frames until the peer parks the connection (returning what followed its `Park`)
+    /// or something fails.
     async fn read_loop<R: AsyncRead + Unpin>(
         &self,
-        mut reader: R,
+        reader: &mut R,
         mut buf: BytesMut,
-    ) -> SessionError {
+        mut hello_due: bool,
+        peer_parked: &AtomicBool,
+    ) -> Result<BytesMut, SessionError> {
         loop {
-            loop {
-                match Frame::decode(&mut buf) {
-                    Ok(Some(frame)) => {
-                        if let Err(e) = self.on_frame(frame) {
-                            return e;
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => return e.into(),
+            while let Some(frame) = Frame::decode(&mut buf)? {
+                if hello_due {
+                    hello_due = false;
+                    self.ack_hello(&Hello::parse(&frame)?)?;
+                    continue;
                 }
+                if frame.kind == FrameKind::Park {
+                    peer_parked.store(true, Ordering::Release);
+                    self.wake();
+                    return Ok(buf);
+                }
+                self.on_frame(frame)?;
             }
             buf.reserve(256 << 10);
             let n = tokio::select! {
                 r = reader.read_buf(&mut buf) => r,
-                e = self.wait_for(|_| Ok(None::<()>)) => return e.expect_err("never ready"),
+                e = self.wait_for(|_| Ok(None::<()>)) => return Err(e.expect_err("never ready")),
             };
             match n {
-                Ok(0) => return SessionError::Io("peer closed the connection".into()),
+                Ok(0) => return Err(SessionError::Io("peer closed the connection".into())),
                 Ok(n) => self.lock().stats.wire_bytes_in += n as u64,
-                Err(e) => return SessionError::Io(e.to_string()),
+                Err(e) => return Err(SessionError::Io(e.to_string())),
             }
         }
     }
@@ -510,13 +596,20 @@ impl Session {
                     "Hello in the middle of a connection".into(),
                 ))
             }
+            FrameKind::Park => unreachable!("the read loop handles Park"),
         }
         drop(st);
         self.wake();
         Ok(())
     }
 
-    async fn write_loop<W: AsyncWrite + Unpin>(&self, mut writer: W) -> SessionError {
+    /// Writes queued frames until the session parks (or the peer parked this connection) and
+    /// nothing is left to send: then writes `Park` and returns.
+    async fn write_loop<W: AsyncWrite + Unpin>(
+        &self,
+        writer: &mut W,
+        peer_parked: &AtomicBool,
+    ) -> Result<(), SessionError> {
         let mut out = BytesMut::new();
         loop {
             let next = self.wait_for(|st| {
@@ -538,21 +631,31 @@ impl Session {
                     bytes += frame.encoded_len();
                     frames.push(frame);
                 }
+                if frames.is_empty() && (st.parking || peer_parked.load(Ordering::Acquire)) {
+                    frames.push(Frame::park());
+                }
                 Ok((!frames.is_empty()).then_some(frames))
             });
             let batch = match tokio::time::timeout(KEEPALIVE, next).await {
-                Ok(Ok(b)) => b,
-                Ok(Err(e)) => return e,
+                Ok(b) => b?,
                 Err(_) => self.keepalive(),
             };
             out.clear();
             for f in &batch {
                 f.encode(&mut out);
             }
-            if let Err(e) = writer.write_all(&out).await {
-                return SessionError::Io(e.to_string());
-            }
+            writer
+                .write_all(&out)
+                .await
+                .map_err(|e| SessionError::Io(e.to_string()))?;
             self.lock().stats.wire_bytes_out += out.len() as u64;
+            if batch.last().is_some_and(|f| f.kind == FrameKind::Park) {
+                writer
+                    .flush()
+                    .await
+                    .map_err(|e| SessionError::Io(e.to_string()))?;
+                return Ok(());
+            }
         }
     }
 
@@ -575,21 +678,38 @@ impl Session {
     }
 }
 
+/// How a connection left its session.
+#[derive(Debug)]
+pub enum ConnectionEnd<S> {
+    /// Both sides sent `Park`: the stream is at a frame boundary and may carry another
+    /// session's Hello; the bytes are what followed the peer's `Park` (nothing, from a peer
+    /// that keeps the protocol).
+    Parked(S, BytesMut),
+    Lost(SessionError),
+}
+
 /// Marks a connection gone: counters, the idle clock, and everything unacknowledged queued
 /// again.
-struct ConnectionDown<'a>(&'a Session);
+struct ConnectionDown<'a> {
+    session: &'a Session,
+    parked: bool,
+}
 
 impl Drop for ConnectionDown<'_> {
     fn drop(&mut self) {
-        let mut st = self.0.lock();
+        let mut st = self.session.lock();
         st.stats.connections_live -= 1;
-        st.stats.connections_lost += 1;
+        if self.parked {
+            st.stats.connections_parked += 1;
+        } else {
+            st.stats.connections_lost += 1;
+        }
         if st.stats.connections_live == 0 {
             st.down_since = Some(Instant::now());
         }
         requeue_unacked(&mut st);
         drop(st);
-        self.0.wake();
+        self.session.wake();
     }
 }
 
@@ -648,7 +768,15 @@ where
 pub async fn read_hello<S: AsyncRead + Unpin>(
     stream: &mut S,
 ) -> Result<(Hello, BytesMut), SessionError> {
-    let mut buf = BytesMut::new();
+    read_hello_after(stream, BytesMut::new()).await
+}
+
+/// Reads the peer's Hello from `buf` and then the stream (on a parked connection, `buf` holds
+/// what followed the peer's `Park`).
+pub async fn read_hello_after<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    mut buf: BytesMut,
+) -> Result<(Hello, BytesMut), SessionError> {
     loop {
         if let Some(frame) = Frame::decode(&mut buf)? {
             return Ok((Hello::parse(&frame)?, buf));
