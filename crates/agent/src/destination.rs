@@ -19,12 +19,14 @@ use tokio::net::UnixStream;
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
 use crate::disk::apply::DestinationDisks;
 use crate::disk::backing::backing_of;
-use crate::feeder::{self, Feeder};
+use crate::feeder::{self, Feeder, Weigher};
 use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
 
 /// The seed index goes to the source in pieces of this size.
 const SEED_PIECE: usize = 256 << 10;
+/// The send buffer of the socket the stream goes to QEMU through.
+const TO_QEMU_BUFFER: usize = 64 << 10;
 /// How long a new session may take to say what it wants.
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -111,6 +113,12 @@ async fn serve(
     .context("destination QEMU refused migrate-incoming")?;
     let conn = connect_retry(&sock).await?;
     let _ = std::fs::remove_file(&sock);
+    // The socket's buffer is QEMU's work queued beyond the feeder's budget: 200 KiB (Linux's
+    // default) of zero-page records is some 90 ms of it. 64 KiB keeps QEMU fed (a handful of
+    // whole pages) and bounds the rest.
+    if let Err(e) = socket2::SockRef::from(&conn).set_send_buffer_size(TO_QEMU_BUFFER) {
+        tracing::warn!("send buffer of the socket to QEMU: {e}");
+    }
     // The disks are exported before Ready: the source starts its mirrors once it has it.
     let dst_disks = if disks.is_empty() {
         None
@@ -241,6 +249,7 @@ async fn serve(
     let mut received = 0u64;
     let mut decoded = BytesMut::with_capacity(128 << 10);
     let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
+    let mut weigher = Weigher::new();
     let mut end: Option<(u64, String)> = None;
     let idle_check = || -> Result<()> {
         if session.idle_for() > wan_timeout {
@@ -264,7 +273,8 @@ async fn serve(
                     };
                     hash.update(&qemu_bytes);
                     received += qemu_bytes.len() as u64;
-                    feeder.push(qemu_bytes).await?;
+                    let weight = weigher.weigh(&qemu_bytes)?;
+                    feeder.push(qemu_bytes, weight).await?;
                 }
                 Received::Barrier => {}
             },
@@ -285,6 +295,7 @@ async fn serve(
             }
         }
     }
+    let arrived_unix_us = unix_us();
     if decoder.as_ref().is_some_and(|d| !d.is_idle()) {
         bail!("codec bytes left over after the stream's last byte");
     }
@@ -294,7 +305,7 @@ async fn serve(
     if digest != source_digest {
         bail!("stream digest mismatch: source sha256 {source_digest}, destination sha256 {digest}");
     }
-    let arrived_unix_us = unix_us();
+    let fed_unix_us = unix_us();
 
     // QEMU must say it loaded the whole stream.
     let loaded_unix_us = loop {
@@ -356,6 +367,7 @@ async fn serve(
             resume_unix_us: resume,
             switchover: Some(DestinationSwitchover {
                 arrived_unix_us,
+                fed_unix_us,
                 loaded_unix_us,
             }),
         },

@@ -300,8 +300,11 @@ pub enum MigrationState {
 /// The destination's side of the switchover, wall clock (µs since the epoch).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DestinationSwitchover {
-    /// The stream's last byte had arrived, decoded, and the digests matched.
+    /// The stream's last byte had arrived and was decoded.
     pub arrived_unix_us: i64,
+    /// QEMU had read the whole stream from the destination agent (and the digests matched).
+    #[serde(default)]
+    pub fed_unix_us: i64,
     /// The destination QEMU reported the stream loaded (`completed`).
     pub loaded_unix_us: i64,
 }

@@ -104,8 +104,10 @@ pub enum EventKind {
     MemoryStarted,
     /// QEMU stopped the source for the final pass (QMP STOP).
     SourceStopped,
-    /// ferry: the stream's last byte reached the destination agent and the digests matched.
+    /// ferry: the stream's last byte reached the destination agent (decoded).
     StreamArrived,
+    /// ferry: the destination QEMU had read the whole stream from its agent.
+    StreamFed,
     /// The destination loaded the whole stream.
     DestinationLoaded,
     /// The destination runs (QMP RESUME): the commit point has passed.
@@ -135,6 +137,7 @@ impl EventKind {
             EventKind::MemoryStarted => "memory",
             EventKind::SourceStopped => "src STOP",
             EventKind::StreamArrived => "dst got stream",
+            EventKind::StreamFed => "dst QEMU read it",
             EventKind::DestinationLoaded => "dst loaded",
             EventKind::DestinationResumed => "dst RESUME",
             EventKind::Failed => "failed",

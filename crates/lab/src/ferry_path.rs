@@ -196,6 +196,7 @@ pub async fn migrate(
         if let Some(d) = status.destination_switchover {
             for (at, kind) in [
                 (d.arrived_unix_us, EventKind::StreamArrived),
+                (d.fed_unix_us, EventKind::StreamFed),
                 (d.loaded_unix_us, EventKind::DestinationLoaded),
             ] {
                 mark(

@@ -52,7 +52,8 @@ pub enum FrameKind {
     Hello = 4,
     /// The sender's last frame on this connection for the session: the connection leaves the
     /// session cleanly, and once both sides have sent one it may carry another session's Hello
-    /// (a warm connection kept between migrations, see `net::Pool`). No payload.
+    /// (a warm connection kept between migrations, see `net::Pool`). The dialer may send more
+    /// before its next Hello; their payload is padding, ignored (see `net::dial`).
     Park = 5,
 }
 
@@ -129,11 +130,16 @@ impl Frame {
 
     /// The last frame this side sends on a connection it parks.
     pub fn park() -> Frame {
+        Frame::park_padded(0)
+    }
+
+    /// `Park` with `padding` bytes of payload (see `net::dial`).
+    pub fn park_padded(padding: usize) -> Frame {
         Frame {
             kind: FrameKind::Park,
             channel: ChannelId(0),
             seq: Seq(0),
-            payload: Bytes::new(),
+            payload: Bytes::from(vec![0u8; padding]),
         }
     }
 
@@ -191,7 +197,7 @@ impl Frame {
         if len > MAX_PAYLOAD_BYTES {
             return Err(FrameError::TooLong { found: len });
         }
-        if matches!(kind, FrameKind::Ack | FrameKind::Barrier | FrameKind::Park) && len != 0 {
+        if matches!(kind, FrameKind::Ack | FrameKind::Barrier) && len != 0 {
             return Err(FrameError::UnexpectedPayload { kind, found: len });
         }
         let total = HEADER_BYTES + usize::try_from(len).expect("u32 fits in usize");

@@ -14,6 +14,7 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::frame::Frame;
 use crate::session::{
     exchange_hello, read_hello, read_hello_after, ConnectionEnd, Hello, Session, SessionError,
 };
@@ -91,6 +92,13 @@ const POOL_MAX_PER_PEER: usize = 8;
 /// How long a parked connection may take to answer a new session's Hello before it is
 /// dropped and a fresh one dialed: a peer that closed it answers at once, with a reset.
 const WARM_HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Padding sent ahead of the Hello on a parked connection, in a `Park` frame the peer skips.
+/// After more than 10 s idle, BBR's minimum-RTT estimate has expired; the acknowledgement of
+/// a lone small segment (the Hello alone) may be a delayed one, which BBR does not take as a
+/// sample, and its next acknowledgement then sends it into PROBE_RTT: four segments in flight
+/// for 200 ms, measured as a 200 ms stall at the start of a warm migration. Three segments'
+/// worth is acknowledged at once and refreshes the estimate.
+const WARM_PADDING: usize = 4096;
 
 /// The client side of a connection to a peer agent.
 pub type ClientStream = tokio_rustls::client::TlsStream<TcpStream>;
@@ -227,6 +235,10 @@ pub async fn dial(
     let pipelined = session.is_fresh();
     while let Some((mut stream, parked_for)) = peer.pool.take(peer) {
         tune_socket(stream.get_ref().0, peer);
+        if let Err(e) = send_frame(&mut stream, &Frame::park_padded(WARM_PADDING)).await {
+            tracing::debug!("parked connection to {} is gone: {e}", peer.addr);
+            continue;
+        }
         if pipelined {
             // A parked connection the peer closed shows when the session reads from it; the
             // keeper then dials again at once.
@@ -330,9 +342,13 @@ async fn send_hello(
     session: &Session,
     connection: u32,
 ) -> Result<(), SessionError> {
+    send_frame(stream, &session.hello(connection).frame()).await
+}
+
+async fn send_frame(stream: &mut ClientStream, frame: &Frame) -> Result<(), SessionError> {
     use tokio::io::AsyncWriteExt;
     let mut out = BytesMut::new();
-    session.hello(connection).frame().encode(&mut out);
+    frame.encode(&mut out);
     stream
         .write_all(&out)
         .await

@@ -772,14 +772,16 @@ pub async fn read_hello<S: AsyncRead + Unpin>(
 }
 
 /// Reads the peer's Hello from `buf` and then the stream (on a parked connection, `buf` holds
-/// what followed the peer's `Park`).
+/// what followed the peer's `Park`), skipping the keepalives (`Park`) of a parked connection.
 pub async fn read_hello_after<S: AsyncRead + Unpin>(
     stream: &mut S,
     mut buf: BytesMut,
 ) -> Result<(Hello, BytesMut), SessionError> {
     loop {
-        if let Some(frame) = Frame::decode(&mut buf)? {
-            return Ok((Hello::parse(&frame)?, buf));
+        while let Some(frame) = Frame::decode(&mut buf)? {
+            if frame.kind != FrameKind::Park {
+                return Ok((Hello::parse(&frame)?, buf));
+            }
         }
         let n = stream
             .read_buf(&mut buf)
