@@ -60,8 +60,8 @@ def main(paths):
                 if line.startswith("{"):
                     r = json.loads(line)
                     groups[(label_workload(r), label_system(r))].append(r)
-    print("| workload | system | runs | completed | total s (median) | WAN MB (median) | x floor bytes | x floor time | downtime ms (median, range) | QEMU's downtime ms | guest gap ms | passes | verify errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | system | runs | completed | total s (median) | WAN MB (median) | x floor bytes | x floor time | downtime ms (median, range) | QEMU's downtime ms | guest gap ms | passes | WAN drops (median) | verify errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (workload, system), rs in sorted(groups.items()):
         done = [r for r in rs if r["completed"]]
         floor_b = median([r["floor_bytes"] for r in rs])
@@ -69,12 +69,13 @@ def main(paths):
         total = median([r["total_ms"] for r in done])
         wan = median([r["wan_bytes"] for r in done])
         down = [r["downtime_ms"] for r in done]
+        drops = median([r.get("wan_drops") for r in done])
         print(
             f"| {workload} | {system} | {len(rs)} | {len(done)} | "
             f"{total / 1000:.1f} | {wan / 1e6:.1f} | {wan / floor_b:.2f} | {total / floor_ms:.2f} | "
             f"{median(down):.0f} ({spread(down)}) | {median([r['qemu_downtime_ms'] for r in done]):.0f} | "
             f"{median([r['guest_gap_ms'] for r in done]):.0f} | {median([r['iterations'] for r in done]):.0f} | "
-            f"{sum(r['verify_errors'] or 0 for r in done)} |"
+            f"{'-' if drops is None else f'{drops:.0f}'} | {sum(r['verify_errors'] or 0 for r in done)} |"
         )
     compare(groups)
     returns(groups)

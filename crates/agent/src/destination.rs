@@ -25,8 +25,6 @@ use crate::stream_codec::{self, StreamDecoder};
 
 /// The seed index goes to the source in pieces of this size.
 const SEED_PIECE: usize = 256 << 10;
-/// The send buffer of the socket the stream goes to QEMU through.
-const TO_QEMU_BUFFER: usize = 64 << 10;
 /// How long a new session may take to say what it wants.
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -113,12 +111,6 @@ async fn serve(
     .context("destination QEMU refused migrate-incoming")?;
     let conn = connect_retry(&sock).await?;
     let _ = std::fs::remove_file(&sock);
-    // The socket's buffer is QEMU's work queued beyond the feeder's budget: 200 KiB (Linux's
-    // default) of zero-page records is some 90 ms of it. 64 KiB keeps QEMU fed (a handful of
-    // whole pages) and bounds the rest.
-    if let Err(e) = socket2::SockRef::from(&conn).set_send_buffer_size(TO_QEMU_BUFFER) {
-        tracing::warn!("send buffer of the socket to QEMU: {e}");
-    }
     // The disks are exported before Ready: the source starts its mirrors once it has it.
     let dst_disks = if disks.is_empty() {
         None

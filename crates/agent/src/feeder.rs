@@ -16,13 +16,13 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use bytes::{Bytes, BytesMut};
-use ferry_qemu::stream::{Item, RamData, StreamParser, PAGE_SIZE};
+use ferry_qemu::stream::{Item, StreamParser, PAGE_SIZE};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 /// QEMU's work queued at most, in weighed bytes (a single heavier piece is let through alone).
-pub const BUDGET_BYTES: usize = 16 << 20;
+pub const BUDGET_BYTES: usize = 32 << 20;
 /// The budget's unit: a permit per KiB.
 const UNIT: usize = 1024;
 
@@ -135,12 +135,10 @@ impl Weigher {
             .next_item(&mut self.pending)
             .context("the decoded stream")?
         {
-            weight += match item {
+            weight += match &item {
+                _ if item.is_page() => PAGE_SIZE,
                 Item::Opaque(b) => b.len(),
-                Item::Ram(r) => match r.data {
-                    RamData::None => 0,
-                    RamData::Fill(_) | RamData::Page(_) | RamData::Xbzrle(_) => PAGE_SIZE,
-                },
+                Item::Ram(_) => 0,
             };
         }
         Ok(weight)
@@ -165,6 +163,7 @@ impl Drop for Feeder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_qemu::stream::RamData;
     use tokio::io::AsyncReadExt;
 
     #[tokio::test]

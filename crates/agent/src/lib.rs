@@ -5,6 +5,7 @@
 //! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
 //! - [`feeder`]: the destination QEMU's stream, written from a bounded queue.
+//! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
@@ -18,6 +19,7 @@ pub mod control;
 pub mod destination;
 pub mod disk;
 pub mod feeder;
+pub mod page_ledger;
 pub mod seed_store;
 pub mod server;
 pub mod source;

@@ -5,7 +5,7 @@
 //! destination says it runs, and resumes it on any failure before the stream's end was sent.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
 use crate::disk;
 use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
+use crate::page_ledger::PageLedger;
 use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
@@ -37,6 +38,11 @@ use crate::switchover;
 /// Stream bytes per frame: small enough that N connections share the stream evenly, large
 /// enough that the 20-byte header is noise.
 const CHUNK: usize = 64 << 10;
+/// The page window: guest pages read from QEMU that the destination has not consumed, at most
+/// (see `page_ledger`). 64 MiB of guest memory: some 65 ms of the destination QEMU's time on
+/// zero pages (~4 µs each here), which is what QEMU's first pass may leave it when the pass
+/// ends, and more than a round trip's worth of pages at the rate it loads them.
+const PAGE_WINDOW: u64 = 16 << 10;
 /// auto-converge's first throttle and its steps (QEMU's defaults are 20 and 10; with tailslow
 /// the steps after the first follow the dirty rate over the link rate instead).
 const THROTTLE_INITIAL_PCT: u8 = 20;
@@ -124,11 +130,13 @@ async fn migrate(
         req.link_rate_mbit,
         req.connections.max(1),
     ));
+    let ledger = Arc::new(Mutex::new(PageLedger::default()));
     let _progress = AbortOnDrop(tokio::spawn(track_progress(
         qmp.clone(),
         session.clone(),
         status.clone(),
         req.clone(),
+        ledger.clone(),
     )));
     let (ctl_tx, mut ctl) = mpsc::unbounded_channel();
     tokio::spawn(read_control(session.clone(), ctl_tx));
@@ -254,6 +262,7 @@ async fn migrate(
             &mut ctl,
             work_dir,
             encoder,
+            &ledger,
             disks.as_mut(),
             wan_timeout,
             deadline,
@@ -404,6 +413,7 @@ async fn stream(
     ctl: &mut mpsc::UnboundedReceiver<Control>,
     work_dir: &Path,
     mut encoder: Option<StreamEncoder>,
+    ledger: &Mutex<PageLedger>,
     disks: Option<&mut SourceDisks>,
     wan_timeout: Duration,
     deadline: Instant,
@@ -448,11 +458,35 @@ async fn stream(
         let mut out = BytesMut::with_capacity(CHUNK * 2);
         let mut hash = Sha256::new();
         let mut total = 0u64;
+        // Bytes handed to the stream channel.
+        let mut stream_sent = 0u64;
         loop {
             // Take what QEMU has written so far; when it has nothing more right now, send
             // what was parsed even if it is less than a frame: QEMU may be waiting for an
             // answer to it (with the return path on, it sends the device state and then
             // waits for the destination's confirmation before it closes the stream).
+            // No reading further ahead of the destination QEMU than the page window.
+            let outstanding = ledger
+                .lock()
+                .expect("ledger lock")
+                .outstanding(session.unacked_bytes_on(STREAM));
+            if outstanding > PAGE_WINDOW {
+                if let Some(encoder) = &mut encoder {
+                    encoder.flush(&mut out);
+                }
+                ledger
+                    .lock()
+                    .expect("ledger lock")
+                    .mark(stream_sent + out.len() as u64);
+                send_stream(session, ledger, &mut out, &mut stream_sent, true).await?;
+                let allowed = ledger
+                    .lock()
+                    .expect("ledger lock")
+                    .unacked_allowed(PAGE_WINDOW);
+                if let Some(bytes) = allowed {
+                    session.unacked_at_most(STREAM, bytes).await?;
+                }
+            }
             input.reserve(CHUNK);
             let (eof, drained) = match from_qemu.try_read_buf(&mut input) {
                 Ok(n) => (n == 0, n == 0),
@@ -465,14 +499,20 @@ async fn stream(
                 hash.update(&item_bytes);
                 corrupt_for_test(&mut item_bytes, total, req.test_corrupt_at);
                 total += item_bytes.len() as u64;
+                let mut ledger = ledger.lock().expect("ledger lock");
+                ledger.read(u64::from(item.is_page()));
                 match &mut encoder {
                     Some(encoder) => {
                         encoder.push(&item, &item_bytes);
                         if encoder.pending() >= BATCH_BYTES {
                             encoder.flush(&mut out);
+                            ledger.mark(stream_sent + out.len() as u64);
                         }
                     }
-                    None => out.extend_from_slice(&item_bytes),
+                    None => {
+                        out.extend_from_slice(&item_bytes);
+                        ledger.mark(stream_sent + out.len() as u64);
+                    }
                 }
             }
             if eof {
@@ -480,10 +520,12 @@ async fn stream(
             }
             if let (Some(encoder), true) = (&mut encoder, drained) {
                 encoder.flush(&mut out);
+                ledger
+                    .lock()
+                    .expect("ledger lock")
+                    .mark(stream_sent + out.len() as u64);
             }
-            while out.len() >= CHUNK || (drained && !out.is_empty()) {
-                let chunk = out.split_to(out.len().min(CHUNK)).freeze();
-                session.send(STREAM, chunk).await?;
+            if send_stream(session, ledger, &mut out, &mut stream_sent, drained).await? {
                 let report = encoder.as_ref().map(StreamEncoder::report);
                 status.update(|s| {
                     s.stream_bytes = total;
@@ -591,6 +633,27 @@ async fn stream(
 
 /// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item
 /// (which starts at `start`), after the source hashed it.
+/// Sends `out` on the stream channel in frames of at most `CHUNK`: all of it, or only whole
+/// frames (the rest waits for more). Returns whether anything was sent.
+async fn send_stream(
+    session: &Session,
+    ledger: &Mutex<PageLedger>,
+    out: &mut BytesMut,
+    stream_sent: &mut u64,
+    all: bool,
+) -> Result<bool> {
+    let mut sent = false;
+    while out.len() >= CHUNK || (all && !out.is_empty()) {
+        let chunk = out.split_to(out.len().min(CHUNK)).freeze();
+        let len = chunk.len() as u64;
+        session.send(STREAM, chunk).await?;
+        *stream_sent += len;
+        ledger.lock().expect("ledger lock").sent(len);
+        sent = true;
+    }
+    Ok(sent)
+}
+
 fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
     if let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) {
         item[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
@@ -683,6 +746,8 @@ struct LinkNow {
     unacked_bytes: u64,
     /// Of the session's, QEMU's stream's, and the send window without the first pass's lookahead.
     stream_unacked_bytes: u64,
+    /// Guest pages read from QEMU that the destination has not consumed yet.
+    pages_outstanding: u64,
     window_bytes: u64,
     /// Wire bytes per QEMU byte of resent pages (none: no codec, or nothing resent yet).
     resend_cost: Option<f64>,
@@ -704,6 +769,7 @@ impl Steering {
                 ram.dirty_sync_count,
                 link.stream_unacked_bytes,
                 link.window_bytes,
+                link.pages_outstanding,
             );
         if let (Some(target), Some(rtt_ms)) = (self.target_ms, link.rtt_ms) {
             let flight = switchover::flight_ms(link.unacked_bytes, link.bytes_per_s, rtt_ms);
@@ -772,7 +838,13 @@ impl Steering {
 
 /// Every 100 ms: QEMU's progress and the session's counters into the status, and the
 /// switchover steered (see `switchover`).
-async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared, req: MigrationRequest) {
+async fn track_progress(
+    qmp: Arc<Qmp>,
+    session: Session,
+    status: Shared,
+    req: MigrationRequest,
+    ledger: Arc<Mutex<PageLedger>>,
+) {
     let mut steering = Steering {
         target_ms: (!req.qemu_switchover_rule).then_some(req.downtime_limit_ms),
         converge: req.converge,
@@ -832,6 +904,10 @@ async fn track_progress(qmp: Arc<Qmp>, session: Session, status: Shared, req: Mi
                 // pre-switchover stop, before QEMU sends its last pass).
                 unacked_bytes: wire.unacked_bytes + s.disk.as_ref().map_or(0, |d| d.held_bytes),
                 stream_unacked_bytes: session.unacked_bytes_on(STREAM),
+                pages_outstanding: ledger
+                    .lock()
+                    .expect("ledger lock")
+                    .outstanding(session.unacked_bytes_on(STREAM)),
                 window_bytes: s
                     .wire
                     .rtt_ms

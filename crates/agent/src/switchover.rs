@@ -134,11 +134,23 @@ pub fn needed_throttle_pct(dirty_bytes_per_s: f64, end_game_bytes_per_s: f64) ->
 pub const HOLD_LIMIT_MS: u64 = 1;
 pub const HOLD_BYTES_PER_S: u64 = 1000;
 
-/// Whether the first pass's lookahead has crossed: QEMU is past its first pass and what its
-/// stream has queued fits the plain send window again.
-pub fn lookahead_drained(pass: u64, stream_unacked_bytes: u64, window_bytes: u64) -> bool {
-    pass > 1 && stream_unacked_bytes <= window_bytes
+/// Whether the first pass's lookahead has crossed: QEMU is past its first pass, what its
+/// stream has queued fits the plain send window again, and the destination has at most
+/// [`HOLD_MAX_PAGES`] of the pages read so far still to load (see `page_ledger`: a window of
+/// zero-page records is hundreds of milliseconds of the destination QEMU's time).
+pub fn lookahead_drained(
+    pass: u64,
+    stream_unacked_bytes: u64,
+    window_bytes: u64,
+    pages_outstanding: u64,
+) -> bool {
+    pass > 1 && stream_unacked_bytes <= window_bytes && pages_outstanding <= HOLD_MAX_PAGES
 }
+
+/// The destination's work left when the hold ends, in pages: 32 MiB of guest memory, some
+/// 30 ms of the destination QEMU's time at the rate it checked zero pages here (~1 GB/s of
+/// guest memory), and what the destination's feeder budget holds.
+pub const HOLD_MAX_PAGES: u64 = 8192;
 
 /// What QEMU's own part of the pause is left at least when the end-game window is sized: its
 /// last pass and the device state.
@@ -257,11 +269,15 @@ mod tests {
     fn the_hold_lasts_through_the_first_pass_and_its_backlog() {
         let window = 1_250_000;
         // The first pass: held however little is queued.
-        assert!(!lookahead_drained(1, 0, window));
+        assert!(!lookahead_drained(1, 0, window, 0));
         // Later passes: held while the lookahead's backlog is still queued.
-        assert!(!lookahead_drained(2, 12_000_000, window));
-        assert!(lookahead_drained(2, window, window));
-        assert!(lookahead_drained(5, 0, window));
+        assert!(!lookahead_drained(2, 12_000_000, window, 0));
+        assert!(lookahead_drained(2, window, window, HOLD_MAX_PAGES));
+        assert!(lookahead_drained(5, 0, window, 0));
+        assert!(
+            !lookahead_drained(5, 0, window, 60_000),
+            "a window of zero-page records is still ahead of the destination"
+        );
     }
 
     #[test]

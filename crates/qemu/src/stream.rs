@@ -581,6 +581,18 @@ impl Item {
             Item::Ram(record) => record.encoded_len(),
         }
     }
+
+    /// Whether the item is one guest page for the destination to load: a whole page, a zero
+    /// page or an XBZRLE delta (not a marker, not opaque bytes).
+    pub fn is_page(&self) -> bool {
+        matches!(
+            self,
+            Item::Ram(RamRecord {
+                data: RamData::Fill(_) | RamData::Page(_) | RamData::Xbzrle(_),
+                ..
+            })
+        )
+    }
 }
 
 impl RamRecord {

@@ -399,6 +399,19 @@ impl Session {
         stats
     }
 
+    /// Waits until at most `bytes` of `channel`'s payload are unacknowledged.
+    pub async fn unacked_at_most(
+        &self,
+        channel: ChannelId,
+        bytes: u64,
+    ) -> Result<(), SessionError> {
+        self.wait_for(|st| {
+            let held = st.send.get(&channel.0).map_or(0, |o| o.held_bytes() as u64);
+            Ok((held <= bytes).then_some(()))
+        })
+        .await
+    }
+
     /// Unacknowledged payload bytes on one channel.
     pub fn unacked_bytes_on(&self, channel: ChannelId) -> u64 {
         self.lock()
