@@ -182,6 +182,14 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
         );
         assert!(at(EventKind::DestinationResumed) >= at(EventKind::SourceStopped));
         assert!(tl.samples.len() >= 3);
+        // The third leg goes where the first went: it runs on a connection the first parked
+        // (no handshakes), the others on fresh ones.
+        let connected = &tl.find(EventKind::Connected).expect("connected").detail;
+        assert_eq!(
+            connected.contains("warm"),
+            leg == 2,
+            "leg {leg}: {connected}"
+        );
         let ended = &tl
             .find(EventKind::StreamEnded)
             .expect("stream ended")
