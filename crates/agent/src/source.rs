@@ -499,20 +499,26 @@ async fn stream(
                 hash.update(&item_bytes);
                 corrupt_for_test(&mut item_bytes, total, req.test_corrupt_at);
                 total += item_bytes.len() as u64;
-                let mut ledger = ledger.lock().expect("ledger lock");
-                ledger.read(u64::from(item.is_page()));
-                match &mut encoder {
+                // Whether everything read so far is now in `out` (the encoder flushed).
+                let flushed = match &mut encoder {
                     Some(encoder) => {
                         encoder.push(&item, &item_bytes);
-                        if encoder.pending() >= BATCH_BYTES {
+                        let full = encoder.pending() >= BATCH_BYTES;
+                        if full {
                             encoder.flush(&mut out);
-                            ledger.mark(stream_sent + out.len() as u64);
                         }
+                        full
                     }
                     None => {
                         out.extend_from_slice(&item_bytes);
-                        ledger.mark(stream_sent + out.len() as u64);
+                        true
                     }
+                };
+                // Locked only for the bookkeeping, not while the encoder works.
+                let mut book = ledger.lock().expect("ledger lock");
+                book.read(u64::from(item.is_page()));
+                if flushed {
+                    book.mark(stream_sent + out.len() as u64);
                 }
             }
             if eof {

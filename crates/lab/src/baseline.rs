@@ -707,11 +707,12 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         }
         if Instant::now() > deadline {
             let ram = info.ram.clone().unwrap_or_default();
+            let wan_end = wan::stats(&wan_socket)?;
             return Ok(MigrationOutcome {
                 completed: false,
                 total_ms: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
-                wan_bytes: wan::stats(&wan_socket)?.total_bytes() - wan_start,
-                wan_drops: wan::stats(&wan_socket)?.total_drops() - drops_start,
+                wan_bytes: wan_end.total_bytes() - wan_start,
+                wan_drops: wan_end.total_drops() - drops_start,
                 iterations: ram.dirty_sync_count,
                 ram_transferred: ram.transferred,
                 error: Some(format!(

@@ -228,6 +228,7 @@ pub async fn migrate(
         // The source's disks stay as the older copy for the VM's return (`vm stop` removes
         // them).
         let resume_micros = resume.unwrap_or_else(now_micros);
+        let wan_end = wan::stats(&wan_socket).ok();
         let outcome = MigrationOutcome {
             completed: true,
             total_ms: u64::try_from((resume_micros - t0_micros).max(0) / 1000).unwrap_or(0),
@@ -235,8 +236,10 @@ pub async fn migrate(
             qemu_downtime_ms: status.qemu_downtime_ms,
             guest_gap_ms: (heartbeats.count() > beats)
                 .then(|| heartbeats.max_gap().as_secs_f64() * 1000.0),
-            wan_bytes: wan::stats(&wan_socket).map_or(0, |s| s.total_bytes() - wan_start),
-            wan_drops: wan::stats(&wan_socket).map_or(0, |s| s.total_drops() - drops_start),
+            wan_bytes: wan_end.as_ref().map_or(0, |s| s.total_bytes() - wan_start),
+            wan_drops: wan_end
+                .as_ref()
+                .map_or(0, |s| s.total_drops() - drops_start),
             iterations: status.qemu.iteration,
             ram_transferred: status.stream_bytes,
             error: None,

@@ -345,7 +345,10 @@ async fn send_hello(
     send_frame(stream, &session.hello(connection).frame()).await
 }
 
-async fn send_frame(stream: &mut ClientStream, frame: &Frame) -> Result<(), SessionError> {
+async fn send_frame<S>(stream: &mut S, frame: &Frame) -> Result<(), SessionError>
+where
+    S: tokio::io::AsyncWrite + Unpin,
+{
     use tokio::io::AsyncWriteExt;
     let mut out = BytesMut::new();
     frame.encode(&mut out);
@@ -508,14 +511,11 @@ pub async fn answer(
     hello: &Hello,
     leftover: BytesMut,
 ) -> ConnectionEnd<ServerStream> {
-    use tokio::io::AsyncWriteExt;
     if let Err(e) = session.accept_hello(hello) {
         return ConnectionEnd::Lost(e);
     }
-    let mut out = BytesMut::new();
-    session.hello(hello.connection).frame().encode(&mut out);
-    if let Err(e) = stream.write_all(&out).await {
-        return ConnectionEnd::Lost(SessionError::Io(e.to_string()));
+    if let Err(e) = send_frame(&mut stream, &session.hello(hello.connection).frame()).await {
+        return ConnectionEnd::Lost(e);
     }
     session.run_connection(stream, leftover).await
 }
