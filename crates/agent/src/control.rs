@@ -75,6 +75,11 @@ pub enum Control {
         /// copied (SnapMig). Missing entries are false.
         #[serde(default)]
         top_only: Vec<bool>,
+        /// RAM blocks whose every page is zero at the destination before the stream (a fresh
+        /// memory file): their zero pages cost the destination nothing until the stream gives
+        /// them content ([`crate::load_sieve`]).
+        #[serde(default)]
+        zeroed_blocks: Vec<String>,
     },
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
     /// disk channel, and their operations hash to this SHA-256.

@@ -19,7 +19,9 @@ use tokio::net::UnixStream;
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
 use crate::disk::apply::DestinationDisks;
 use crate::disk::backing::backing_of;
-use crate::feeder::{self, Feeder, Weigher};
+use crate::feeder::{self, Feeder};
+use crate::known_zero::{self, ZeroPages};
+use crate::load_sieve::LoadSieve;
 use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
 
@@ -101,6 +103,25 @@ async fn serve(
     if st.status != "inmigrate" {
         bail!("the destination QEMU is not waiting for a migration (status {:?}; start it with -incoming defer)", st.status);
     }
+    // Before QEMU loads anything: which of its pages are zero already (holes of its memory
+    // file). Not knowing only costs the destination time.
+    let zero = match known_zero::discover(qmp).await {
+        Ok(zero) => {
+            tracing::info!(
+                "session {}: {} destination pages known zero before loading",
+                session.id(),
+                zero.count()
+            );
+            zero
+        }
+        Err(e) => {
+            tracing::warn!(
+                "session {}: every zero page goes to QEMU (its memory's holes: {e:#})",
+                session.id()
+            );
+            ZeroPages::none()
+        }
+    };
     qmp.execute(&control::plain_precopy(return_path)).await?;
     let sock = work_dir.join(format!("{}.dst.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
@@ -175,6 +196,7 @@ async fn serve(
             seed: seed.as_ref().map(|s| s.report.clone()),
             disk_base_bytes: disk_base.as_ref().map(|b| b.len() as u64),
             top_only,
+            zeroed_blocks: zero.all_zero_blocks(),
         },
     )
     .await?;
@@ -241,7 +263,7 @@ async fn serve(
     let mut received = 0u64;
     let mut decoded = BytesMut::with_capacity(128 << 10);
     let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
-    let mut weigher = Weigher::new();
+    let mut sieve = LoadSieve::new(zero);
     let mut end: Option<(u64, String)> = None;
     let idle_check = || -> Result<()> {
         if session.idle_for() > wan_timeout {
@@ -265,8 +287,8 @@ async fn serve(
                     };
                     hash.update(&qemu_bytes);
                     received += qemu_bytes.len() as u64;
-                    let weight = weigher.weigh(&qemu_bytes)?;
-                    feeder.push(qemu_bytes, weight).await?;
+                    let sieved = sieve.pass(&qemu_bytes)?;
+                    feeder.push(sieved.bytes, sieved.weight).await?;
                 }
                 Received::Barrier => {}
             },
@@ -298,6 +320,11 @@ async fn serve(
         bail!("stream digest mismatch: source sha256 {source_digest}, destination sha256 {digest}");
     }
     let fed_unix_us = unix_us();
+    tracing::info!(
+        "session {}: {} zero-page records left out (the pages were zero here)",
+        session.id(),
+        sieve.skipped()
+    );
 
     // QEMU must say it loaded the whole stream.
     let loaded_unix_us = loop {
@@ -361,6 +388,7 @@ async fn serve(
                 arrived_unix_us,
                 fed_unix_us,
                 loaded_unix_us,
+                zero_pages_skipped: sieve.skipped(),
             }),
         },
     )

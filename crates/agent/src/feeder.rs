@@ -7,7 +7,7 @@
 //! writes in their own task, the agent keeps receiving and decoding (on the other core) while
 //! QEMU loads, up to a budget. Whatever is queued here when the VM stops must still be loaded
 //! during the pause, so the budget counts QEMU's work, not bytes: a RAM record weighs a page
-//! (see [`Weigher`]). Counted in bytes, a run of zero-page records (9 bytes each, and about 4 µs
+//! (see [`crate::load_sieve`]). Counted in bytes, a run of zero-page records (9 bytes each, and about 4 µs
 //! of QEMU's time each: it checks its own copy of the page, faulting it in) let the 16 MiB budget
 //! hold more than the guest's whole memory, and the destination QEMU was still working through
 //! 350 ms of them, one core busy, after the source stopped the VM.
@@ -15,8 +15,7 @@
 use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
-use bytes::{Bytes, BytesMut};
-use ferry_qemu::stream::{Item, StreamParser, PAGE_SIZE};
+use bytes::Bytes;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
@@ -62,7 +61,7 @@ impl Feeder {
         }
     }
 
-    /// Queues `bytes` for QEMU, weighing `weight` against the budget (see [`Weigher`]),
+    /// Queues `bytes` for QEMU, weighing `weight` against the budget (see [`crate::load_sieve`]),
     /// waiting while the budget is spent. Fails with the writer's error once the writer has
     /// stopped.
     pub async fn push(&mut self, bytes: Bytes, weight: usize) -> Result<()> {
@@ -108,49 +107,6 @@ impl Feeder {
     }
 }
 
-/// Weighs QEMU's stream by the work it gives the destination QEMU: every RAM record (a page,
-/// a zero page, an XBZRLE delta) as a whole page, everything else (headers, device state) as
-/// its bytes. It parses the stream as the source agent did, so it also refuses bytes that are
-/// not one before QEMU sees them.
-pub struct Weigher {
-    parser: StreamParser,
-    pending: BytesMut,
-}
-
-impl Weigher {
-    pub fn new() -> Weigher {
-        Weigher {
-            parser: StreamParser::new(),
-            pending: BytesMut::new(),
-        }
-    }
-
-    /// The weight of the next `bytes` of the stream (a record cut between two calls counts in
-    /// the call that completes it).
-    pub fn weigh(&mut self, bytes: &[u8]) -> Result<usize> {
-        self.pending.extend_from_slice(bytes);
-        let mut weight = 0;
-        while let Some(item) = self
-            .parser
-            .next_item(&mut self.pending)
-            .context("the decoded stream")?
-        {
-            weight += match &item {
-                _ if item.is_page() => PAGE_SIZE,
-                Item::Opaque(b) => b.len(),
-                Item::Ram(_) => 0,
-            };
-        }
-        Ok(weight)
-    }
-}
-
-impl Default for Weigher {
-    fn default() -> Self {
-        Weigher::new()
-    }
-}
-
 impl Drop for Feeder {
     /// A migration that failed stops feeding QEMU at once.
     fn drop(&mut self) {
@@ -163,7 +119,6 @@ impl Drop for Feeder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_qemu::stream::RamData;
     use tokio::io::AsyncReadExt;
 
     #[tokio::test]
@@ -187,52 +142,6 @@ mod tests {
         }
         feeder.finish().await.unwrap();
         assert_eq!(read.await.unwrap(), expected);
-    }
-
-    /// Captured QEMU streams weigh the same cut in any pieces, every RAM record as a page: so a
-    /// stream's weight is at least its pages, and zero pages weigh far more than their bytes.
-    #[test]
-    fn records_weigh_a_page_however_the_stream_is_cut() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../qemu/tests/streams");
-        let mut checked = 0;
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_none_or(|x| x != "zst") {
-                continue;
-            }
-            let stream = zstd::decode_all(std::fs::File::open(&path).unwrap()).unwrap();
-            let (mut records, mut zero, mut other) = (0usize, 0usize, 0usize);
-            let mut parser = StreamParser::new();
-            let mut all = BytesMut::from(&stream[..]);
-            while let Some(item) = parser.next_item(&mut all).unwrap() {
-                match item {
-                    Item::Opaque(b) => other += b.len(),
-                    Item::Ram(r) => match r.data {
-                        RamData::None => {}
-                        RamData::Fill(_) => zero += 1,
-                        RamData::Page(_) | RamData::Xbzrle(_) => records += 1,
-                    },
-                }
-            }
-            let expected = (records + zero) * PAGE_SIZE + other;
-            for cut in [1, 7, 4093, 65536] {
-                let mut weigher = Weigher::new();
-                let weight: usize = stream.chunks(cut).map(|c| weigher.weigh(c).unwrap()).sum();
-                assert_eq!(weight, expected, "{} cut every {cut}", path.display());
-            }
-            if zero > 0 {
-                assert!(expected > stream.len() + zero * (PAGE_SIZE - 16));
-            }
-            checked += 1;
-        }
-        assert!(checked > 0, "no captured streams in {dir}");
-    }
-
-    #[test]
-    fn bytes_that_are_not_a_stream_are_refused() {
-        let mut weigher = Weigher::new();
-        let e = weigher.weigh(&[0xde; 64]).unwrap_err();
-        assert!(format!("{e:#}").contains("decoded stream"), "{e:#}");
     }
 
     #[tokio::test]

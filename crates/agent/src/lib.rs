@@ -5,6 +5,9 @@
 //! - [`source`]: the sending side of a migration (QEMU -> parser -> session).
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
 //! - [`feeder`]: the destination QEMU's stream, written from a bounded queue.
+//! - [`known_zero`]: the destination's pages that are zero before the stream arrives.
+//! - [`load_sieve`]: the stream as the destination QEMU gets it: no-op zero pages left out,
+//!   weighed by QEMU's work.
 //! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
@@ -19,6 +22,8 @@ pub mod control;
 pub mod destination;
 pub mod disk;
 pub mod feeder;
+pub mod known_zero;
+pub mod load_sieve;
 pub mod page_ledger;
 pub mod seed_store;
 pub mod server;

@@ -9,7 +9,12 @@
 //! known position of the stream channel, and the session's acknowledgements say which position
 //! the destination has consumed.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+
+use bytes::Bytes;
+use ferry_qemu::stream::{Item, PAGE_SIZE};
+
+use crate::known_zero::PageBits;
 
 #[derive(Debug, Default)]
 pub struct PageLedger {
@@ -73,9 +78,81 @@ impl PageLedger {
     }
 }
 
+/// Which of QEMU's page records cost the destination a page of work: all of them, except a
+/// zero page for a page the destination holds as zero, which its agent leaves out
+/// ([`crate::load_sieve`]). Followed for the blocks the destination said start all zero, with
+/// the same marks as the destination's, so the page window and the hold count the work that is
+/// really ahead of the destination QEMU: a fresh guest's first pass is mostly such zero pages.
+#[derive(Debug, Default)]
+pub struct DestinationWork {
+    /// Blocks that started all zero at the destination; their marks once the stream reached
+    /// them.
+    zeroed: HashMap<Bytes, Option<PageBits>>,
+}
+
+impl DestinationWork {
+    pub fn new(all_zero_blocks: &[String]) -> DestinationWork {
+        DestinationWork {
+            zeroed: all_zero_blocks
+                .iter()
+                .map(|name| (Bytes::copy_from_slice(name.as_bytes()), None))
+                .collect(),
+        }
+    }
+
+    /// Pages of the destination's work in `item`, a parsed item of `block` (the parser's
+    /// current block and its size in bytes).
+    pub fn pages(&mut self, item: &Item, block: Option<(&Bytes, u64)>) -> u64 {
+        let Item::Ram(record) = item else { return 0 };
+        if !item.is_page() {
+            return 0;
+        }
+        let page_size = PAGE_SIZE as u64;
+        let marks = block.and_then(|(name, size)| {
+            let marks = self.zeroed.get_mut(name)?;
+            Some(marks.get_or_insert_with(|| PageBits::full(size / page_size)))
+        });
+        let free = marks.is_some_and(|marks| marks.follow(record.offset / page_size, record));
+        u64::from(!free)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_qemu::stream::{flag, RamData, RamRecord};
+
+    fn page(flags: u64, offset: u64, data: RamData) -> Item {
+        Item::Ram(RamRecord {
+            offset,
+            flags,
+            block: None,
+            data,
+        })
+    }
+
+    /// Zero pages of a block that started zero cost nothing until the page got content;
+    /// other blocks' zero pages, whole pages and markers cost what they always did.
+    #[test]
+    fn zero_pages_of_zeroed_blocks_are_free_until_the_page_has_content() {
+        let mut work = DestinationWork::new(&["ram0".to_string()]);
+        let (ram0, rom) = (Bytes::from_static(b"ram0"), Bytes::from_static(b"pc.rom"));
+        fn at(b: &Bytes) -> Option<(&Bytes, u64)> {
+            Some((b, 8 * PAGE_SIZE as u64))
+        }
+        let zero = |offset| page(flag::ZERO | flag::CONTINUE, offset, RamData::Fill(0));
+        let full = Bytes::from(vec![7u8; PAGE_SIZE]);
+        assert_eq!(work.pages(&zero(0), at(&ram0)), 0);
+        assert_eq!(work.pages(&zero(0), at(&rom)), 1);
+        assert_eq!(work.pages(&zero(4096), None), 1);
+        let data = page(flag::PAGE, 4096, RamData::Page(full));
+        assert_eq!(work.pages(&data, at(&ram0)), 1);
+        assert_eq!(work.pages(&zero(4096), at(&ram0)), 1, "QEMU must clear it");
+        assert_eq!(work.pages(&zero(4096), at(&ram0)), 0, "cleared already");
+        let eos = page(flag::EOS, 0, RamData::None);
+        assert_eq!(work.pages(&eos, at(&ram0)), 0);
+        assert_eq!(work.pages(&Item::Opaque(Bytes::from_static(b"x")), None), 0);
+    }
 
     #[test]
     fn pages_count_as_consumed_once_every_byte_holding_them_is() {

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
 use crate::disk;
 use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
-use crate::page_ledger::PageLedger;
+use crate::page_ledger::{DestinationWork, PageLedger};
 use crate::seed_store;
 use crate::status::{Events, Shared};
 use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
@@ -160,15 +160,16 @@ async fn migrate(
         )
         .await?;
         status.update(|s| s.phase = "preparing the destination".into());
-        let seed = match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
+        let (seed, zeroed_blocks) = match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
             Some(Control::Ready {
                 seed,
                 disk_base_bytes,
                 top_only,
+                zeroed_blocks,
             }) => {
                 disk_base_len = disk_base_bytes;
                 disk_top_only = top_only;
-                seed
+                (seed, zeroed_blocks)
             }
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
             other => bail!("unexpected answer to Prepare: {other:?}"),
@@ -263,6 +264,7 @@ async fn migrate(
             work_dir,
             encoder,
             &ledger,
+            DestinationWork::new(&zeroed_blocks),
             disks.as_mut(),
             wan_timeout,
             deadline,
@@ -414,6 +416,7 @@ async fn stream(
     work_dir: &Path,
     mut encoder: Option<StreamEncoder>,
     ledger: &Mutex<PageLedger>,
+    mut destination_work: DestinationWork,
     disks: Option<&mut SourceDisks>,
     wan_timeout: Duration,
     deadline: Instant,
@@ -516,7 +519,7 @@ async fn stream(
                 };
                 // Locked only for the bookkeeping, not while the encoder works.
                 let mut book = ledger.lock().expect("ledger lock");
-                book.read(u64::from(item.is_page()));
+                book.read(destination_work.pages(&item, parser.current_block()));
                 if flushed {
                     book.mark(stream_sent + out.len() as u64);
                 }

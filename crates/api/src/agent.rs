@@ -307,6 +307,10 @@ pub struct DestinationSwitchover {
     pub fed_unix_us: i64,
     /// The destination QEMU reported the stream loaded (`completed`).
     pub loaded_unix_us: i64,
+    /// QEMU's zero-page records the destination agent left out: the page was zero there
+    /// already (a hole of its memory file, or cleared earlier in the migration).
+    #[serde(default)]
+    pub zero_pages_skipped: u64,
 }
 
 /// `GET /v1/migrations/{id}`.

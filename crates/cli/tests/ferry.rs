@@ -69,6 +69,30 @@ fn assert_source_runs_intact(t: &TestLab, vm: &str) {
     );
 }
 
+/// Leaves stale data in every other MiB of `vm`'s memory file at site b before its QEMU
+/// there opens it, as a host that reuses memory files would: where the guest's pages are zero
+/// the stream must overwrite it, where the file has holes the destination agent may skip the
+/// zero pages.
+fn stale_memory_at_b(t: &TestLab, vm: &str, mib: u64) {
+    use std::io::{Seek, SeekFrom, Write};
+    let path = ferry_lab::vm::mem_file(&t.lab, vm, Site::B);
+    let mut f = std::fs::File::create(&path).unwrap();
+    f.set_len(mib << 20).unwrap();
+    for stripe in (0..mib).step_by(2) {
+        f.seek(SeekFrom::Start(stripe << 20)).unwrap();
+        f.write_all(&vec![0xa5; 1 << 20]).unwrap();
+    }
+}
+
+/// How many zero-page records the destination agent left out, from the timeline.
+fn zero_pages_skipped(tl: &ferry_api::Timeline) -> u64 {
+    let fed = &tl.find(EventKind::StreamFed).expect("stream fed").detail;
+    fed.split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {fed:?}"))
+}
+
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -85,10 +109,12 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
     )
     .unwrap();
     tcp.wait_for_more(20, Duration::from_secs(30)).unwrap();
-    // There with four connections and the codec; back, where site a kept the VM's memory
-    // from when it left and the pages still the same go as references to it; there again
-    // with one connection, QEMU's bytes as they are, and QEMU's return path on, which the
-    // agents must carry from the destination QEMU to the source QEMU.
+    // There with four connections and the codec, into a memory file half full of stale data;
+    // back, where site a kept the VM's memory from when it left and the pages still the same
+    // go as references to it; there again with one connection, QEMU's bytes as they are, and
+    // QEMU's return path on, which the agents must carry from the destination QEMU to the
+    // source QEMU.
+    stale_memory_at_b(&t, "f1", 128);
     for (leg, (to, site, connections, codec, return_path)) in [
         ("b", Site::B, "4", "all", false),
         ("a", Site::A, "1", "all", false),
@@ -182,6 +208,17 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
         );
         assert!(at(EventKind::DestinationResumed) >= at(EventKind::SourceStopped));
         assert!(tl.samples.len() >= 3);
+        // Most of a 128 MiB guest's pages are zero; on the first leg half the file holds stale
+        // data, so only zero pages in its holes may be skipped (the verifier above checks the
+        // rest were cleared).
+        let skipped = zero_pages_skipped(&tl);
+        assert!(skipped > 1024, "leg {leg}: {skipped} zero pages skipped");
+        if leg == 0 {
+            assert!(
+                skipped < 20_000,
+                "leg 0: {skipped} skipped with half the file stale"
+            );
+        }
         // The third leg goes where the first went: it runs on a connection the first parked
         // (no handshakes), the others on fresh ones.
         let connected = &tl.find(EventKind::Connected).expect("connected").detail;

@@ -194,15 +194,19 @@ pub async fn migrate(
             );
         }
         if let Some(d) = status.destination_switchover {
-            for (at, kind) in [
-                (d.arrived_unix_us, EventKind::StreamArrived),
-                (d.fed_unix_us, EventKind::StreamFed),
-                (d.loaded_unix_us, EventKind::DestinationLoaded),
+            let skipped = format!(
+                "{} zero-page records left out (zero there already)",
+                d.zero_pages_skipped
+            );
+            for (at, kind, detail) in [
+                (d.arrived_unix_us, EventKind::StreamArrived, ""),
+                (d.fed_unix_us, EventKind::StreamFed, skipped.as_str()),
+                (d.loaded_unix_us, EventKind::DestinationLoaded, ""),
             ] {
                 mark(
                     u64::try_from((at - t0_micros).max(0) / 1000).unwrap_or(0),
                     kind,
-                    "",
+                    detail,
                 );
             }
         }

@@ -62,7 +62,8 @@ fn data_dir(lab: &Lab, name: &str) -> PathBuf {
     base.join(&lab.name).join(name)
 }
 
-fn mem_file(lab: &Lab, name: &str, site: Site) -> PathBuf {
+/// The memory file of VM `name`'s QEMU at `site` (a shared `memory-backend-file`).
+pub fn mem_file(lab: &Lab, name: &str, site: Site) -> PathBuf {
     PathBuf::from(format!(
         "/dev/shm/ferry-{}-{}-{}.mem",
         lab.name,

@@ -301,3 +301,25 @@ command!(
     "query-memory-size-summary",
     MemorySizeSummary
 );
+
+/// `qom-list`: the properties (and children) of a QOM object.
+#[derive(Debug, Serialize)]
+pub struct QomList {
+    pub path: String,
+}
+/// One property of [`QomList`]'s answer; children have type `child<TYPE>`.
+#[derive(Debug, Deserialize)]
+pub struct QomProperty {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+command!(QomList, "qom-list", Vec<QomProperty>);
+
+/// `qom-get`: one property of a QOM object, as QEMU's JSON.
+#[derive(Debug, Serialize)]
+pub struct QomGet {
+    pub path: String,
+    pub property: String,
+}
+command!(QomGet, "qom-get", Value);

@@ -249,6 +249,13 @@ impl StreamParser {
         self.position
     }
 
+    /// The RAM block the last record was in (named, or continued), with its size in bytes.
+    pub fn current_block(&self) -> Option<(&Bytes, u64)> {
+        self.current_block
+            .as_ref()
+            .map(|(name, size)| (name, *size))
+    }
+
     /// Whether the parser has passed into the opaque tail (device state and after): the
     /// stream may end from here on.
     pub fn in_tail(&self) -> bool {
