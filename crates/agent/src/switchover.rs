@@ -30,8 +30,11 @@ pub const RESUME_MS: f64 = 75.0;
 pub const MIN_LIMIT_MS: u64 = 20;
 
 /// The transport's framing and TLS on top of the codec's bytes (measured: about 0.2%), and a
-/// margin for the cost estimate's noise.
-const WIRE_OVERHEAD: f64 = 1.05;
+/// margin for the cost estimate's noise: the last pass's pages cost more on the wire than the
+/// average resent page. At 1.05 the ws guest's QEMU overshot its limit by 25-80 ms and its
+/// real pauses came out 279-303 ms against 300 (5 runs); the margin grows with the last pass,
+/// where that error is, and leaves a guest with a small last pass (delta) as it was.
+const WIRE_OVERHEAD: f64 = 1.2;
 /// The cheapest a resent byte is assumed to be (a delta of a few bytes per page), so that a
 /// lucky stretch of unchanged pages cannot make the last pass look free.
 const MIN_RESEND_COST: f64 = 0.02;
@@ -212,9 +215,9 @@ mod tests {
 
     #[test]
     fn the_end_game_rate_follows_what_resent_pages_cost() {
-        assert_eq!(end_game_rate(LINK, None, None), 11_904_761);
+        assert_eq!(end_game_rate(LINK, None, None), 10_416_666);
         // Resent pages compress 2:1: twice the QEMU bytes per second.
-        assert_eq!(end_game_rate(LINK, Some(0.5), None), 23_809_523);
+        assert_eq!(end_game_rate(LINK, Some(0.5), None), 20_833_333);
         // Nearly free resends are capped.
         assert_eq!(
             end_game_rate(LINK, Some(0.0001), None),
@@ -222,7 +225,7 @@ mod tests {
         );
         // QEMU measured less: its figure.
         assert_eq!(end_game_rate(LINK, Some(0.5), Some(15e6)), 15_000_000);
-        assert_eq!(end_game_rate(LINK, Some(0.5), Some(1e9)), 23_809_523);
+        assert_eq!(end_game_rate(LINK, Some(0.5), Some(1e9)), 20_833_333);
     }
 
     #[test]
