@@ -23,7 +23,8 @@ use anyhow::{bail, ensure, Context, Result};
 use bytes::{Buf, Bytes, BytesMut};
 use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
 use ferry_codec::{
-    compress_batch, decompress_batch, Decoder, Encoder, LevelChooser, Options, SeedImage, SeedIndex,
+    BatchCompressor, BatchDecompressor, Decoder, Encoder, LevelChooser, Options, SeedImage,
+    SeedIndex,
 };
 use ferry_qemu::stream::{Item, RamData, PAGE_SIZE};
 
@@ -154,6 +155,9 @@ pub struct StreamEncoder {
     blocks: BlockNumbers,
     /// Records of the batch being built.
     records: Vec<u8>,
+    /// zstd's context and the closed batch, kept from batch to batch.
+    compressor: BatchCompressor,
+    batch: Vec<u8>,
     /// Where the length of the open opaque record sits, while consecutive items extend it.
     open_opaque: Option<usize>,
     /// Batches sent stored since zstd last ran.
@@ -172,6 +176,8 @@ impl StreamEncoder {
             link_bytes_per_s: link_rate_mbit * 1e6 / 8.0,
             blocks: BlockNumbers::default(),
             records: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
+            compressor: BatchCompressor::default(),
+            batch: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             open_opaque: None,
             batches_without_zstd: 0,
             sent: SentPages::default(),
@@ -251,26 +257,28 @@ impl StreamEncoder {
         }
         let level = self.zstd_level();
         let started = Instant::now();
-        let mut batch = Vec::with_capacity(self.records.len() / 2 + 16);
-        compress_batch(&self.records, level, &mut batch);
+        self.batch.clear();
+        self.compressor
+            .compress(&self.records, level, &mut self.batch);
+        let batch_len = self.batch.len();
         if let Some(level) = level {
             let seconds = started.elapsed().as_secs_f64();
             if self.records.len() >= MEASURE_BYTES {
                 self.levels
-                    .observe(level, self.records.len(), batch.len(), seconds);
+                    .observe(level, self.records.len(), batch_len, seconds);
             }
-            self.count_level(level, batch.len(), seconds);
+            self.count_level(level, batch_len, seconds);
         }
         out.extend_from_slice(
-            &u32::try_from(batch.len())
+            &u32::try_from(batch_len)
                 .expect("batches are far below 4 GiB")
                 .to_le_bytes(),
         );
-        out.extend_from_slice(&batch);
+        out.extend_from_slice(&self.batch);
         self.resend
-            .close_batch((4 + batch.len()) as f64 / self.records.len() as f64);
+            .close_batch((4 + batch_len) as f64 / self.records.len() as f64);
         self.report.resend_cost = self.resend.estimate();
-        self.report.bytes_out += 4 + batch.len() as u64;
+        self.report.bytes_out += 4 + batch_len as u64;
         self.report.zstd_level = level;
         self.records.clear();
         self.open_opaque = None;
@@ -334,6 +342,7 @@ impl StreamEncoder {
 #[derive(Debug)]
 pub struct StreamDecoder {
     pages: Decoder,
+    batches: BatchDecompressor,
     input: BytesMut,
     page: Box<[u8; PAGE_SIZE]>,
 }
@@ -342,6 +351,7 @@ impl StreamDecoder {
     pub fn new(settings: CodecSettings, history_bytes: u64) -> StreamDecoder {
         StreamDecoder {
             pages: Decoder::new(options(settings, history_bytes)),
+            batches: BatchDecompressor::default(),
             input: BytesMut::new(),
             page: Box::new([0; PAGE_SIZE]),
         }
@@ -367,39 +377,8 @@ impl StreamDecoder {
             }
             self.input.advance(4);
             let batch = self.input.split_to(len);
-            let records = decompress_batch(&batch).context("codec batch")?;
-            self.decode_records(&records, out)?;
-        }
-        Ok(())
-    }
-
-    fn decode_records(&mut self, mut records: &[u8], out: &mut BytesMut) -> Result<()> {
-        while let Some((&tag, rest)) = records.split_first() {
-            records = rest;
-            match tag {
-                OPAQUE => {
-                    let n = take_len::<4>(&mut records)?;
-                    out.extend_from_slice(take(&mut records, n, "passed-through bytes")?);
-                }
-                PAGE => {
-                    let n = take_len::<2>(&mut records)?;
-                    let header = take(&mut records, n, "RAM record header")?;
-                    ensure!(n >= 8, "RAM record header of {n} bytes");
-                    let (key, _) = self
-                        .pages
-                        .decode(&mut records, &mut self.page)
-                        .context("page record")?;
-                    // The key must name the page the header does: catches ends out of step.
-                    let word = u64::from_be_bytes(header[..8].try_into().expect("8 bytes"));
-                    let index = (word & !ferry_qemu::stream::flag::MASK) / PAGE_SIZE as u64;
-                    if key & ((1 << BLOCK_SHIFT) - 1) != index {
-                        bail!("page record for key {key:#x} under a header for page {index:#x}");
-                    }
-                    out.extend_from_slice(header);
-                    out.extend_from_slice(&self.page[..]);
-                }
-                other => bail!("unknown codec stream record 0x{other:02x}"),
-            }
+            let records = self.batches.decompress(&batch).context("codec batch")?;
+            decode_records(&mut self.pages, &mut self.page, records, out)?;
         }
         Ok(())
     }
@@ -408,6 +387,41 @@ impl StreamDecoder {
     pub fn is_idle(&self) -> bool {
         self.input.is_empty()
     }
+}
+
+/// Appends QEMU's bytes for one batch's `records` to `out`, decoding pages through `pages`
+/// into `page`.
+fn decode_records(
+    pages: &mut Decoder,
+    page: &mut [u8; PAGE_SIZE],
+    mut records: &[u8],
+    out: &mut BytesMut,
+) -> Result<()> {
+    while let Some((&tag, rest)) = records.split_first() {
+        records = rest;
+        match tag {
+            OPAQUE => {
+                let n = take_len::<4>(&mut records)?;
+                out.extend_from_slice(take(&mut records, n, "passed-through bytes")?);
+            }
+            PAGE => {
+                let n = take_len::<2>(&mut records)?;
+                let header = take(&mut records, n, "RAM record header")?;
+                ensure!(n >= 8, "RAM record header of {n} bytes");
+                let (key, _) = pages.decode(&mut records, page).context("page record")?;
+                // The key must name the page the header does: catches ends out of step.
+                let word = u64::from_be_bytes(header[..8].try_into().expect("8 bytes"));
+                let index = (word & !ferry_qemu::stream::flag::MASK) / PAGE_SIZE as u64;
+                if key & ((1 << BLOCK_SHIFT) - 1) != index {
+                    bail!("page record for key {key:#x} under a header for page {index:#x}");
+                }
+                out.extend_from_slice(header);
+                out.extend_from_slice(&page[..]);
+            }
+            other => bail!("unknown codec stream record 0x{other:02x}"),
+        }
+    }
+    Ok(())
 }
 
 fn take<'a>(input: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8]> {
@@ -520,7 +534,7 @@ mod tests {
             .feed(&u32::MAX.to_le_bytes(), &mut BytesMut::new())
             .is_err());
         let mut bad = Vec::new();
-        compress_batch(&[0x7f, 1, 2], None, &mut bad);
+        ferry_codec::compress_batch(&[0x7f, 1, 2], None, &mut bad);
         let mut framed = u32::try_from(bad.len()).unwrap().to_le_bytes().to_vec();
         framed.extend_from_slice(&bad);
         let err = StreamDecoder::new(CodecSettings::ALL, 64 << 20)

@@ -12,47 +12,134 @@ const ZSTD: u8 = 1;
 /// Largest batch a decoder accepts: bounds the memory a damaged length can ask for.
 pub const MAX_BATCH: usize = 64 << 20;
 
-/// Appends `records` as one batch to `out`, compressed at `level` (`None`: stored).
+/// Appends `records` as one batch to `out`, compressed at `level` (`None`: stored). One-off
+/// use; a stream of batches goes through a [`BatchCompressor`].
 pub fn compress_batch(records: &[u8], level: Option<i32>, out: &mut Vec<u8>) {
-    assert!(records.len() <= MAX_BATCH, "batch over {MAX_BATCH} bytes");
-    if let Some(level) = level {
-        if let Ok(packed) = zstd::bulk::compress(records, level) {
-            if packed.len() < records.len() {
-                out.push(ZSTD);
-                varint::put(out, records.len() as u64);
-                out.extend_from_slice(&packed);
-                return;
-            }
-        }
-    }
-    out.push(STORED);
-    varint::put(out, records.len() as u64);
-    out.extend_from_slice(records);
+    BatchCompressor::default().compress(records, level, out);
 }
 
-/// The records of one whole batch (as [`compress_batch`] wrote it).
-pub fn decompress_batch(mut batch: &[u8]) -> Result<Vec<u8>, CodecError> {
-    let (&kind, rest) = batch
-        .split_first()
-        .ok_or(CodecError::Truncated("batch header"))?;
-    batch = rest;
-    let len = usize::try_from(varint::get(&mut batch)?)
-        .ok()
-        .filter(|&l| l <= MAX_BATCH)
-        .ok_or_else(|| CodecError::BadBatch("length over the limit".into()))?;
-    let records = match kind {
-        STORED => batch.to_vec(),
-        ZSTD => zstd::bulk::decompress(batch, len)
-            .map_err(|e| CodecError::BadBatch(format!("zstd: {e}")))?,
-        other => return Err(CodecError::BadBatch(format!("unknown kind {other}"))),
-    };
-    if records.len() != len {
-        return Err(CodecError::BadBatch(format!(
-            "{} bytes where the header says {len}",
-            records.len()
-        )));
+/// The records of one whole batch (as [`compress_batch`] wrote it). One-off use; a stream of
+/// batches goes through a [`BatchDecompressor`].
+pub fn decompress_batch(batch: &[u8]) -> Result<Vec<u8>, CodecError> {
+    BatchDecompressor::default()
+        .decompress(batch)
+        .map(<[u8]>::to_vec)
+}
+
+/// Compresses batch after batch with one zstd context and one scratch buffer. A fresh context
+/// and output buffer per batch allocated their tables and pages anew each time, and at a
+/// gigabit the kernel zeroing those fresh pages cost more CPU than zstd itself (perf:
+/// `clear_page_erms` above every codec function).
+#[derive(Default)]
+pub struct BatchCompressor {
+    /// Created on first use, at the level it was last set to.
+    context: Option<(zstd::bulk::Compressor<'static>, i32)>,
+    packed: Vec<u8>,
+}
+
+impl std::fmt::Debug for BatchCompressor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchCompressor")
+            .field("level", &self.context.as_ref().map(|(_, l)| *l))
+            .finish_non_exhaustive()
     }
-    Ok(records)
+}
+
+impl BatchCompressor {
+    /// Appends `records` as one batch to `out`, compressed at `level` (`None`: stored).
+    pub fn compress(&mut self, records: &[u8], level: Option<i32>, out: &mut Vec<u8>) {
+        assert!(records.len() <= MAX_BATCH, "batch over {MAX_BATCH} bytes");
+        if let Some(level) = level {
+            if let Some(packed) = self.zstd(records, level) {
+                if packed.len() < records.len() {
+                    out.push(ZSTD);
+                    varint::put(out, records.len() as u64);
+                    out.extend_from_slice(packed);
+                    return;
+                }
+            }
+        }
+        out.push(STORED);
+        varint::put(out, records.len() as u64);
+        out.extend_from_slice(records);
+    }
+
+    /// `records` compressed at `level`, or `None` if zstd failed (the batch then goes stored).
+    fn zstd(&mut self, records: &[u8], level: i32) -> Option<&[u8]> {
+        let context = match &mut self.context {
+            Some((context, current)) => {
+                if *current != level {
+                    context.set_compression_level(level).ok()?;
+                    *current = level;
+                }
+                context
+            }
+            None => {
+                let context = zstd::bulk::Compressor::new(level).ok()?;
+                &mut self.context.insert((context, level)).0
+            }
+        };
+        self.packed.clear();
+        self.packed
+            .reserve(zstd::zstd_safe::compress_bound(records.len()));
+        context.compress_to_buffer(records, &mut self.packed).ok()?;
+        Some(&self.packed)
+    }
+}
+
+/// Decompresses batch after batch with one zstd context and one buffer for the records (see
+/// [`BatchCompressor`] for why).
+#[derive(Default)]
+pub struct BatchDecompressor {
+    context: Option<zstd::bulk::Decompressor<'static>>,
+    records: Vec<u8>,
+}
+
+impl std::fmt::Debug for BatchDecompressor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchDecompressor").finish_non_exhaustive()
+    }
+}
+
+impl BatchDecompressor {
+    /// The records of one whole batch (as [`BatchCompressor::compress`] wrote it), valid until
+    /// the next call.
+    pub fn decompress<'a>(&'a mut self, mut batch: &'a [u8]) -> Result<&'a [u8], CodecError> {
+        let (&kind, rest) = batch
+            .split_first()
+            .ok_or(CodecError::Truncated("batch header"))?;
+        batch = rest;
+        let len = usize::try_from(varint::get(&mut batch)?)
+            .ok()
+            .filter(|&l| l <= MAX_BATCH)
+            .ok_or_else(|| CodecError::BadBatch("length over the limit".into()))?;
+        let records = match kind {
+            STORED => batch,
+            ZSTD => {
+                let zstd_error = |e: std::io::Error| CodecError::BadBatch(format!("zstd: {e}"));
+                let context = match &mut self.context {
+                    Some(context) => context,
+                    None => self
+                        .context
+                        .insert(zstd::bulk::Decompressor::new().map_err(zstd_error)?),
+                };
+                self.records.clear();
+                self.records.reserve(len);
+                context
+                    .decompress_to_buffer(batch, &mut self.records)
+                    .map_err(zstd_error)?;
+                &self.records[..]
+            }
+            other => return Err(CodecError::BadBatch(format!("unknown kind {other}"))),
+        };
+        if records.len() != len {
+            return Err(CodecError::BadBatch(format!(
+                "{} bytes where the header says {len}",
+                records.len()
+            )));
+        }
+        Ok(records)
+    }
 }
 
 /// Picks the zstd level from what the link carries and what the CPU manages: the strongest
@@ -192,6 +279,44 @@ mod tests {
         let mut huge = vec![STORED];
         varint::put(&mut huge, u64::MAX);
         assert!(decompress_batch(&huge).is_err());
+    }
+
+    #[test]
+    fn one_context_carries_batches_of_every_size_and_level() {
+        let mut compressor = BatchCompressor::default();
+        let mut decompressor = BatchDecompressor::default();
+        let text = b"pages of a guest, mostly alike but not quite ";
+        for (i, level) in [Some(1), Some(3), None, Some(9), Some(1), Some(6)]
+            .into_iter()
+            .enumerate()
+        {
+            // Sizes go up and down so a context sized for a big batch meets a small one.
+            let len = [200_000, 3, 1 << 20, 70_000, 0, 500_000][i];
+            let records: Vec<u8> = text.iter().copied().cycle().skip(i).take(len).collect();
+            let mut out = vec![0xee];
+            compressor.compress(&records, level, &mut out);
+            assert_eq!(out[0], 0xee, "appends after what `out` held");
+            if level.is_some() && len > 1000 {
+                assert_eq!(out[1], ZSTD, "batch {i}");
+            }
+            assert_eq!(decompressor.decompress(&out[1..]).unwrap(), &records[..]);
+        }
+        // A batch that says fewer bytes than its zstd frame holds is refused, not truncated.
+        let mut out = Vec::new();
+        compressor.compress(&[5u8; 9000], Some(1), &mut out);
+        let mut lying = vec![ZSTD];
+        varint::put(&mut lying, 4000);
+        let body_at = 1 + {
+            let mut b = &out[1..];
+            varint::get(&mut b).unwrap();
+            out.len() - 1 - b.len()
+        };
+        lying.extend_from_slice(&out[body_at..]);
+        assert!(decompressor.decompress(&lying).is_err());
+        assert!(
+            decompressor.decompress(&out).is_ok(),
+            "usable after an error"
+        );
     }
 
     #[test]

@@ -23,7 +23,9 @@ pub mod rle;
 pub mod seed;
 mod varint;
 
-pub use batch::{compress_batch, decompress_batch, LevelChooser};
+pub use batch::{
+    compress_batch, decompress_batch, BatchCompressor, BatchDecompressor, LevelChooser,
+};
 pub use disk::{DiskDecoder, DiskEncoder, DiskOp};
 pub use disk_base::{BaseBuilder, DiskBase};
 pub use page::{Decoder, Encoder, PageKind, PageStats};
