@@ -92,6 +92,15 @@ impl BlockCache {
             let start = slot as usize * BLOCK_SIZE;
             self.data[start..start + BLOCK_SIZE].copy_from_slice(block);
         } else {
+            if self.filled == 0 {
+                // The whole ring at once (address space only: the kernel gives pages as they
+                // are first written). Grown by doubling, it copied and faulted in some 150 MB
+                // more on its way to 100 MB.
+                let slots = self.capacity as usize;
+                self.data.reserve_exact(slots * BLOCK_SIZE);
+                self.slot_hash.reserve_exact(slots);
+                self.index.reserve(slots);
+            }
             self.data.extend_from_slice(block);
             self.slot_hash.push(hash);
             self.filled += 1;
