@@ -42,7 +42,7 @@ if ! grep -rqs "^Suites:.*${backports}" /etc/apt/sources.list.d/ && ! grep -qs "
     echo "setup: added $backports from $uri"
 fi
 
-need_pkgs=(busybox-static cpio iperf3 ethtool e2fsprogs iproute2 kmod procps util-linux zstd gzip gcc libc6-dev make)
+need_pkgs=(busybox-static cpio iperf3 ethtool e2fsprogs iproute2 kmod procps util-linux zstd gzip gcc libc6-dev)
 missing=()
 for p in "${need_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 qemu_ok=0

@@ -15,14 +15,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// jemalloc rather than glibc's malloc: the agents' buffers (frames held until acknowledged,
-/// decoded stream on its way to QEMU) are large and short-lived, and glibc handed each back
-/// to the kernel and took fresh pages for the next, so at a gigabit the kernel zeroing pages
-/// took more of the agents' CPU than the codec (BENCHMARKS.md, "A fast link" of session 10).
-/// jemalloc keeps freed pages for reuse and returns them only after they sit idle.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 /// Exit code when a migration did not complete or verification failed.
 pub const EXIT_MIGRATION_FAILED: u8 = 3;
 
