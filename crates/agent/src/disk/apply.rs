@@ -15,7 +15,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::CodecSettings;
-use ferry_codec::{BaseBuilder, DiskDecoder, DiskOp};
+use ferry_codec::{BaseBuilder, BatchDecompressor, DiskDecoder, DiskOp};
 use ferry_qemu::commands::{BlockExportAdd, NbdServerStart, NbdServerStop, QueryNamedBlockNodes};
 use ferry_qemu::nbd::{Client, Command, Pending};
 use ferry_qemu::Qmp;
@@ -152,6 +152,7 @@ impl DestinationDisks {
             acked: 0,
         };
         let mut decoder = DiskDecoder::new(codec_options(codec));
+        let mut zstd = BatchDecompressor::default();
         let mut hash = Sha256::new();
         loop {
             // Completions are taken as they come, not only when room is needed: a synchronous
@@ -186,9 +187,9 @@ impl DestinationDisks {
                 );
                 return Ok((frame.seq, format!("{:x}", hash.finalize())));
             }
-            let records = ferry_codec::decompress_batch(&frame.batch)
+            let mut input = zstd
+                .decompress(&frame.batch)
                 .context("a disk frame from the source")?;
-            let mut input = &records[..];
             applier.snapshots.entry(frame.seq).or_insert((0, false));
             while !input.is_empty() {
                 let op = decoder

@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
-use ferry_codec::{DiskBase, DiskEncoder, DiskOp};
+use ferry_codec::{BatchCompressor, DiskBase, DiskEncoder, DiskOp};
 use ferry_qemu::commands::{
     BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryNamedBlockNodes,
 };
@@ -435,6 +435,7 @@ async fn send_snapshots(
 ) -> Result<(u64, String)> {
     let mut encoder = DiskEncoder::new(codec_options(codec));
     let level = zstd_level(codec);
+    let mut zstd = BatchCompressor::default();
     let mut hash = Sha256::new();
     let mut count = 0u64;
     let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));
@@ -461,7 +462,7 @@ async fn send_snapshots(
             let last = ops.peek().is_none();
             if records.len() >= FRAME_RECORDS || last {
                 let flags = if last { LAST_OF_SNAPSHOT } else { 0 };
-                let frame = Frame::encode(seq, flags, &records, level);
+                let frame = Frame::encode(seq, flags, &records, level, &mut zstd);
                 report.frame_bytes += frame.len() as u64;
                 session.send(DISK, frame).await?;
                 records.clear();
@@ -477,7 +478,10 @@ async fn send_snapshots(
         status.update(|s| s.disk = Some(report.clone()));
     }
     session
-        .send(DISK, Frame::encode(count, LAST_OF_ALL, &[], None))
+        .send(
+            DISK,
+            Frame::encode(count, LAST_OF_ALL, &[], None, &mut zstd),
+        )
         .await?;
     Ok((count, format!("{:x}", hash.finalize())))
 }

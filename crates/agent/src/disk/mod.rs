@@ -5,7 +5,7 @@
 //! to the destination QEMU's writable export and acknowledges it ([`apply`]).
 //!
 //! Disk channel frame: `seq: u64 LE | flags: u8 | batch` where the batch is the codec's
-//! ([`ferry_codec::compress_batch`]) over disk records ([`ferry_codec::disk`]). Flag 1: the
+//! ([`ferry_codec::BatchCompressor`], one zstd context per channel) over disk records ([`ferry_codec::disk`]). Flag 1: the
 //! last frame of snapshot `seq`; flag 2: the last frame of all (the buffer closed; `seq` is the
 //! number of snapshots sent). Acknowledgement frame: `applied: u64 LE`, every snapshot below it.
 //!
@@ -22,7 +22,7 @@ pub mod mirror;
 use anyhow::{bail, Result};
 use bytes::{BufMut, Bytes, BytesMut};
 use ferry_api::agent::CodecSettings;
-use ferry_codec::{DiskOp, Options};
+use ferry_codec::{BatchCompressor, DiskOp, Options};
 use sha2::{Digest, Sha256};
 
 const LAST_OF_SNAPSHOT: u8 = 1;
@@ -58,11 +58,18 @@ pub struct Frame {
 }
 
 impl Frame {
-    pub fn encode(seq: u64, flags: u8, records: &[u8], level: Option<i32>) -> Bytes {
+    /// The frame of `records`, compressed at `level` with the channel's one zstd context.
+    pub fn encode(
+        seq: u64,
+        flags: u8,
+        records: &[u8],
+        level: Option<i32>,
+        zstd: &mut BatchCompressor,
+    ) -> Bytes {
         let mut out = Vec::with_capacity(records.len() / 2 + 16);
         out.extend_from_slice(&seq.to_le_bytes());
         out.push(flags);
-        ferry_codec::compress_batch(records, level, &mut out);
+        zstd.compress(records, level, &mut out);
         Bytes::from(out)
     }
 
@@ -136,7 +143,13 @@ mod tests {
 
     #[test]
     fn frames_round_trip_and_bad_ones_are_named() {
-        let f = Frame::encode(7, LAST_OF_SNAPSHOT, b"records", Some(3));
+        let f = Frame::encode(
+            7,
+            LAST_OF_SNAPSHOT,
+            b"records",
+            Some(3),
+            &mut BatchCompressor::default(),
+        );
         let d = Frame::decode(f).unwrap();
         assert_eq!(d.seq, 7);
         assert!(d.last_of_snapshot && !d.last_of_all);
