@@ -790,6 +790,16 @@ impl Steering {
             let stale_limit = self.limit.is_none_or(|l| l.abs_diff(limit) >= 5);
             let stale_rate = self.rate.is_none_or(|r| r.abs_diff(rate) * 20 >= r);
             if stale_limit || stale_rate {
+                tracing::debug!(
+                    pass = ram.dirty_sync_count,
+                    remaining = ram.remaining,
+                    unacked = link.unacked_bytes,
+                    flight_ms = flight,
+                    resend_cost = link.resend_cost,
+                    limit_ms = limit,
+                    bytes_per_s = rate,
+                    "switchover threshold"
+                );
                 set.downtime_limit = Some(limit);
                 set.avail_switchover_bandwidth = Some(rate);
             }

@@ -30,10 +30,12 @@ pub const RESUME_MS: f64 = 75.0;
 pub const MIN_LIMIT_MS: u64 = 20;
 
 /// The transport's framing and TLS on top of the codec's bytes (measured: about 0.2%), and a
-/// margin for the cost estimate's noise: the last pass's pages cost more on the wire than the
-/// average resent page. At 1.05 the ws guest's QEMU overshot its limit by 25-80 ms and its
-/// real pauses came out 279-303 ms against 300 (5 runs); the margin grows with the last pass,
-/// where that error is, and leaves a guest with a small last pass (delta) as it was.
+/// margin for the cost estimate's noise, which grows with the last pass and leaves a guest with
+/// a small last pass (delta) as it was. Chosen when the estimate averaged every resent page,
+/// unchanged ones too, and fell well below what the last pass cost (at 1.05 the ws guest's
+/// real pauses came out 279-303 ms against 300). With unchanged pages left out of the estimate
+/// the ws pauses came out 130-181 ms (3 runs) and the margin was kept: it costs the ws guest
+/// one more short pass (~0.15 s), and the target is the promise.
 const WIRE_OVERHEAD: f64 = 1.2;
 /// The cheapest a resent byte is assumed to be (a delta of a few bytes per page), so that a
 /// lucky stretch of unchanged pages cannot make the last pass look free.
@@ -44,8 +46,9 @@ const MIN_RESEND_COST: f64 = 0.02;
 /// and never more than the rate QEMU itself measured last, when it measured one. Each is
 /// wrong one way: QEMU's measure is far too high just after a pass of pages the destination
 /// already held (a seeded return paused 822 ms against a 300 ms target on it alone), and the
-/// average cost of resent pages can be lower than that of the last pass's pages (ws paused
-/// 323 ms on it alone, where QEMU's measure gave 202-230 ms).
+/// cost of resent pages measured so far can be lower than that of the last pass's pages (ws
+/// paused 323 ms on it alone, where QEMU's measure gave 202-230 ms; see `stream_codec`'s
+/// `ResendCost` for why only pages resent with new content count).
 pub fn end_game_rate(
     link_bytes_per_s: f64,
     resend_cost: Option<f64>,
