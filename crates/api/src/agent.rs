@@ -254,8 +254,9 @@ pub struct CodecReport {
     /// the index's size on the WAN (none: it held no image).
     #[serde(default)]
     pub seed: Option<SeedReport>,
-    /// Bytes on the wire per QEMU byte for pages sent again, over recent batches: what the
-    /// last pass's pages cost, which the switchover plans with (none: too few resent yet).
+    /// Bytes on the wire per QEMU byte for pages sent again with new content, over recent
+    /// batches: what the last pass's pages cost, which the switchover plans with (none: too
+    /// few resent yet).
     #[serde(default)]
     pub resend_cost: Option<f64>,
     /// The zstd level of the latest batch (none: stored).
