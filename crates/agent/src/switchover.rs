@@ -34,8 +34,9 @@ pub const MIN_LIMIT_MS: u64 = 20;
 /// a small last pass (delta) as it was. Chosen when the estimate averaged every resent page,
 /// unchanged ones too, and fell well below what the last pass cost (at 1.05 the ws guest's
 /// real pauses came out 279-303 ms against 300). With unchanged pages left out of the estimate
-/// the ws pauses came out 130-181 ms (3 runs) and the margin was kept: it costs the ws guest
-/// one more short pass (~0.15 s), and the target is the promise.
+/// the ws pauses came out 135-179 ms (5 runs) and the margin was kept: it costs the ws guest
+/// one more short pass but no measurable time (16.0 s either way), and the target is the
+/// promise.
 const WIRE_OVERHEAD: f64 = 1.2;
 /// The cheapest a resent byte is assumed to be (a delta of a few bytes per page), so that a
 /// lucky stretch of unchanged pages cannot make the last pass look free.

@@ -5,7 +5,8 @@
 //! to the destination QEMU's writable export and acknowledges it ([`apply`]).
 //!
 //! Disk channel frame: `seq: u64 LE | flags: u8 | batch` where the batch is the codec's
-//! ([`ferry_codec::BatchCompressor`], one zstd context per channel) over disk records ([`ferry_codec::disk`]). Flag 1: the
+//! ([`ferry_codec::BatchCompressor`], one zstd context per channel) over disk records
+//! ([`ferry_codec::disk`]). Flag 1: the
 //! last frame of snapshot `seq`; flag 2: the last frame of all (the buffer closed; `seq` is the
 //! number of snapshots sent). Acknowledgement frame: `applied: u64 LE`, every snapshot below it.
 //!
