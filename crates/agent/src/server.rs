@@ -220,16 +220,13 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
             )
         }
     };
-    if req.connections == 0 || req.connections > 64 {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("connections must be 1 to 64, not {}", req.connections),
-        );
+    if let Err(e) = req.settings.validate() {
+        return error(StatusCode::BAD_REQUEST, e.to_string());
     }
     // The seed image names become file names at both ends: refuse what cannot be one now,
     // rather than after the destination QEMU was prepared.
-    if req.codec.seed {
-        for name in std::iter::once(&req.vm).chain(req.seed_from.as_ref()) {
+    if req.settings.codec.seed {
+        for name in std::iter::once(&req.vm).chain(req.settings.seed_from.as_ref()) {
             if let Err(e) = crate::seed_store::image_path(&agent.config.seed_dir, name) {
                 return error(
                     StatusCode::BAD_REQUEST,
@@ -271,7 +268,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         // Between the source's STOP and the destination's RESUME nothing waits for an answer
         // from the other side: the last bytes and the digest travel together, one way. With
         // QEMU's return path the source QEMU also waits for the destination's confirmation.
-        switchover_round_trips: Some(if req.return_path { 1.5 } else { 0.5 }),
+        switchover_round_trips: Some(if req.settings.return_path { 1.5 } else { 0.5 }),
         codec: None,
         qemu_downtime_limit_ms: None,
         max_cpu_throttle_pct: None,

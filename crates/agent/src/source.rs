@@ -82,8 +82,8 @@ async fn migrate(
     work_dir: &Path,
     seed_dir: &Path,
 ) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(req.timeout_s);
-    let wan_timeout = Duration::from_secs(req.wan_timeout_s);
+    let deadline = Instant::now() + Duration::from_secs(req.settings.timeout_s);
+    let wan_timeout = Duration::from_secs(req.settings.wan_timeout_s);
     let qmp = Arc::new(
         Qmp::connect(&req.source_qmp)
             .await
@@ -117,7 +117,7 @@ async fn migrate(
         addr,
         name: req.peer_name.clone(),
         tls,
-        connections: req.connections.max(1),
+        connections: req.settings.connections.max(1),
         link_rate_mbit: req.link_rate_mbit,
         pool,
     };
@@ -128,7 +128,7 @@ async fn migrate(
         session.clone(),
         status.clone(),
         req.link_rate_mbit,
-        req.connections.max(1),
+        req.settings.connections.max(1),
     ));
     let ledger = Arc::new(Mutex::new(PageLedger::default()));
     let _progress = AbortOnDrop(tokio::spawn(track_progress(
@@ -150,11 +150,11 @@ async fn migrate(
             &Control::Prepare {
                 vm: req.vm.clone(),
                 destination_qmp: req.destination_qmp.clone(),
-                wan_timeout_s: req.wan_timeout_s,
-                return_path: req.return_path,
-                codec: req.codec,
+                wan_timeout_s: req.settings.wan_timeout_s,
+                return_path: req.settings.return_path,
+                codec: req.settings.codec,
                 history_bytes,
-                seed_from: req.seed_from.clone(),
+                seed_from: req.settings.seed_from.clone(),
                 disks: disk_plans.clone(),
             },
         )
@@ -174,9 +174,9 @@ async fn migrate(
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
             other => bail!("unexpected answer to Prepare: {other:?}"),
         };
-        let mut encoder = req.codec.any().then(|| {
+        let mut encoder = req.settings.codec.any().then(|| {
             let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
-            StreamEncoder::new(req.codec, history_bytes, link)
+            StreamEncoder::new(req.settings.codec, history_bytes, link)
         });
         if let (Some(offer), Some(encoder)) = (seed, &mut encoder) {
             status.update(|s| {
@@ -229,7 +229,7 @@ async fn migrate(
                     format!(
                         "{} disk(s), {} mode",
                         disk_plans.len(),
-                        req.disk_mode.name()
+                        req.settings.disk_mode.name()
                     ),
                 );
             });
@@ -239,9 +239,9 @@ async fn migrate(
                 work_dir,
                 &disk_plans,
                 DiskSettings {
-                    mode: req.disk_mode,
-                    buffer_bytes: req.disk_buffer_mib.max(1) << 20,
-                    codec: req.codec,
+                    mode: req.settings.disk_mode,
+                    buffer_bytes: req.settings.disk_buffer_mib.max(1) << 20,
+                    codec: req.settings.codec,
                 },
                 AtDestination {
                     base,
@@ -252,7 +252,7 @@ async fn migrate(
             .await?;
             let d = &*disks.insert(started);
             watchdog(&session, status, wan_timeout, deadline, d.wait_ready(&qmp)).await??;
-            d.memory_phase(req.link_rate_mbit, req.downtime_limit_ms);
+            d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
             status.update(|s| s.event(EventKind::DiskReady, ""));
         }
         stream(
@@ -337,7 +337,7 @@ async fn migrate(
             session.park();
             // The destination runs: the source must never run again. Its memory stays here
             // as the seed for the VM's return.
-            if req.codec.seed {
+            if req.settings.codec.seed {
                 status
                     .update(|s| s.phase = "committed; saving the VM's image for its return".into());
                 match seed_store::save(&qmp, seed_dir, &req.vm, ram_bytes).await {
@@ -500,7 +500,7 @@ async fn stream(
                 item_bytes.clear();
                 item.encode(&mut item_bytes);
                 hash.update(&item_bytes);
-                corrupt_for_test(&mut item_bytes, total, req.test_corrupt_at);
+                corrupt_for_test(&mut item_bytes, total, req.settings.test_corrupt_at);
                 total += item_bytes.len() as u64;
                 // Whether everything read so far is now in `out` (the encoder flushed).
                 let flushed = match &mut encoder {
@@ -672,7 +672,7 @@ fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
 
 async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Result<()> {
     let hold = lookahead(req);
-    qmp.execute(&control::plain_precopy(req.return_path))
+    qmp.execute(&control::plain_precopy(req.settings.return_path))
         .await?;
     // Throttling changes nothing in the stream: only the source has it. With disks the
     // source stops before its last pass so that the mirrors can complete (libvirt's way).
@@ -680,7 +680,7 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Res
         capabilities: vec![
             Capability {
                 capability: "auto-converge".into(),
-                state: req.converge,
+                state: req.settings.converge,
             },
             Capability {
                 capability: "pause-before-switchover".into(),
@@ -696,16 +696,16 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Res
         downtime_limit: Some(if hold {
             switchover::HOLD_LIMIT_MS
         } else {
-            req.downtime_limit_ms
+            req.settings.downtime_ms
         }),
         avail_switchover_bandwidth: Some(if hold {
             switchover::HOLD_BYTES_PER_S
         } else {
             0
         }),
-        cpu_throttle_initial: req.converge.then_some(THROTTLE_INITIAL_PCT),
-        cpu_throttle_increment: req.converge.then_some(THROTTLE_INCREMENT_PCT),
-        cpu_throttle_tailslow: req.converge.then_some(true),
+        cpu_throttle_initial: req.settings.converge.then_some(THROTTLE_INITIAL_PCT),
+        cpu_throttle_increment: req.settings.converge.then_some(THROTTLE_INCREMENT_PCT),
+        cpu_throttle_tailslow: req.settings.converge.then_some(true),
         ..Default::default()
     })
     .await?;
@@ -865,12 +865,12 @@ async fn track_progress(
     ledger: Arc<Mutex<PageLedger>>,
 ) {
     let mut steering = Steering {
-        target_ms: (!req.qemu_switchover_rule).then_some(req.downtime_limit_ms),
-        converge: req.converge,
+        target_ms: (!req.settings.qemu_switchover_rule).then_some(req.settings.downtime_ms),
+        converge: req.settings.converge,
         limit: None,
         rate: None,
         throttle_initial: None,
-        smart: req.smart_stop.then(switchover::SmartStop::default),
+        smart: req.settings.smart_stop.then(switchover::SmartStop::default),
         stopping: false,
         holding: lookahead(&req),
     };
@@ -1057,7 +1057,7 @@ pub fn send_limit(
 
 /// Whether this migration's first pass reads ahead of the link (see `send_limit`).
 fn lookahead(req: &MigrationRequest) -> bool {
-    req.link_rate_mbit.is_some() && !req.qemu_switchover_rule
+    req.link_rate_mbit.is_some() && !req.settings.qemu_switchover_rule
 }
 
 /// The first pass's lookahead: at most this many seconds of the link, and no more than the link

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::settings::MigrationSettings;
+
 /// `POST /v1/migrations`: migrate a running VM (given its QMP socket) to the agent at `peer`,
 /// where a destination QEMU waits paused with `-incoming defer` (given its QMP socket there).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -16,65 +18,17 @@ pub struct MigrationRequest {
     pub peer_name: String,
     /// The destination QEMU's QMP socket, as a path on the peer's host.
     pub destination_qmp: PathBuf,
-    /// TCP connections across the WAN.
-    #[serde(default = "default_connections")]
-    pub connections: u32,
-    /// The real downtime target (source STOP to destination RESUME): the agent keeps QEMU's
-    /// downtime-limit at this minus what follows QEMU's last byte (ferry's window, half a round
-    /// trip, the destination's resume). With `qemu_switchover_rule`, QEMU's limit as is.
-    #[serde(default = "default_downtime")]
-    pub downtime_limit_ms: u64,
-    /// When the guest dirties memory faster than the link carries it, let QEMU throttle its
-    /// vCPUs (auto-converge, raised only as far as needed) so that the migration converges.
-    #[serde(default = "default_converge")]
-    pub converge: bool,
-    /// Leave the switchover to QEMU's own rule with `downtime_limit_ms` as its limit (for
-    /// comparison).
-    #[serde(default)]
-    pub qemu_switchover_rule: bool,
-    /// CloudNet's smart stop: once the guest rewrites pages faster than they travel, switch
-    /// over at the first pass that starts with fewer pages than each of the 4 before it,
-    /// even if the pause then exceeds `downtime_limit_ms` (instead of iterating on).
-    #[serde(default)]
-    pub smart_stop: bool,
-    /// How long the WAN may be down before the migration fails (the source keeps running).
-    #[serde(default = "default_wan_timeout")]
-    pub wan_timeout_s: u64,
-    /// The whole migration's deadline.
-    #[serde(default = "default_timeout")]
-    pub timeout_s: u64,
     /// The link's rate, if known: socket buffers and the send window are sized from it and the
     /// measured round trip.
     #[serde(default)]
     pub link_rate_mbit: Option<f64>,
-    /// QEMU's return path on: the destination QEMU answers on it (it confirms it loaded the
-    /// stream before the source QEMU calls the migration complete), and the agents carry it
-    /// back. Off by default: plain precopy does not need it, and the confirmation adds a round
-    /// trip to the downtime.
-    #[serde(default)]
-    pub return_path: bool,
-    /// Which of the codec's techniques the agents apply to the stream on the WAN. All of them
-    /// by default; none carries QEMU's bytes as they are.
-    #[serde(default)]
-    pub codec: CodecSettings,
-    /// With seeding on: the VM whose earlier image the destination should index (a sibling
-    /// made from the same template); by default the migrating VM's own, if it ran there before.
-    #[serde(default)]
-    pub seed_from: Option<String>,
     /// The VM's disks to move (QEMU block node names); the destination QEMU must have a node
     /// of the same name and size. Empty: memory only (shared storage, or no disks).
     #[serde(default)]
     pub disks: Vec<String>,
-    /// How the disk writes the guest makes during the migration reach the destination.
-    #[serde(default)]
-    pub disk_mode: DiskMode,
-    /// The source's disk transmit buffer, MiB (asynchronous mirroring's bound).
-    #[serde(default = "default_disk_buffer_mib")]
-    pub disk_buffer_mib: u64,
-    /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
-    /// so the destination's digest differs.
-    #[serde(default)]
-    pub test_corrupt_at: Option<u64>,
+    /// How the migration runs (flattened: its fields are this object's).
+    #[serde(flatten)]
+    pub settings: MigrationSettings,
 }
 
 /// How guest disk writes made during a migration are mirrored.
@@ -106,30 +60,6 @@ impl DiskMode {
             .into_iter()
             .find(|m| m.name() == s)
     }
-}
-
-/// 16 MiB: XvMotion's per-disk cap on the transmit queue (1.3 s of a 100 Mbit/s link).
-fn default_disk_buffer_mib() -> u64 {
-    16
-}
-
-/// One: on the lab's 100 Mbit/s, 50 ms link one connection matched QEMU's own throughput
-/// with the least overhead, and more connections made the stream wait on the slowest one
-/// (BENCHMARKS.md, "How many connections").
-pub fn default_connections() -> u32 {
-    1
-}
-fn default_converge() -> bool {
-    true
-}
-fn default_downtime() -> u64 {
-    300
-}
-fn default_wan_timeout() -> u64 {
-    120
-}
-fn default_timeout() -> u64 {
-    900
 }
 
 /// The codec's techniques, each on or off (for ablations; `ferry_codec::Options`).
@@ -470,8 +400,6 @@ mod tests {
             r#"{"vm":"v","source_qmp":"/q","peer":"p:1","peer_name":"b","destination_qmp":"/d"}"#,
         )
         .unwrap();
-        assert_eq!(req.codec, CodecSettings::ALL);
-        assert!(req.converge && !req.qemu_switchover_rule && !req.return_path);
-        assert_eq!(req.connections, 1);
+        assert_eq!(req.settings, MigrationSettings::default());
     }
 }

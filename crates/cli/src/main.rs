@@ -9,6 +9,7 @@ mod lab_cmd;
 mod migrate;
 mod plot;
 mod report;
+mod settings_flags;
 mod vm_cmd;
 
 use std::process::ExitCode;

@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use ferry_api::agent::{CodecSettings, DiskMode};
+use ferry_api::agent::CodecSettings;
+use ferry_api::settings::MigrationSettings;
 use ferry_api::{EventKind, Sample, Timeline};
 use ferry_qemu::commands::{
     BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, Migrate,
@@ -125,40 +126,14 @@ pub struct MigrateOptions {
     /// ferry's path, or QEMU's own (then `mode` says how).
     pub ferry: bool,
     pub mode: QemuMode,
-    /// QEMU's `downtime-limit`; 300 ms is QEMU's own default.
-    pub downtime_limit_ms: u64,
-    /// Give up (cancel, source keeps running) after this long.
-    pub timeout_s: u64,
     /// multifd channels; 4 is a common choice (QEMU's default is 2).
     pub multifd_channels: u8,
-    /// ferry: TCP connections across the WAN.
-    pub connections: u32,
-    /// ferry: how long the WAN may be down before the migration fails.
-    pub wan_timeout_s: u64,
-    /// ferry test hook: flip a bit of the stream at this offset (the digest check must catch it).
-    pub test_corrupt_at: Option<u64>,
-    /// ferry: QEMU's return path on, carried back by the agents.
-    pub return_path: bool,
-    /// ferry: the codec's techniques on the WAN.
-    pub codec: CodecSettings,
-    /// ferry: QEMU's own switchover rule with `downtime_limit_ms` as its limit, instead of the
-    /// agent steering it to a real downtime of `downtime_limit_ms`.
-    pub qemu_switchover_rule: bool,
-    /// ferry: CloudNet's smart stop (switch over at a windowed minimum past the crossover).
-    pub smart_stop: bool,
-    /// ferry: let QEMU throttle the guest (auto-converge) when it dirties faster than the
-    /// link carries.
-    pub converge: bool,
-    /// ferry, with seeding: whose earlier image the destination indexes (none: the VM's own).
-    pub seed_from: Option<String>,
-    /// ferry: how guest disk writes reach the destination during the migration.
-    pub disk_mode: DiskMode,
-    /// ferry: the source agent's disk transmit buffer, MiB.
-    pub disk_buffer_mib: u64,
     /// QEMU's own migration with disks: the mirror in write-blocking copy mode (every guest
     /// write waits for the destination; libvirt's --copy-storage-synchronous-writes) instead
     /// of background.
     pub qemu_mirror_write_blocking: bool,
+    /// The migration's settings (ferry's, and for QEMU's own its downtime-limit and deadline).
+    pub settings: MigrationSettings,
 }
 
 impl Default for MigrateOptions {
@@ -166,21 +141,9 @@ impl Default for MigrateOptions {
         MigrateOptions {
             ferry: true,
             mode: QemuMode::Plain,
-            downtime_limit_ms: 300,
-            timeout_s: 900,
             multifd_channels: 4,
-            connections: ferry_api::agent::default_connections(),
-            wan_timeout_s: 120,
-            test_corrupt_at: None,
-            return_path: false,
-            codec: CodecSettings::ALL,
-            qemu_switchover_rule: false,
-            smart_stop: false,
-            converge: true,
-            seed_from: None,
-            disk_mode: DiskMode::Async,
-            disk_buffer_mib: 16,
             qemu_mirror_write_blocking: false,
+            settings: MigrationSettings::default(),
         }
     }
 }
@@ -189,7 +152,7 @@ impl MigrateOptions {
     /// The system these options select.
     pub fn system(&self) -> System {
         if self.ferry {
-            System::Ferry(self.codec)
+            System::Ferry(self.settings.codec)
         } else {
             System::Qemu(self.mode)
         }
@@ -200,7 +163,7 @@ impl MigrateOptions {
         match system {
             System::Ferry(codec) => {
                 self.ferry = true;
-                self.codec = codec;
+                self.settings.codec = codec;
             }
             System::Qemu(m) => {
                 self.ferry = false;
@@ -284,7 +247,7 @@ fn caps(mode: QemuMode, src: bool, disks: bool) -> MigrateSetCapabilities {
 fn params(opts: &MigrateOptions, src: bool) -> MigrateSetParameters {
     let multifd = matches!(opts.mode, QemuMode::Multifd | QemuMode::MultifdZstd);
     MigrateSetParameters {
-        downtime_limit: src.then_some(opts.downtime_limit_ms),
+        downtime_limit: src.then_some(opts.settings.downtime_ms),
         multifd_channels: multifd.then_some(opts.multifd_channels),
         multifd_compression: (opts.mode == QemuMode::MultifdZstd).then(|| "zstd".to_owned()),
         ..Default::default()
@@ -562,7 +525,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         uri: format!("tcp:{}:{port}", to.underlay_ip()),
     })
     .await?;
-    let deadline = t0 + Duration::from_secs(opts.timeout_s);
+    let deadline = t0 + Duration::from_secs(opts.settings.timeout_s);
     let mut last_wan = (Instant::now(), wan_start);
     let mut sample =
         |phase: &str, info: Option<&ferry_qemu::commands::MigrationInfo>| -> Result<()> {
@@ -654,7 +617,10 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                     bail!("disk mirror {job} ended before it was ready: {}", e.data);
                 }
                 if Instant::now() > deadline {
-                    bail!("disk mirror {job} not ready within {}s", opts.timeout_s);
+                    bail!(
+                        "disk mirror {job} not ready within {}s",
+                        opts.settings.timeout_s
+                    );
                 }
                 if interrupt::requested() {
                     bail!("interrupted by the user during the disk mirror");
@@ -717,7 +683,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                 ram_transferred: ram.transferred,
                 error: Some(format!(
                     "did not converge within {}s (QEMU's own rule, downtime limit {} ms)",
-                    opts.timeout_s, opts.downtime_limit_ms
+                    opts.settings.timeout_s, opts.settings.downtime_ms
                 )),
                 ..Default::default()
             });

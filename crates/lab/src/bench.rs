@@ -222,16 +222,16 @@ async fn scenario_inner(
 
 /// The switchover policy of ferry's options, as the record names it.
 fn switchover_policy(o: &baseline::MigrateOptions) -> String {
-    let rule = if o.qemu_switchover_rule {
+    let rule = if o.settings.qemu_switchover_rule {
         "qemu-rule"
     } else {
         "target"
     };
     let mut p = rule.to_owned();
-    if o.smart_stop {
+    if o.settings.smart_stop {
         p.push_str("+smart-stop");
     }
-    if o.converge {
+    if o.settings.converge {
         p.push_str("+converge");
     }
     p
@@ -396,12 +396,13 @@ async fn measured_migration(
         floor_ms: floor::floor_ms(floor_bytes, sc.link.rate_mbit),
         accel: sc.vm.accel,
         run: sc.run,
-        connections: matches!(sc.system, System::Ferry(_)).then_some(sc.migrate.connections),
+        connections: matches!(sc.system, System::Ferry(_))
+            .then_some(sc.migrate.settings.connections),
         switchover: matches!(sc.system, System::Ferry(_)).then(|| switchover_policy(&sc.migrate)),
         leg,
         changed_pct,
         disk_mode: sc.vm.disk.then(|| match sc.system {
-            System::Ferry(_) => sc.migrate.disk_mode.name().to_owned(),
+            System::Ferry(_) => sc.migrate.settings.disk_mode.name().to_owned(),
             System::Qemu(_) if sc.migrate.qemu_mirror_write_blocking => "write-blocking".into(),
             System::Qemu(_) => "background".into(),
         }),
