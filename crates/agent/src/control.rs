@@ -37,13 +37,34 @@ pub struct DiskPlan {
     pub backing_sha256: Option<String>,
 }
 
+/// The version of these messages this agent speaks; `Prepare` carries it and the destination
+/// refuses any other (rule: a change an older peer would misread raises it; fields an older
+/// peer may omit carry a serde default and do not).
+/// 2: `Prepare.destination` (was `destination_qmp`).
+pub const CONTROL_VERSION: u32 = 2;
+
+/// The QEMU that receives the stream, as the source asks for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Incoming {
+    /// Started by its owner with `-S -incoming defer`: its QMP socket on the destination host.
+    Qmp(PathBuf),
+    /// To be started by the destination agent from this command line (program first; the
+    /// source QEMU's own or one the user gave), made a destination by
+    /// [`ferry_qemu::incoming::incoming_argv`].
+    Launch(Vec<String>),
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]
 pub enum Control {
     /// Source: get the destination QEMU ready to receive.
     Prepare {
+        /// [`CONTROL_VERSION`] of the source (1 when absent: agents from before it).
+        #[serde(default = "version_one")]
+        version: u32,
         vm: String,
-        destination_qmp: PathBuf,
+        destination: Incoming,
         wan_timeout_s: u64,
         /// QEMU's return path on (both QEMUs must agree).
         #[serde(default)]
@@ -97,6 +118,10 @@ pub enum Control {
     Abort { reason: String },
 }
 
+fn version_one() -> u32 {
+    1
+}
+
 fn no_codec() -> CodecSettings {
     CodecSettings::NONE
 }
@@ -140,11 +165,25 @@ pub async fn send_blob(session: &Session, channel: ChannelId, blob: &[u8]) -> Re
 
 pub async fn recv(session: &Session) -> Result<Control> {
     match session.recv(CONTROL).await? {
-        Received::Data(b) => {
-            serde_json::from_slice(&b).context("malformed control message from the peer")
-        }
+        Received::Data(b) => decode(&b),
         Received::Barrier => anyhow::bail!("unexpected barrier on the control channel"),
     }
+}
+
+/// A control message from its bytes. A `Prepare` of another version is refused by its version,
+/// before its fields are read (they may mean something else there).
+pub fn decode(bytes: &[u8]) -> Result<Control> {
+    let value: serde_json::Value =
+        serde_json::from_slice(bytes).context("malformed control message from the peer")?;
+    if value.get("type").and_then(|t| t.as_str()) == Some("prepare") {
+        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(1);
+        if version != u64::from(CONTROL_VERSION) {
+            anyhow::bail!(
+                "the source agent speaks control version {version}, this agent {CONTROL_VERSION}: run the same ferry release at both ends"
+            );
+        }
+    }
+    serde_json::from_value(value).context("malformed control message from the peer")
 }
 
 /// The capabilities both QEMUs get: every one that changes the stream's format (or pauses it)
@@ -181,4 +220,35 @@ pub async fn park_and_end(session: &Session, reason: &str) {
     session.park();
     let _ = tokio::time::timeout(PARK_GRACE, session.parked()).await;
     session.fail(reason);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prepare_of_another_version_is_refused_by_its_version() {
+        let old = br#"{"type":"prepare","vm":"v","destination_qmp":"/d","wan_timeout_s":1}"#;
+        assert_eq!(
+            format!("{:#}", decode(old).unwrap_err()),
+            "the source agent speaks control version 1, this agent 2: run the same ferry release at both ends"
+        );
+        let msg = Control::Prepare {
+            version: CONTROL_VERSION,
+            vm: "v".into(),
+            destination: Incoming::Launch(vec!["qemu".into()]),
+            wan_timeout_s: 1,
+            return_path: false,
+            codec: CodecSettings::ALL,
+            history_bytes: 0,
+            seed_from: None,
+            disks: Vec::new(),
+        };
+        let back = decode(&serde_json::to_vec(&msg).unwrap()).unwrap();
+        assert!(
+            matches!(back, Control::Prepare { destination: Incoming::Launch(a), .. } if a == ["qemu"])
+        );
+        assert!(format!("{:#}", decode(b"{\"type\":\"nope\"}").unwrap_err())
+            .starts_with("malformed control message from the peer"));
+    }
 }

@@ -16,11 +16,12 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
-use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
+use crate::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::disk::apply::DestinationDisks;
 use crate::disk::backing::backing_of;
 use crate::feeder::{self, Feeder};
 use crate::known_zero::{self, ZeroPages};
+use crate::launcher;
 use crate::load_sieve::LoadSieve;
 use crate::seed_store;
 use crate::stream_codec::{self, StreamDecoder};
@@ -32,13 +33,18 @@ const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves one incoming session to its end.
 pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf) {
-    let mut qmp = None;
-    let result = serve(&session, &work_dir, &seed_dir, &mut qmp).await;
+    let (mut qmp, mut launched_pid) = (None, None);
+    let result = serve(&session, &work_dir, &seed_dir, &mut qmp, &mut launched_pid).await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
-        // Not committed: the destination VM goes.
+        // Not committed: the destination VM goes; one this agent started, whether or not its
+        // monitor answers.
         if let Some(qmp) = &qmp {
             let _ = qmp.execute(&Quit).await;
+        }
+        if let Some(pid) = launched_pid {
+            launcher::kill(pid);
+            launcher::clean_up(&work_dir, &launch_tag(&session));
         }
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
@@ -56,18 +62,25 @@ pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf) {
     }
 }
 
+/// The name of what the agent starts for `session` (sockets, pid file).
+fn launch_tag(session: &Session) -> String {
+    format!("{:016x}", session.id().0 >> 64)
+}
+
 async fn serve(
     session: &Session,
     work_dir: &Path,
     seed_dir: &Path,
     qmp_slot: &mut Option<Qmp>,
+    launched_pid: &mut Option<u32>,
 ) -> Result<()> {
     let prepare = tokio::time::timeout(PREPARE_TIMEOUT, control::recv(session))
         .await
         .context("the source sent nothing within 30s")??;
     let Control::Prepare {
+        version: _,
         vm,
-        destination_qmp,
+        destination,
         wan_timeout_s,
         return_path,
         codec,
@@ -85,16 +98,20 @@ async fn serve(
             stream_codec::HISTORY_CAP
         );
     }
-    tracing::info!(
-        "session {}: receiving VM {vm:?} into {}",
-        session.id(),
-        destination_qmp.display()
-    );
+    tracing::info!("session {}: receiving VM {vm:?}", session.id());
     // The seed image is read and indexed while QEMU gets ready.
     let seed = codec.seed.then(|| {
         let (dir, name) = (seed_dir.to_owned(), seed_from.unwrap_or_else(|| vm.clone()));
         tokio::task::spawn_blocking(move || seed_store::load(&dir, &name))
     });
+    let destination_qmp = match destination {
+        Incoming::Qmp(path) => path,
+        Incoming::Launch(argv) => {
+            let started = launcher::start(work_dir, &launch_tag(session), &argv).await?;
+            *launched_pid = started.pid;
+            started.qmp_socket
+        }
+    };
     let qmp = Qmp::connect(&destination_qmp)
         .await
         .with_context(|| format!("destination QMP {}", destination_qmp.display()))?;

@@ -14,17 +14,26 @@
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`control`]: the messages between the two sides.
-//! - [`client`]: the CLI's client for the local API.
+//! - [`client`]: the CLI's client for the local API; [`follow`]: watching a migration
+//!   through it; [`interrupt`]: Ctrl-C during a migration the CLI watches.
+//! - [`config`]: the agent's TOML configuration (name, listen address, identity, peers, limits).
+//! - [`pki`]: the fleet's CA and host certificates (`ferry pki`).
+//! - [`launcher`]: the destination QEMU, when the agent starts it from a command line.
 //! - [`status`]: a migration's shared status.
 
 pub mod client;
+pub mod config;
 pub mod control;
 pub mod destination;
 pub mod disk;
 pub mod feeder;
+pub mod follow;
+pub mod interrupt;
 pub mod known_zero;
+pub mod launcher;
 pub mod load_sieve;
 pub mod page_ledger;
+pub mod pki;
 pub mod seed_store;
 pub mod server;
 pub mod source;
@@ -32,4 +41,5 @@ pub mod status;
 pub mod stream_codec;
 pub mod switchover;
 
-pub use server::{run, AgentConfig};
+pub use config::AgentConfig;
+pub use server::run;

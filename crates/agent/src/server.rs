@@ -2,7 +2,6 @@
 //! (TCP with mutual TLS) where other agents open sessions.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,28 +13,13 @@ use axum::routing::get;
 use axum::{Json, Router};
 use ferry_api::agent::{ApiError, Health, MigrationRequest, MigrationState, MigrationStatus};
 use ferry_wire::net::{accept, answer, next_hello, Pool};
-use ferry_wire::tls::{ClientConfig, Identity, ServerConfig};
+use ferry_wire::tls::{ClientConfig, ServerConfig};
 use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
 use tokio::net::{TcpListener, UnixListener};
 
+use crate::config::AgentConfig;
 use crate::status::{now_ms, Shared};
 use crate::{destination, source};
-
-/// How an agent is set up.
-#[derive(Debug, Clone)]
-pub struct AgentConfig {
-    /// The name peers know this agent by (its certificate carries it).
-    pub name: String,
-    /// Where other agents connect (TCP).
-    pub listen: String,
-    /// The local API's unix socket.
-    pub api_socket: PathBuf,
-    /// Sockets to and from QEMU live here.
-    pub work_dir: PathBuf,
-    /// Memory images of VMs that left this host, for their return ([`crate::seed_store`]).
-    pub seed_dir: PathBuf,
-    pub identity: Identity,
-}
 
 struct Agent {
     config: AgentConfig,
@@ -211,7 +195,7 @@ async fn cancel(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Resp
 }
 
 async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
-    let req: MigrationRequest = match serde_json::from_slice(&body) {
+    let mut req: MigrationRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             return error(
@@ -223,6 +207,11 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
     if let Err(e) = req.settings.validate() {
         return error(StatusCode::BAD_REQUEST, e.to_string());
     }
+    let peer = match agent.config.peer(&req.to) {
+        Ok(p) => p.clone(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
     // The seed image names become file names at both ends: refuse what cannot be one now,
     // rather than after the destination QEMU was prepared.
     if req.settings.codec.seed {
@@ -237,6 +226,18 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
     }
     {
         let migrations = agent.migrations.lock().expect("lock");
+        let running = migrations
+            .values()
+            .filter(|m| m.update(|s| s.state == MigrationState::Running))
+            .count();
+        if running >= agent.config.max_outgoing {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "this agent already sends {running} migrations, its limit (limits.outgoing in its config); try again when one ends"
+                ),
+            );
+        }
         if let Some(m) = migrations
             .values()
             .find(|m| m.update(|s| s.state == MigrationState::Running && s.vm == req.vm))
@@ -283,6 +284,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         .insert(id.clone(), status.clone());
     tokio::spawn(source::run(
         req,
+        peer.address,
         status.clone(),
         agent.client_tls.clone(),
         agent.pool.clone(),

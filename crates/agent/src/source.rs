@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::BytesMut;
-use ferry_api::agent::{MigrationRequest, MigrationState};
+use ferry_api::agent::{Destination, MigrationRequest, MigrationState};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
     Capability, Cont, Migrate, MigrateCancel, MigrateContinue, MigrateSetCapabilities,
@@ -26,7 +26,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
-use crate::control::{self, Control, RETURN_PATH, SEED, STREAM};
+use crate::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::disk;
 use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
 use crate::page_ledger::{DestinationWork, PageLedger};
@@ -53,13 +53,23 @@ const ASSUMED_LINK_MBIT: f64 = 1000.0;
 /// Runs one migration to its end and records the outcome in `status`.
 pub async fn run(
     req: MigrationRequest,
+    peer_address: String,
     status: Shared,
     tls: Arc<ClientConfig>,
     pool: Arc<Pool>,
     work_dir: PathBuf,
     seed_dir: PathBuf,
 ) {
-    let result = migrate(&req, &status, tls, pool, &work_dir, &seed_dir).await;
+    let result = migrate(
+        &req,
+        &peer_address,
+        &status,
+        tls,
+        pool,
+        &work_dir,
+        &seed_dir,
+    )
+    .await;
     status.update(|s| match result {
         Ok(()) => {
             s.state = MigrationState::Committed;
@@ -76,6 +86,7 @@ pub async fn run(
 
 async fn migrate(
     req: &MigrationRequest,
+    peer_address: &str,
     status: &Shared,
     tls: Arc<ClientConfig>,
     pool: Arc<Pool>,
@@ -93,6 +104,11 @@ async fn migrate(
     if !st.running {
         bail!("the source VM is not running (QEMU status {:?})", st.status);
     }
+    let destination = match &req.destination {
+        Destination::Qmp(path) => Incoming::Qmp(path.clone()),
+        Destination::Argv(argv) => Incoming::Launch(argv.clone()),
+        Destination::SourceConfig => Incoming::Launch(command_line(&qmp, &req.source_qmp)?),
+    };
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
     let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
     let history_bytes = stream_codec::history_bytes(ram_bytes);
@@ -106,16 +122,21 @@ async fn migrate(
 
     // The session and its connections.
     let id = SessionId::random();
-    status.update(|s| s.phase = format!("connecting to {} ({})", req.peer, req.peer_name));
-    let addr = tokio::net::lookup_host(&req.peer)
+    status.update(|s| s.phase = format!("connecting to {} ({peer_address})", req.to));
+    let addr = tokio::net::lookup_host(peer_address)
         .await
-        .with_context(|| format!("peer address {:?}", req.peer))?
+        .with_context(|| format!("peer {:?}: address {peer_address:?}", req.to))?
         .next()
-        .ok_or_else(|| anyhow!("peer address {:?} resolves to nothing", req.peer))?;
+        .ok_or_else(|| {
+            anyhow!(
+                "peer {:?}: address {peer_address:?} resolves to nothing",
+                req.to
+            )
+        })?;
     let session = Session::new(id, SessionConfig::default());
     let peer = Peer {
         addr,
-        name: req.peer_name.clone(),
+        name: req.to.clone(),
         tls,
         connections: req.settings.connections.max(1),
         link_rate_mbit: req.link_rate_mbit,
@@ -148,8 +169,9 @@ async fn migrate(
         control::send(
             &session,
             &Control::Prepare {
+                version: control::CONTROL_VERSION,
                 vm: req.vm.clone(),
-                destination_qmp: req.destination_qmp.clone(),
+                destination: destination.clone(),
                 wan_timeout_s: req.settings.wan_timeout_s,
                 return_path: req.settings.return_path,
                 codec: req.settings.codec,
@@ -960,6 +982,25 @@ async fn track_progress(
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The command line of the QEMU serving `qmp` (the kernel names the process behind a unix
+/// socket), for the destination to start the same VM.
+fn command_line(qmp: &Qmp, socket: &Path) -> Result<Vec<String>> {
+    let pid = qmp.peer_pid().ok_or_else(|| {
+        anyhow!(
+            "cannot tell which process serves {}; give the destination's command line",
+            socket.display()
+        )
+    })?;
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .with_context(|| format!("reading the source QEMU's command line (pid {pid})"))?;
+    // Arguments end with a NUL each; an empty one (`-append ""`) is an empty piece.
+    let raw = raw.strip_suffix(&[0]).unwrap_or(&raw);
+    Ok(raw
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect())
 }
 
 /// Forwards control messages into a queue the phases take them from.

@@ -6,20 +6,22 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::settings::MigrationSettings;
 
-/// `POST /v1/migrations`: migrate a running VM (given its QMP socket) to the agent at `peer`,
-/// where a destination QEMU waits paused with `-incoming defer` (given its QMP socket there).
+/// `POST /v1/migrations`: migrate a running VM (given its QMP socket on this host) to the agent
+/// named `to`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MigrationRequest {
     /// A name for logs and reports.
     pub vm: String,
+    /// The running VM's QMP socket on this host.
     pub source_qmp: PathBuf,
-    /// The peer agent's address (`host:port`) and the name its certificate carries.
-    pub peer: String,
-    pub peer_name: String,
-    /// The destination QEMU's QMP socket, as a path on the peer's host.
-    pub destination_qmp: PathBuf,
+    /// The destination agent: the name its certificate carries, listed in this agent's config
+    /// (`[peers.NAME]`) with its address.
+    pub to: String,
+    /// What receives the VM at the destination.
+    #[serde(default)]
+    pub destination: Destination,
     /// The link's rate, if known: socket buffers and the send window are sized from it and the
-    /// measured round trip.
+    /// measured round trip. Default: the peer's `rate_mbit` in the agent's config.
     #[serde(default)]
     pub link_rate_mbit: Option<f64>,
     /// The VM's disks to move (QEMU block node names); the destination QEMU must have a node
@@ -29,6 +31,22 @@ pub struct MigrationRequest {
     /// How the migration runs (flattened: its fields are this object's).
     #[serde(flatten)]
     pub settings: MigrationSettings,
+}
+
+/// The QEMU that receives a migration at the destination.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Destination {
+    /// The destination agent starts it from the source QEMU's own command line (read from the
+    /// process serving `source_qmp`), paused, waiting for the stream, with a QMP socket of the
+    /// agent's own.
+    #[default]
+    SourceConfig,
+    /// The destination agent starts it from this command line (program first), adding its QMP
+    /// socket, `-S` and `-incoming defer`.
+    Argv(Vec<String>),
+    /// Its owner started it at the destination (`-S -incoming defer`); its QMP socket there.
+    Qmp(PathBuf),
 }
 
 /// How guest disk writes made during a migration are mirrored.
@@ -396,10 +414,15 @@ mod tests {
 
     #[test]
     fn an_old_request_gets_the_defaults() {
-        let req: MigrationRequest = serde_json::from_str(
-            r#"{"vm":"v","source_qmp":"/q","peer":"p:1","peer_name":"b","destination_qmp":"/d"}"#,
+        let req: MigrationRequest =
+            serde_json::from_str(r#"{"vm":"v","source_qmp":"/q","to":"b"}"#).unwrap();
+        assert_eq!(req.settings, MigrationSettings::default());
+        assert_eq!(req.destination, Destination::SourceConfig);
+        let adopt: MigrationRequest = serde_json::from_str(
+            r#"{"vm":"v","source_qmp":"/q","to":"b","destination":{"qmp":"/d"},"connections":2}"#,
         )
         .unwrap();
-        assert_eq!(req.settings, MigrationSettings::default());
+        assert_eq!(adopt.destination, Destination::Qmp("/d".into()));
+        assert_eq!(adopt.settings.connections, 2);
     }
 }

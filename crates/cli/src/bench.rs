@@ -10,7 +10,7 @@ use ferry_lab::bench::{run_scenario, DiskWriter, Scenario, Workload};
 use ferry_lab::{accel, image, vm, Lab};
 
 use crate::lab_cmd::LinkArgs;
-use crate::migrate::MigrationFlags;
+use crate::lab_migrate::MigrationFlags;
 use crate::report;
 use crate::vm_cmd::VmShape;
 

@@ -13,7 +13,9 @@ use ferry_lab::tcpseq::TcpSeqClient;
 use ferry_lab::{accel, image, vm, Lab, Site};
 
 use crate::lab_cmd::LinkArgs;
-use crate::migrate::{exit_code, migrate_with_progress, MigrationFlags};
+use crate::lab_migrate::{
+    exit_code, migrate_with_progress, print_guest_checks, MigrationFlags, EMULATOR,
+};
 use crate::report;
 use crate::vm_cmd::VmShape;
 
@@ -164,7 +166,8 @@ async fn demo_inner(
     })
     .await?;
     println!("[5/5] report");
-    report::print_report(&system.name(), &outcome, verify.as_ref(), Some(&tcp));
+    report::print_report(&system.name(), &outcome, EMULATOR);
+    print_guest_checks(verify.as_ref(), Some(&tcp));
     let code = exit_code(&outcome, verify.as_ref());
     Ok(if tcp.intact() {
         code

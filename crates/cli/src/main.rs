@@ -3,13 +3,21 @@
 //! Exit codes (stable, see docs/cli.md): 0 success; 1 the command failed (the message says
 //! why); 2 bad usage; 3 a migration did not complete or the guest's verifier found errors.
 
+#[cfg(feature = "lab")]
 mod bench;
+#[cfg(feature = "lab")]
 mod demo;
+#[cfg(feature = "lab")]
 mod lab_cmd;
+#[cfg(feature = "lab")]
+mod lab_migrate;
 mod migrate;
+mod migrations;
+mod pki_cmd;
 mod plot;
 mod report;
 mod settings_flags;
+#[cfg(feature = "lab")]
 mod vm_cmd;
 
 use std::process::ExitCode;
@@ -19,8 +27,15 @@ use clap::{Parser, Subcommand};
 /// Exit code when a migration did not complete or verification failed.
 pub const EXIT_MIGRATION_FAILED: u8 = 3;
 
+/// `ferry --version`: the release and every protocol version it speaks (peers must speak the
+/// same; a test keeps these numbers equal to the constants).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (wire protocol 1, control messages 2, agent API v1, timeline 1; QEMU >= 10; lab guest serial v1)"
+);
+
 #[derive(Parser)]
-#[command(name = "ferry", version = concat!(env!("CARGO_PKG_VERSION"), " (lab protocol: guest serial v1; QEMU >= 10)"))]
+#[command(name = "ferry", version = VERSION)]
 #[command(about = "Live migration of QEMU VMs across wide-area links")]
 struct Cli {
     #[command(subcommand)]
@@ -29,24 +44,35 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Move a running VM to another host through this host's agent.
+    Migrate(Box<migrate::MigrateArgs>),
+    /// The migrations this host's agent sent: state, figures, errors.
+    Migrations(migrations::MigrationsArgs),
+    /// Run this host's agent: the local API for the CLI and the endpoint for peer agents.
+    Agent(AgentArgs),
+    /// The fleet's certificates: a CA, and one certificate per host.
+    #[command(subcommand)]
+    Pki(pki_cmd::PkiCmd),
     /// Run the demo: a live migration across an emulated 100 Mbit/s, 50 ms WAN.
+    #[cfg(feature = "lab")]
     Demo(demo::DemoArgs),
-    /// The guest image.
+    /// The lab's guest image.
+    #[cfg(feature = "lab")]
     #[command(subcommand)]
     Image(ImageCmd),
     /// The two-site lab: namespaces, WAN emulator, bridges.
+    #[cfg(feature = "lab")]
     #[command(subcommand)]
     Lab(lab_cmd::LabCmd),
     /// The lab's VMs.
+    #[cfg(feature = "lab")]
     #[command(subcommand)]
     Vm(vm_cmd::VmCmd),
-    /// Send one command to a VM's guest agent and print its reply (e.g. `mem verify`).
+    /// Send one command to a lab VM's guest agent and print its reply (e.g. `mem verify`).
+    #[cfg(feature = "lab")]
     Guest(vm_cmd::GuestArgs),
-    /// Migrate a VM to another site.
-    Migrate(migrate::MigrateArgs),
-    /// Run this host's agent: the local API for the CLI and the endpoint for peer agents.
-    Agent(AgentArgs),
-    /// Run benchmark scenarios and print one JSON object per migration.
+    /// Run benchmark scenarios in the lab and print one JSON object per migration.
+    #[cfg(feature = "lab")]
     Bench(bench::BenchArgs),
     /// Draw a migration timeline (JSON from `migrate`, `demo --timeline` or `bench --timelines`) as SVG.
     Report {
@@ -60,33 +86,13 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct AgentArgs {
-    /// This agent's name; its certificate must carry it (the lab's are `site-a`, `site-b`).
-    #[arg(long)]
-    name: String,
-    /// Where peer agents connect (host:port).
-    #[arg(long)]
-    listen: String,
-    /// The local API's unix socket.
-    #[arg(long)]
-    api: std::path::PathBuf,
-    /// Directory for the sockets to and from QEMU.
-    #[arg(long)]
-    work_dir: std::path::PathBuf,
-    /// Where memory images of VMs that left this host are kept for their return (default:
-    /// `seeds` in the work directory).
-    #[arg(long)]
-    seed_dir: Option<std::path::PathBuf>,
-    /// The fleet CA (PEM): peers must present a certificate it signed.
-    #[arg(long)]
-    ca: std::path::PathBuf,
-    /// This agent's certificate (PEM).
-    #[arg(long)]
-    cert: std::path::PathBuf,
-    /// This agent's private key (PEM).
-    #[arg(long)]
-    key: std::path::PathBuf,
+    /// The agent's config file (TOML: name, listen address, certificates, peers, limits;
+    /// docs/agent-api.md shows one).
+    #[arg(long, default_value = ferry_agent::config::DEFAULT_CONFIG)]
+    config: std::path::PathBuf,
 }
 
+#[cfg(feature = "lab")]
 #[derive(Subcommand)]
 enum ImageCmd {
     /// Build the tiny guest image (cached; rebuilt only when its inputs change).
@@ -134,7 +140,7 @@ fn main() -> ExitCode {
     let result = rt.block_on(async {
         tokio::spawn(async {
             while tokio::signal::ctrl_c().await.is_ok() {
-                if ferry_lab::interrupt::request() {
+                if ferry_agent::interrupt::request() {
                     eprintln!("\nferry: interrupted; cancelling the migration (the source VM keeps running)");
                 } else {
                     std::process::exit(130);
@@ -142,7 +148,16 @@ fn main() -> ExitCode {
             }
         });
         match cli.command {
+            Cmd::Migrate(a) => migrate::run(*a).await,
+            Cmd::Migrations(a) => migrations::run(a).await,
+            Cmd::Pki(c) => pki_cmd::run(c),
+            Cmd::Agent(a) => ferry_agent::run(ferry_agent::AgentConfig::load(&a.config)?)
+                .await
+                .map(|()| ExitCode::SUCCESS),
+            Cmd::Report { timeline, output } => report_svg(&timeline, output),
+            #[cfg(feature = "lab")]
             Cmd::Demo(a) => demo::run(a).await,
+            #[cfg(feature = "lab")]
             Cmd::Image(ImageCmd::Build { force }) => {
                 let (img, rebuilt) =
                     tokio::task::spawn_blocking(move || ferry_lab::image::build(force)).await??;
@@ -156,22 +171,14 @@ fn main() -> ExitCode {
                 );
                 Ok(ExitCode::SUCCESS)
             }
+            #[cfg(feature = "lab")]
             Cmd::Lab(c) => lab_cmd::run(c).await,
+            #[cfg(feature = "lab")]
             Cmd::Vm(c) => vm_cmd::run(c).await,
+            #[cfg(feature = "lab")]
             Cmd::Guest(a) => vm_cmd::guest(a).await,
-            Cmd::Migrate(a) => migrate::run(a).await,
+            #[cfg(feature = "lab")]
             Cmd::Bench(a) => bench::run(a).await,
-            Cmd::Agent(a) => ferry_agent::run(ferry_agent::AgentConfig {
-                name: a.name,
-                listen: a.listen,
-                api_socket: a.api,
-                seed_dir: a.seed_dir.unwrap_or_else(|| a.work_dir.join("seeds")),
-                work_dir: a.work_dir,
-                identity: ferry_wire::tls::Identity { ca: a.ca, cert: a.cert, key: a.key },
-            })
-            .await
-            .map(|()| ExitCode::SUCCESS),
-            Cmd::Report { timeline, output } => report_svg(&timeline, output),
         }
     });
     match result {
@@ -179,6 +186,23 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("ferry: {}", report::error_chain(&e));
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_version_line_names_the_protocols_spoken() {
+        let wire = format!("wire protocol {}", ferry_wire::frame::WIRE_VERSION);
+        let control = format!("control messages {}", ferry_agent::control::CONTROL_VERSION);
+        let timeline = format!("timeline {}", ferry_api::timeline::TIMELINE_VERSION);
+        for part in [wire, control, timeline] {
+            assert!(
+                super::VERSION.contains(&part),
+                "{} lacks {part}",
+                super::VERSION
+            );
         }
     }
 }

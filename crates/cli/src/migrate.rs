@@ -1,155 +1,207 @@
-//! `ferry migrate VM --to SITE`.
+//! `ferry migrate`: moves a VM through this host's agent to a peer agent.
+//!
+//! - `--qmp SOCKET`: any QEMU its owner started with a QMP socket. The destination agent
+//!   starts the destination from the source QEMU's own command line (or from
+//!   `--destination-argv-file`), so nothing needs a shell on the destination host.
+//! - a lab VM's name (without `--qmp`, in builds with the lab): the lab's path, with the test
+//!   guest's verifiers.
+//!
+//! The agent owns the migration; this command asks for it, follows it with a progress bar,
+//! writes its timeline and prints the report. Ctrl-C cancels it (the source VM keeps running).
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::Mutex;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferry_lab::baseline::{self, MigrateOptions, MigrationOutcome, Progress, QemuMode};
-use ferry_lab::guest::{self, GuestLink, Heartbeats, VerifyOutcome};
-use ferry_lab::{vm, Lab, Site};
+use ferry_agent::client::AgentClient;
+use ferry_agent::follow::{self, follow, AgentWire, Followed, Start, WanCounter};
+use ferry_api::agent::{Destination, MigrationRequest};
+use ferry_api::outcome::Progress;
+use ferry_api::Timeline;
 use tokio::sync::watch;
 
 use crate::report;
 use crate::settings_flags::SettingsFlags;
 
-/// Migration flags shared by `migrate`, `bench` and `demo`: the system, and its settings.
-#[derive(Args, Debug, Clone)]
-pub struct MigrationFlags {
-    /// Which system migrates: `ferry` (through the sites' agents) or `qemu` (QEMU's own
-    /// migration straight across the WAN, in --mode).
-    #[arg(long, default_value = "ferry")]
-    pub system: String,
-    /// QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or multifd-zstd.
-    #[arg(long, default_value = "plain")]
-    pub mode: String,
-    /// QEMU's own migration, VMs with disks: run the mirror in write-blocking copy mode (each
-    /// guest write waits for the destination) instead of background.
-    #[arg(long)]
-    pub qemu_mirror_write_blocking: bool,
-    #[command(flatten)]
-    pub settings: SettingsFlags,
-}
-
-impl MigrationFlags {
-    /// Validated options.
-    pub fn options(&self) -> Result<MigrateOptions> {
-        let ferry = match self.system.as_str() {
-            "qemu" => false,
-            "ferry" => true,
-            other => bail!("unknown --system {other:?} (known: ferry, qemu)"),
-        };
-        Ok(MigrateOptions {
-            ferry,
-            mode: QemuMode::parse(&self.mode)?,
-            qemu_mirror_write_blocking: self.qemu_mirror_write_blocking,
-            settings: self.settings.settings()?,
-            ..MigrateOptions::default()
-        })
-    }
-}
+/// Who counts the WAN bytes of a migration outside the lab.
+const AGENT_COUNTERS: &str = "the agents (TLS and framing; not TCP/IP headers)";
 
 #[derive(Args)]
 pub struct MigrateArgs {
-    /// The VM to move.
-    vm: String,
-    /// The site to move it to.
+    /// With --qmp: a name for the reports (default: the socket's file name). Without: the lab
+    /// VM to move.
+    vm: Option<String>,
+    /// The destination: a peer named in the agent's config (`[peers.NAME]`); for lab VMs, the
+    /// site (a or b).
     #[arg(long)]
     to: String,
-    #[command(flatten)]
-    flags: MigrationFlags,
-    /// Skip the guest's verifiers after the migration.
-    #[arg(long)]
-    no_verify: bool,
+    /// Move the QEMU that serves this QMP socket (on this host). The agent takes the socket
+    /// over for the migration (QEMU serves one QMP client at a time).
+    #[arg(long, value_name = "SOCKET")]
+    qmp: Option<PathBuf>,
+    /// With --qmp: start the destination from this command line (one argument per line,
+    /// program first) instead of the source QEMU's own.
+    #[arg(long, value_name = "FILE", requires = "qmp")]
+    destination_argv_file: Option<PathBuf>,
+    /// With --qmp: a disk to copy to the destination (a QEMU block node name; repeat for
+    /// each). Without, the disks are taken to be on storage both hosts share.
+    #[arg(long = "disk", value_name = "NODE", requires = "qmp")]
+    disks: Vec<String>,
+    /// This host's agent: its API socket (default: `api_socket` of /etc/ferry/agent.toml, or
+    /// /run/ferry/agent.sock).
+    #[arg(long, env = "FERRY_AGENT", value_name = "SOCKET")]
+    agent: Option<PathBuf>,
     /// Print the outcome as JSON instead of the report.
     #[arg(long)]
     json: bool,
-    /// Where to write the migration's timeline (default: the lab's timelines directory).
+    /// Where to write the migration's timeline.
     #[arg(long)]
-    timeline: Option<std::path::PathBuf>,
+    timeline: Option<PathBuf>,
+    #[command(flatten)]
+    settings: SettingsFlags,
+    #[cfg(feature = "lab")]
+    #[command(flatten)]
+    lab: crate::lab_migrate::LabFlags,
 }
 
 pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
-    let opts = a.flags.options()?;
-    let to = Site::parse(&a.to)?;
-    let lab = Lab::from_env();
-    let rec = vm::load(&lab, &a.vm)?;
-    if rec.site == to {
-        bail!("VM {:?} already runs at site {}", a.vm, to.name());
+    let Some(qmp) = a.qmp.clone() else {
+        #[cfg(feature = "lab")]
+        {
+            let Some(vm) = &a.vm else {
+                bail!("name the lab VM to move, or give --qmp SOCKET for any QEMU");
+            };
+            return crate::lab_migrate::run(vm, &a.to, &a.lab, &a.settings, a.json, a.timeline)
+                .await;
+        }
+        #[cfg(not(feature = "lab"))]
+        bail!("give --qmp SOCKET: the QEMU to move");
+    };
+    #[cfg(feature = "lab")]
+    if a.lab.system.system != "ferry" {
+        bail!(
+            "--system {} moves lab VMs only; --qmp goes through the agents",
+            a.lab.system.system
+        );
     }
-    let src = GuestLink::connect(&rec.spec.serial_socket, Arc::new(Heartbeats::default())).await?;
-    let timeline_path = a.timeline.clone().unwrap_or_else(|| {
-        let ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
-        lab.dir()
-            .join("timelines")
-            .join(format!("{}-{ms}.json", a.vm))
+    let settings = a.settings.settings()?;
+    let destination = match &a.destination_argv_file {
+        Some(file) => Destination::Argv(read_argv(file)?),
+        None => Destination::SourceConfig,
+    };
+    let source_qmp =
+        std::path::absolute(&qmp).with_context(|| format!("--qmp {}", qmp.display()))?;
+    if !source_qmp.exists() {
+        bail!("--qmp {}: no such socket", qmp.display());
+    }
+    let vm = a.vm.clone().unwrap_or_else(|| {
+        source_qmp
+            .file_stem()
+            .map_or_else(|| "vm".to_owned(), |s| s.to_string_lossy().into_owned())
     });
-    let (outcome, verify) = migrate_with_progress(
-        &lab,
-        &a.vm,
-        to,
-        &opts,
-        src,
-        !a.json,
-        !a.no_verify,
-        Some(&timeline_path),
-    )
-    .await?;
-    let system = opts.system().name();
+    let agent = AgentClient::new(agent_socket(a.agent.as_deref()));
+    let health = agent.health().await.context("this host's agent")?;
+    let req = MigrationRequest {
+        vm: vm.clone(),
+        source_qmp,
+        to: a.to.clone(),
+        destination,
+        link_rate_mbit: None,
+        disks: a.disks.clone(),
+        settings,
+    };
+    let start = Start::now();
+    let timeline = Mutex::new(Timeline::new(
+        "ferry",
+        &vm,
+        &health.name,
+        &a.to,
+        u64::try_from(start.unix_us / 1000).unwrap_or(0),
+        0.0,
+    ));
+    let started = agent.start_migration(&req).await?;
+    let (tx, rx) = watch::channel(Progress::default());
+    let drawer = (!a.json).then(|| tokio::spawn(report::progress_bar(rx)));
+    let followed = follow(&agent, &started.id, start, &mut AgentWire, &tx, &timeline).await;
+    drop(tx);
+    if let Some(d) = drawer {
+        let _ = d.await;
+    }
+    let Followed {
+        status,
+        interrupted,
+    } = followed?;
+    let outcome = follow::outcome(&status, start, AgentWire.read(&status)?);
+    let timeline_path = a
+        .timeline
+        .clone()
+        .unwrap_or_else(|| default_timeline_path(&vm, start));
+    write_timeline(&timeline_path, &timeline)?;
     if a.json {
-        let v = serde_json::json!({ "system": system, "outcome": outcome, "verify": verify, "timeline": timeline_path });
+        let v = serde_json::json!({ "system": "ferry", "id": status.id, "outcome": outcome, "timeline": timeline_path });
         println!("{v}");
     } else {
-        report::print_report(&system, &outcome, verify.as_ref(), None);
+        report::print_report("ferry", &outcome, AGENT_COUNTERS);
         println!(
             "  timeline             {} (draw it: ferry report FILE)",
             timeline_path.display()
         );
     }
-    Ok(exit_code(&outcome, verify.as_ref()))
+    if outcome.completed {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let why = status.error.unwrap_or_else(|| "failed".into());
+    if interrupted {
+        eprintln!("ferry: interrupted by the user ({why}); the source VM keeps running");
+    } else {
+        eprintln!("ferry: {why}");
+    }
+    Ok(ExitCode::from(crate::EXIT_MIGRATION_FAILED))
 }
 
-/// 0 when the migration completed and the verifiers found nothing, else 3.
-pub fn exit_code(o: &MigrationOutcome, v: Option<&VerifyOutcome>) -> ExitCode {
-    if o.completed && v.is_none_or(|v| v.errors() == 0) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(crate::EXIT_MIGRATION_FAILED)
+/// The agent's API socket: the flag, else the config's, else the default.
+pub fn agent_socket(flag: Option<&Path>) -> PathBuf {
+    if let Some(p) = flag {
+        return p.to_owned();
     }
+    ferry_agent::AgentConfig::load(Path::new(ferry_agent::config::DEFAULT_CONFIG))
+        .map(|c| c.api_socket)
+        .unwrap_or_else(|_| PathBuf::from(ferry_agent::config::DEFAULT_API_SOCKET))
 }
 
-/// Migrates with a live progress bar (when `bar`), writes the timeline (when a path is given,
-/// whether or not the migration succeeded), then runs the verifiers (when `verify`).
-#[allow(clippy::too_many_arguments)]
-pub async fn migrate_with_progress(
-    lab: &Lab,
-    name: &str,
-    to: Site,
-    opts: &MigrateOptions,
-    src: GuestLink,
-    bar: bool,
-    verify: bool,
-    timeline_path: Option<&std::path::Path>,
-) -> Result<(MigrationOutcome, Option<VerifyOutcome>)> {
-    let (tx, rx) = watch::channel(Progress::default());
-    let drawer = bar.then(|| tokio::spawn(report::progress_bar(rx)));
-    let has_disk = vm::load(lab, name)?.has_disk();
-    let timeline = std::sync::Mutex::default();
-    let result = baseline::migrate(lab, name, to, opts, src, &tx, &timeline).await;
-    drop(tx);
-    if let Some(d) = drawer {
-        let _ = d.await;
+/// A command line from a file: one argument per line, empty lines kept out.
+fn read_argv(file: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("--destination-argv-file {}", file.display()))?;
+    let argv: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect();
+    if argv.is_empty() {
+        bail!(
+            "--destination-argv-file {}: no command line in it (one argument per line, program first)",
+            file.display()
+        );
     }
-    if let Some(path) = timeline_path {
-        baseline::write_timeline(path, &timeline)?;
+    Ok(argv)
+}
+
+fn default_timeline_path(vm: &str, start: Start) -> PathBuf {
+    let dir = std::env::var_os("FERRY_RUN_DIR")
+        .map_or_else(|| PathBuf::from("/run/ferry"), PathBuf::from)
+        .join("timelines");
+    dir.join(format!("{vm}-{}.json", start.unix_us / 1000))
+}
+
+/// Writes `timeline` as JSON to `path`, creating its directory.
+pub fn write_timeline(path: &Path, timeline: &Mutex<Timeline>) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
-    let (outcome, link) = result?;
-    let verify = if verify && outcome.completed {
-        Some(guest::verify(&link, has_disk).await?)
-    } else {
-        None
-    };
-    Ok((outcome, verify))
+    let t = timeline.lock().expect("timeline poisoned");
+    std::fs::write(path, serde_json::to_vec_pretty(&*t)?)
+        .with_context(|| format!("write timeline {}", path.display()))
 }

@@ -2,9 +2,7 @@
 
 use std::time::Duration;
 
-use ferry_lab::baseline::{MigrationOutcome, Progress};
-use ferry_lab::guest::VerifyOutcome;
-use ferry_lab::tcpseq::TcpSeqStats;
+use ferry_api::outcome::{MigrationOutcome, Progress};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::watch;
 
@@ -60,13 +58,8 @@ pub async fn progress_bar(mut rx: watch::Receiver<Progress>) {
     bar.finish_and_clear();
 }
 
-/// Prints the report of one migration.
-pub fn print_report(
-    system: &str,
-    o: &MigrationOutcome,
-    verify: Option<&VerifyOutcome>,
-    tcp: Option<&TcpSeqStats>,
-) {
+/// Prints the report of one migration; `wan_counted_by` says whose counter the WAN bytes are.
+pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
     let ms = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.0} ms"));
     println!("migration report ({system})");
     println!(
@@ -85,12 +78,14 @@ pub fn print_report(
         "  QEMU's own downtime  {}",
         ms(o.qemu_downtime_ms.map(|v| v as f64))
     );
+    if o.guest_gap_ms.is_some() {
+        println!(
+            "  guest-observed gap   {} (longest heartbeat gap)",
+            ms(o.guest_gap_ms)
+        );
+    }
     println!(
-        "  guest-observed gap   {} (longest heartbeat gap)",
-        ms(o.guest_gap_ms)
-    );
-    println!(
-        "  bytes on the WAN     {} ({} bytes, both directions, counted by the emulator)",
+        "  bytes on the WAN     {} ({} bytes, both directions, counted by {wan_counted_by})",
         bytes(o.wan_bytes),
         o.wan_bytes
     );
@@ -163,42 +158,5 @@ pub fn print_report(
                 zstd.join(", ")
             }
         );
-    }
-    if let Some(v) = verify {
-        println!(
-            "  verifier             {} ({} pages{})",
-            if v.errors() == 0 {
-                "OK, no lost or stale pages".to_owned()
-            } else {
-                format!("{} ERRORS", v.errors())
-            },
-            v.mem_pages,
-            if v.disk_blocks > 0 {
-                format!(", {} disk blocks", v.disk_blocks)
-            } else {
-                String::new()
-            }
-        );
-    }
-    if let Some(t) = tcp {
-        println!(
-            "  TCP connection       {} ({} numbers, last {}, longest stall {} ms{})",
-            if t.intact() {
-                "intact: kept every sequence number"
-            } else {
-                "BROKEN"
-            },
-            t.received,
-            t.last.map_or_else(|| "-".into(), |l| l.to_string()),
-            t.max_stall_ms,
-            if t.missing + t.out_of_order > 0 {
-                format!(", {} missing, {} out of order", t.missing, t.out_of_order)
-            } else {
-                String::new()
-            }
-        );
-        if let Some(e) = &t.error {
-            println!("                       {e}");
-        }
     }
 }

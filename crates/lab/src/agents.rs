@@ -18,36 +18,54 @@ pub fn seed_dir(lab: &Lab, site: Site) -> std::path::PathBuf {
         .join("seeds")
 }
 
-/// Starts `site`'s agent and waits until its API answers. Returns its pid.
-pub fn start(lab: &Lab, site: Site, ferry_exe: &Path, _link_rate_mbit: Option<f64>) -> Result<u32> {
+/// Where `site`'s agent's config file is.
+pub fn config_path(lab: &Lab, site: Site) -> std::path::PathBuf {
+    lab.dir().join(format!("agent-{}.toml", site.name()))
+}
+
+/// `site`'s agent's config, as a fleet would write it: the other sites are its peers.
+fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>) -> String {
     let name = pki::agent_name(site);
     let id = pki::identity(&lab.pki_dir(), &name);
+    let q = |p: &Path| format!("{:?}", p.display().to_string());
+    let mut text = format!(
+        "# made by `ferry lab up`\nname = {name:?}\nlisten = {:?}\napi_socket = {}\nwork_dir = {}\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[seeds]\ndir = {}\n",
+        lab.agent_peer_addr(site),
+        q(&lab.agent_socket(site)),
+        q(&lab.dir().join(format!("agent-{}", site.name()))),
+        q(&id.ca),
+        q(&id.cert),
+        q(&id.key),
+        q(&seed_dir(lab, site)),
+    );
+    for peer in Site::ALL.into_iter().filter(|p| *p != site) {
+        text.push_str(&format!(
+            "\n[peers.{}]\naddress = {:?}\n",
+            pki::agent_name(peer),
+            lab.agent_peer_addr(peer)
+        ));
+        if let Some(rate) = link_rate_mbit {
+            text.push_str(&format!("rate_mbit = {rate}\n"));
+        }
+    }
+    text
+}
+
+/// Starts `site`'s agent and waits until its API answers. Returns its pid.
+pub fn start(lab: &Lab, site: Site, ferry_exe: &Path, link_rate_mbit: Option<f64>) -> Result<u32> {
+    let name = pki::agent_name(site);
     let sock = lab.agent_socket(site);
     let _ = fs::remove_file(&sock);
+    let config_path = config_path(lab, site);
+    fs::write(&config_path, config(lab, site, link_rate_mbit))
+        .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("agent-{}.log", site.name()));
     let log = fs::File::create(&log_path)?;
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &lab.site_ns(site)])
         .arg(ferry_exe)
-        .args([
-            "agent",
-            "--name",
-            &name,
-            "--listen",
-            &lab.agent_peer_addr(site),
-        ])
-        .arg("--api")
-        .arg(&sock)
-        .arg("--work-dir")
-        .arg(lab.dir().join(format!("agent-{}", site.name())))
-        .arg("--seed-dir")
-        .arg(seed_dir(lab, site))
-        .arg("--ca")
-        .arg(&id.ca)
-        .arg("--cert")
-        .arg(&id.cert)
-        .arg("--key")
-        .arg(&id.key)
+        .args(["agent", "--config"])
+        .arg(&config_path)
         .env(
             "FERRY_LOG",
             std::env::var("FERRY_LOG").unwrap_or_else(|_| "info".into()),

@@ -31,7 +31,8 @@ use tokio::sync::watch;
 
 use crate::guest::{GuestLink, Heartbeats};
 use crate::topology::{Lab, Site};
-use crate::{interrupt, vm, wan};
+use crate::{vm, wan};
+use ferry_agent::interrupt;
 
 /// The destination QEMU listens for the migration stream on this port plus an offset that
 /// differs per attempt: a cancelled attempt's TCP connect into a dead WAN can stay pending in
@@ -173,49 +174,7 @@ impl MigrateOptions {
     }
 }
 
-/// One progress sample.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Progress {
-    pub phase: String,
-    pub elapsed_ms: u64,
-    /// Bytes on the WAN since the migration started (emulator counter).
-    pub wan_bytes: u64,
-    /// WAN rate over the last sample, Mbit/s.
-    pub wan_mbit: f64,
-    pub ram_total: u64,
-    pub ram_transferred: u64,
-    pub ram_remaining: u64,
-    pub iteration: u64,
-    pub eta_s: Option<f64>,
-}
-
-/// What a migration did, measured.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct MigrationOutcome {
-    pub completed: bool,
-    pub total_ms: u64,
-    pub downtime_ms: Option<f64>,
-    pub qemu_downtime_ms: Option<u64>,
-    pub guest_gap_ms: Option<f64>,
-    pub wan_bytes: u64,
-    /// Frames the WAN emulator dropped during the migration (random loss and a full queue).
-    pub wan_drops: u64,
-    pub iterations: u64,
-    pub ram_transferred: u64,
-    pub error: Option<String>,
-    /// ferry: the highest vCPU throttle auto-converge applied, percent.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cpu_throttle_pct: Option<u64>,
-    /// ferry: the guest's vCPU time the throttle took, seconds per vCPU.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub throttle_vcpu_s: Option<f64>,
-    /// ferry: what the codec did with QEMU's stream.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub codec: Option<ferry_api::agent::CodecReport>,
-    /// ferry, with disks: what the disk path did.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub disk: Option<ferry_api::agent::DiskReport>,
-}
+pub use ferry_api::outcome::{MigrationOutcome, Progress};
 
 pub(crate) fn now_micros() -> i64 {
     i64::try_from(

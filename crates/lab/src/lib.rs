@@ -4,7 +4,6 @@
 //! - [`topology`]: sites as network namespaces, the WAN between them, `lab up|down`.
 //! - [`link`]: the emulated link's settings and their validation.
 //! - [`wan`]: the user-space WAN emulator (rate, delay, jitter, loss, byte counters).
-//! - [`interrupt`]: Ctrl-C during a migration cancels it cleanly.
 //! - [`image`]: the tiny guest image, built from Debian packages and cached.
 //! - [`vm`]: the lab's VMs (start at a site, records, stop).
 //! - [`guest`]: the host side of the guest's serial protocol (commands, heartbeats, verifiers).
@@ -23,7 +22,6 @@ pub mod ferry_path;
 pub mod floor;
 pub mod guest;
 pub mod image;
-pub mod interrupt;
 pub mod link;
 pub mod pki;
 pub mod sh;

@@ -108,6 +108,8 @@ type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Reply>>>>>;
 /// One QMP connection. Cheap to share behind an `Arc`; commands may be issued concurrently.
 pub struct Qmp {
     path: PathBuf,
+    /// The process serving the socket (SO_PEERCRED), when the kernel says.
+    peer_pid: Option<u32>,
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     next_id: AtomicU64,
     /// `None` once the reader has ended: no new waiter may be added after that.
@@ -117,6 +119,12 @@ pub struct Qmp {
 }
 
 impl Qmp {
+    /// The pid of the process behind the socket (the QEMU, for a QMP socket), as the kernel
+    /// recorded it when it accepted the connection.
+    pub fn peer_pid(&self) -> Option<u32> {
+        self.peer_pid
+    }
+
     /// Connects to a QMP unix socket, reads the greeting and enters command mode.
     ///
     /// Cancel safety: not cancel safe; a cancelled connect leaves nothing behind but the socket.
@@ -127,6 +135,11 @@ impl Qmp {
                 path: path.to_owned(),
                 source,
             })?;
+        let peer_pid = stream
+            .peer_cred()
+            .ok()
+            .and_then(|c| c.pid())
+            .and_then(|p| u32::try_from(p).ok());
         let (read, write) = stream.into_split();
         let mut lines = BufReader::new(read);
         let mut greeting = String::new();
@@ -155,6 +168,7 @@ impl Qmp {
         ));
         let qmp = Qmp {
             path: path.to_owned(),
+            peer_pid,
             writer: tokio::sync::Mutex::new(write),
             next_id: AtomicU64::new(1),
             pending,

@@ -11,7 +11,8 @@ use rustls::RootCertStore;
 pub use rustls::{ClientConfig, ServerConfig};
 
 /// Where an agent's credentials are.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Identity {
     /// The CA that signs every agent of the fleet (PEM).
     pub ca: PathBuf,

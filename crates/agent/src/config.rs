@@ -1,0 +1,327 @@
+//! The agent's configuration: one TOML file (`ferry agent --config /etc/ferry/agent.toml`),
+//! read into [`AgentConfig`] and checked whole before the agent binds anything.
+//!
+//! ```toml
+//! name = "site-a"                        # the name this host's certificate carries
+//! listen = "0.0.0.0:7070"                # where peer agents connect
+//! api_socket = "/run/ferry/agent.sock"   # the local API (the CLI, libvirt's hooks)
+//! work_dir = "/var/lib/ferry/work"       # sockets to and from QEMU
+//!
+//! [tls]                                  # `ferry pki init` / `ferry pki issue site-a`
+//! ca = "/etc/ferry/pki/ca.pem"
+//! cert = "/etc/ferry/pki/site-a.pem"
+//! key = "/etc/ferry/pki/site-a.key"
+//!
+//! [seeds]                                # memory images of VMs that left, for their return
+//! dir = "/var/lib/ferry/seeds"
+//! budget_mib = 8192                      # oldest images go first beyond this
+//!
+//! [limits]
+//! outgoing = 4                           # migrations this agent sends at once
+//!
+//! [peers.site-b]                         # `ferry migrate ... --to site-b`
+//! address = "192.0.2.10:7070"
+//! rate_mbit = 1000                       # optional: the link's rate, for pacing and windows
+//! ```
+//!
+//! Unknown keys are errors (a typo must not silently become a default), and every error names
+//! the file, the line and the key.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ferry_wire::tls::Identity;
+use serde::Deserialize;
+
+/// Where `ferry agent` and the CLI look when nothing else is said.
+pub const DEFAULT_CONFIG: &str = "/etc/ferry/agent.toml";
+/// The local API's socket when the file does not name one.
+pub const DEFAULT_API_SOCKET: &str = "/run/ferry/agent.sock";
+
+/// How an agent is set up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// The name peers know this agent by (its certificate carries it).
+    pub name: String,
+    /// Where other agents connect (TCP, `host:port`).
+    pub listen: String,
+    /// The local API's unix socket.
+    pub api_socket: PathBuf,
+    /// Sockets to and from QEMU live here.
+    pub work_dir: PathBuf,
+    /// Memory images of VMs that left this host, for their return ([`crate::seed_store`]).
+    pub seed_dir: PathBuf,
+    /// The most bytes of seed images kept; the oldest go first beyond it.
+    pub seed_budget_bytes: u64,
+    pub identity: Identity,
+    /// Migrations this agent sends at once; more are refused (each holds a QEMU's migration
+    /// and its codec's dictionaries, some hundreds of MB).
+    pub max_outgoing: usize,
+    /// The agents this one may migrate to, by name.
+    pub peers: BTreeMap<String, PeerConfig>,
+}
+
+/// Another agent this one knows.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// `host:port` of its peer endpoint.
+    pub address: String,
+    /// The link's rate, if known: sizes the send window and paces the connections.
+    #[serde(default)]
+    pub rate_mbit: Option<f64>,
+}
+
+/// Why a configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read the agent's config {path}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("{path}: {key}: {problem}")]
+    Invalid {
+        path: PathBuf,
+        key: String,
+        problem: String,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    name: String,
+    listen: String,
+    #[serde(default)]
+    api_socket: Option<PathBuf>,
+    work_dir: PathBuf,
+    tls: Identity,
+    #[serde(default)]
+    seeds: Seeds,
+    #[serde(default)]
+    limits: Limits,
+    #[serde(default)]
+    peers: BTreeMap<String, PeerConfig>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Seeds {
+    dir: Option<PathBuf>,
+    budget_mib: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Limits {
+    outgoing: Option<usize>,
+}
+
+/// 8 GiB of seed images: sixteen 512 MiB guests' worth.
+const DEFAULT_SEED_BUDGET_MIB: u64 = 8192;
+/// Four migrations out at once: each holds its codec's dictionaries (~360 MB at most).
+const DEFAULT_MAX_OUTGOING: usize = 4;
+
+impl AgentConfig {
+    /// Reads and checks the file at `path`.
+    pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        AgentConfig::parse(&text, path)
+    }
+
+    /// Parses `text` (read from `path`, which errors name) and checks every value.
+    pub fn parse(text: &str, path: &Path) -> Result<AgentConfig, ConfigError> {
+        let file: File = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: path.to_owned(),
+            // toml's message names the line, the column and the key; one line of it is enough.
+            message: e.to_string().trim().replace('\n', " ").replace("  ", " "),
+        })?;
+        let invalid = |key: &str, problem: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            key: key.to_owned(),
+            problem,
+        };
+        if !valid_name(&file.name) {
+            return Err(invalid(
+                "name",
+                format!(
+                    "{:?} is not a host name (letters, digits, '-', '.')",
+                    file.name
+                ),
+            ));
+        }
+        check_address(&file.listen).map_err(|p| invalid("listen", p))?;
+        for (name, peer) in &file.peers {
+            if !valid_name(name) {
+                return Err(invalid(
+                    &format!("peers.{name}"),
+                    "a peer's name is the name its certificate carries (letters, digits, '-', '.')"
+                        .into(),
+                ));
+            }
+            if name == &file.name {
+                return Err(invalid(
+                    &format!("peers.{name}"),
+                    "this agent itself is not a peer".into(),
+                ));
+            }
+            check_address(&peer.address)
+                .map_err(|p| invalid(&format!("peers.{name}.address"), p))?;
+            if let Some(rate) = peer.rate_mbit {
+                if !(0.1..=1_000_000.0).contains(&rate) {
+                    return Err(invalid(
+                        &format!("peers.{name}.rate_mbit"),
+                        format!("{rate} is out of range; use 0.1 to 1000000"),
+                    ));
+                }
+            }
+        }
+        for (key, p) in [
+            ("work_dir", &file.work_dir),
+            ("tls.ca", &file.tls.ca),
+            ("tls.cert", &file.tls.cert),
+            ("tls.key", &file.tls.key),
+        ] {
+            if !p.is_absolute() {
+                return Err(invalid(
+                    key,
+                    format!("{} is not an absolute path", p.display()),
+                ));
+            }
+        }
+        let outgoing = file.limits.outgoing.unwrap_or(DEFAULT_MAX_OUTGOING);
+        if !(1..=64).contains(&outgoing) {
+            return Err(invalid(
+                "limits.outgoing",
+                format!("{outgoing} is out of range; use 1 to 64"),
+            ));
+        }
+        let budget_mib = file.seeds.budget_mib.unwrap_or(DEFAULT_SEED_BUDGET_MIB);
+        Ok(AgentConfig {
+            name: file.name,
+            listen: file.listen,
+            api_socket: file
+                .api_socket
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET)),
+            seed_dir: file
+                .seeds
+                .dir
+                .unwrap_or_else(|| file.work_dir.join("seeds")),
+            work_dir: file.work_dir,
+            seed_budget_bytes: budget_mib.saturating_mul(1 << 20),
+            identity: file.tls,
+            max_outgoing: outgoing,
+            peers: file.peers,
+        })
+    }
+
+    /// The peer named `name`, or an error that lists the known ones.
+    pub fn peer(&self, name: &str) -> Result<&PeerConfig, UnknownPeer> {
+        self.peers.get(name).ok_or_else(|| UnknownPeer {
+            name: name.to_owned(),
+            known: self.peers.keys().cloned().collect(),
+        })
+    }
+}
+
+/// A migration names a peer the agent's config does not list.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("no peer {name:?} in this agent's config (known: {}); add a [peers.{name}] section with its address", if known.is_empty() { "none".to_owned() } else { known.join(", ") })]
+pub struct UnknownPeer {
+    pub name: String,
+    pub known: Vec<String>,
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+}
+
+fn check_address(addr: &str) -> Result<(), String> {
+    match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(format!("{addr:?} is not host:port (e.g. 192.0.2.10:7070)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "site-a"
+listen = "0.0.0.0:7070"
+work_dir = "/var/lib/ferry/work"
+
+[tls]
+ca = "/etc/ferry/pki/ca.pem"
+cert = "/etc/ferry/pki/site-a.pem"
+key = "/etc/ferry/pki/site-a.key"
+
+[peers.site-b]
+address = "192.0.2.10:7070"
+rate_mbit = 100
+"#;
+
+    fn parse(text: &str) -> Result<AgentConfig, String> {
+        AgentConfig::parse(text, Path::new("/etc/ferry/agent.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_minimal_file_gets_the_defaults() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.name, "site-a");
+        assert_eq!(c.api_socket, Path::new(DEFAULT_API_SOCKET));
+        assert_eq!(c.seed_dir, Path::new("/var/lib/ferry/work/seeds"));
+        assert_eq!(c.seed_budget_bytes, 8 << 30);
+        assert_eq!(c.max_outgoing, 4);
+        assert_eq!(c.peer("site-b").unwrap().rate_mbit, Some(100.0));
+    }
+
+    #[test]
+    fn a_typo_is_named_with_its_line() {
+        let err = parse(&GOOD.replace("listen =", "lisen =")).unwrap_err();
+        assert!(err.starts_with("/etc/ferry/agent.toml: "), "{err}");
+        assert!(err.contains("unknown field `lisen`"), "{err}");
+        assert!(err.contains("line 3"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        assert_eq!(
+            parse(&GOOD.replace("192.0.2.10:7070", "192.0.2.10")).unwrap_err(),
+            "/etc/ferry/agent.toml: peers.site-b.address: \"192.0.2.10\" is not host:port (e.g. 192.0.2.10:7070)"
+        );
+        assert_eq!(
+            parse(&GOOD.replace("\"/var/lib/ferry/work\"", "\"work\"")).unwrap_err(),
+            "/etc/ferry/agent.toml: work_dir: work is not an absolute path"
+        );
+        assert_eq!(
+            parse(&format!("{GOOD}\n[limits]\noutgoing = 0\n")).unwrap_err(),
+            "/etc/ferry/agent.toml: limits.outgoing: 0 is out of range; use 1 to 64"
+        );
+        assert!(parse(&GOOD.replace("[peers.site-b]", "[peers.site-a]"))
+            .unwrap_err()
+            .contains("this agent itself is not a peer"));
+        let missing = parse(&GOOD.replace("name = \"site-a\"\n", "")).unwrap_err();
+        assert!(missing.contains("missing field `name`"), "{missing}");
+    }
+
+    #[test]
+    fn an_unknown_peer_lists_the_known_ones() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(
+            c.peer("site-c").unwrap_err().to_string(),
+            "no peer \"site-c\" in this agent's config (known: site-b); add a [peers.site-c] section with its address"
+        );
+    }
+}

@@ -1,0 +1,101 @@
+//! The destination QEMU, when the agent starts it: from a command line (the source QEMU's own,
+//! or one the user gave), made a destination by [`ferry_qemu::incoming::incoming_argv`] (the
+//! agent's QMP socket, `-S -incoming defer`), daemonized so that the VM outlives the agent and
+//! is nobody's child once it runs. QEMU daemonizes only after it has set everything up, so a
+//! command line this host cannot honour (a missing image, an unknown device, a tap that is not
+//! there) fails here, with QEMU's own words, before the source has sent anything.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use ferry_qemu::incoming::incoming_argv;
+
+/// QEMU sets up a VM in well under a second; a minute covers a slow disk or a busy host.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most of QEMU's complaint shown (its last lines say why it stopped).
+const STDERR_SHOWN_BYTES: usize = 2000;
+
+/// A destination QEMU the agent started.
+#[derive(Debug)]
+pub struct Started {
+    pub qmp_socket: PathBuf,
+    pub pid: Option<u32>,
+}
+
+/// Starts the destination for session `tag` from `argv` (program first); its sockets and pid
+/// file go in `work_dir`.
+pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Started> {
+    let qmp_socket = work_dir.join(format!("in-{tag}.qmp"));
+    let pidfile = work_dir.join(format!("in-{tag}.pid"));
+    let _ = std::fs::remove_file(&qmp_socket);
+    let argv = incoming_argv(argv, &qmp_socket, &pidfile)?;
+    let (program, args) = argv.split_first().expect("incoming_argv keeps the program");
+    tracing::info!(program, ?args, "starting the destination QEMU");
+    let child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn();
+    let child = match child {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("QEMU {program:?} (the source's) is not on this host; install it, or give the destination's command line")
+        }
+        Err(e) => return Err(e).with_context(|| format!("cannot run {program:?}")),
+    };
+    let out = tokio::time::timeout(START_TIMEOUT, child.wait_with_output())
+        .await
+        .with_context(|| {
+            format!(
+                "the destination QEMU did not finish starting within {}s",
+                START_TIMEOUT.as_secs()
+            )
+        })?
+        .context("waiting for the destination QEMU to start")?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stderr = stderr.trim();
+        let from = (stderr.len().saturating_sub(STDERR_SHOWN_BYTES)..=stderr.len())
+            .find(|i| stderr.is_char_boundary(*i))
+            .unwrap_or(0);
+        let shown = &stderr[from..];
+        bail!(
+            "the destination QEMU refused the VM's configuration ({}): {}",
+            out.status,
+            if shown.is_empty() {
+                "no message"
+            } else {
+                shown
+            }
+        );
+    }
+    let pid = std::fs::read_to_string(&pidfile)
+        .ok()
+        .and_then(|p| p.trim().parse().ok());
+    Ok(Started { qmp_socket, pid })
+}
+
+/// Kills a destination QEMU [`start`] started (after a failure before the commit), if it is
+/// still there: its monitor may be the thing that failed.
+pub fn kill(pid: u32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    // SAFETY: kill(2) with a pid QEMU wrote to our pid file and a constant signal; no memory
+    // is involved. A pid reused since would be another process of this host's QEMUs at
+    // worst, which is why this runs right after the failure, not later.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+}
+
+/// Removes what [`start`] left in `work_dir` for session `tag` once its QEMU is gone.
+pub fn clean_up(work_dir: &Path, tag: &str) {
+    for f in [format!("in-{tag}.qmp"), format!("in-{tag}.pid")] {
+        let _ = std::fs::remove_file(work_dir.join(f));
+    }
+}
