@@ -317,6 +317,14 @@ rate_mbit = 100
     }
 
     #[test]
+    fn the_example_in_the_repository_is_valid() {
+        let text = include_str!("../../../contrib/agent.toml");
+        let c = parse(text).unwrap();
+        assert_eq!(c.name, "dc1-host7");
+        assert_eq!(c.peer("dc2-host3").unwrap().rate_mbit, Some(1000.0));
+    }
+
+    #[test]
     fn an_unknown_peer_lists_the_known_ones() {
         let c = parse(GOOD).unwrap();
         assert_eq!(

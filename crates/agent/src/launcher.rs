@@ -57,6 +57,8 @@ pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Starte
         })?
         .context("waiting for the destination QEMU to start")?;
     if !out.status.success() {
+        // QEMU may have made its monitor's socket before it gave up.
+        clean_up(work_dir, tag);
         let stderr = String::from_utf8_lossy(&out.stderr);
         let stderr = stderr.trim();
         let from = (stderr.len().saturating_sub(STDERR_SHOWN_BYTES)..=stderr.len())

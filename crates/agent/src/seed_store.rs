@@ -53,6 +53,40 @@ pub async fn save(qmp: &Qmp, seed_dir: &Path, vm: &str, ram_bytes: u64) -> Resul
     Ok(size)
 }
 
+/// Removes the oldest images (by modification time) until those in `seed_dir` take at most
+/// `budget_bytes`, never `keep`'s (the one just saved). Returns the VMs whose images went.
+/// A mapped image being read by a migration stays readable: removing unlinks the name only.
+pub fn evict(seed_dir: &Path, budget_bytes: u64, keep: &str) -> Result<Vec<String>> {
+    let mut images = Vec::new();
+    for entry in
+        std::fs::read_dir(seed_dir).with_context(|| format!("list {}", seed_dir.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(vm) = name.strip_suffix(".ram") else {
+            continue;
+        };
+        let meta = entry.metadata()?;
+        images.push((meta.modified()?, meta.len(), vm.to_owned()));
+    }
+    let mut total: u64 = images.iter().map(|(_, len, _)| len).sum();
+    images.sort();
+    let mut evicted = Vec::new();
+    for (_, len, vm) in images {
+        if total <= budget_bytes {
+            break;
+        }
+        if vm == keep {
+            continue;
+        }
+        std::fs::remove_file(seed_dir.join(format!("{vm}.ram")))
+            .with_context(|| format!("remove {vm}'s seed image"))?;
+        total -= len;
+        evicted.push(vm);
+    }
+    Ok(evicted)
+}
+
 /// An image, mapped into memory, with its index for the source. Nothing writes the mapped
 /// file: a new image for the same VM is a new file renamed over it, and the mapping keeps the
 /// old one (and a byte changed anyway would fail the stream's digest check, not the guest).
@@ -102,6 +136,27 @@ mod tests {
         for bad in ["", "../etc/passwd", "a/b", ".hidden", "x y"] {
             assert!(image_path(dir, bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn the_oldest_images_go_first_beyond_the_budget() {
+        let dir = std::env::temp_dir().join(format!("ferry-seed-evict-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let t0 = std::time::SystemTime::now() - std::time::Duration::from_secs(100);
+        for (i, vm) in ["old", "mid", "new"].iter().enumerate() {
+            let path = dir.join(format!("{vm}.ram"));
+            std::fs::write(&path, vec![1u8; 4096]).unwrap();
+            let f = std::fs::File::options().write(true).open(&path).unwrap();
+            f.set_modified(t0 + std::time::Duration::from_secs(10 * i as u64))
+                .unwrap();
+        }
+        std::fs::write(dir.join("other.txt"), b"not an image").unwrap();
+        // The newest is kept even when it is the only one over the budget's head.
+        assert_eq!(evict(&dir, 2 * 4096, "new").unwrap(), ["old"]);
+        assert_eq!(evict(&dir, 0, "new").unwrap(), ["mid"]);
+        assert!(dir.join("new.ram").exists() && dir.join("other.txt").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -290,6 +290,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         agent.pool.clone(),
         agent.config.work_dir.clone(),
         agent.config.seed_dir.clone(),
+        agent.config.seed_budget_bytes,
     ));
     (StatusCode::CREATED, Json(status.get())).into_response()
 }

@@ -51,6 +51,7 @@ const THROTTLE_INCREMENT_PCT: u8 = 10;
 const ASSUMED_LINK_MBIT: f64 = 1000.0;
 
 /// Runs one migration to its end and records the outcome in `status`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     req: MigrationRequest,
     peer_address: String,
@@ -59,6 +60,7 @@ pub async fn run(
     pool: Arc<Pool>,
     work_dir: PathBuf,
     seed_dir: PathBuf,
+    seed_budget_bytes: u64,
 ) {
     let result = migrate(
         &req,
@@ -68,6 +70,7 @@ pub async fn run(
         pool,
         &work_dir,
         &seed_dir,
+        seed_budget_bytes,
     )
     .await;
     status.update(|s| match result {
@@ -84,6 +87,7 @@ pub async fn run(
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn migrate(
     req: &MigrationRequest,
     peer_address: &str,
@@ -92,6 +96,7 @@ async fn migrate(
     pool: Arc<Pool>,
     work_dir: &Path,
     seed_dir: &Path,
+    seed_budget_bytes: u64,
 ) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(req.settings.timeout_s);
     let wan_timeout = Duration::from_secs(req.settings.wan_timeout_s);
@@ -364,7 +369,17 @@ async fn migrate(
                     .update(|s| s.phase = "committed; saving the VM's image for its return".into());
                 match seed_store::save(&qmp, seed_dir, &req.vm, ram_bytes).await {
                     Ok(bytes) => {
-                        tracing::info!("kept {bytes} bytes of {:?}'s memory for its return", req.vm)
+                        tracing::info!(
+                            "kept {bytes} bytes of {:?}'s memory for its return",
+                            req.vm
+                        );
+                        match seed_store::evict(seed_dir, seed_budget_bytes, &req.vm) {
+                            Ok(gone) if !gone.is_empty() => tracing::info!(
+                                "seed budget: removed the images of {gone:?} (oldest first)"
+                            ),
+                            Ok(_) => {}
+                            Err(e) => tracing::warn!("seed budget: {e:#}"),
+                        }
                     }
                     Err(e) => {
                         tracing::warn!("could not keep {:?}'s memory for its return: {e:#}", req.vm)

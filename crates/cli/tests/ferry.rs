@@ -336,9 +336,9 @@ fn killing_the_destination_agent_before_the_commit_keeps_the_source_running() {
     let t = TestLab::up("kil", SLOW_LINK);
     start_vm(&t, "f3", "48");
     let child = migrate_in_background(&t, "f3", &["--wan-timeout-s", "5"], Duration::from_secs(2));
-    let agent_sock = t.lab.agent_socket(Site::B);
+    let agent_config = ferry_lab::agents::config_path(&t.lab, Site::B);
     let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &agent_sock.to_string_lossy()])
+        .args(["-KILL", "-f", &agent_config.to_string_lossy()])
         .status()
         .unwrap();
     assert!(killed.success(), "the destination agent was not found");

@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -61,10 +61,10 @@ pub fn start(lab: &Lab, site: Site, ferry_exe: &Path, link_rate_mbit: Option<f64
         .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("agent-{}.log", site.name()));
     let log = fs::File::create(&log_path)?;
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &lab.site_ns(site)])
-        .arg(ferry_exe)
-        .args(["agent", "--config"])
+    // The agent is a process of the site's host: the destination QEMUs it starts see the
+    // site's files at HOST_DIR.
+    let mut cmd = lab.host_command(site, ferry_exe);
+    cmd.args(["agent", "--config"])
         .arg(&config_path)
         .env(
             "FERRY_LOG",

@@ -107,6 +107,12 @@ pub struct Lab {
 /// The default lab's name.
 pub const DEFAULT_LAB: &str = "ferry";
 
+/// A directory every site sees as its own (its host's `/run`-like place): processes started
+/// with [`Lab::host_command`] find `<lab dir>/host-<site>` mounted there, in a mount namespace
+/// of their own. Two hosts have separate file systems; this gives the lab's sites that much,
+/// so a VM's sockets can have the same path at both ends, as on real hosts.
+pub const HOST_DIR: &str = "/run/ferry-host";
+
 impl Lab {
     /// The lab named by `FERRY_LAB`, or the default one.
     pub fn from_env() -> Lab {
@@ -125,6 +131,28 @@ impl Lab {
     /// The network namespace of `site`.
     pub fn site_ns(&self, site: Site) -> String {
         format!("{}-{}", self.name, site.name())
+    }
+
+    /// What `site`'s processes see at [`HOST_DIR`], as a path outside the site.
+    pub fn host_dir(&self, site: Site) -> PathBuf {
+        self.dir().join(format!("host-{}", site.name()))
+    }
+
+    /// `program` to run as a process of `site`'s host: in its network namespace, and in a
+    /// mount namespace of its own where [`HOST_DIR`] is the site's [`Lab::host_dir`].
+    pub fn host_command(&self, site: Site, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.site_ns(site)])
+            .args(["unshare", "--mount", "--propagation", "private", "--"])
+            .args([
+                "sh",
+                "-c",
+                "mount --bind \"$0\" \"$1\" && shift && exec \"$@\"",
+            ])
+            .arg(self.host_dir(site))
+            .arg(HOST_DIR)
+            .arg(program);
+        cmd
     }
 
     /// The middle namespace holding the WAN emulator.
@@ -198,8 +226,12 @@ impl Lab {
                 self.name
             );
         }
-        fs::create_dir_all(self.dir())
-            .with_context(|| format!("create {}", self.dir().display()))?;
+        for dir in [self.dir(), PathBuf::from(HOST_DIR)]
+            .into_iter()
+            .chain(Site::ALL.map(|s| self.host_dir(s)))
+        {
+            fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        }
         match self.create(link, ferry_exe) {
             Ok(state) => Ok(state),
             Err(e) => {
