@@ -2,14 +2,22 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::{ApiError, Health, MigrationRequest, MigrationStatus};
+use ferry_api::agent::{ApiError, ErrorKind, Health, MigrationRequest, MigrationStatus};
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
+
+/// The agent refused a request; `kind` says how (and decides the CLI's exit code).
+#[derive(Debug, thiserror::Error)]
+#[error("agent: {message}")]
+pub struct AgentRefused {
+    pub kind: ErrorKind,
+    pub message: String,
+}
 
 /// An agent, reached through its API socket.
 #[derive(Debug, Clone)]
@@ -53,10 +61,15 @@ impl AgentClient {
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
         if !status.is_success() {
-            let msg = serde_json::from_slice::<ApiError>(&bytes)
-                .map(|e| e.error)
-                .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
-            bail!("agent: {msg} (HTTP {status})");
+            let (message, kind) = match serde_json::from_slice::<ApiError>(&bytes) {
+                Ok(e) => (e.error, e.kind),
+                Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None),
+            };
+            return Err(AgentRefused {
+                kind: kind.unwrap_or_else(|| ErrorKind::from_http_status(status.as_u16())),
+                message,
+            }
+            .into());
         }
         serde_json::from_slice(&bytes)
             .map_err(|e| anyhow!("agent sent a malformed answer to {path}: {e}"))

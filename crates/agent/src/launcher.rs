@@ -32,6 +32,7 @@ pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Starte
     let _ = std::fs::remove_file(&qmp_socket);
     let argv = incoming_argv(argv, &qmp_socket, &pidfile)?;
     let (program, args) = argv.split_first().expect("incoming_argv keeps the program");
+    check_program(program)?;
     tracing::info!(program, ?args, "starting the destination QEMU");
     let child = tokio::process::Command::new(program)
         .args(args)
@@ -81,6 +82,19 @@ pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Starte
     Ok(Started { qmp_socket, pid })
 }
 
+/// The command line comes from a peer (an agent of the fleet, authenticated by the fleet's CA):
+/// whatever it names, the agent runs only a QEMU system emulator.
+fn check_program(program: &str) -> Result<()> {
+    let file = Path::new(program)
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if file.starts_with("qemu-system-") || file == "qemu-kvm" {
+        return Ok(());
+    }
+    bail!("the destination agent starts only QEMU (qemu-system-*, qemu-kvm), not {program:?}")
+}
+
 /// Kills a destination QEMU [`start`] started (after a failure before the commit), if it is
 /// still there: its monitor may be the thing that failed.
 pub fn kill(pid: u32) {
@@ -99,5 +113,25 @@ pub fn kill(pid: u32) {
 pub fn clean_up(work_dir: &Path, tag: &str) {
     for f in [format!("in-{tag}.qmp"), format!("in-{tag}.pid")] {
         let _ = std::fs::remove_file(work_dir.join(f));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_qemu_is_started() {
+        for ok in [
+            "qemu-system-x86_64",
+            "/usr/bin/qemu-system-aarch64",
+            "/usr/libexec/qemu-kvm",
+        ] {
+            check_program(ok).unwrap();
+        }
+        assert_eq!(
+            check_program("/bin/sh").unwrap_err().to_string(),
+            "the destination agent starts only QEMU (qemu-system-*, qemu-kvm), not \"/bin/sh\""
+        );
     }
 }

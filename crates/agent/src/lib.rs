@@ -14,6 +14,7 @@
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`control`]: the messages between the two sides.
+//! - [`refusal`]: what the local API refuses, and its HTTP statuses.
 //! - [`client`]: the CLI's client for the local API; [`follow`]: watching a migration
 //!   through it; [`interrupt`]: Ctrl-C during a migration the CLI watches.
 //! - [`config`]: the agent's TOML configuration (name, listen address, identity, peers, limits).
@@ -34,6 +35,7 @@ pub mod launcher;
 pub mod load_sieve;
 pub mod page_ledger;
 pub mod pki;
+pub mod refusal;
 pub mod seed_store;
 pub mod server;
 pub mod source;

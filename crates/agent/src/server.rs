@@ -11,13 +11,14 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use ferry_api::agent::{ApiError, Health, MigrationRequest, MigrationState, MigrationStatus};
+use ferry_api::agent::{Health, MigrationRequest, MigrationState, MigrationStatus};
 use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, ServerConfig};
 use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
 use tokio::net::{TcpListener, UnixListener};
 
 use crate::config::AgentConfig;
+use crate::refusal::Refusal;
 use crate::status::{now_ms, Shared};
 use crate::{destination, source};
 
@@ -148,10 +149,6 @@ impl Agent {
     }
 }
 
-fn error(status: StatusCode, msg: impl Into<String>) -> Response {
-    (status, Json(ApiError { error: msg.into() })).into_response()
-}
-
 async fn health(State(agent): State<Arc<Agent>>) -> Json<Health> {
     Json(Health {
         name: agent.config.name.clone(),
@@ -170,84 +167,66 @@ async fn list(State(agent): State<Arc<Agent>>) -> Json<Vec<MigrationStatus>> {
 async fn one(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Response {
     match agent.migrations.lock().expect("lock").get(&id) {
         Some(m) => Json(m.get()).into_response(),
-        None => error(
-            StatusCode::NOT_FOUND,
-            format!("no migration {id:?} on this agent"),
-        ),
+        None => Refusal::NoMigration(id).into_response(),
     }
 }
 
 async fn cancel(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Response {
     let Some(m) = agent.migrations.lock().expect("lock").get(&id).cloned() else {
-        return error(
-            StatusCode::NOT_FOUND,
-            format!("no migration {id:?} on this agent"),
-        );
+        return Refusal::NoMigration(id).into_response();
     };
     if m.request_cancel() {
         Json(m.get()).into_response()
     } else {
-        error(
-            StatusCode::CONFLICT,
-            format!("migration {id} can no longer be cancelled (its stream has ended; the destination decides)"),
-        )
+        Refusal::TooLateToCancel(id).into_response()
     }
 }
 
 async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
-    let mut req: MigrationRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("malformed migration request: {e}"),
-            )
-        }
-    };
-    if let Err(e) = req.settings.validate() {
-        return error(StatusCode::BAD_REQUEST, e.to_string());
+    match admit(&agent, &body) {
+        Ok((req, peer_address)) => launch(&agent, req, peer_address),
+        Err(refusal) => refusal.into_response(),
     }
-    let peer = match agent.config.peer(&req.to) {
-        Ok(p) => p.clone(),
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
-    };
+}
+
+/// Checks a migration request whole before anything happens: its settings, its peer, its
+/// names, the agent's limits. Returns it with the peer's address and link rate filled in.
+fn admit(agent: &Agent, body: &[u8]) -> Result<(MigrationRequest, String), Refusal> {
+    let mut req: MigrationRequest =
+        serde_json::from_slice(body).map_err(|e| Refusal::Malformed(e.to_string()))?;
+    req.settings.validate()?;
+    let peer = agent.config.peer(&req.to)?.clone();
     req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
     // The seed image names become file names at both ends: refuse what cannot be one now,
     // rather than after the destination QEMU was prepared.
     if req.settings.codec.seed {
         for name in std::iter::once(&req.vm).chain(req.settings.seed_from.as_ref()) {
-            if let Err(e) = crate::seed_store::image_path(&agent.config.seed_dir, name) {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    format!("{e:#} (or turn seeding off: codec without seed)"),
-                );
-            }
+            crate::seed_store::image_path(&agent.config.seed_dir, name)
+                .map_err(|e| Refusal::SeedName(format!("{e:#}")))?;
         }
     }
+    let migrations = agent.migrations.lock().expect("lock");
+    let running = migrations
+        .values()
+        .filter(|m| m.update(|s| s.state == MigrationState::Running))
+        .count();
+    if running >= agent.config.max_outgoing {
+        return Err(Refusal::Busy { running });
+    }
+    if let Some(m) = migrations
+        .values()
+        .find(|m| m.update(|s| s.state == MigrationState::Running && s.vm == req.vm))
     {
-        let migrations = agent.migrations.lock().expect("lock");
-        let running = migrations
-            .values()
-            .filter(|m| m.update(|s| s.state == MigrationState::Running))
-            .count();
-        if running >= agent.config.max_outgoing {
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "this agent already sends {running} migrations, its limit (limits.outgoing in its config); try again when one ends"
-                ),
-            );
-        }
-        if let Some(m) = migrations
-            .values()
-            .find(|m| m.update(|s| s.state == MigrationState::Running && s.vm == req.vm))
-        {
-            return error(
-                StatusCode::CONFLICT,
-                format!("VM {:?} is already migrating ({})", req.vm, m.get().id),
-            );
-        }
+        return Err(Refusal::AlreadyMigrating {
+            vm: req.vm.clone(),
+            id: m.get().id,
+        });
     }
+    Ok((req, peer.address))
+}
+
+/// Starts an admitted migration's task; answers 201 with its first status.
+fn launch(agent: &Arc<Agent>, req: MigrationRequest, peer_address: String) -> Response {
     // 64 random bits are plenty for ids on one agent.
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let status = Shared::new(MigrationStatus {
@@ -284,7 +263,7 @@ async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Resp
         .insert(id.clone(), status.clone());
     tokio::spawn(source::run(
         req,
-        peer.address,
+        peer_address,
         status.clone(),
         agent.client_tls.clone(),
         agent.pool.clone(),

@@ -378,10 +378,59 @@ pub struct Health {
     pub peer_listen: String,
 }
 
-/// Every error the API returns: `{"error": "..."}` with a 4xx or 5xx status.
+/// Every error the API returns: `{"error": "...", "kind": "..."}` with the kind's status.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ApiError {
     pub error: String,
+    /// Absent from agents before it: the client then goes by the HTTP status.
+    #[serde(default)]
+    pub kind: Option<ErrorKind>,
+}
+
+/// What kind of refusal an API error is. Its HTTP status is decided here, once; the CLI
+/// decides its exit code from it, once (`ferry` main).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ErrorKind {
+    /// The request itself is wrong (a bound, an unknown peer, a malformed body): 400.
+    BadRequest,
+    /// It names something the agent does not have: 404.
+    NotFound,
+    /// It cannot happen in the state things are in (already migrating, too late): 409.
+    Conflict,
+    /// The agent is at a limit; the same request may succeed later: 503.
+    Busy,
+    /// The agent failed: 500.
+    Internal,
+}
+
+impl ErrorKind {
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorKind::BadRequest => 400,
+            ErrorKind::NotFound => 404,
+            ErrorKind::Conflict => 409,
+            ErrorKind::Busy => 503,
+            ErrorKind::Internal => 500,
+        }
+    }
+
+    /// The kind an older agent's bare status meant.
+    pub fn from_http_status(status: u16) -> ErrorKind {
+        [
+            ErrorKind::BadRequest,
+            ErrorKind::NotFound,
+            ErrorKind::Conflict,
+            ErrorKind::Busy,
+        ]
+        .into_iter()
+        .find(|k| k.http_status() == status)
+        .unwrap_or(if (400..500).contains(&status) {
+            ErrorKind::BadRequest
+        } else {
+            ErrorKind::Internal
+        })
+    }
 }
 
 #[cfg(test)]

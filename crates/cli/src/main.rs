@@ -27,6 +27,19 @@ use clap::{Parser, Subcommand};
 /// Exit code when a migration did not complete or verification failed.
 pub const EXIT_MIGRATION_FAILED: u8 = 3;
 
+/// Exit code for bad usage (clap's own, and requests the agent calls malformed).
+pub const EXIT_USAGE: u8 = 2;
+
+/// The exit code of a command that failed with `e`: the one place errors become exit codes.
+fn exit_code_of(e: &anyhow::Error) -> ExitCode {
+    use ferry_agent::client::AgentRefused;
+    use ferry_api::agent::ErrorKind;
+    match e.downcast_ref::<AgentRefused>().map(|r| r.kind) {
+        Some(ErrorKind::BadRequest) => ExitCode::from(EXIT_USAGE),
+        _ => ExitCode::FAILURE,
+    }
+}
+
 /// `ferry --version`: the release and every protocol version it speaks (peers must speak the
 /// same; a test keeps these numbers equal to the constants).
 const VERSION: &str = concat!(
@@ -185,7 +198,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("ferry: {}", report::error_chain(&e));
-            ExitCode::FAILURE
+            exit_code_of(&e)
         }
     }
 }

@@ -1,0 +1,95 @@
+//! What the local API refuses, as types, and the one place each becomes an HTTP status.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferry_api::agent::{ApiError, ErrorKind};
+use ferry_api::settings::SettingsError;
+
+use crate::config::UnknownPeer;
+
+/// A request the agent will not carry out, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("malformed migration request: {0}")]
+    Malformed(String),
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
+    #[error(transparent)]
+    UnknownPeer(#[from] UnknownPeer),
+    #[error("{0} (or turn seeding off: codec without seed)")]
+    SeedName(String),
+    #[error("this agent already sends {running} migrations, its limit (limits.outgoing in its config); try again when one ends")]
+    Busy { running: usize },
+    #[error("VM {vm:?} is already migrating ({id})")]
+    AlreadyMigrating { vm: String, id: String },
+    #[error("no migration {0:?} on this agent")]
+    NoMigration(String),
+    #[error(
+        "migration {0} can no longer be cancelled (its stream has ended; the destination decides)"
+    )]
+    TooLateToCancel(String),
+}
+
+impl Refusal {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Refusal::Malformed(_)
+            | Refusal::Settings(_)
+            | Refusal::UnknownPeer(_)
+            | Refusal::SeedName(_) => ErrorKind::BadRequest,
+            Refusal::Busy { .. } => ErrorKind::Busy,
+            Refusal::AlreadyMigrating { .. } | Refusal::TooLateToCancel(_) => ErrorKind::Conflict,
+            Refusal::NoMigration(_) => ErrorKind::NotFound,
+        }
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        let kind = self.kind();
+        let status = StatusCode::from_u16(kind.http_status())
+            .expect("ErrorKind's statuses are valid HTTP statuses");
+        let body = ApiError {
+            error: self.to_string(),
+            kind: Some(kind),
+        };
+        (status, Json(body)).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_refusal_has_its_status_and_says_why() {
+        let unknown = UnknownPeer {
+            name: "x".into(),
+            known: vec!["b".into()],
+        };
+        for (refusal, status) in [
+            (Refusal::Malformed("eof".into()), 400),
+            (Refusal::Settings(SettingsError::Connections(0)), 400),
+            (Refusal::UnknownPeer(unknown), 400),
+            (Refusal::Busy { running: 4 }, 503),
+            (
+                Refusal::AlreadyMigrating {
+                    vm: "v".into(),
+                    id: "1".into(),
+                },
+                409,
+            ),
+            (Refusal::NoMigration("9".into()), 404),
+            (Refusal::TooLateToCancel("9".into()), 409),
+        ] {
+            let text = refusal.to_string();
+            let response = refusal.into_response();
+            assert_eq!(response.status().as_u16(), status, "{text}");
+        }
+        assert_eq!(
+            Refusal::Settings(SettingsError::Connections(0)).to_string(),
+            "connections 0 is out of range; use 1 to 64"
+        );
+    }
+}
