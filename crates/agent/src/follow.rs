@@ -140,7 +140,11 @@ pub async fn follow(
             seen_events = s.events.len();
         }
         progress.send_modify(|p| {
-            p.phase = s.phase.clone();
+            p.phase = if s.detail.is_empty() {
+                s.phase.name().to_owned()
+            } else {
+                format!("{}: {}", s.phase.name(), s.detail)
+            };
             p.elapsed_ms = start.elapsed_ms();
             p.wan_bytes = count.bytes;
             p.wan_mbit = 0.7 * p.wan_mbit + 0.3 * mbit;

@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use ferry_api::agent::{Health, MigrationRequest, MigrationState, MigrationStatus};
+use ferry_api::agent::{Health, MigrationRequest, MigrationState, MigrationStatus, Phase};
 use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, ServerConfig};
 use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
@@ -233,7 +233,8 @@ fn launch(agent: &Arc<Agent>, req: MigrationRequest, peer_address: String) -> Re
         id: id.clone(),
         vm: req.vm.clone(),
         state: MigrationState::Running,
-        phase: "starting".into(),
+        phase: Phase::Starting,
+        detail: String::new(),
         error: None,
         started_unix_ms: now_ms(),
         stream_bytes: 0,

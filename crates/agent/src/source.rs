@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::BytesMut;
-use ferry_api::agent::{Destination, MigrationRequest, MigrationState};
+use ferry_api::agent::{Destination, MigrationRequest, MigrationState, Phase};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
     Capability, Cont, Migrate, MigrateCancel, MigrateContinue, MigrateSetCapabilities,
@@ -76,11 +76,13 @@ pub async fn run(
     status.update(|s| match result {
         Ok(()) => {
             s.state = MigrationState::Committed;
-            s.phase = "committed: the destination runs".into();
+            s.phase = Phase::Committed;
+            s.detail = "the destination runs".into();
         }
         Err(e) => {
             s.state = MigrationState::Failed;
-            s.phase = "failed".into();
+            s.phase = Phase::Failed;
+            s.detail = "the source runs".into();
             s.error = Some(format!("{e:#}"));
             s.event(EventKind::Failed, format!("{e:#}"));
         }
@@ -127,7 +129,10 @@ async fn migrate(
 
     // The session and its connections.
     let id = SessionId::random();
-    status.update(|s| s.phase = format!("connecting to {} ({peer_address})", req.to));
+    status.enter(
+        Phase::Connecting,
+        format!("connecting to {} ({peer_address})", req.to),
+    );
     let addr = tokio::net::lookup_host(peer_address)
         .await
         .with_context(|| format!("peer {:?}: address {peer_address:?}", req.to))?
@@ -186,7 +191,7 @@ async fn migrate(
             },
         )
         .await?;
-        status.update(|s| s.phase = "preparing the destination".into());
+        status.enter(Phase::PreparingDestination, "");
         let (seed, zeroed_blocks) = match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
             Some(Control::Ready {
                 seed,
@@ -206,12 +211,13 @@ async fn migrate(
             StreamEncoder::new(req.settings.codec, history_bytes, link)
         });
         if let (Some(offer), Some(encoder)) = (seed, &mut encoder) {
-            status.update(|s| {
-                s.phase = format!(
+            status.enter(
+                Phase::SeedIndex,
+                format!(
                     "receiving the destination's seed index ({} pages of {:?})",
                     offer.pages, offer.image
-                );
-            });
+                ),
+            );
             let index = watchdog(
                 &session,
                 status,
@@ -225,11 +231,12 @@ async fn migrate(
         if !disk_plans.is_empty() {
             let base = match disk_base_len {
                 Some(bytes) => {
-                    status.update(|s| {
-                        s.phase = format!(
+                    status.enter(
+                        Phase::DiskCopy,
+                        format!(
                             "receiving the index of the destination's older disk copy ({bytes} bytes)"
-                        );
-                    });
+                        ),
+                    );
                     let blob = watchdog(
                         &session,
                         status,
@@ -250,7 +257,8 @@ async fn migrate(
                 None => None,
             };
             status.update(|s| {
-                s.phase = "disk: bulk copy".into();
+                s.phase = Phase::DiskCopy;
+                s.detail = "bulk copy".into();
                 s.event(
                     EventKind::DiskCopyStarted,
                     format!(
@@ -329,7 +337,8 @@ async fn migrate(
 
     // The stream's end and digest are on their way: from here only the destination decides.
     status.update(|s| {
-        s.phase = "waiting for the destination's commit".into();
+        s.phase = Phase::AwaitingCommit;
+        s.detail = "waiting for the destination's verdict".into();
         s.digest = Some(end.clone());
     });
     let verdict = loop {
@@ -337,8 +346,8 @@ async fn migrate(
             msg = ctl.recv() => break msg,
             _ = tokio::time::sleep(Duration::from_secs(1)) => {
                 if session.idle_for() > wan_timeout {
-                    status.update(|s| s.phase = format!(
-                        "in doubt: no contact with the destination for {}s after the stream ended; \
+                    status.enter(Phase::InDoubt, format!(
+                        "no contact with the destination for {}s after the stream ended; \
                          the source stays paused until the destination's verdict arrives",
                         session.idle_for().as_secs()));
                 }
@@ -365,8 +374,10 @@ async fn migrate(
             // The destination runs: the source must never run again. Its memory stays here
             // as the seed for the VM's return.
             if req.settings.codec.seed {
-                status
-                    .update(|s| s.phase = "committed; saving the VM's image for its return".into());
+                status.enter(
+                    Phase::AwaitingCommit,
+                    "the destination runs; saving the VM's image for its return",
+                );
                 match seed_store::save(&qmp, seed_dir, &req.vm, ram_bytes).await {
                     Ok(bytes) => {
                         tracing::info!(
@@ -425,15 +436,13 @@ async fn watchdog<T>(
     loop {
         tokio::select! {
             v = &mut fut => return Ok(v),
+            () = status.cancelled() => bail!("cancelled by the user"),
             _ = tokio::time::sleep(Duration::from_millis(250)) => {
                 if session.idle_for() > wan_timeout {
                     bail!("no connection to the destination agent for {}s (the WAN timeout)", wan_timeout.as_secs());
                 }
                 if Instant::now() > deadline {
                     bail!("the migration's deadline passed");
-                }
-                if status.cancel_requested() {
-                    bail!("cancelled by the user");
                 }
                 if let Some(reason) = session.failure() {
                     bail!("session failed: {reason}");
@@ -469,7 +478,8 @@ async fn stream(
     .await
     .context("source QEMU refused to migrate")?;
     status.update(|s| {
-        s.phase = "memory".into();
+        s.phase = Phase::Memory;
+        s.detail.clear();
         s.event(EventKind::MemoryStarted, "");
     });
     let (conn, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
@@ -605,7 +615,7 @@ async fn stream(
             .await
             .is_none()
         {}
-        status.update(|s| s.phase = "switchover: completing the disk mirrors".into());
+        status.enter(Phase::Switchover, "completing the disk mirrors");
         let (snapshots, sha256) = disks.finish(qmp).await?;
         control::send(session, &Control::DiskEnd { snapshots, sha256 }).await?;
         qmp.execute(&MigrateContinue {

@@ -246,6 +246,54 @@ pub enum MigrationState {
     Failed,
 }
 
+/// Where a migration is, step by step (the source agent's view).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Accepted; nothing touched yet.
+    #[default]
+    Starting,
+    /// Opening the session to the destination agent.
+    Connecting,
+    /// The destination prepares its QEMU (started, or adopted) and its disks.
+    PreparingDestination,
+    /// The destination's seed index crosses.
+    SeedIndex,
+    /// QEMU's mirrors copy the disks' bulk.
+    DiskCopy,
+    /// QEMU's memory passes.
+    Memory,
+    /// The VM is paused at the source; the disks' mirrors complete, the stream's last bytes go.
+    Switchover,
+    /// The stream's end went out; the destination decides (the source stays paused).
+    AwaitingCommit,
+    /// The source is paused and no verdict has come within the WAN timeout: the destination
+    /// may run. Nobody resumes the source until the verdict is known.
+    InDoubt,
+    /// The destination runs; the source was quit.
+    Committed,
+    /// It did not happen; the source runs.
+    Failed,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Starting => "starting",
+            Phase::Connecting => "connecting",
+            Phase::PreparingDestination => "preparing the destination",
+            Phase::SeedIndex => "seed index",
+            Phase::DiskCopy => "disk copy",
+            Phase::Memory => "memory",
+            Phase::Switchover => "switchover",
+            Phase::AwaitingCommit => "awaiting the commit",
+            Phase::InDoubt => "in doubt",
+            Phase::Committed => "committed",
+            Phase::Failed => "failed",
+        }
+    }
+}
+
 /// The destination's side of the switchover, wall clock (µs since the epoch).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DestinationSwitchover {
@@ -268,8 +316,11 @@ pub struct MigrationStatus {
     pub id: String,
     pub vm: String,
     pub state: MigrationState,
+    /// Where it is.
+    pub phase: Phase,
     /// What it is doing now, in words.
-    pub phase: String,
+    #[serde(default)]
+    pub detail: String,
     pub error: Option<String>,
     pub started_unix_ms: u64,
     /// Stream bytes read from the source QEMU.

@@ -48,7 +48,7 @@ pub async fn run(a: MigrationsArgs) -> Result<ExitCode> {
             m.id,
             m.vm,
             state,
-            m.phase,
+            m.phase.name(),
             report::bytes(m.wire.bytes_out + m.wire.bytes_in),
             m.error
                 .as_ref()
