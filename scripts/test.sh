@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --quiet -- -D warnings
+# What a host runs stands without the lab: it builds without it, and nothing it links is the lab.
+cargo clippy -p ferry-cli --no-default-features --release --locked --quiet -- -D warnings
+if cargo tree -p ferry-cli --no-default-features -e normal --locked | grep -q 'ferry-lab'; then
+    echo "test: ferry without the lab feature still depends on ferry-lab" >&2
+    exit 1
+fi
 cargo build --release --locked --quiet
 ./target/release/ferry image build
 cargo test --workspace --release --locked -- --test-threads=1
