@@ -61,6 +61,16 @@ if [ ${#missing[@]} -gt 0 ] || [ $qemu_ok -eq 0 ]; then
             || die "could not install qemu-system-x86 from $backports (Debian's own QEMU 7.2 corrupts guests during migration under TCG)"
     fi
 fi
+# libvirt from the same suite as QEMU (11.x: UNIX-socket migration, the switchover bandwidth);
+# the lab runs one daemon per site (`ferry lab up --libvirt`). No systemd here: nothing starts
+# it by itself.
+if ! command -v libvirtd >/dev/null || ! command -v virsh >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q || die "apt-get update failed; check the apt sources above"
+    apt-get install -y -q --no-install-recommends -t "$backports" \
+        libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients \
+        || die "could not install libvirt from $backports"
+fi
 qemu-system-x86_64 --version | head -1 | grep -Eq 'version (1[0-9]|[2-9][0-9])\.' \
     || die "QEMU >= 10 is required; found: $(qemu-system-x86_64 --version | head -1)"
 
@@ -70,4 +80,4 @@ if ! command -v cargo >/dev/null; then
     done
 fi
 command -v cargo >/dev/null || die "cargo not found; install Rust (rustup) and rerun"
-echo "setup: ok ($(qemu-system-x86_64 --version | head -1), $(cargo --version))"
+echo "setup: ok ($(qemu-system-x86_64 --version | head -1), $(libvirtd --version), $(cargo --version))"

@@ -126,7 +126,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
         let lab = lab.clone();
         tokio::task::spawn_blocking(move || {
             lab.down(true)?;
-            lab.up(link, &exe)
+            lab.up(link, &exe, false)
         })
         .await??;
     }

@@ -92,7 +92,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let exe = std::env::current_exe()?;
     {
         let lab = lab.clone();
-        tokio::task::spawn_blocking(move || lab.up(link, &exe)).await??;
+        tokio::task::spawn_blocking(move || lab.up(link, &exe, false)).await??;
     }
     let result = demo_inner(&lab, &a, &img, accel, &workload, &opts).await;
     if !a.keep {

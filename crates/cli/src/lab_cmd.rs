@@ -39,7 +39,13 @@ impl LinkArgs {
 #[derive(Subcommand)]
 pub enum LabCmd {
     /// Create the sites, the WAN emulator between them and the bridges joined by VXLAN.
-    Up(LinkArgs),
+    Up {
+        #[command(flatten)]
+        link: LinkArgs,
+        /// Also run libvirt at each site (its own libvirtd, as on two hosts).
+        #[arg(long)]
+        libvirt: bool,
+    },
     /// Remove everything `lab up` made, with every VM in it.
     Down,
     /// Show the lab, its link, counters and VMs.
@@ -90,10 +96,17 @@ pub enum LabCmd {
 pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
     let lab = Lab::from_env();
     match cmd {
-        LabCmd::Up(link) => {
+        LabCmd::Up { link, libvirt } => {
             let exe = std::env::current_exe().context("locate the ferry binary")?;
             let cfg = link.config();
-            let state = tokio::task::spawn_blocking(move || lab.up(cfg, &exe)).await??;
+            if libvirt && !ferry_lab::libvirt::installed() {
+                bail!("--libvirt: libvirt is not installed (scripts/setup.sh installs it)");
+            }
+            let state = tokio::task::spawn_blocking({
+                let lab = lab.clone();
+                move || lab.up(cfg, &exe, libvirt)
+            })
+            .await??;
             println!(
                 "lab {:?} up: sites a, b; WAN {} Mbit/s, {} ms RTT, jitter {} ms, loss {}%",
                 state.name,
@@ -102,6 +115,15 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 state.link.jitter_ms,
                 state.link.loss_pct
             );
+            if libvirt {
+                for site in Site::ALL {
+                    println!(
+                        "libvirt at site {}: {}",
+                        site.name(),
+                        ferry_lab::libvirt::uri(&lab, site)
+                    );
+                }
+            }
         }
         LabCmd::Down => {
             let name = lab.name.clone();

@@ -173,3 +173,55 @@ fn outage_stops_all_traffic_and_ends() {
     t.ok(&["lab", "outage", "up"]);
     assert!(ping("3"), "ping failed after the outage ended");
 }
+
+/// `virsh -c URI ARGS`; returns its output.
+fn virsh(uri: &str, args: &[&str]) -> std::process::Output {
+    std::process::Command::new("virsh")
+        .arg("-c")
+        .arg(uri)
+        .args(args)
+        .output()
+        .expect("run virsh")
+}
+
+#[test]
+fn lab_up_with_libvirt_runs_a_daemon_per_site_as_on_two_hosts() {
+    use ferry_lab::Site;
+    let t = TestLab::up(
+        "lvd",
+        &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"],
+    );
+    let img = ferry_lab::vm::ensure_image().unwrap();
+    let xml = format!(
+        "<domain type='qemu'><name>lv</name><memory unit='MiB'>96</memory><vcpu>1</vcpu>\
+         <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
+         <cmdline>console=ttyS0 quiet</cmdline></os><on_reboot>destroy</on_reboot>\
+         <devices><serial type='unix'><source mode='bind' path='/run/ferry-host/lv.serial'/>\
+         <target port='0'/></serial><interface type='bridge'><source bridge='br0'/>\
+         <model type='virtio'/></interface></devices></domain>",
+        img.kernel.display(),
+        img.initrd.display()
+    );
+    let file = t.lab.dir().join("lv.xml");
+    std::fs::write(&file, xml).unwrap();
+    let (a, b) = (
+        ferry_lab::libvirt::uri(&t.lab, Site::A),
+        ferry_lab::libvirt::uri(&t.lab, Site::B),
+    );
+    for args in [&["define", &*file.to_string_lossy()][..], &["start", "lv"]] {
+        let out = virsh(&a, args);
+        assert!(out.status.success(), "virsh {args:?}: {out:?}");
+    }
+    let state = virsh(&a, &["domstate", "lv"]);
+    assert_eq!(String::from_utf8_lossy(&state.stdout).trim(), "running");
+    // Site b's daemon is another host's: it does not know the domain, and the guest's serial
+    // socket is in site a's host directory only.
+    let listed = virsh(&b, &["list", "--all", "--name"]);
+    assert!(listed.status.success(), "{listed:?}");
+    assert!(
+        !String::from_utf8_lossy(&listed.stdout).contains("lv"),
+        "{listed:?}"
+    );
+    assert!(t.lab.host_dir(Site::A).join("lv.serial").exists());
+    assert!(!t.lab.host_dir(Site::B).join("lv.serial").exists());
+}

@@ -22,6 +22,7 @@ pub mod ferry_path;
 pub mod floor;
 pub mod guest;
 pub mod image;
+pub mod libvirt;
 pub mod link;
 pub mod pki;
 pub mod sh;

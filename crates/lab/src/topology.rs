@@ -139,19 +139,24 @@ impl Lab {
     }
 
     /// `program` to run as a process of `site`'s host: in its network namespace, and in a
-    /// mount namespace of its own where [`HOST_DIR`] is the site's [`Lab::host_dir`].
+    /// mount namespace of its own where [`HOST_DIR`] is the site's [`Lab::host_dir`] (and,
+    /// at a site with libvirt, libvirt's directories are the site's: [`crate::libvirt`]).
     pub fn host_command(&self, site: Site, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut binds = vec![(self.host_dir(site), PathBuf::from(HOST_DIR))];
+        binds.extend(crate::libvirt::binds(self, site));
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.site_ns(site)])
             .args(["unshare", "--mount", "--propagation", "private", "--"])
             .args([
                 "sh",
                 "-c",
-                "mount --bind \"$0\" \"$1\" && shift && exec \"$@\"",
-            ])
-            .arg(self.host_dir(site))
-            .arg(HOST_DIR)
-            .arg(program);
+                "set -e; while [ \"$1\" != -- ]; do mount --bind \"$1\" \"$2\"; shift 2; done; shift; exec \"$@\"",
+                "sh",
+            ]);
+        for (outside, inside) in binds {
+            cmd.arg(outside).arg(inside);
+        }
+        cmd.arg("--").arg(program);
         cmd
     }
 
@@ -217,7 +222,9 @@ impl Lab {
 
     /// Creates the namespaces, links, bridges and the WAN emulator. `ferry_exe` is the binary
     /// that runs the relay (`ferry lab relay`). On failure, whatever was created is removed.
-    pub fn up(&self, link: LinkConfig, ferry_exe: &Path) -> Result<LabState> {
+    /// Brings the lab up: sites, WAN emulator, bridges, an agent per site and, with
+    /// `libvirt`, a libvirtd per site ([`crate::libvirt`]).
+    pub fn up(&self, link: LinkConfig, ferry_exe: &Path, libvirt: bool) -> Result<LabState> {
         require_root()?;
         link.validate()?;
         if self.state_path().exists() || !self.existing_namespaces()?.is_empty() {
@@ -232,7 +239,7 @@ impl Lab {
         {
             fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         }
-        match self.create(link, ferry_exe) {
+        match self.create(link, ferry_exe, libvirt) {
             Ok(state) => Ok(state),
             Err(e) => {
                 let _ = self.down(true);
@@ -241,7 +248,12 @@ impl Lab {
         }
     }
 
-    fn create(&self, link: LinkConfig, ferry_exe: &Path) -> Result<LabState> {
+    fn create(&self, link: LinkConfig, ferry_exe: &Path, libvirt: bool) -> Result<LabState> {
+        if libvirt {
+            for site in Site::ALL {
+                crate::libvirt::prepare(self, site)?;
+            }
+        }
         let wan = self.wan_ns();
         for ns in self.namespaces() {
             sh::run("ip", &["netns", "add", &ns])?;
@@ -338,6 +350,9 @@ impl Lab {
         crate::pki::create(&self.pki_dir())?;
         for site in Site::ALL {
             crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit))?;
+            if libvirt {
+                crate::libvirt::start(self, site)?;
+            }
         }
         let state = LabState {
             name: self.name.clone(),
