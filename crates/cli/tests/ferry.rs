@@ -252,7 +252,8 @@ fn ferry_moves_memory_and_tcp_intact_there_and_back() {
     // A sibling from the same template: site b kept f1's memory when f1 left it, and a new
     // VM booted from the same image finds its kernel's pages there.
     start_vm(&t, "f2", "8");
-    let refused = t.fails(&["migrate", "f2", "--to", "b", "--seed-from", "../f1"], 1);
+    // A request the agent refuses as wrong is bad usage (exit 2), and moves nothing.
+    let refused = t.fails(&["migrate", "f2", "--to", "b", "--seed-from", "../f1"], 2);
     assert!(refused.contains("not a VM name"), "{refused}");
     assert_eq!(t.site_of("f2"), Site::A);
     let v = json(&t.ok(&["migrate", "f2", "--to", "b", "--seed-from", "f1", "--json"]));
