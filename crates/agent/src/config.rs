@@ -19,6 +19,10 @@
 //! [limits]
 //! outgoing = 4                           # migrations this agent sends at once
 //!
+//! [libvirt]                              # optional: `virsh migrate` over UNIX sockets
+//! socket = "/run/libvirt/libvirt-sock"
+//! tunnel_dir = "/run/ferry/libvirt"      # <dir>/<peer>/{rpc,mig,nbd}.sock
+//!
 //! [peers.site-b]                         # `ferry migrate ... --to site-b`
 //! address = "192.0.2.10:7070"
 //! rate_mbit = 1000                       # optional: the link's rate, for pacing and windows
@@ -59,6 +63,29 @@ pub struct AgentConfig {
     pub max_outgoing: usize,
     /// The agents this one may migrate to, by name.
     pub peers: BTreeMap<String, PeerConfig>,
+    /// libvirt on this host, for `virsh migrate` over UNIX sockets ([`crate::tunnel`]).
+    pub libvirt: Option<LibvirtConfig>,
+}
+
+/// libvirt on this host.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LibvirtConfig {
+    /// Its daemon's socket (libvirtd's, or virtqemud's on modular installs).
+    #[serde(default = "default_libvirt_socket")]
+    pub socket: PathBuf,
+    /// Where the tunnels' sockets are: `<dir>/<peer>/{rpc,mig,nbd}.sock`, the paths `virsh
+    /// migrate` names; the same on every host of the fleet.
+    #[serde(default = "default_tunnel_dir")]
+    pub tunnel_dir: PathBuf,
+}
+
+fn default_libvirt_socket() -> PathBuf {
+    PathBuf::from("/run/libvirt/libvirt-sock")
+}
+
+fn default_tunnel_dir() -> PathBuf {
+    PathBuf::from("/run/ferry/libvirt")
 }
 
 /// Another agent this one knows.
@@ -105,6 +132,8 @@ struct File {
     limits: Limits,
     #[serde(default)]
     peers: BTreeMap<String, PeerConfig>,
+    #[serde(default)]
+    libvirt: Option<LibvirtConfig>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -218,6 +247,7 @@ impl AgentConfig {
             identity: file.tls,
             max_outgoing: outgoing,
             peers: file.peers,
+            libvirt: file.libvirt,
         })
     }
 

@@ -40,7 +40,7 @@ pub struct DiskPlan {
 /// The version of these messages this agent speaks; `Prepare` carries it and the destination
 /// refuses any other (rule: a change an older peer would misread raises it; fields an older
 /// peer may omit carry a serde default and do not).
-/// 2: `Prepare.destination` (was `destination_qmp`).
+/// 2: `Prepare.destination` (was `destination_qmp`); `Tunnel`.
 pub const CONTROL_VERSION: u32 = 2;
 
 /// The QEMU that receives the stream, as the source asks for it.
@@ -116,6 +116,42 @@ pub enum Control {
     },
     /// Either side: the migration stops here, for this reason. The source resumes its VM.
     Abort { reason: String },
+    /// Source, instead of `Prepare`: this session carries one unix-socket connection to the
+    /// destination's socket of this kind ([`crate::tunnel`]).
+    Tunnel {
+        #[serde(default = "version_one")]
+        version: u32,
+        kind: TunnelKind,
+    },
+}
+
+/// What a tunnelled connection reaches at the destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TunnelKind {
+    /// The destination host's libvirtd (libvirt's RPC, peer to peer).
+    LibvirtRpc,
+    /// The destination QEMU's incoming migration socket.
+    Migration,
+    /// The destination QEMU's NBD server (libvirt's disk copy).
+    Nbd,
+}
+
+impl TunnelKind {
+    pub const ALL: [TunnelKind; 3] = [
+        TunnelKind::LibvirtRpc,
+        TunnelKind::Migration,
+        TunnelKind::Nbd,
+    ];
+
+    /// The socket's file name in a tunnel directory.
+    pub fn socket_name(self) -> &'static str {
+        match self {
+            TunnelKind::LibvirtRpc => "rpc.sock",
+            TunnelKind::Migration => "mig.sock",
+            TunnelKind::Nbd => "nbd.sock",
+        }
+    }
 }
 
 fn version_one() -> u32 {
@@ -175,7 +211,10 @@ pub async fn recv(session: &Session) -> Result<Control> {
 pub fn decode(bytes: &[u8]) -> Result<Control> {
     let value: serde_json::Value =
         serde_json::from_slice(bytes).context("malformed control message from the peer")?;
-    if value.get("type").and_then(|t| t.as_str()) == Some("prepare") {
+    if matches!(
+        value.get("type").and_then(|t| t.as_str()),
+        Some("prepare" | "tunnel")
+    ) {
         let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(1);
         if version != u64::from(CONTROL_VERSION) {
             anyhow::bail!(

@@ -28,13 +28,19 @@ use crate::stream_codec::{self, StreamDecoder};
 
 /// The seed index goes to the source in pieces of this size.
 const SEED_PIECE: usize = 256 << 10;
-/// How long a new session may take to say what it wants.
-const PREPARE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Serves one incoming session to its end.
-pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf) {
+/// Serves one incoming migration (its session's first message was `prepare`) to its end.
+pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf, prepare: Control) {
     let (mut qmp, mut launched_pid) = (None, None);
-    let result = serve(&session, &work_dir, &seed_dir, &mut qmp, &mut launched_pid).await;
+    let result = serve(
+        &session,
+        prepare,
+        &work_dir,
+        &seed_dir,
+        &mut qmp,
+        &mut launched_pid,
+    )
+    .await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
         // Not committed: the destination VM goes; one this agent started, whether or not its
@@ -69,14 +75,12 @@ fn launch_tag(session: &Session) -> String {
 
 async fn serve(
     session: &Session,
+    prepare: Control,
     work_dir: &Path,
     seed_dir: &Path,
     qmp_slot: &mut Option<Qmp>,
     launched_pid: &mut Option<u32>,
 ) -> Result<()> {
-    let prepare = tokio::time::timeout(PREPARE_TIMEOUT, control::recv(session))
-        .await
-        .context("the source sent nothing within 30s")??;
     let Control::Prepare {
         version: _,
         vm,

@@ -11,6 +11,7 @@
 //! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
+//! - [`tunnel`]: unix sockets carried between hosts (libvirt's migration over UNIX sockets).
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`control`]: the messages between the two sides.
@@ -42,6 +43,7 @@ pub mod source;
 pub mod status;
 pub mod stream_codec;
 pub mod switchover;
+pub mod tunnel;
 
 pub use config::AgentConfig;
 pub use server::run;

@@ -18,9 +18,13 @@ use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
 use tokio::net::{TcpListener, UnixListener};
 
 use crate::config::AgentConfig;
+use crate::control::{self, Control};
 use crate::refusal::Refusal;
 use crate::status::{now_ms, Shared};
-use crate::{destination, source};
+use crate::{destination, source, tunnel};
+
+/// How long a new session may take to say what it is for.
+const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 struct Agent {
     config: AgentConfig,
@@ -66,9 +70,25 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .route("/v1/migrations/{id}", get(one))
         .route("/v1/migrations/{id}/cancel", axum::routing::post(cancel))
         .with_state(agent.clone());
+    let tunnels = async {
+        match agent.config.libvirt.clone() {
+            Some(libvirt) => {
+                tunnel::serve_sources(
+                    libvirt,
+                    agent.config.name.clone(),
+                    agent.config.peers.clone().into_iter().collect(),
+                    agent.client_tls.clone(),
+                    agent.pool.clone(),
+                )
+                .await
+            }
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         r = axum::serve(api, app) => r.context("API server")?,
-        r = serve_peers(agent, peers, server_tls) => r?,
+        r = serve_peers(agent.clone(), peers, server_tls) => r?,
+        r = tunnels => r?,
     }
     Ok(())
 }
@@ -136,12 +156,35 @@ impl Agent {
         sessions.insert(id, session.clone());
         let (agent, s) = (self.clone(), session.clone());
         tokio::spawn(async move {
-            destination::run(
-                s,
-                agent.config.work_dir.clone(),
-                agent.config.seed_dir.clone(),
-            )
-            .await;
+            // The first message says what the session is for: a migration, or a tunnel.
+            match tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, control::recv(&s)).await {
+                Ok(Ok(Control::Tunnel { kind, .. })) => {
+                    tunnel::serve_destination(
+                        s,
+                        kind,
+                        agent.config.libvirt.clone(),
+                        &agent.config.name,
+                    )
+                    .await;
+                }
+                Ok(Ok(first)) => {
+                    destination::run(
+                        s,
+                        agent.config.work_dir.clone(),
+                        agent.config.seed_dir.clone(),
+                        first,
+                    )
+                    .await;
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!("session {id}: {e:#}");
+                    s.fail(format!("{e:#}"));
+                }
+                Err(_) => {
+                    tracing::warn!("session {id}: the peer said nothing within 30s");
+                    s.fail("the peer said nothing within 30s");
+                }
+            }
             agent.sessions.lock().expect("lock").remove(&id);
             agent.finished.lock().expect("lock").insert(id);
         });

@@ -38,6 +38,12 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>) -> String {
         q(&id.key),
         q(&seed_dir(lab, site)),
     );
+    // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in
+    // the site's own host directory, the same path at every site, as libvirt wants.
+    text.push_str(&format!(
+        "\n[libvirt]\ntunnel_dir = {:?}\n",
+        format!("{}/tunnels", crate::topology::HOST_DIR)
+    ));
     for peer in Site::ALL.into_iter().filter(|p| *p != site) {
         text.push_str(&format!(
             "\n[peers.{}]\naddress = {:?}\n",
