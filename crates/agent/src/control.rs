@@ -41,7 +41,9 @@ pub struct DiskPlan {
 /// refuses any other (rule: a change an older peer would misread raises it; fields an older
 /// peer may omit carry a serde default and do not).
 /// 2: `Prepare.destination` (was `destination_qmp`); `Tunnel`.
-pub const CONTROL_VERSION: u32 = 2;
+/// 3: `Tunnel.coded`, `Checkpoint`, `Delivered` (a version-2 peer would pass a coded stream on
+/// as raw bytes).
+pub const CONTROL_VERSION: u32 = 3;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +109,12 @@ pub enum Control {
     DiskEnd { snapshots: u64, sha256: String },
     /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
     End { bytes: u64, sha256: String },
+    /// Source, on a tunnelled stream: the stream's first `bytes` have this SHA-256 (the
+    /// destination QEMU may read them once they match: [`crate::tunnel_stream`]).
+    Checkpoint { bytes: u64, sha256: String },
+    /// Destination, on a tunnelled stream: every digest matched and QEMU read the whole stream
+    /// (wall clock, µs); libvirt decides the rest.
+    Delivered { fed_unix_us: i64 },
     /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time).
     Committed {
         resume_unix_us: i64,
@@ -122,6 +130,10 @@ pub enum Control {
         #[serde(default = "version_one")]
         version: u32,
         kind: TunnelKind,
+        /// The connection carries QEMU's main migration stream, coded and digest-gated
+        /// ([`crate::tunnel_stream`]); otherwise its bytes cross as they are.
+        #[serde(default)]
+        coded: bool,
     },
 }
 
@@ -270,7 +282,7 @@ mod tests {
         let old = br#"{"type":"prepare","vm":"v","destination_qmp":"/d","wan_timeout_s":1}"#;
         assert_eq!(
             format!("{:#}", decode(old).unwrap_err()),
-            "the source agent speaks control version 1, this agent 2: run the same ferry release at both ends"
+            format!("the source agent speaks control version 1, this agent {CONTROL_VERSION}: run the same ferry release at both ends")
         );
         let msg = Control::Prepare {
             version: CONTROL_VERSION,

@@ -11,7 +11,9 @@
 //! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
+//! - [`libvirt`]: this host's libvirt, through virsh (which domain migrates out).
 //! - [`tunnel`]: unix sockets carried between hosts (libvirt's migration over UNIX sockets).
+//! - [`tunnel_stream`]: QEMU's stream in a tunnel: coded, and fed to QEMU only under matching digests.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`control`]: the messages between the two sides.
@@ -33,6 +35,7 @@ pub mod follow;
 pub mod interrupt;
 pub mod known_zero;
 pub mod launcher;
+pub mod libvirt;
 pub mod load_sieve;
 pub mod page_ledger;
 pub mod pki;
@@ -44,6 +47,7 @@ pub mod status;
 pub mod stream_codec;
 pub mod switchover;
 pub mod tunnel;
+pub mod tunnel_stream;
 
 pub use config::AgentConfig;
 pub use server::run;

@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use ferry_api::agent::{Health, MigrationRequest, MigrationState, MigrationStatus, Phase};
+use ferry_api::agent::{Health, MigrationRequest, MigrationState, MigrationStatus};
 use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, ServerConfig};
 use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
@@ -20,7 +20,7 @@ use tokio::net::{TcpListener, UnixListener};
 use crate::config::AgentConfig;
 use crate::control::{self, Control};
 use crate::refusal::Refusal;
-use crate::status::{now_ms, Shared};
+use crate::status::{now_ms, Registry, Shared};
 use crate::{destination, source, tunnel};
 
 /// How long a new session may take to say what it is for.
@@ -31,7 +31,7 @@ struct Agent {
     client_tls: Arc<ClientConfig>,
     /// Connections to peers that finished a migration, for the next one (warm).
     pool: Arc<Pool>,
-    migrations: Mutex<HashMap<String, Shared>>,
+    migrations: Registry,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
@@ -54,7 +54,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         config,
         client_tls,
         pool: Pool::new(),
-        migrations: Mutex::new(HashMap::new()),
+        migrations: Registry::default(),
         sessions: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashSet::new()),
     });
@@ -73,13 +73,14 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let tunnels = async {
         match agent.config.libvirt.clone() {
             Some(libvirt) => {
-                tunnel::serve_sources(
-                    libvirt,
-                    agent.config.name.clone(),
-                    agent.config.peers.clone().into_iter().collect(),
-                    agent.client_tls.clone(),
-                    agent.pool.clone(),
-                )
+                tunnel::serve_sources(tunnel::Tunnels {
+                    config: libvirt,
+                    own_name: agent.config.name.clone(),
+                    peers: agent.config.peers.clone().into_iter().collect(),
+                    tls: agent.client_tls.clone(),
+                    pool: agent.pool.clone(),
+                    registry: agent.migrations.clone(),
+                })
                 .await
             }
             None => std::future::pending().await,
@@ -158,10 +159,11 @@ impl Agent {
         tokio::spawn(async move {
             // The first message says what the session is for: a migration, or a tunnel.
             match tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, control::recv(&s)).await {
-                Ok(Ok(Control::Tunnel { kind, .. })) => {
+                Ok(Ok(Control::Tunnel { kind, coded, .. })) => {
                     tunnel::serve_destination(
                         s,
                         kind,
+                        coded,
                         agent.config.libvirt.clone(),
                         &agent.config.name,
                     )
@@ -273,32 +275,11 @@ fn launch(agent: &Arc<Agent>, req: MigrationRequest, peer_address: String) -> Re
     // 64 random bits are plenty for ids on one agent.
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let status = Shared::new(MigrationStatus {
-        id: id.clone(),
-        vm: req.vm.clone(),
-        state: MigrationState::Running,
-        phase: Phase::Starting,
-        detail: String::new(),
-        error: None,
-        started_unix_ms: now_ms(),
-        stream_bytes: 0,
-        return_path_bytes: 0,
-        wire: Default::default(),
-        qemu: Default::default(),
-        events: Vec::new(),
-        source_stop_unix_us: None,
-        destination_resume_unix_us: None,
-        destination_switchover: None,
-        qemu_downtime_ms: None,
         // Between the source's STOP and the destination's RESUME nothing waits for an answer
         // from the other side: the last bytes and the digest travel together, one way. With
         // QEMU's return path the source QEMU also waits for the destination's confirmation.
         switchover_round_trips: Some(if req.settings.return_path { 1.5 } else { 0.5 }),
-        codec: None,
-        qemu_downtime_limit_ms: None,
-        max_cpu_throttle_pct: None,
-        throttle_vcpu_s: 0.0,
-        digest: None,
-        disk: None,
+        ..MigrationStatus::starting(id.clone(), req.vm.clone(), now_ms())
     });
     agent
         .migrations

@@ -1,5 +1,6 @@
 //! A migration's status, shared between the task running it and the API reading it.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -16,6 +17,9 @@ pub fn now_ms() -> u64 {
     )
     .unwrap_or(u64::MAX)
 }
+
+/// Every migration this agent knows, by id (the API lists them).
+pub type Registry = Arc<Mutex<HashMap<String, Shared>>>;
 
 /// The status behind a lock, and the cancellation; clones share them.
 #[derive(Debug, Clone)]

@@ -21,8 +21,11 @@
 //! and a side's end of input is a barrier there. The session reconnects and replays across
 //! WAN drops like a migration's.
 //!
-//! Not yet: the codec, the digest-checked commit and the steering on the migration socket
-//! (issue 18): today its bytes cross as they are.
+//! A connection to the migration socket that starts with QEMU's stream header ("QEVM") is
+//! QEMU's main stream: it crosses coded, and the destination QEMU reads only what the source's
+//! digests confirm ([`crate::tunnel_stream`]); the source agent lists it among its migrations,
+//! named after the QEMU at the other end of the socket. Every other connection (libvirt's RPC,
+//! the NBD disk copy, QEMU's multifd channels) crosses as it is.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,6 +33,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
+use ferry_api::agent::MigrationStatus;
 use ferry_wire::net::{keep_connected, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
@@ -38,12 +42,16 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
 use crate::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
+use crate::status::{now_ms, Registry, Shared};
+use crate::tunnel_stream;
 
 /// Bytes read from a socket per frame (as the migration stream's chunks).
 const CHUNK: usize = 64 << 10;
 /// How long the WAN may be down before a tunnelled connection is given up (libvirt's own
 /// keepalive gives up on its RPC connection after 30 s; a migration after its own timeout).
 const WAN_TIMEOUT: Duration = Duration::from_secs(120);
+/// The link rate the codec's zstd level assumes when the peer's config gives none.
+const ASSUMED_LINK_MBIT: f64 = 1000.0;
 /// How long the destination's socket may take to appear (libvirt has QEMU listen on it in its
 /// Prepare step, just before the source connects).
 const TARGET_WAIT: Duration = Duration::from_secs(5);
@@ -53,38 +61,46 @@ pub fn socket_path(config: &LibvirtConfig, peer: &str, kind: TunnelKind) -> Path
     config.tunnel_dir.join(peer).join(kind.socket_name())
 }
 
+/// What every tunnel of this agent shares.
+pub struct Tunnels {
+    pub config: LibvirtConfig,
+    /// This agent's name: at the destination, QEMU listens in `<tunnel dir>/<own name>/`.
+    pub own_name: String,
+    pub peers: Vec<(String, PeerConfig)>,
+    pub tls: Arc<ClientConfig>,
+    pub pool: Arc<Pool>,
+    /// Where a carried migration stream is listed.
+    pub registry: Registry,
+}
+
 /// Listens on every peer's tunnel sockets and carries each connection to that peer; makes
 /// this agent's own directory for the sockets QEMU listens on at the destination. Runs until
 /// a listener fails.
-pub async fn serve_sources(
-    config: LibvirtConfig,
-    own_name: String,
-    peers: Vec<(String, PeerConfig)>,
-    tls: Arc<ClientConfig>,
-    pool: Arc<Pool>,
-) -> Result<()> {
-    let own = config.tunnel_dir.join(&own_name);
+pub async fn serve_sources(tunnels: Tunnels) -> Result<()> {
+    let tunnels = Arc::new(tunnels);
+    let dir = &tunnels.config.tunnel_dir;
+    let own = dir.join(&tunnels.own_name);
     std::fs::create_dir_all(&own).with_context(|| format!("create {}", own.display()))?;
     let mut tasks = tokio::task::JoinSet::new();
-    for (name, peer) in peers {
-        std::fs::create_dir_all(config.tunnel_dir.join(&name))
-            .with_context(|| format!("create {}", config.tunnel_dir.join(&name).display()))?;
+    for (index, (name, _)) in tunnels.peers.iter().enumerate() {
+        std::fs::create_dir_all(dir.join(name))
+            .with_context(|| format!("create {}", dir.join(name).display()))?;
         for kind in TunnelKind::ALL {
-            let path = socket_path(&config, &name, kind);
+            let path = socket_path(&tunnels.config, name, kind);
             let _ = std::fs::remove_file(&path);
             let listener = UnixListener::bind(&path)
                 .with_context(|| format!("listen on {}", path.display()))?;
-            let (name, peer, tls, pool) = (name.clone(), peer.clone(), tls.clone(), pool.clone());
+            let tunnels = tunnels.clone();
             tasks.spawn(async move {
                 loop {
                     let (conn, _) = listener
                         .accept()
                         .await
                         .with_context(|| format!("accept on {}", path.display()))?;
-                    let (name, peer, tls, pool) =
-                        (name.clone(), peer.clone(), tls.clone(), pool.clone());
+                    let tunnels = tunnels.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = carry_source(conn, kind, &name, &peer, tls, pool).await {
+                        let name = &tunnels.peers[index].0;
+                        if let Err(e) = tunnels.carry(conn, index, kind).await {
                             tracing::warn!("tunnel to {name} ({kind:?}): {e:#}");
                         }
                     });
@@ -94,57 +110,100 @@ pub async fn serve_sources(
             });
         }
     }
-    tracing::info!(
-        "libvirt tunnels listening in {}",
-        config.tunnel_dir.display()
-    );
+    tracing::info!("libvirt tunnels listening in {}", dir.display());
     match tasks.join_next().await {
         Some(r) => r.map_err(|e| anyhow!("tunnel listener: {e}"))?,
         None => Ok(()),
     }
 }
 
-/// One accepted connection, carried to `peer_name`'s socket of `kind`.
-async fn carry_source(
-    conn: UnixStream,
-    kind: TunnelKind,
-    peer_name: &str,
-    peer: &PeerConfig,
-    tls: Arc<ClientConfig>,
-    pool: Arc<Pool>,
-) -> Result<()> {
-    let addr = tokio::net::lookup_host(&peer.address)
-        .await
-        .with_context(|| format!("peer {peer_name:?}: address {:?}", peer.address))?
-        .next()
-        .ok_or_else(|| anyhow!("peer {peer_name:?}: {:?} resolves to nothing", peer.address))?;
-    let session = Session::new(SessionId::random(), SessionConfig::default());
-    let (events, _) = tokio::sync::mpsc::unbounded_channel();
-    let _connections = keep_connected(
-        session.clone(),
-        Peer {
-            addr,
-            name: peer_name.to_owned(),
-            tls,
-            connections: 1,
-            link_rate_mbit: peer.rate_mbit,
-            pool,
-        },
-        Duration::from_millis(500),
-        events,
-    );
-    control::send(
-        &session,
-        &Control::Tunnel {
-            version: CONTROL_VERSION,
-            kind,
-        },
-    )
-    .await?;
-    tracing::info!("tunnel {kind:?} to {peer_name}: session {}", session.id());
-    let result = pipe(conn, &session, STREAM, RETURN_PATH).await;
-    finish(&session, &result).await;
-    result
+impl Tunnels {
+    /// One accepted connection, carried to the socket of `kind` at peer number `peer`.
+    async fn carry(&self, mut conn: UnixStream, peer: usize, kind: TunnelKind) -> Result<()> {
+        let (peer_name, peer) = &self.peers[peer];
+        // QEMU's main stream starts with its header; multifd channels and the rest do not.
+        let mut first = Vec::new();
+        if kind == TunnelKind::Migration {
+            (&mut conn)
+                .take(4)
+                .read_to_end(&mut first)
+                .await
+                .context("reading the first bytes of the migration socket")?;
+        }
+        let coded = first == ferry_qemu::stream::MAGIC;
+        let addr = tokio::net::lookup_host(&peer.address)
+            .await
+            .with_context(|| format!("peer {peer_name:?}: address {:?}", peer.address))?
+            .next()
+            .ok_or_else(|| anyhow!("peer {peer_name:?}: {:?} resolves to nothing", peer.address))?;
+        let session = Session::new(SessionId::random(), SessionConfig::default());
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let _connections = keep_connected(
+            session.clone(),
+            Peer {
+                addr,
+                name: peer_name.to_owned(),
+                tls: self.tls.clone(),
+                connections: 1,
+                link_rate_mbit: peer.rate_mbit,
+                pool: self.pool.clone(),
+            },
+            Duration::from_millis(500),
+            events,
+        );
+        control::send(
+            &session,
+            &Control::Tunnel {
+                version: CONTROL_VERSION,
+                kind,
+                coded,
+            },
+        )
+        .await?;
+        tracing::info!("tunnel {kind:?} to {peer_name}: session {}", session.id());
+        let result = if coded {
+            let status = Shared::new(MigrationStatus::starting(
+                session.id().to_string(),
+                "(a libvirt domain)".into(),
+                now_ms(),
+            ));
+            // Named meanwhile: QEMU's bytes do not wait for virsh.
+            let (naming, socket) = (status.clone(), self.config.socket.clone());
+            tokio::spawn(async move {
+                if let Some(vm) = outgoing_domain(&socket).await {
+                    naming.update(|s| s.vm = vm);
+                }
+            });
+            status.update(|s| s.detail = format!("libvirt's migration to {peer_name}"));
+            self.registry
+                .lock()
+                .expect("registry lock")
+                .insert(session.id().to_string(), status.clone());
+            let (read, write) = conn.into_split();
+            let link = peer.rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
+            let carried = tunnel_stream::source(first, read, write, &session, &status, link);
+            let result = within_wan_timeout(&session, carried).await;
+            tunnel_stream::conclude(&status, &session, &result);
+            result
+        } else {
+            pipe(conn, first, &session, STREAM, RETURN_PATH).await
+        };
+        finish(&session, &result).await;
+        result
+    }
+}
+
+/// The domain migrating out through this tunnel, as the source's libvirt names it (one
+/// name, or the candidates when several migrate at once).
+async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
+    match crate::libvirt::outgoing_domains(libvirt_socket).await {
+        Ok(names) if !names.is_empty() => Some(names.join(" or ")),
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!("naming the migrating domain: {e:#}");
+            None
+        }
+    }
 }
 
 /// The destination's side of a tunnel session: connects to the socket of `kind` on this host
@@ -152,6 +211,7 @@ async fn carry_source(
 pub async fn serve_destination(
     session: Session,
     kind: TunnelKind,
+    coded: bool,
     config: Option<LibvirtConfig>,
     own_name: &str,
 ) {
@@ -164,7 +224,12 @@ pub async fn serve_destination(
             TunnelKind::Migration | TunnelKind::Nbd => socket_path(&config, own_name, kind),
         };
         let conn = connect_when_there(&target).await?;
-        pipe(conn, &session, RETURN_PATH, STREAM).await
+        if coded {
+            let (read, write) = conn.into_split();
+            within_wan_timeout(&session, tunnel_stream::destination(&session, read, write)).await
+        } else {
+            pipe(conn, Vec::new(), &session, RETURN_PATH, STREAM).await
+        }
     }
     .await;
     if let Err(e) = &result {
@@ -193,17 +258,22 @@ async fn connect_when_there(path: &Path) -> Result<UnixStream> {
     }
 }
 
-/// Carries `conn` over `session`: what it reads goes out on `out`, what arrives on `inn` is
-/// written to it; an end of input is a barrier. Returns when both directions have ended, or
-/// fails when the session does or the WAN is down for longer than [`WAN_TIMEOUT`].
+/// Carries `conn` (of which `first` was read already) over `session`: what it reads goes out
+/// on `out`, what arrives on `inn` is written to it; an end of input is a barrier. Returns
+/// when both directions have ended, or fails when the session does or the WAN is down for
+/// longer than [`WAN_TIMEOUT`].
 async fn pipe(
     conn: UnixStream,
+    first: Vec<u8>,
     session: &Session,
     out: ferry_wire::ChannelId,
     inn: ferry_wire::ChannelId,
 ) -> Result<()> {
     let (mut read, mut write) = conn.into_split();
     let upstream = async {
+        if !first.is_empty() {
+            session.send(out, Bytes::from(first)).await?;
+        }
         let mut buf = vec![0u8; CHUNK];
         loop {
             let n = read
@@ -231,6 +301,24 @@ async fn pipe(
             }
         }
     };
+    let both = async {
+        tokio::select! {
+            r = async { tokio::try_join!(upstream, downstream) } => r.map(|_| ()),
+            msg = control::recv(session) => match msg {
+                Ok(Control::Abort { reason }) => bail!("{reason}"),
+                Ok(other) => bail!("unexpected control message in a tunnel: {other:?}"),
+                Err(e) => Err(e),
+            },
+        }
+    };
+    within_wan_timeout(session, both).await
+}
+
+/// Runs `work`, failing it when `session` has had no connection for [`WAN_TIMEOUT`].
+async fn within_wan_timeout(
+    session: &Session,
+    work: impl std::future::Future<Output = Result<()>>,
+) -> Result<()> {
     let watchdog = async {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -243,13 +331,8 @@ async fn pipe(
         }
     };
     tokio::select! {
-        r = async { tokio::try_join!(upstream, downstream) } => r.map(|_| ()),
+        r = work => r,
         r = watchdog => r,
-        msg = control::recv(session) => match msg {
-            Ok(Control::Abort { reason }) => bail!("{reason}"),
-            Ok(other) => bail!("unexpected control message in a tunnel: {other:?}"),
-            Err(e) => Err(e),
-        },
     }
 }
 

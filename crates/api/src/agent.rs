@@ -363,6 +363,37 @@ pub struct MigrationStatus {
     pub disk: Option<DiskReport>,
 }
 
+impl MigrationStatus {
+    /// A migration of `vm` that has just begun: running, nothing measured yet.
+    pub fn starting(id: String, vm: String, started_unix_ms: u64) -> MigrationStatus {
+        MigrationStatus {
+            id,
+            vm,
+            state: MigrationState::Running,
+            phase: Phase::Starting,
+            detail: String::new(),
+            error: None,
+            started_unix_ms,
+            stream_bytes: 0,
+            return_path_bytes: 0,
+            wire: WireStats::default(),
+            qemu: QemuProgress::default(),
+            events: Vec::new(),
+            source_stop_unix_us: None,
+            destination_resume_unix_us: None,
+            destination_switchover: None,
+            qemu_downtime_ms: None,
+            max_cpu_throttle_pct: None,
+            throttle_vcpu_s: 0.0,
+            qemu_downtime_limit_ms: None,
+            switchover_round_trips: None,
+            codec: None,
+            digest: None,
+            disk: None,
+        }
+    }
+}
+
 /// What the disk path did (source side).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DiskReport {

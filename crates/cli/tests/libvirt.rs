@@ -131,4 +131,28 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
         .total_bytes()
         - wan_before;
     assert!(wan > 32 << 20, "only {wan} bytes crossed the WAN");
+
+    // The source agent lists it, named after the domain: QEMU's stream crossed coded and was
+    // fed to the destination QEMU under matching digests.
+    let out = t
+        .lab
+        .host_command(Site::A, common::ferry_bin())
+        .args(["migrations", "--json", "--agent"])
+        .arg(t.lab.agent_socket(Site::A))
+        .output()
+        .unwrap();
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).expect("migrations JSON");
+    let m = all
+        .as_array()
+        .and_then(|all| all.iter().find(|m| m["vm"] == name))
+        .unwrap_or_else(|| panic!("{name} not among the agent's migrations: {all}"));
+    assert_eq!(m["state"], "committed", "{m}");
+    assert!(m["digest"].as_str().is_some_and(|d| d.len() == 64), "{m}");
+    let codec = &m["codec"];
+    assert!(
+        codec["pages"].as_u64().unwrap() > 8192,
+        "the guest's pages went through the codec: {m}"
+    );
+    let stream = m["stream_bytes"].as_u64().unwrap();
+    assert!(stream > 32 << 20, "QEMU's stream was {stream} bytes: {m}");
 }

@@ -1,0 +1,447 @@
+//! QEMU's migration stream through a libvirt tunnel ([`crate::tunnel`]): parsed, hashed and
+//! coded on the WAN as a ferry migration's stream is, and gated by digests at the destination,
+//! so that the destination QEMU (which libvirt resumes by itself once it has loaded the stream)
+//! reads only bytes whose digest the source confirmed.
+//!
+//! ```text
+//!  source agent                                          destination agent
+//!  QEMU -> parse -> SHA-256 -> codec ======STREAM======> decode -> held
+//!  when QEMU has nothing more right now, in its tail
+//!  or every CHECKPOINT_BYTES:  Checkpoint{n, sha256} ==> the held bytes up to n hash to sha256?
+//!                                                        yes: QEMU reads them; no: abort
+//!  QEMU's end of stream:       End{n, sha256} ========> the last bytes; QEMU's input ends
+//!                                           <========== Delivered
+//!  QEMU <----------------------------------RETURN_PATH== QEMU
+//! ```
+//!
+//! The gate keeps the commit point ferry's although libvirt resumes the destination: QEMU
+//! cannot finish loading without the stream's last bytes, and those are released only under a
+//! digest of everything before them. On a mismatch the destination QEMU's input closes, its
+//! load fails, libvirt's Finish step fails and libvirt resumes the source.
+//!
+//! Both ends use the codec with every technique on and the largest page history (what a page
+//! history holds is bounded by the guest's memory anyway); the zstd level follows the peer's
+//! configured rate.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use bytes::{Bytes, BytesMut};
+use ferry_api::agent::{CodecSettings, MigrationState, Phase};
+use ferry_api::EventKind;
+use ferry_qemu::stream::StreamParser;
+use ferry_wire::{Received, Session};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+use crate::control::{self, Control, RETURN_PATH, STREAM};
+use crate::feeder::{self, Feeder};
+use crate::status::{now_ms, Events, Shared};
+use crate::stream_codec::{StreamDecoder, StreamEncoder, BATCH_BYTES, HISTORY_CAP};
+
+/// The codec's techniques on a tunnelled stream.
+pub const CODEC: CodecSettings = CodecSettings::ALL;
+/// Bytes read from QEMU at a time.
+const CHUNK: usize = 64 << 10;
+/// During the memory passes a checkpoint goes at most every this many stream bytes (when QEMU
+/// has nothing more to read), so the destination holds little and waits for no round trip.
+const CHECKPOINT_BYTES: u64 = 1 << 20;
+/// ... and at least every this many, however busy QEMU keeps the source.
+const MAX_UNCHECKED_BYTES: u64 = 8 << 20;
+/// How long the source waits for the destination's word that QEMU has the whole stream.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The source's side: QEMU's stream (its first bytes already read into `first`) over
+/// `session`, and the return path back into QEMU. Returns when the destination says its QEMU
+/// has the whole verified stream.
+pub async fn source(
+    first: Vec<u8>,
+    from_qemu: OwnedReadHalf,
+    to_qemu: OwnedWriteHalf,
+    session: &Session,
+    status: &Shared,
+    link_rate_mbit: f64,
+) -> Result<()> {
+    status.update(|s| {
+        s.phase = Phase::Memory;
+        s.event(EventKind::MemoryStarted, "QEMU connected to the tunnel");
+    });
+    let pump = pump(first, from_qemu, session, status, link_rate_mbit);
+    let return_path = return_path_into(to_qemu, session, status);
+    let (total, sha256) = tokio::select! {
+        r = pump => r?,
+        r = return_path => {
+            r?;
+            bail!("the return path ended before QEMU's stream did")
+        }
+    };
+    status.update(|s| {
+        s.phase = Phase::AwaitingCommit;
+        s.digest = Some(sha256.clone());
+        s.event(
+            EventKind::StreamEnded,
+            format!("{total} bytes, sha256 {sha256}"),
+        );
+    });
+    control::send(
+        session,
+        &Control::End {
+            bytes: total,
+            sha256,
+        },
+    )
+    .await?;
+    match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
+        .await
+        .context("no word from the destination within 60s of the stream's end")??
+    {
+        Control::Delivered { fed_unix_us } => {
+            status.update(|s| {
+                s.event(
+                    EventKind::StreamFed,
+                    format!("digests matched; the destination QEMU read the stream (at {fed_unix_us} µs)"),
+                )
+            });
+            Ok(())
+        }
+        Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+        other => bail!("unexpected message from the destination after the stream: {other:?}"),
+    }
+}
+
+/// Reads, parses, hashes and codes QEMU's stream until its end; returns its length and
+/// digest.
+async fn pump(
+    first: Vec<u8>,
+    from_qemu: OwnedReadHalf,
+    session: &Session,
+    status: &Shared,
+    link_rate_mbit: f64,
+) -> Result<(u64, String)> {
+    let mut parser = StreamParser::new();
+    let mut encoder = StreamEncoder::new(CODEC, HISTORY_CAP, link_rate_mbit);
+    let mut input = BytesMut::from(&first[..]);
+    let (mut item_bytes, mut out) = (BytesMut::new(), BytesMut::new());
+    let mut hash = Sha256::new();
+    let (mut total, mut checkpointed) = (0u64, 0u64);
+    loop {
+        input.reserve(CHUNK);
+        // `drained`: QEMU has nothing more to read right now (or its stream ended).
+        let (eof, drained) = match from_qemu.try_read_buf(&mut input) {
+            Ok(n) => (n == 0, n == 0),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (false, true),
+            Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
+        };
+        while let Some(item) = parser.next_item(&mut input)? {
+            item_bytes.clear();
+            item.encode(&mut item_bytes);
+            hash.update(&item_bytes);
+            total += item_bytes.len() as u64;
+            encoder.push(&item, &item_bytes);
+            if encoder.pending() >= BATCH_BYTES {
+                encoder.flush(&mut out);
+            }
+        }
+        if eof {
+            parser.finish(input.len()).context("QEMU's stream")?;
+        }
+        let unchecked = total - checkpointed;
+        let checkpoint = !eof
+            && unchecked > 0
+            && ((drained && (parser.in_tail() || unchecked >= CHECKPOINT_BYTES))
+                || unchecked >= MAX_UNCHECKED_BYTES);
+        if drained || checkpoint {
+            encoder.flush(&mut out);
+        }
+        while !out.is_empty() {
+            let frame = out.split_to(out.len().min(CHUNK)).freeze();
+            session.send(STREAM, frame).await?;
+        }
+        if checkpoint {
+            let sha256 = format!("{:x}", hash.clone().finalize());
+            control::send(
+                session,
+                &Control::Checkpoint {
+                    bytes: total,
+                    sha256,
+                },
+            )
+            .await?;
+            checkpointed = total;
+        }
+        let report = encoder.report();
+        status.update(|s| {
+            s.stream_bytes = total;
+            s.codec = Some(report);
+        });
+        record_wire(status, session);
+        if eof {
+            return Ok((total, format!("{:x}", hash.finalize())));
+        }
+        if drained {
+            from_qemu
+                .readable()
+                .await
+                .context("waiting for QEMU's stream")?;
+        }
+    }
+}
+
+/// Writes what arrives on the return path into `to_qemu` until the destination's end of it.
+async fn return_path_into(
+    mut to_qemu: OwnedWriteHalf,
+    session: &Session,
+    status: &Shared,
+) -> Result<()> {
+    loop {
+        match session.recv(RETURN_PATH).await? {
+            Received::Data(bytes) => {
+                to_qemu
+                    .write_all(&bytes)
+                    .await
+                    .context("writing QEMU's return path")?;
+                status.update(|s| s.return_path_bytes += bytes.len() as u64);
+            }
+            Received::Barrier => {
+                let _ = to_qemu.shutdown().await;
+                // Its end is not the stream's: keep waiting for the stream.
+                return std::future::pending().await;
+            }
+        }
+    }
+}
+
+/// The destination's side: the stream decoded, verified and fed to QEMU (`to_qemu`), QEMU's
+/// return path (`from_qemu`) carried back.
+pub async fn destination(
+    session: &Session,
+    mut from_qemu: OwnedReadHalf,
+    to_qemu: OwnedWriteHalf,
+) -> Result<()> {
+    let return_path = async {
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = from_qemu
+                .read(&mut buf)
+                .await
+                .context("reading QEMU's return path")?;
+            if n == 0 {
+                session.barrier(RETURN_PATH)?;
+                return std::future::pending::<Result<()>>().await;
+            }
+            session
+                .send(RETURN_PATH, Bytes::copy_from_slice(&buf[..n]))
+                .await?;
+        }
+    };
+    let feed = async {
+        let mut decoder = StreamDecoder::new(CODEC, HISTORY_CAP);
+        let mut decoded = BytesMut::new();
+        let mut gate = Gate::default();
+        let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
+        while !gate.finished() {
+            tokio::select! {
+                r = session.recv(STREAM) => match r? {
+                    Received::Data(chunk) => {
+                        decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
+                        gate.arrived(&decoded.split())?;
+                    }
+                    Received::Barrier => {}
+                },
+                msg = control::recv(session) => match msg? {
+                    Control::Checkpoint { bytes, sha256 } => gate.expect(bytes, sha256, false)?,
+                    Control::End { bytes, sha256 } => gate.expect(bytes, sha256, true)?,
+                    Control::Abort { reason } => bail!("the source aborted: {reason}"),
+                    other => bail!("unexpected control message during the stream: {other:?}"),
+                },
+            }
+            let verified = gate.release()?;
+            let weight = verified.len();
+            feeder.push(verified, weight).await?;
+        }
+        ensure!(
+            decoder.is_idle(),
+            "codec bytes left over after the stream's last byte"
+        );
+        // QEMU's input ends once it has read everything.
+        feeder.finish().await?;
+        control::send(
+            session,
+            &Control::Delivered {
+                fed_unix_us: i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000,
+            },
+        )
+        .await
+    };
+    tokio::select! {
+        r = feed => r,
+        r = return_path => r,
+    }
+}
+
+/// The session's counters into the status.
+fn record_wire(status: &Shared, session: &Session) {
+    let wire = session.stats();
+    status.update(|s| {
+        s.wire.bytes_out = wire.wire_bytes_out;
+        s.wire.bytes_in = wire.wire_bytes_in;
+        s.wire.connections_live = wire.connections_live;
+        s.wire.replayed_frames = wire.replayed_frames;
+        s.wire.unacked_bytes = wire.unacked_bytes;
+    });
+}
+
+/// The source's status once a tunnelled stream ended: the destination has it all (libvirt
+/// decides the rest), or the reason it does not.
+pub fn conclude(status: &Shared, session: &Session, result: &Result<()>) {
+    record_wire(status, session);
+    status.update(|s| match result {
+        Ok(()) => {
+            s.state = MigrationState::Committed;
+            s.phase = Phase::Committed;
+            s.detail = "the destination QEMU read the whole stream under matching digests; libvirt resumes it there".into();
+            s.event(EventKind::Committed, "digests matched");
+        }
+        Err(e) => {
+            s.state = MigrationState::Failed;
+            s.phase = Phase::Failed;
+            s.error = Some(format!("{e:#}"));
+            s.event(EventKind::Failed, format!("{e:#}"));
+        }
+    });
+}
+
+/// The destination's gate: decoded bytes are held until a digest from the source covers them.
+#[derive(Debug, Default)]
+pub struct Gate {
+    /// Bytes released (verified) so far, and their running hash.
+    released: u64,
+    hash: Sha256,
+    /// Decoded bytes after `released`.
+    held: BytesMut,
+    /// Digests announced by the source, in order: (stream length, SHA-256, whether it is the
+    /// end).
+    expected: VecDeque<(u64, String, bool)>,
+    /// Set once the end is verified.
+    done: bool,
+}
+
+impl Gate {
+    /// Takes decoded bytes.
+    pub fn arrived(&mut self, bytes: &[u8]) -> Result<()> {
+        ensure!(!self.done || bytes.is_empty(), "stream bytes after its end");
+        self.held.extend_from_slice(bytes);
+        if let Some((end, _, true)) = self.expected.back() {
+            let have = self.released + self.held.len() as u64;
+            ensure!(
+                have <= *end,
+                "received {have} stream bytes, the source announced {end}"
+            );
+        }
+        Ok(())
+    }
+
+    /// Takes a digest of the first `bytes` of the stream.
+    pub fn expect(&mut self, bytes: u64, sha256: String, end: bool) -> Result<()> {
+        let last = self.expected.back().map_or(self.released, |e| e.0);
+        ensure!(
+            bytes >= last && !self.expected.back().is_some_and(|e| e.2),
+            "digest for {bytes} stream bytes after one for {last}"
+        );
+        self.expected.push_back((bytes, sha256, end));
+        // An end that is already exceeded is an error now, not when more bytes come.
+        self.arrived(&[])
+    }
+
+    /// Verifies every announced digest whose bytes have all arrived; returns the bytes they
+    /// cover (QEMU may read them). A digest that does not match is an error.
+    pub fn release(&mut self) -> Result<Bytes> {
+        // Every length below counts from `released` as it was on entry.
+        let mut upto = 0usize;
+        while let Some((bytes, sha256, end)) = self.expected.front() {
+            let len = usize::try_from(bytes - self.released).expect("held in memory");
+            if len > self.held.len() {
+                break;
+            }
+            self.hash.update(&self.held[upto..len]);
+            let ours = format!("{:x}", self.hash.clone().finalize());
+            ensure!(
+                &ours == sha256,
+                "stream digest mismatch at byte {bytes}: the source hashed {sha256}, this end {ours}"
+            );
+            upto = len;
+            self.done = *end;
+            self.expected.pop_front();
+        }
+        self.released += upto as u64;
+        Ok(self.held.split_to(upto).freeze())
+    }
+
+    /// Whether the end was verified and released.
+    pub fn finished(&self) -> bool {
+        self.done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sha(bytes: &[u8]) -> String {
+        format!("{:x}", Sha256::digest(bytes))
+    }
+
+    #[test]
+    fn nothing_is_released_before_a_digest_covers_it() {
+        let stream: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+        let mut gate = Gate::default();
+        gate.arrived(&stream[..6000]).unwrap();
+        assert!(gate.release().unwrap().is_empty());
+        gate.expect(4000, sha(&stream[..4000]), false).unwrap();
+        gate.expect(5000, sha(&stream[..5000]), false).unwrap();
+        assert_eq!(gate.release().unwrap(), &stream[..5000]);
+        // A digest for bytes not yet arrived waits for them.
+        gate.expect(10_000, sha(&stream), true).unwrap();
+        assert!(gate.release().unwrap().is_empty());
+        assert!(!gate.finished());
+        gate.arrived(&stream[6000..]).unwrap();
+        assert_eq!(gate.release().unwrap(), &stream[5000..]);
+        assert!(gate.finished());
+    }
+
+    #[test]
+    fn a_flipped_bit_stops_the_stream_before_the_bytes_it_covers() {
+        let stream = vec![7u8; 3000];
+        let mut corrupted = stream.clone();
+        corrupted[2500] ^= 1;
+        let mut gate = Gate::default();
+        gate.arrived(&corrupted).unwrap();
+        gate.expect(2000, sha(&stream[..2000]), false).unwrap();
+        assert_eq!(gate.release().unwrap().len(), 2000);
+        gate.expect(3000, sha(&stream), true).unwrap();
+        let err = format!("{:#}", gate.release().unwrap_err());
+        assert!(
+            err.starts_with("stream digest mismatch at byte 3000: the source hashed "),
+            "{err}"
+        );
+        assert!(!gate.finished());
+    }
+
+    #[test]
+    fn bytes_past_the_announced_end_and_digests_out_of_order_are_refused() {
+        let mut gate = Gate::default();
+        gate.expect(10, sha(&[0; 10]), true).unwrap();
+        assert_eq!(
+            format!("{:#}", gate.arrived(&[0; 11]).unwrap_err()),
+            "received 11 stream bytes, the source announced 10"
+        );
+        let mut gate = Gate::default();
+        gate.expect(10, sha(&[0; 10]), false).unwrap();
+        assert_eq!(
+            format!("{:#}", gate.expect(5, sha(&[0; 5]), false).unwrap_err()),
+            "digest for 5 stream bytes after one for 10"
+        );
+    }
+}
