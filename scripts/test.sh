@@ -16,4 +16,5 @@ if cargo tree -p ferry-cli --no-default-features -e normal --locked | grep -q 'f
 fi
 cargo build --release --locked --quiet
 ./target/release/ferry image build
+./scripts/debian-guest.sh
 cargo test --workspace --release --locked -- --test-threads=1

@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::{ApiError, ErrorKind, Health, MigrationRequest, MigrationStatus};
+use ferry_api::agent::{
+    ApiError, ErrorKind, Health, LibvirtMigrationRequest, MigrationRequest, MigrationStatus,
+};
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
@@ -82,6 +84,18 @@ impl AgentClient {
     pub async fn start_migration(&self, req: &MigrationRequest) -> Result<MigrationStatus> {
         self.call("POST", "/v1/migrations", Some(serde_json::to_vec(req)?))
             .await
+    }
+
+    pub async fn start_libvirt_migration(
+        &self,
+        req: &LibvirtMigrationRequest,
+    ) -> Result<MigrationStatus> {
+        self.call(
+            "POST",
+            "/v1/libvirt/migrations",
+            Some(serde_json::to_vec(req)?),
+        )
+        .await
     }
 
     pub async fn migration(&self, id: &str) -> Result<MigrationStatus> {

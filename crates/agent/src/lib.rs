@@ -11,7 +11,8 @@
 //! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
 //! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
-//! - [`libvirt`]: this host's libvirt, through virsh (which domain migrates out).
+//! - [`libvirt`]: this host's libvirt, through virsh (domains, job figures, `virsh migrate`).
+//! - [`libvirt_migration`]: libvirt's migration driven and steered by ferry (`--libvirt`).
 //! - [`tunnel`]: unix sockets carried between hosts (libvirt's migration over UNIX sockets).
 //! - [`tunnel_stream`]: QEMU's stream in a tunnel: coded, and fed to QEMU only under matching digests.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
@@ -36,6 +37,7 @@ pub mod interrupt;
 pub mod known_zero;
 pub mod launcher;
 pub mod libvirt;
+pub mod libvirt_migration;
 pub mod load_sieve;
 pub mod page_ledger;
 pub mod pki;

@@ -1,51 +1,210 @@
 //! libvirt on this host, asked through its own client (`virsh`, which every libvirt install
-//! has): which domain is migrating out. libvirt connects QEMU's migration socket itself and
+//! has): which domain is migrating out, a domain's state, the migration's steering and job
+//! figures, and `virsh migrate` itself. libvirt connects QEMU's migration socket itself and
 //! hands QEMU the descriptor, so the socket's peer is libvirtd, not the VM's QEMU.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 
-/// How long one `virsh` call may take.
+/// How long one `virsh` query may take.
 const VIRSH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A libvirt daemon: this host's, behind its socket, or a peer's through a tunnel.
+#[derive(Debug, Clone)]
+pub struct Libvirt {
+    uri: String,
+}
+
+/// What libvirt reports of a migration job (`domjobinfo --rawstats`), in bytes and ms.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobStats {
+    pub memory_processed: u64,
+    pub memory_remaining: u64,
+    pub memory_total: u64,
+    pub memory_iteration: u64,
+    pub disk_processed: u64,
+    pub disk_total: u64,
+    /// Set once the job completed, at the destination: the VM's real pause, from its stop at
+    /// the source to its resume at the destination (libvirt carries the stop's time over).
+    pub downtime_ms: Option<u64>,
+}
+
+impl Libvirt {
+    /// This host's daemon, behind `socket`.
+    pub fn new(socket: impl AsRef<Path>) -> Libvirt {
+        Libvirt {
+            uri: format!("qemu:///system?socket={}", socket.as_ref().display()),
+        }
+    }
+
+    /// A peer's daemon through the libvirt RPC tunnel whose socket is `tunnel`.
+    pub fn through(tunnel: impl AsRef<Path>) -> Libvirt {
+        Libvirt {
+            uri: format!("qemu+unix:///system?socket={}", tunnel.as_ref().display()),
+        }
+    }
+
+    /// The URI `virsh -c` and the libvirt API know this daemon by.
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// The domains with an outgoing migration job.
+    pub async fn outgoing_domains(&self) -> Result<Vec<String>> {
+        let names = self.virsh(&["list", "--name"]).await?;
+        let mut outgoing = Vec::new();
+        for name in names.lines().map(str::trim).filter(|n| !n.is_empty()) {
+            // A domain that left meanwhile has no job to show: not an error here.
+            if let Ok(job) = self.virsh(&["domjobinfo", name]).await {
+                if job.contains("Outgoing migration") {
+                    outgoing.push(name.to_owned());
+                }
+            }
+        }
+        Ok(outgoing)
+    }
+
+    /// The domain's state in libvirt's words ("running", "paused", "shut off", ...); an
+    /// unknown domain is an error in libvirt's words.
+    pub async fn state(&self, domain: &str) -> Result<String> {
+        Ok(self.virsh(&["domstate", domain]).await?.trim().to_owned())
+    }
+
+    /// Whether the domain has a persistent definition (not only a running instance).
+    pub async fn is_persistent(&self, domain: &str) -> Result<bool> {
+        let info = self.virsh(&["dominfo", domain]).await?;
+        Ok(info
+            .lines()
+            .any(|l| l.starts_with("Persistent:") && l.trim_end().ends_with("yes")))
+    }
+
+    /// The longest pause QEMU may plan for at switchover.
+    pub async fn set_max_downtime(&self, domain: &str, ms: u64) -> Result<()> {
+        self.virsh(&["migrate-setmaxdowntime", domain, &ms.to_string()])
+            .await
+            .map(drop)
+    }
+
+    /// The running migration job's figures (`completed`: the last job's, once it ended).
+    pub async fn job(&self, domain: &str, completed: bool) -> Result<JobStats> {
+        let mut args = vec!["domjobinfo", domain, "--rawstats"];
+        if completed {
+            args.push("--completed");
+        }
+        Ok(JobStats::parse(&self.virsh(&args).await?))
+    }
+
+    /// Stops the domain's running job (a migration: the source keeps running).
+    pub async fn abort_job(&self, domain: &str) -> Result<()> {
+        self.virsh(&["domjobabort", domain]).await.map(drop)
+    }
+
+    /// Starts `virsh migrate ARGS DOMAIN` (no time limit: it lasts as long as the migration).
+    pub fn start_migrate(&self, domain: &str, args: &[String]) -> Result<Child> {
+        Command::new("virsh")
+            .args(["-q", "-c", &self.uri, "migrate", domain])
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("run virsh (libvirt's client)")
+    }
+
+    /// `virsh ARGS` on this daemon; its standard output.
+    async fn virsh(&self, args: &[&str]) -> Result<String> {
+        let out = tokio::time::timeout(
+            VIRSH_TIMEOUT,
+            Command::new("virsh")
+                .args(["-q", "-c", &self.uri])
+                .args(args)
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .with_context(|| format!("virsh {} did not answer within 10s", args.join(" ")))?
+        .context("run virsh (libvirt's client)")?;
+        if !out.status.success() {
+            bail!("{}", virsh_error(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
 
 /// The domains with an outgoing migration job at the libvirt daemon behind `socket`.
 pub async fn outgoing_domains(socket: &Path) -> Result<Vec<String>> {
-    let names = virsh(socket, &["list", "--name"]).await?;
-    let mut outgoing = Vec::new();
-    for name in names.lines().map(str::trim).filter(|n| !n.is_empty()) {
-        // A domain that left meanwhile has no job to show: not an error here.
-        if let Ok(job) = virsh(socket, &["domjobinfo", name]).await {
-            if job.contains("Outgoing migration") {
-                outgoing.push(name.to_owned());
-            }
-        }
-    }
-    Ok(outgoing)
+    Libvirt::new(socket).outgoing_domains().await
 }
 
-/// `virsh ARGS` on the daemon behind `socket`; its standard output.
-async fn virsh(socket: &Path, args: &[&str]) -> Result<String> {
-    let uri = format!("qemu:///system?socket={}", socket.display());
-    let out = tokio::time::timeout(
-        VIRSH_TIMEOUT,
-        Command::new("virsh")
-            .args(["-q", "-c", &uri])
-            .args(args)
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .with_context(|| format!("virsh {} did not answer within 10s", args.join(" ")))?
-    .context("run virsh (libvirt's client)")?;
-    if !out.status.success() {
-        bail!(
-            "virsh {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
+/// virsh's error output as one line: "error: failed to get domain 'x'" and its cause.
+pub fn virsh_error(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let lines: Vec<&str> = text
+        .lines()
+        .map(|l| l.trim().trim_start_matches("error: ").trim())
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lines.is_empty() {
+        "virsh failed without a message".into()
+    } else {
+        lines.join(": ")
+    }
+}
+
+impl JobStats {
+    /// From `domjobinfo --rawstats` (`name: value` or `name=value` per line).
+    pub fn parse(text: &str) -> JobStats {
+        let fields: HashMap<&str, u64> = text
+            .lines()
+            .filter_map(|l| l.split_once([':', '=']))
+            .filter_map(|(k, v)| Some((k.trim(), v.trim().parse().ok()?)))
+            .collect();
+        let get = |k: &str| fields.get(k).copied().unwrap_or(0);
+        JobStats {
+            memory_processed: get("memory_processed"),
+            memory_remaining: get("memory_remaining"),
+            memory_total: get("memory_total"),
+            memory_iteration: get("memory_iteration"),
+            disk_processed: get("disk_processed"),
+            disk_total: get("disk_total"),
+            downtime_ms: fields.get("downtime").copied(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_stats_are_read_from_either_raw_form() {
+        let colon = "Job type:         Unbounded\noperation: 1\nmemory_processed: 10\nmemory_remaining: 20\nmemory_total: 30\nmemory_iteration: 2\ndisk_total: 7\n";
+        let s = JobStats::parse(colon);
+        assert_eq!(
+            (s.memory_processed, s.memory_remaining, s.memory_total),
+            (10, 20, 30)
+        );
+        assert_eq!(
+            (s.memory_iteration, s.disk_total, s.downtime_ms),
+            (2, 7, None)
+        );
+        let eq = JobStats::parse("downtime=123\nmemory_total=5\n");
+        assert_eq!((eq.downtime_ms, eq.memory_total), (Some(123), 5));
+    }
+
+    #[test]
+    fn virsh_errors_become_one_line() {
+        let e = virsh_error(b"error: failed to get domain 'nope'\n\n");
+        assert_eq!(e, "failed to get domain 'nope'");
+        let e = virsh_error(b"error: Failed to connect socket to '/x': No such file or directory\nerror: failed to connect to the hypervisor\n");
+        assert_eq!(
+            e,
+            "Failed to connect socket to '/x': No such file or directory: failed to connect to the hypervisor"
         );
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

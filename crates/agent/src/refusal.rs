@@ -25,6 +25,24 @@ pub enum Refusal {
     AlreadyMigrating { vm: String, id: String },
     #[error("no migration {0:?} on this agent")]
     NoMigration(String),
+    #[error("this agent carries no libvirt migrations: its config has no [libvirt] section")]
+    NoLibvirt,
+    #[error("libvirt's migration cannot honour {0}; leave it at its default")]
+    NotWithLibvirt(String),
+    #[error("no domain {0:?} in this host's libvirt ({1})")]
+    UnknownDomain(String, String),
+    #[error("domain {domain:?} is {state}: only a running domain migrates live")]
+    DomainNotRunning { domain: String, state: String },
+    #[error("this host's libvirt ({0}) does not answer: {1}")]
+    LibvirtUnavailable(String, String),
+    #[error(
+        "a libvirt migration to {peer} is already running ({vm}, {id}); one at a time per peer"
+    )]
+    PeerBusy {
+        peer: String,
+        vm: String,
+        id: String,
+    },
     #[error(
         "migration {0} can no longer be cancelled (its stream has ended; the destination decides)"
     )]
@@ -37,7 +55,12 @@ impl Refusal {
             Refusal::Malformed(_)
             | Refusal::Settings(_)
             | Refusal::UnknownPeer(_)
-            | Refusal::SeedName(_) => ErrorKind::BadRequest,
+            | Refusal::SeedName(_)
+            | Refusal::NoLibvirt
+            | Refusal::NotWithLibvirt(_) => ErrorKind::BadRequest,
+            Refusal::UnknownDomain(..) => ErrorKind::NotFound,
+            Refusal::DomainNotRunning { .. } | Refusal::PeerBusy { .. } => ErrorKind::Conflict,
+            Refusal::LibvirtUnavailable(..) => ErrorKind::Unavailable,
             Refusal::Busy { .. } => ErrorKind::Busy,
             Refusal::AlreadyMigrating { .. } | Refusal::TooLateToCancel(_) => ErrorKind::Conflict,
             Refusal::NoMigration(_) => ErrorKind::NotFound,

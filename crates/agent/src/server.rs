@@ -11,7 +11,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use ferry_api::agent::{Health, MigrationRequest, MigrationState, MigrationStatus};
+use ferry_api::agent::{
+    Health, LibvirtMigrationRequest, MigrationRequest, MigrationState, MigrationStatus,
+};
 use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, ServerConfig};
 use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
@@ -19,9 +21,10 @@ use tokio::net::{TcpListener, UnixListener};
 
 use crate::config::AgentConfig;
 use crate::control::{self, Control};
+use crate::libvirt::Libvirt;
 use crate::refusal::Refusal;
 use crate::status::{now_ms, Registry, Shared};
-use crate::{destination, source, tunnel};
+use crate::{destination, libvirt_migration, source, tunnel};
 
 /// How long a new session may take to say what it is for.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -32,6 +35,8 @@ struct Agent {
     /// Connections to peers that finished a migration, for the next one (warm).
     pool: Arc<Pool>,
     migrations: Registry,
+    /// libvirt's migrations carried to peers, when the config has `[libvirt]`.
+    tunnels: Option<Arc<tunnel::Tunnels>>,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
@@ -50,11 +55,24 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let _ = std::fs::remove_file(&config.api_socket);
     let api = UnixListener::bind(&config.api_socket)
         .with_context(|| format!("API socket {}", config.api_socket.display()))?;
+    let (pool, migrations) = (Pool::new(), Registry::default());
+    let tunnels = config.libvirt.clone().map(|libvirt| {
+        Arc::new(tunnel::Tunnels {
+            config: libvirt,
+            own_name: config.name.clone(),
+            peers: config.peers.clone().into_iter().collect(),
+            tls: client_tls.clone(),
+            pool: pool.clone(),
+            registry: migrations.clone(),
+            claims: Mutex::default(),
+        })
+    });
     let agent = Arc::new(Agent {
         config,
         client_tls,
-        pool: Pool::new(),
-        migrations: Registry::default(),
+        pool,
+        migrations,
+        tunnels: tunnels.clone(),
         sessions: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashSet::new()),
     });
@@ -69,20 +87,11 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .route("/v1/migrations", get(list).post(start))
         .route("/v1/migrations/{id}", get(one))
         .route("/v1/migrations/{id}/cancel", axum::routing::post(cancel))
+        .route("/v1/libvirt/migrations", axum::routing::post(start_libvirt))
         .with_state(agent.clone());
     let tunnels = async {
-        match agent.config.libvirt.clone() {
-            Some(libvirt) => {
-                tunnel::serve_sources(tunnel::Tunnels {
-                    config: libvirt,
-                    own_name: agent.config.name.clone(),
-                    peers: agent.config.peers.clone().into_iter().collect(),
-                    tls: agent.client_tls.clone(),
-                    pool: agent.pool.clone(),
-                    registry: agent.migrations.clone(),
-                })
-                .await
-            }
+        match tunnels {
+            Some(tunnels) => tunnel::serve_sources(tunnels).await,
             None => std::future::pending().await,
         }
     };
@@ -250,7 +259,16 @@ fn admit(agent: &Agent, body: &[u8]) -> Result<(MigrationRequest, String), Refus
                 .map_err(|e| Refusal::SeedName(format!("{e:#}")))?;
         }
     }
-    let migrations = agent.migrations.lock().expect("lock");
+    check_limits(agent, &agent.migrations.lock().expect("lock"), &req.vm)?;
+    Ok((req, peer.address))
+}
+
+/// The agent's limits: how many migrations it sends at once, one per VM.
+fn check_limits(
+    agent: &Agent,
+    migrations: &HashMap<String, Shared>,
+    vm: &str,
+) -> Result<(), Refusal> {
     let running = migrations
         .values()
         .filter(|m| m.update(|s| s.state == MigrationState::Running))
@@ -260,14 +278,68 @@ fn admit(agent: &Agent, body: &[u8]) -> Result<(MigrationRequest, String), Refus
     }
     if let Some(m) = migrations
         .values()
-        .find(|m| m.update(|s| s.state == MigrationState::Running && s.vm == req.vm))
+        .find(|m| m.update(|s| s.state == MigrationState::Running && s.vm == vm))
     {
         return Err(Refusal::AlreadyMigrating {
-            vm: req.vm.clone(),
+            vm: vm.to_owned(),
             id: m.get().id,
         });
     }
-    Ok((req, peer.address))
+    Ok(())
+}
+
+async fn start_libvirt(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
+    match admit_libvirt(&agent, &body).await {
+        Ok(response) => response,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+/// Checks a libvirt migration request (its settings, its peer, the domain in libvirt, the
+/// agent's limits) and starts it; answers 201 with its first status.
+async fn admit_libvirt(agent: &Arc<Agent>, body: &[u8]) -> Result<Response, Refusal> {
+    let mut req: LibvirtMigrationRequest =
+        serde_json::from_slice(body).map_err(|e| Refusal::Malformed(e.to_string()))?;
+    req.settings.validate()?;
+    libvirt_migration::check_settings(&req)?;
+    let tunnels = agent.tunnels.clone().ok_or(Refusal::NoLibvirt)?;
+    let peer = agent.config.peer(&req.to)?.clone();
+    req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
+    let libvirt = Libvirt::new(&tunnels.config.socket);
+    libvirt_migration::check_domain(&libvirt, &req.domain).await?;
+    let id = format!("{:016x}", SessionId::random().0 >> 64);
+    let status = Shared::new(MigrationStatus::starting(
+        id.clone(),
+        req.domain.clone(),
+        now_ms(),
+    ));
+    {
+        let migrations = agent.migrations.lock().expect("lock");
+        check_limits(agent, &migrations, &req.domain)?;
+        let claim = tunnels.claim(
+            &req.to,
+            tunnel::Claimed {
+                status: status.clone(),
+                corrupt_at: req.settings.test_corrupt_at,
+            },
+        )?;
+        drop(migrations);
+        agent
+            .migrations
+            .lock()
+            .expect("lock")
+            .insert(id.clone(), status.clone());
+        let rate = req.link_rate_mbit;
+        tokio::spawn(libvirt_migration::run(
+            libvirt,
+            tunnels,
+            claim,
+            req,
+            rate,
+            status.clone(),
+        ));
+    }
+    Ok((StatusCode::CREATED, Json(status.get())).into_response())
 }
 
 /// Starts an admitted migration's task; answers 201 with its first status.

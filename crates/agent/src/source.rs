@@ -710,7 +710,7 @@ async fn send_stream(
     Ok(sent)
 }
 
-fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
+pub(crate) fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
     if let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) {
         item[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
         tracing::warn!("test hook: flipped a bit of the stream at byte {at}");

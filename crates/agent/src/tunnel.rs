@@ -27,8 +27,9 @@
 //! named after the QEMU at the other end of the socket. Every other connection (libvirt's RPC,
 //! the NBD disk copy, QEMU's multifd channels) crosses as it is.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -42,6 +43,7 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
 use crate::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
+use crate::refusal::Refusal;
 use crate::status::{now_ms, Registry, Shared};
 use crate::tunnel_stream;
 
@@ -52,6 +54,8 @@ const CHUNK: usize = 64 << 10;
 const WAN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The link rate the codec's zstd level assumes when the peer's config gives none.
 const ASSUMED_LINK_MBIT: f64 = 1000.0;
+/// How long the destination waits for its Abort to reach the source.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// How long the destination's socket may take to appear (libvirt has QEMU listen on it in its
 /// Prepare step, just before the source connects).
 const TARGET_WAIT: Duration = Duration::from_secs(5);
@@ -71,13 +75,39 @@ pub struct Tunnels {
     pub pool: Arc<Pool>,
     /// Where a carried migration stream is listed.
     pub registry: Registry,
+    /// Migrations this agent drives through libvirt, by peer: the next migration stream to
+    /// that peer is theirs ([`Tunnels::claim`]).
+    pub claims: Mutex<HashMap<String, Claimed>>,
+}
+
+/// A driven migration's status and what its stream should get.
+#[derive(Clone)]
+pub struct Claimed {
+    pub status: Shared,
+    /// Test hook: flip a bit of the stream at this offset after hashing it.
+    pub corrupt_at: Option<u64>,
+}
+
+/// The claim on a peer's next migration stream, given back when dropped.
+pub struct Claim {
+    tunnels: Arc<Tunnels>,
+    peer: String,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.tunnels
+            .claims
+            .lock()
+            .expect("claims lock")
+            .remove(&self.peer);
+    }
 }
 
 /// Listens on every peer's tunnel sockets and carries each connection to that peer; makes
 /// this agent's own directory for the sockets QEMU listens on at the destination. Runs until
 /// a listener fails.
-pub async fn serve_sources(tunnels: Tunnels) -> Result<()> {
-    let tunnels = Arc::new(tunnels);
+pub async fn serve_sources(tunnels: Arc<Tunnels>) -> Result<()> {
     let dir = &tunnels.config.tunnel_dir;
     let own = dir.join(&tunnels.own_name);
     std::fs::create_dir_all(&own).with_context(|| format!("create {}", own.display()))?;
@@ -118,6 +148,25 @@ pub async fn serve_sources(tunnels: Tunnels) -> Result<()> {
 }
 
 impl Tunnels {
+    /// Claims the next migration stream to `peer` for a migration this agent drives: one at a
+    /// time per peer, since nothing in QEMU's stream says which domain it belongs to.
+    pub fn claim(self: &Arc<Self>, peer: &str, claimed: Claimed) -> Result<Claim, Refusal> {
+        let mut claims = self.claims.lock().expect("claims lock");
+        if let Some(other) = claims.get(peer) {
+            let other = other.status.get();
+            return Err(Refusal::PeerBusy {
+                peer: peer.to_owned(),
+                vm: other.vm,
+                id: other.id,
+            });
+        }
+        claims.insert(peer.to_owned(), claimed);
+        Ok(Claim {
+            tunnels: self.clone(),
+            peer: peer.to_owned(),
+        })
+    }
+
     /// One accepted connection, carried to the socket of `kind` at peer number `peer`.
     async fn carry(&self, mut conn: UnixStream, peer: usize, kind: TunnelKind) -> Result<()> {
         let (peer_name, peer) = &self.peers[peer];
@@ -162,34 +211,63 @@ impl Tunnels {
         .await?;
         tracing::info!("tunnel {kind:?} to {peer_name}: session {}", session.id());
         let result = if coded {
-            let status = Shared::new(MigrationStatus::starting(
-                session.id().to_string(),
-                "(a libvirt domain)".into(),
-                now_ms(),
-            ));
-            // Named meanwhile: QEMU's bytes do not wait for virsh.
-            let (naming, socket) = (status.clone(), self.config.socket.clone());
-            tokio::spawn(async move {
-                if let Some(vm) = outgoing_domain(&socket).await {
-                    naming.update(|s| s.vm = vm);
-                }
-            });
-            status.update(|s| s.detail = format!("libvirt's migration to {peer_name}"));
-            self.registry
+            let claimed = self
+                .claims
                 .lock()
-                .expect("registry lock")
-                .insert(session.id().to_string(), status.clone());
+                .expect("claims lock")
+                .get(peer_name)
+                .cloned();
+            let driven = claimed.is_some();
+            let (status, corrupt_at) = match claimed {
+                Some(c) => (c.status, c.corrupt_at),
+                None => (self.register_unclaimed(peer_name, &session), None),
+            };
             let (read, write) = conn.into_split();
             let link = peer.rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
-            let carried = tunnel_stream::source(first, read, write, &session, &status, link);
+            let carried = tunnel_stream::source(
+                tunnel_stream::Source {
+                    first,
+                    from_qemu: read,
+                    to_qemu: write,
+                    link_rate_mbit: link,
+                    corrupt_at,
+                },
+                &session,
+                &status,
+            );
             let result = within_wan_timeout(&session, carried).await;
-            tunnel_stream::conclude(&status, &session, &result);
+            tunnel_stream::conclude(&status, &session, &result, !driven);
             result
         } else {
             pipe(conn, first, &session, STREAM, RETURN_PATH).await
         };
         finish(&session, &result).await;
         result
+    }
+}
+
+impl Tunnels {
+    /// Lists a migration stream nobody here drives (a user's own `virsh migrate`), named
+    /// after the domain libvirt says is migrating out.
+    fn register_unclaimed(&self, peer_name: &str, session: &Session) -> Shared {
+        let status = Shared::new(MigrationStatus::starting(
+            session.id().to_string(),
+            "(a libvirt domain)".into(),
+            now_ms(),
+        ));
+        // Named meanwhile: QEMU's bytes do not wait for virsh.
+        let (naming, socket) = (status.clone(), self.config.socket.clone());
+        tokio::spawn(async move {
+            if let Some(vm) = outgoing_domain(&socket).await {
+                naming.update(|s| s.vm = vm);
+            }
+        });
+        status.update(|s| s.detail = format!("libvirt's migration to {peer_name}"));
+        self.registry
+            .lock()
+            .expect("registry lock")
+            .insert(session.id().to_string(), status.clone());
+        status
     }
 }
 
@@ -241,6 +319,9 @@ pub async fn serve_destination(
             },
         )
         .await;
+        // The source learns why before the session ends (it would otherwise redial for the
+        // whole WAN timeout).
+        let _ = tokio::time::timeout(ABORT_GRACE, session.flushed(control::CONTROL)).await;
     }
     finish(&session, &result).await;
 }

@@ -56,19 +56,27 @@ const DELIVERY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The source's side: QEMU's stream (its first bytes already read into `first`) over
 /// `session`, and the return path back into QEMU. Returns when the destination says its QEMU
 /// has the whole verified stream.
-pub async fn source(
-    first: Vec<u8>,
-    from_qemu: OwnedReadHalf,
-    to_qemu: OwnedWriteHalf,
-    session: &Session,
-    status: &Shared,
-    link_rate_mbit: f64,
-) -> Result<()> {
+pub async fn source(source: Source, session: &Session, status: &Shared) -> Result<()> {
     status.update(|s| {
         s.phase = Phase::Memory;
+        s.detail = "QEMU sends the VM's memory".into();
         s.event(EventKind::MemoryStarted, "QEMU connected to the tunnel");
     });
-    let pump = pump(first, from_qemu, session, status, link_rate_mbit);
+    let Source {
+        first,
+        from_qemu,
+        to_qemu,
+        link_rate_mbit,
+        corrupt_at,
+    } = source;
+    let pump = pump(
+        first,
+        from_qemu,
+        session,
+        status,
+        link_rate_mbit,
+        corrupt_at,
+    );
     let return_path = return_path_into(to_qemu, session, status);
     let (total, sha256) = tokio::select! {
         r = pump => r?,
@@ -76,7 +84,17 @@ pub async fn source(
             r?;
             bail!("the return path ended before QEMU's stream did")
         }
+        _ = status.cancelled() => bail!("cancelled by the user"),
+        // The destination speaks during the stream only to give up (a digest that did not match).
+        msg = control::recv(session) => match msg? {
+            Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+            other => bail!("unexpected message from the destination during the stream: {other:?}"),
+        },
     };
+    // From here the destination decides: its QEMU gets the stream's last bytes.
+    if !status.close_cancel() {
+        bail!("cancelled by the user");
+    }
     status.update(|s| {
         s.phase = Phase::AwaitingCommit;
         s.digest = Some(sha256.clone());
@@ -111,6 +129,19 @@ pub async fn source(
     }
 }
 
+/// The source's ends of a tunnelled stream.
+pub struct Source {
+    /// QEMU's first bytes, already read (its stream's header).
+    pub first: Vec<u8>,
+    pub from_qemu: OwnedReadHalf,
+    /// The return path into QEMU.
+    pub to_qemu: OwnedWriteHalf,
+    /// The link's rate, for the codec's zstd level.
+    pub link_rate_mbit: f64,
+    /// Test hook: flip a bit of the stream at this offset after hashing it.
+    pub corrupt_at: Option<u64>,
+}
+
 /// Reads, parses, hashes and codes QEMU's stream until its end; returns its length and
 /// digest.
 async fn pump(
@@ -119,6 +150,7 @@ async fn pump(
     session: &Session,
     status: &Shared,
     link_rate_mbit: f64,
+    corrupt_at: Option<u64>,
 ) -> Result<(u64, String)> {
     let mut parser = StreamParser::new();
     let mut encoder = StreamEncoder::new(CODEC, HISTORY_CAP, link_rate_mbit);
@@ -138,6 +170,7 @@ async fn pump(
             item_bytes.clear();
             item.encode(&mut item_bytes);
             hash.update(&item_bytes);
+            crate::source::corrupt_for_test(&mut item_bytes, total, corrupt_at);
             total += item_bytes.len() as u64;
             encoder.push(&item, &item_bytes);
             if encoder.pending() >= BATCH_BYTES {
@@ -294,10 +327,17 @@ fn record_wire(status: &Shared, session: &Session) {
 }
 
 /// The source's status once a tunnelled stream ended: the destination has it all (libvirt
-/// decides the rest), or the reason it does not.
-pub fn conclude(status: &Shared, session: &Session, result: &Result<()>) {
+/// decides the rest), or the reason it does not. `is_final`: nobody here drives the migration,
+/// so this is its verdict; otherwise the driver gives it when libvirt is done.
+pub fn conclude(status: &Shared, session: &Session, result: &Result<()>, is_final: bool) {
     record_wire(status, session);
     status.update(|s| match result {
+        // A migration this agent drives ends when libvirt says so.
+        Ok(()) if !is_final => {
+            s.phase = Phase::AwaitingCommit;
+            s.detail = "the destination QEMU read the whole stream under matching digests; libvirt finishes there".into();
+        }
+        Err(e) if !is_final => s.event(EventKind::Failed, format!("the stream: {e:#}")),
         Ok(()) => {
             s.state = MigrationState::Committed;
             s.phase = Phase::Committed;

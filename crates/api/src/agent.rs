@@ -33,6 +33,31 @@ pub struct MigrationRequest {
     pub settings: MigrationSettings,
 }
 
+/// `POST /v1/libvirt/migrations`: migrate a libvirt domain of this host to the agent named
+/// `to` by libvirt's own peer-to-peer migration, its connections carried by the agents.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LibvirtMigrationRequest {
+    /// The domain's name in this host's libvirt.
+    pub domain: String,
+    /// The destination agent, as in [`MigrationRequest::to`]; its host's libvirt receives the
+    /// domain.
+    pub to: String,
+    /// Copy the domain's disks to the destination (libvirt's `--copy-storage-all`; the
+    /// destination needs the same storage paths, libvirt creates the images). Otherwise the
+    /// disks are on storage both hosts share.
+    #[serde(default)]
+    pub copy_storage: bool,
+    /// The link's rate, if known (QEMU's switchover bandwidth). Default: the peer's
+    /// `rate_mbit` in the agent's config.
+    #[serde(default)]
+    pub link_rate_mbit: Option<f64>,
+    /// How the migration runs (flattened). libvirt's path uses the downtime target, converge
+    /// (auto-converge), the timeout and the disk mode (async, or sync: libvirt's synchronous
+    /// writes); settings it cannot honour are refused.
+    #[serde(flatten)]
+    pub settings: MigrationSettings,
+}
+
 /// The QEMU that receives a migration at the destination.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -482,6 +507,8 @@ pub enum ErrorKind {
     Conflict,
     /// The agent is at a limit; the same request may succeed later: 503.
     Busy,
+    /// Something the agent needs on its host is not answering (libvirt): 503.
+    Unavailable,
     /// The agent failed: 500.
     Internal,
 }
@@ -492,7 +519,7 @@ impl ErrorKind {
             ErrorKind::BadRequest => 400,
             ErrorKind::NotFound => 404,
             ErrorKind::Conflict => 409,
-            ErrorKind::Busy => 503,
+            ErrorKind::Busy | ErrorKind::Unavailable => 503,
             ErrorKind::Internal => 500,
         }
     }

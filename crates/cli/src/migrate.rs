@@ -1,5 +1,7 @@
 //! `ferry migrate`: moves a VM through this host's agent to a peer agent.
 //!
+//! - `--libvirt DOMAIN`: a domain of this host's libvirt, by libvirt's own peer-to-peer
+//!   migration carried and steered by the agents (`--copy-storage`: its disks too).
 //! - `--qmp SOCKET`: any QEMU its owner started with a QMP socket. The destination agent
 //!   starts the destination from the source QEMU's own command line (or from
 //!   `--destination-argv-file`), so nothing needs a shell on the destination host.
@@ -17,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferry_agent::client::AgentClient;
 use ferry_agent::follow::{self, follow, AgentWire, Followed, Start, WanCounter};
-use ferry_api::agent::{Destination, MigrationRequest};
+use ferry_api::agent::{Destination, LibvirtMigrationRequest, MigrationRequest};
 use ferry_api::outcome::Progress;
 use ferry_api::Timeline;
 use tokio::sync::watch;
@@ -30,8 +32,8 @@ const AGENT_COUNTERS: &str = "the agents (TLS and framing; not TCP/IP headers)";
 
 #[derive(Args)]
 pub struct MigrateArgs {
-    /// With --qmp: a name for the reports (default: the socket's file name). Without: the lab
-    /// VM to move.
+    /// With --qmp: a name for the reports (default: the socket's file name). Without --qmp or
+    /// --libvirt: the lab VM to move.
     vm: Option<String>,
     /// The destination: a peer named in the agent's config (`[peers.NAME]`); for lab VMs, the
     /// site (a or b).
@@ -39,8 +41,16 @@ pub struct MigrateArgs {
     to: String,
     /// Move the QEMU that serves this QMP socket (on this host). The agent takes the socket
     /// over for the migration (QEMU serves one QMP client at a time).
-    #[arg(long, value_name = "SOCKET")]
+    #[arg(long, value_name = "SOCKET", conflicts_with = "libvirt")]
     qmp: Option<PathBuf>,
+    /// Move this domain of the host's libvirt: libvirt's own migration, carried by the agents
+    /// (their configs need a `[libvirt]` section) and steered through libvirt.
+    #[arg(long, value_name = "DOMAIN")]
+    libvirt: Option<String>,
+    /// With --libvirt: copy the domain's disks too (libvirt's --copy-storage-all).
+    /// Otherwise they are on storage both hosts share.
+    #[arg(long, requires = "libvirt")]
+    copy_storage: bool,
     /// With --qmp: start the destination from this command line (one argument per line,
     /// program first) instead of the source QEMU's own.
     #[arg(long, value_name = "FILE", requires = "qmp")]
@@ -67,25 +77,28 @@ pub struct MigrateArgs {
 }
 
 pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
+    #[cfg(feature = "lab")]
+    if a.lab.system.system != "ferry" && (a.qmp.is_some() || a.libvirt.is_some()) {
+        bail!(
+            "--system {} moves lab VMs only; --qmp and --libvirt go through the agents",
+            a.lab.system.system
+        );
+    }
+    if let Some(domain) = a.libvirt.clone() {
+        return run_libvirt(a, domain).await;
+    }
     let Some(qmp) = a.qmp.clone() else {
         #[cfg(feature = "lab")]
         {
             let Some(vm) = &a.vm else {
-                bail!("name the lab VM to move, or give --qmp SOCKET for any QEMU");
+                bail!("name the lab VM to move, or give --libvirt DOMAIN or --qmp SOCKET");
             };
             return crate::lab_migrate::run(vm, &a.to, &a.lab, &a.settings, a.json, a.timeline)
                 .await;
         }
         #[cfg(not(feature = "lab"))]
-        bail!("give --qmp SOCKET: the QEMU to move");
+        bail!("give --libvirt DOMAIN or --qmp SOCKET: the VM to move");
     };
-    #[cfg(feature = "lab")]
-    if a.lab.system.system != "ferry" {
-        bail!(
-            "--system {} moves lab VMs only; --qmp goes through the agents",
-            a.lab.system.system
-        );
-    }
     let settings = a.settings.settings()?;
     let destination = match &a.destination_argv_file {
         Some(file) => Destination::Argv(read_argv(file)?),
@@ -102,7 +115,6 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
             .map_or_else(|| "vm".to_owned(), |s| s.to_string_lossy().into_owned())
     });
     let agent = AgentClient::new(agent_socket(a.agent.as_deref()));
-    let health = agent.health().await.context("this host's agent")?;
     let req = MigrationRequest {
         vm: vm.clone(),
         source_qmp,
@@ -112,19 +124,52 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
         disks: a.disks.clone(),
         settings,
     };
-    let start = Start::now();
+    let started = Start::now();
+    let health = agent.health().await.context("this host's agent")?;
+    let status = agent.start_migration(&req).await?;
+    follow_and_report(&a, &agent, &health.name, &vm, &status.id, started).await
+}
+
+/// `--libvirt DOMAIN`: the agent drives libvirt's migration.
+async fn run_libvirt(a: MigrateArgs, domain: String) -> Result<ExitCode> {
+    if a.vm.is_some() {
+        bail!("--libvirt names the domain; drop the VM name");
+    }
+    let agent = AgentClient::new(agent_socket(a.agent.as_deref()));
+    let req = LibvirtMigrationRequest {
+        domain: domain.clone(),
+        to: a.to.clone(),
+        copy_storage: a.copy_storage,
+        link_rate_mbit: None,
+        settings: a.settings.settings()?,
+    };
+    let started = Start::now();
+    let health = agent.health().await.context("this host's agent")?;
+    let status = agent.start_libvirt_migration(&req).await?;
+    follow_and_report(&a, &agent, &health.name, &domain, &status.id, started).await
+}
+
+/// Follows migration `id` on this host's agent with a progress bar (Ctrl-C cancels it),
+/// writes its timeline and prints the report; the exit code says how it ended.
+async fn follow_and_report(
+    a: &MigrateArgs,
+    agent: &AgentClient,
+    here: &str,
+    vm: &str,
+    id: &str,
+    start: Start,
+) -> Result<ExitCode> {
     let timeline = Mutex::new(Timeline::new(
         "ferry",
-        &vm,
-        &health.name,
+        vm,
+        here,
         &a.to,
         u64::try_from(start.unix_us / 1000).unwrap_or(0),
         0.0,
     ));
-    let started = agent.start_migration(&req).await?;
     let (tx, rx) = watch::channel(Progress::default());
     let drawer = (!a.json).then(|| tokio::spawn(report::progress_bar(rx)));
-    let followed = follow(&agent, &started.id, start, &mut AgentWire, &tx, &timeline).await;
+    let followed = follow(agent, id, start, &mut AgentWire, &tx, &timeline).await;
     drop(tx);
     if let Some(d) = drawer {
         let _ = d.await;
@@ -137,7 +182,7 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
     let timeline_path = a
         .timeline
         .clone()
-        .unwrap_or_else(|| default_timeline_path(&vm, start));
+        .unwrap_or_else(|| default_timeline_path(vm, start));
     write_timeline(&timeline_path, &timeline)?;
     if a.json {
         let v = serde_json::json!({ "system": "ferry", "id": status.id, "outcome": outcome, "timeline": timeline_path });
@@ -148,6 +193,9 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
             "  timeline             {} (draw it: ferry report FILE)",
             timeline_path.display()
         );
+        if !status.detail.is_empty() {
+            println!("  state                {}", status.detail);
+        }
     }
     if outcome.completed {
         return Ok(ExitCode::SUCCESS);

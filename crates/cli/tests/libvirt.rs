@@ -1,7 +1,8 @@
 //! libvirt-managed VMs through the agents: each lab site runs its own libvirtd (`lab up
-//! --libvirt`), and a user's own `virsh migrate --live --p2p` with UNIX-socket URIs pointing
-//! at the source agent's tunnels moves a domain across the WAN unchanged. The guest's verifier
-//! decides whether its memory arrived intact; the WAN emulator's counters show the stream
+//! --libvirt`). A user's own `virsh migrate --live --p2p` with UNIX-socket URIs pointing at the
+//! source agent's tunnels moves a domain across the WAN unchanged, and `ferry migrate
+//! --libvirt` drives the same migration itself, disks included. The guest's verifiers decide
+//! whether its memory and disk arrived intact; the WAN emulator's counters show the stream
 //! crossed it.
 
 mod common;
@@ -17,21 +18,103 @@ use ferry_lab::Site;
 const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"];
 
 /// The tiny guest as a libvirt domain: direct kernel boot, its serial console a unix socket in
-/// the site's host directory, a NIC on the site's bridge.
-fn domain_xml(name: &str) -> String {
+/// the site's host directory, a NIC on the site's bridge (guest address 10.77.0.`host`), and
+/// optionally a qcow2 data disk in the site's host directory.
+fn domain_xml(name: &str, host: u8, disk: bool) -> String {
     let img = ferry_lab::vm::ensure_image().expect("guest image (ferry image build)");
+    let disk = if disk {
+        format!(
+            "<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>\
+             <source file='/run/ferry-host/{name}.qcow2'/><target dev='vda' bus='virtio'/></disk>"
+        )
+    } else {
+        String::new()
+    };
     format!(
         "<domain type='qemu'><name>{name}</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>\
          <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
-         <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip=10.77.0.92</cmdline></os>\
-         <on_reboot>destroy</on_reboot><devices>\
+         <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip=10.77.0.{host}</cmdline></os>\
+         <on_reboot>destroy</on_reboot><devices>{disk}\
          <serial type='unix'><source mode='bind' path='/run/ferry-host/{name}.serial'/>\
          <target port='0'/></serial>\
-         <interface type='bridge'><source bridge='br0'/><mac address='52:54:00:77:00:5c'/>\
+         <interface type='bridge'><source bridge='br0'/><mac address='52:54:00:77:00:{host:02x}'/>\
          <model type='virtio'/></interface></devices></domain>",
         img.kernel.display(),
         img.initrd.display()
     )
+}
+
+/// Defines and starts domain `name` at site a; returns its serial link once the guest's
+/// agent answers, with `workload` (guest commands) started.
+fn start_domain(
+    t: &TestLab,
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    host: u8,
+    disk: bool,
+    workload: &[&str],
+) -> GuestLink {
+    let xml = t.lab.host_dir(Site::A).join(format!("{name}.xml"));
+    std::fs::write(&xml, domain_xml(name, host, disk)).unwrap();
+    ok(&virsh(
+        t,
+        Site::A,
+        &["define", &format!("/run/ferry-host/{name}.xml")],
+    ));
+    ok(&virsh(t, Site::A, &["start", name]));
+    let serial_a = t.lab.host_dir(Site::A).join(format!("{name}.serial"));
+    rt.block_on(async {
+        let link = GuestLink::connect(&serial_a, Arc::new(Heartbeats::default()))
+            .await
+            .unwrap();
+        link.wait_ready(Duration::from_secs(120)).await.unwrap();
+        for command in workload {
+            link.call(command, Duration::from_secs(60)).await.unwrap();
+        }
+        link
+    })
+}
+
+/// The errors the guest's verifiers find in domain `name` at `site` (memory, and the disk).
+fn verify(t: &TestLab, rt: &tokio::runtime::Runtime, site: Site, name: &str, disk: bool) -> u64 {
+    let serial = t.lab.host_dir(site).join(format!("{name}.serial"));
+    rt.block_on(async {
+        let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default()))
+            .await
+            .unwrap();
+        ferry_lab::guest::verify(&link, disk)
+            .await
+            .unwrap()
+            .errors()
+    })
+}
+
+/// The state of `name` in `site`'s libvirt ("running", "shut off"), or None when it has no such
+/// domain.
+fn domstate(t: &TestLab, site: Site, name: &str) -> Option<String> {
+    let out = virsh(t, site, &["domstate", name]);
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// This site's agent's migrations (`ferry migrations --json`).
+fn migrations(t: &TestLab, site: Site) -> Vec<serde_json::Value> {
+    let out = t
+        .lab
+        .host_command(site, common::ferry_bin())
+        .args(["migrations", "--json", "--agent"])
+        .arg(t.lab.agent_socket(site))
+        .output()
+        .unwrap();
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).expect("migrations JSON");
+    all.as_array().cloned().unwrap_or_default()
+}
+
+fn wan_bytes(t: &TestLab) -> u64 {
+    ferry_lab::wan::stats(&t.lab.wan_socket())
+        .unwrap()
+        .total_bytes()
 }
 
 /// `virsh ARGS` as a process of `site`'s host (its own libvirtd at qemu:///system).
@@ -60,31 +143,15 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
     let t = TestLab::up("lvm", FAST_LINK);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let name = "lv1";
-    let xml = t.lab.host_dir(Site::A).join(format!("{name}.xml"));
-    std::fs::write(&xml, domain_xml(name)).unwrap();
-    ok(&virsh(
+    let link = start_domain(
         &t,
-        Site::A,
-        &["define", &format!("/run/ferry-host/{name}.xml")],
-    ));
-    ok(&virsh(&t, Site::A, &["start", name]));
-    let serial_a = t.lab.host_dir(Site::A).join(format!("{name}.serial"));
-    let link = rt.block_on(async {
-        let link = GuestLink::connect(&serial_a, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        link.wait_ready(Duration::from_secs(120)).await.unwrap();
-        link.call(
-            "mem start pattern=ws mib=32 rate=1",
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
-        link
-    });
-    let wan_before = ferry_lab::wan::stats(&t.lab.wan_socket())
-        .unwrap()
-        .total_bytes();
+        &rt,
+        name,
+        92,
+        false,
+        &["mem start pattern=ws mib=32 rate=1"],
+    );
+    let wan_before = wan_bytes(&t);
 
     // The user's own command: only the URIs name ferry's agent.
     let tunnels = "/run/ferry-host/tunnels/site-b";
@@ -105,47 +172,24 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
     drop(link);
 
     // The domain runs at site b and not at site a; its memory arrived intact.
+    assert_eq!(domstate(&t, Site::B, name).as_deref(), Some("running"));
+    assert_ne!(domstate(&t, Site::A, name).as_deref(), Some("running"));
     assert_eq!(
-        ok(&virsh(&t, Site::B, &["domstate", name])).trim(),
-        "running"
+        verify(&t, &rt, Site::B, name, false),
+        0,
+        "the guest's memory at site b"
     );
-    let at_a = virsh(&t, Site::A, &["domstate", name]);
-    assert!(
-        !String::from_utf8_lossy(&at_a.stdout).contains("running"),
-        "{at_a:?}"
-    );
-    let serial_b = t.lab.host_dir(Site::B).join(format!("{name}.serial"));
-    let errors = rt.block_on(async {
-        let link = GuestLink::connect(&serial_b, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        ferry_lab::guest::verify(&link, false)
-            .await
-            .unwrap()
-            .errors()
-    });
-    assert_eq!(errors, 0, "the guest's memory at site b");
     // It crossed the WAN: at least the guest's 32 MiB working set.
-    let wan = ferry_lab::wan::stats(&t.lab.wan_socket())
-        .unwrap()
-        .total_bytes()
-        - wan_before;
+    let wan = wan_bytes(&t) - wan_before;
     assert!(wan > 32 << 20, "only {wan} bytes crossed the WAN");
 
     // The source agent lists it, named after the domain: QEMU's stream crossed coded and was
     // fed to the destination QEMU under matching digests.
-    let out = t
-        .lab
-        .host_command(Site::A, common::ferry_bin())
-        .args(["migrations", "--json", "--agent"])
-        .arg(t.lab.agent_socket(Site::A))
-        .output()
-        .unwrap();
-    let all: serde_json::Value = serde_json::from_slice(&out.stdout).expect("migrations JSON");
+    let all = migrations(&t, Site::A);
     let m = all
-        .as_array()
-        .and_then(|all| all.iter().find(|m| m["vm"] == name))
-        .unwrap_or_else(|| panic!("{name} not among the agent's migrations: {all}"));
+        .iter()
+        .find(|m| m["vm"] == name)
+        .unwrap_or_else(|| panic!("{name} not among the agent's migrations: {all:?}"));
     assert_eq!(m["state"], "committed", "{m}");
     assert!(m["digest"].as_str().is_some_and(|d| d.len() == 64), "{m}");
     let codec = &m["codec"];
@@ -155,4 +199,139 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
     );
     let stream = m["stream_bytes"].as_u64().unwrap();
     assert!(stream > 32 << 20, "QEMU's stream was {stream} bytes: {m}");
+}
+
+#[test]
+fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
+    let t = TestLab::up("lvf", FAST_LINK);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let name = "lv2";
+    // The domain's disk: its owner's image at site a, an empty one of the same size at site b
+    // (libvirt copies into an image that exists; it creates one only in a storage pool).
+    let img = ferry_lab::vm::ensure_image().unwrap();
+    let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
+    let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
+    qemu_img(&[
+        "convert",
+        "-O",
+        "qcow2",
+        &img.data_disk.to_string_lossy(),
+        &disk_a.to_string_lossy(),
+    ]);
+    let size = std::fs::metadata(&img.data_disk).unwrap().len().to_string();
+    qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
+    let link = start_domain(
+        &t,
+        &rt,
+        name,
+        93,
+        true,
+        // The disk's 8 MiB written once, then left alone: libvirt's mirror copies 64 KiB
+        // clusters through the NBD tunnel uncoded, about 9 MB/s here, and a writer of 0.5 MiB/s
+        // in 4 KiB blocks (with ext4's journal) dirtied clusters as fast, so it never converged.
+        &[
+            "mem start pattern=ws mib=32 rate=1",
+            "disk start mib=8 rate=0",
+        ],
+    );
+    let agent_a = t.lab.agent_socket(Site::A);
+    let ferry = |args: &[&str]| {
+        t.lab
+            .host_command(Site::A, common::ferry_bin())
+            .args(args)
+            .arg("--agent")
+            .arg(&agent_a)
+            .output()
+            .unwrap()
+    };
+
+    // Bad input: each refused with one message naming it, nothing started.
+    let out = ferry(&["migrate", "--libvirt", "nope", "--to", "site-b"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no domain \"nope\""),
+        "{err}"
+    );
+    let out = ferry(&["migrate", "--libvirt", name, "--to", "site-x"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("site-x"), "{err}");
+
+    // A stream corrupted on its way: the destination's digest check refuses it, libvirt's
+    // migration fails, the domain keeps running at site a and nothing is left at site b.
+    let out = ferry(&[
+        "migrate",
+        "--libvirt",
+        name,
+        "--to",
+        "site-b",
+        "--copy-storage",
+        "--test-corrupt-at",
+        "3000000",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert_eq!(
+        domstate(&t, Site::A, name).as_deref(),
+        Some("running"),
+        "{err}"
+    );
+    assert_eq!(domstate(&t, Site::B, name), None, "{err}");
+    // (through the link the test holds: a serial socket takes one client)
+    let errors = rt.block_on(async { ferry_lab::guest::verify(&link, true).await.unwrap() });
+    assert_eq!(errors.errors(), 0, "the source after the failed attempt");
+
+    // The real move, disk copied: the domain runs at site b, defined there, gone from site a.
+    let wan_before = wan_bytes(&t);
+    let out = ferry(&[
+        "migrate",
+        "--libvirt",
+        name,
+        "--to",
+        "site-b",
+        "--copy-storage",
+        "--json",
+    ]);
+    let v = common::json(&String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{v}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(link);
+    assert_eq!(v["outcome"]["completed"], true, "{v}");
+    // libvirt's real pause (its stop at site a to its resume at site b), read at site b.
+    let pause = v["outcome"]["downtime_ms"].as_f64().expect("the pause");
+    assert!(pause > 0.0 && pause < 10_000.0, "{v}");
+    assert_eq!(domstate(&t, Site::B, name).as_deref(), Some("running"));
+    assert_eq!(domstate(&t, Site::A, name), None, "undefined at the source");
+    let info = ok(&virsh(&t, Site::B, &["dominfo", name]));
+    assert!(
+        info.lines()
+            .any(|l| l.starts_with("Persistent:") && l.ends_with("yes")),
+        "{info}"
+    );
+    assert_eq!(
+        verify(&t, &rt, Site::B, name, true),
+        0,
+        "memory and disk at site b"
+    );
+    let wan = wan_bytes(&t) - wan_before;
+    assert!(wan > 32 << 20, "only {wan} bytes crossed the WAN");
+    let all = migrations(&t, Site::A);
+    let m = all.iter().rev().find(|m| m["vm"] == name).unwrap();
+    assert_eq!(m["state"], "committed", "{m}");
+    assert!(m["digest"].as_str().is_some_and(|d| d.len() == 64), "{m}");
+}
+
+fn qemu_img(args: &[&str]) {
+    let out = std::process::Command::new("qemu-img")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

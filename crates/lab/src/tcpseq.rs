@@ -102,6 +102,17 @@ impl Drop for TcpSeqClient {
     }
 }
 
+/// A TCP connection to `addr` made from inside network namespace `ns` (a site's: the guests'
+/// segment is reachable only there); the socket stays in that namespace wherever it is used.
+pub fn connect_from(ns: &str, addr: &str, deadline: Duration) -> Result<TcpStream> {
+    let (ns_path, addr) = (format!("/run/netns/{ns}"), addr.to_owned());
+    std::thread::Builder::new()
+        .name("connect-in-ns".into())
+        .spawn(move || enter_ns(&ns_path).and_then(|()| connect_retry(&addr, deadline)))?
+        .join()
+        .map_err(|_| anyhow::anyhow!("the connecting thread panicked"))?
+}
+
 /// Moves the calling thread into a network namespace (only this thread).
 fn enter_ns(path: &str) -> Result<()> {
     let f = std::fs::File::open(path).with_context(|| format!("open {path} (is the lab up?)"))?;
@@ -118,7 +129,7 @@ fn connect_retry(addr: &str, deadline: Duration) -> Result<TcpStream> {
         match TcpStream::connect_timeout(&addr.parse()?, Duration::from_secs(2)) {
             Ok(s) => return Ok(s),
             Err(e) if start.elapsed() > deadline => {
-                bail!("connect to the guest's sequence server {addr}: {e}")
+                bail!("connect to the guest at {addr}: {e}")
             }
             Err(_) => std::thread::sleep(Duration::from_millis(200)),
         }

@@ -1,0 +1,242 @@
+//! `ferry migrate --libvirt DOMAIN --to PEER` (`POST /v1/libvirt/migrations`): ferry drives
+//! libvirt's own migration and steers it through libvirt, not through a second QMP client.
+//!
+//! libvirt migrates peer to peer over the agent's tunnels ([`crate::tunnel`]): its RPC to the
+//! destination's libvirtd, QEMU's stream (coded and gated by digests), the NBD disk copy. The
+//! steering is libvirt's: the downtime target (`migrate-setmaxdowntime`), the link's rate as
+//! QEMU's switchover bandwidth, auto-converge, synchronous disk writes. libvirt defines the
+//! domain at the destination and undefines it at the source; when anything fails it cancels
+//! its job, resumes the source and removes the destination's copy, and this agent reports
+//! libvirt's own words.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use ferry_api::agent::{DiskMode, LibvirtMigrationRequest, MigrationState, Phase};
+use ferry_api::EventKind;
+use tokio::io::AsyncReadExt;
+
+use crate::control::TunnelKind;
+use crate::libvirt::{virsh_error, JobStats, Libvirt};
+use crate::refusal::Refusal;
+use crate::status::{now_ms, Events, Shared};
+use crate::tunnel::{self, Claim, Tunnels};
+
+/// How often libvirt's job figures are read into the status.
+const POLL: Duration = Duration::from_millis(500);
+
+/// What of a request libvirt's migration cannot honour, refused before anything starts.
+pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
+    let s = &req.settings;
+    let unsupported = [
+        (s.seed_from.is_some(), "seed_from"),
+        (s.smart_stop, "smart_stop"),
+        (s.disk_mode == DiskMode::Cloudnet, "disk_mode cloudnet"),
+        (s.connections != 1, "connections other than 1"),
+    ];
+    match unsupported.iter().find(|(set, _)| *set) {
+        Some((_, what)) => Err(Refusal::NotWithLibvirt(what.to_string())),
+        None => Ok(()),
+    }
+}
+
+/// Whether `domain` can be migrated now: it exists, it runs, libvirt answers.
+pub async fn check_domain(libvirt: &Libvirt, domain: &str) -> Result<(), Refusal> {
+    let state = libvirt.state(domain).await.map_err(|e| {
+        let why = format!("{e:#}");
+        if why.contains("failed to get domain") || why.contains("Domain not found") {
+            Refusal::UnknownDomain(domain.to_owned(), why)
+        } else {
+            Refusal::LibvirtUnavailable(libvirt.uri().to_owned(), why)
+        }
+    })?;
+    if state != "running" {
+        return Err(Refusal::DomainNotRunning {
+            domain: domain.to_owned(),
+            state,
+        });
+    }
+    Ok(())
+}
+
+/// Runs an admitted migration to its end; its status says how it went.
+pub async fn run(
+    libvirt: Libvirt,
+    tunnels: Arc<Tunnels>,
+    claim: Claim,
+    req: LibvirtMigrationRequest,
+    link_rate_mbit: Option<f64>,
+    status: Shared,
+) {
+    let result = drive(&libvirt, &tunnels, &req, link_rate_mbit, &status).await;
+    drop(claim);
+    match result {
+        Ok(()) => {
+            let finished_us = i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000;
+            // The destination's libvirt has the whole job's figures (the source undefined the
+            // domain), asked through the same tunnel its libvirt RPC took.
+            let there = Libvirt::through(tunnel::socket_path(
+                &tunnels.config,
+                &req.to,
+                TunnelKind::LibvirtRpc,
+            ));
+            let job = there.job(&req.domain, true).await;
+            status.update(|s| {
+                s.state = MigrationState::Committed;
+                s.phase = Phase::Committed;
+                s.detail = format!("{} runs at {}, defined there", req.domain, req.to);
+                match &job {
+                    // libvirt's downtime is the real pause (source stop to destination resume);
+                    // its end is taken as virsh's, a little after the resume.
+                    Ok(JobStats {
+                        downtime_ms: Some(ms),
+                        ..
+                    }) => {
+                        s.destination_resume_unix_us = Some(finished_us);
+                        s.source_stop_unix_us =
+                            Some(finished_us - i64::try_from(*ms).unwrap_or(0) * 1000);
+                    }
+                    Ok(_) => s.event(EventKind::Committed, "libvirt gave no downtime"),
+                    Err(e) => s.event(
+                        EventKind::Committed,
+                        format!("the destination's job figures: {e:#}"),
+                    ),
+                }
+                s.event(EventKind::Committed, "libvirt finished the migration");
+            });
+        }
+        Err(e) => {
+            // libvirt resumes the source when a migration fails; say where the domain is.
+            let here = match libvirt.state(&req.domain).await {
+                Ok(state) => format!("{} is {state} at the source", req.domain),
+                Err(e) => format!("the source's libvirt does not say where it is: {e:#}"),
+            };
+            status.update(|s| {
+                s.state = MigrationState::Failed;
+                s.phase = Phase::Failed;
+                s.error = Some(format!("{e:#}"));
+                s.detail = here;
+                s.event(EventKind::Failed, format!("{e:#}"));
+            });
+        }
+    }
+}
+
+async fn drive(
+    libvirt: &Libvirt,
+    tunnels: &Tunnels,
+    req: &LibvirtMigrationRequest,
+    link_rate_mbit: Option<f64>,
+    status: &Shared,
+) -> Result<()> {
+    let settings = &req.settings;
+    libvirt
+        .set_max_downtime(&req.domain, settings.downtime_ms)
+        .await?;
+    let persistent = libvirt.is_persistent(&req.domain).await?;
+    let args = migrate_args(tunnels, req, link_rate_mbit, persistent);
+    status.enter(
+        Phase::PreparingDestination,
+        format!("libvirt prepares {} at {}", req.domain, req.to),
+    );
+    let mut child = libvirt.start_migrate(&req.domain, &args)?;
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let errors = tokio::spawn(async move {
+        let mut text = Vec::new();
+        let _ = stderr.read_to_end(&mut text).await;
+        text
+    });
+    let deadline = tokio::time::sleep(Duration::from_secs(settings.timeout_s.max(1)));
+    tokio::pin!(deadline);
+    let mut poll = tokio::time::interval(POLL);
+    let mut stopped_by: Option<&str> = None;
+    let exit = loop {
+        tokio::select! {
+            exit = child.wait() => break exit?,
+            _ = status.cancelled(), if stopped_by.is_none() => {
+                stopped_by = Some("cancelled by the user");
+                libvirt.abort_job(&req.domain).await?;
+            }
+            _ = &mut deadline, if stopped_by.is_none() && settings.timeout_s > 0 => {
+                stopped_by = Some("the migration's deadline passed");
+                libvirt.abort_job(&req.domain).await?;
+            }
+            _ = poll.tick() => {
+                if let Ok(job) = libvirt.job(&req.domain, false).await {
+                    record_job(status, &job);
+                }
+            }
+        }
+    };
+    let stderr = errors.await.unwrap_or_default();
+    if exit.success() {
+        return Ok(());
+    }
+    let why = virsh_error(&stderr);
+    match stopped_by {
+        Some(reason) => anyhow::bail!("{reason} (libvirt: {why})"),
+        None => anyhow::bail!("libvirt: {why}"),
+    }
+}
+
+/// `virsh migrate`'s options for this request: peer to peer through the tunnels to `to`.
+fn migrate_args(
+    tunnels: &Tunnels,
+    req: &LibvirtMigrationRequest,
+    link_rate_mbit: Option<f64>,
+    persistent: bool,
+) -> Vec<String> {
+    let socket = |kind| tunnel::socket_path(&tunnels.config, &req.to, kind);
+    let mut args: Vec<String> = vec![
+        "--live".into(),
+        "--p2p".into(),
+        "--persistent".into(),
+        "--desturi".into(),
+        format!(
+            "qemu+unix:///system?socket={}",
+            socket(TunnelKind::LibvirtRpc).display()
+        ),
+        "--migrateuri".into(),
+        format!("unix://{}", socket(TunnelKind::Migration).display()),
+    ];
+    if persistent {
+        args.push("--undefinesource".into());
+    }
+    if req.copy_storage {
+        args.extend([
+            "--copy-storage-all".into(),
+            "--disks-uri".into(),
+            format!("unix://{}", socket(TunnelKind::Nbd).display()),
+        ]);
+        if req.settings.disk_mode == DiskMode::Sync {
+            args.push("--copy-storage-synchronous-writes".into());
+        }
+    }
+    if req.settings.converge {
+        args.push("--auto-converge".into());
+    }
+    if let Some(mbit) = link_rate_mbit {
+        // libvirt takes MiB/s; at least 1.
+        let mib_s = (mbit * 1e6 / 8.0 / 1048576.0).round().max(1.0);
+        args.extend([
+            "--available-switchover-bandwidth".into(),
+            format!("{mib_s}"),
+        ]);
+    }
+    args
+}
+
+/// libvirt's job figures into the status: QEMU's progress as the CLI shows it.
+fn record_job(status: &Shared, job: &JobStats) {
+    status.update(|s| {
+        s.qemu.transferred = job.memory_processed + job.disk_processed;
+        s.qemu.remaining = job.memory_remaining;
+        s.qemu.total = job.memory_total + job.disk_total;
+        s.qemu.iteration = job.memory_iteration;
+        if s.phase == Phase::PreparingDestination && job.disk_total > 0 {
+            s.phase = Phase::DiskCopy;
+            s.detail = "libvirt copies the disks".into();
+        }
+    });
+}

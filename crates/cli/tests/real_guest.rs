@@ -1,0 +1,313 @@
+//! The real guest: Debian 12 booted from its own disk image through firmware (SeaBIOS and
+//! GRUB, no -kernel), with a virtio disk and NIC and redis from Debian's packages serving on
+//! its NIC (`scripts/debian-guest.sh` builds and caches it). A libvirt domain at site a moves
+//! to site b with `ferry migrate --libvirt --copy-storage` and back with the user's own `virsh
+//! migrate` through the agents' tunnels, its disk copied both times. A redis client connection
+//! opened before the first move must keep working across both, every value must read back
+//! the same, and after a hard reset at the end the guest must boot again from the twice-copied
+//! disk and find the values redis saved there before the first move.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use common::TestLab;
+use ferry_lab::Site;
+
+const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"];
+/// The guest's address on the lab's segment (scripts/debian-guest.sh).
+const REDIS: &str = "10.77.0.60:6379";
+const NAME: &str = "deb1";
+/// The values the client writes: this many, each this long.
+const KEYS: usize = 48;
+const VALUE_BYTES: usize = 256 << 10;
+
+fn image() -> PathBuf {
+    let image = ferry_lab::image::cache_dir().join("debian/debian-guest.qcow2");
+    assert!(
+        image.exists(),
+        "{} is missing: run scripts/debian-guest.sh (scripts/test.sh does)",
+        image.display()
+    );
+    image
+}
+
+/// The guest as a libvirt domain: firmware boot from its disk (a qcow2 in the site's host
+/// directory), its console a file there, a virtio NIC on the site's bridge.
+fn domain_xml() -> String {
+    format!(
+        "<domain type='qemu'><name>{NAME}</name><memory unit='MiB'>512</memory><vcpu>1</vcpu>\
+         <os><type arch='x86_64' machine='q35'>hvm</type><boot dev='hd'/></os>\
+         <devices>\
+         <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>\
+         <source file='/run/ferry-host/{NAME}.qcow2'/><target dev='vda' bus='virtio'/></disk>\
+         <serial type='file'><source path='/run/ferry-host/{NAME}.console'/>\
+         <target port='0'/></serial>\
+         <interface type='bridge'><source bridge='br0'/><mac address='52:54:00:77:00:3c'/>\
+         <model type='virtio'/></interface></devices></domain>"
+    )
+}
+
+fn virsh(t: &TestLab, site: Site, args: &[&str]) -> Output {
+    t.lab
+        .host_command(site, "virsh")
+        .args(["-c", "qemu:///system"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(what: &str, out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: status {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn qemu_img(args: &[&str]) -> String {
+    let out = std::process::Command::new("qemu-img")
+        .args(args)
+        .output()
+        .unwrap();
+    ok(&format!("qemu-img {args:?}"), &out)
+}
+
+/// How many times the guest announced itself ready in the console file `path`.
+fn ready_lines(path: &Path) -> usize {
+    std::fs::read(path).map_or(0, |b| {
+        String::from_utf8_lossy(&b)
+            .matches("FERRY-GUEST-READY")
+            .count()
+    })
+}
+
+/// Waits for the guest's `n`th readiness line in its console file (it prints one per boot,
+/// once redis answers on its NIC).
+fn wait_ready(path: &Path, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while ready_lines(path) < n {
+        let text = std::fs::read(path).unwrap_or_default();
+        let text = String::from_utf8_lossy(&text);
+        assert!(
+            !text.contains("FERRY-GUEST-FAILED"),
+            "the guest says redis did not come up:\n{text}"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no readiness line {n} within 300 s in {}:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A redis client speaking RESP on one TCP connection.
+struct Redis {
+    writer: TcpStream,
+    reader: BufReader<TcpStream>,
+}
+
+impl Redis {
+    /// Connects from inside `site`'s namespace (the guests' segment is reachable only there).
+    fn connect(t: &TestLab) -> Redis {
+        let stream = ferry_lab::tcpseq::connect_from(
+            &t.lab.site_ns(Site::A),
+            REDIS,
+            Duration::from_secs(30),
+        )
+        .expect("connect to the guest's redis");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        Redis {
+            reader: BufReader::new(stream.try_clone().unwrap()),
+            writer: stream,
+        }
+    }
+
+    /// One command; its reply: a status line's text, or a bulk string's bytes.
+    fn call(&mut self, args: &[&[u8]]) -> Vec<u8> {
+        let mut req = format!("*{}\r\n", args.len()).into_bytes();
+        for a in args {
+            req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+            req.extend_from_slice(a);
+            req.extend_from_slice(b"\r\n");
+        }
+        self.writer.write_all(&req).expect("send to redis");
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("redis's reply");
+        let line = line.trim_end();
+        match line.as_bytes().first() {
+            Some(b'+') | Some(b':') => line.as_bytes()[1..].to_vec(),
+            Some(b'$') => {
+                let len: usize = line[1..].parse().expect("a bulk length");
+                let mut value = vec![0u8; len + 2];
+                self.reader.read_exact(&mut value).expect("a bulk value");
+                value.truncate(len);
+                value
+            }
+            _ => panic!("redis answered {line:?}"),
+        }
+    }
+}
+
+/// Value `i`: distinct, not compressible to nothing, the same every time.
+fn value(i: usize) -> Vec<u8> {
+    let mut x = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (0..VALUE_BYTES)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b'a' + (x % 16) as u8
+        })
+        .collect()
+}
+
+fn check_values(redis: &mut Redis, when: &str) {
+    for i in 0..KEYS {
+        let got = redis.call(&[b"GET", format!("k{i}").as_bytes()]);
+        assert!(got == value(i), "{when}: k{i} differs");
+    }
+    assert_eq!(redis.call(&[b"PING"]), b"PONG", "{when}");
+}
+
+#[test]
+fn a_debian_guest_with_redis_moves_with_libvirt_and_virsh_its_client_connected() {
+    let base = image();
+    let t = TestLab::up("deb", FAST_LINK);
+    // Its disk: an overlay on the image at site a; at site b an empty image of the same size.
+    let size = {
+        let info = qemu_img(&["info", "--output=json", &base.to_string_lossy()]);
+        common::json(&info)["virtual-size"].as_u64().unwrap()
+    };
+    let disk_a = t.lab.host_dir(Site::A).join(format!("{NAME}.qcow2"));
+    let disk_b = t.lab.host_dir(Site::B).join(format!("{NAME}.qcow2"));
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        &base.to_string_lossy(),
+        &disk_a.to_string_lossy(),
+    ]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        &disk_b.to_string_lossy(),
+        &size.to_string(),
+    ]);
+    std::fs::write(
+        t.lab.host_dir(Site::A).join(format!("{NAME}.xml")),
+        domain_xml(),
+    )
+    .unwrap();
+    ok(
+        "define",
+        &virsh(
+            &t,
+            Site::A,
+            &["define", &format!("/run/ferry-host/{NAME}.xml")],
+        ),
+    );
+    ok("start", &virsh(&t, Site::A, &["start", NAME]));
+    let console_a = t.lab.host_dir(Site::A).join(format!("{NAME}.console"));
+    wait_ready(&console_a, 1);
+
+    // The client's data, saved to the guest's disk too.
+    let mut redis = Redis::connect(&t);
+    for i in 0..KEYS {
+        assert_eq!(
+            redis.call(&[b"SET", format!("k{i}").as_bytes(), &value(i)]),
+            b"OK"
+        );
+    }
+    assert_eq!(redis.call(&[b"SAVE"]), b"OK");
+
+    // ferry drives libvirt: memory and disk to site b.
+    let out = t
+        .lab
+        .host_command(Site::A, common::ferry_bin())
+        .args([
+            "migrate",
+            "--libvirt",
+            NAME,
+            "--to",
+            "site-b",
+            "--copy-storage",
+            "--json",
+            "--agent",
+        ])
+        .arg(t.lab.agent_socket(Site::A))
+        .output()
+        .unwrap();
+    let v = common::json(&ok("ferry migrate --libvirt", &out));
+    assert_eq!(v["outcome"]["completed"], true, "{v}");
+    eprintln!("ferry migrate --libvirt: {}", v["outcome"]);
+    let state = ok("domstate", &virsh(&t, Site::B, &["domstate", NAME]));
+    assert_eq!(state.trim(), "running");
+    check_values(&mut redis, "at site b, the same connection");
+
+    // Back with the user's own virsh command through site b's agent.
+    let tunnels = "/run/ferry-host/tunnels/site-a";
+    ok(
+        "virsh migrate back",
+        &virsh(
+            &t,
+            Site::B,
+            &[
+                "migrate",
+                "--live",
+                "--p2p",
+                "--persistent",
+                "--undefinesource",
+                "--copy-storage-all",
+                NAME,
+                "--desturi",
+                &format!("qemu+unix:///system?socket={tunnels}/rpc.sock"),
+                "--migrateuri",
+                &format!("unix://{tunnels}/mig.sock"),
+                "--disks-uri",
+                &format!("unix://{tunnels}/nbd.sock"),
+            ],
+        ),
+    );
+    check_values(&mut redis, "back at site a, the same connection");
+    let listed = t
+        .lab
+        .host_command(Site::B, common::ferry_bin())
+        .args(["migrations", "--json", "--agent"])
+        .arg(t.lab.agent_socket(Site::B))
+        .output()
+        .unwrap();
+    let all = common::json(&ok("ferry migrations", &listed));
+    assert!(
+        all.as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["vm"] == NAME && m["state"] == "committed"),
+        "site b's agent lists the virsh migration: {all}"
+    );
+    drop(redis);
+
+    // The disk crossed twice: a hard reset boots the guest from it, and redis finds what it
+    // saved before the first move.
+    let boots = ready_lines(&console_a);
+    ok("reset", &virsh(&t, Site::A, &["reset", NAME]));
+    wait_ready(&console_a, boots + 1);
+    let mut redis = Redis::connect(&t);
+    check_values(&mut redis, "after a reset at site a, from the copied disk");
+}
