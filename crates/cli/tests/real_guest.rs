@@ -5,7 +5,8 @@
 //! migrate` through the agents' tunnels, its disk copied both times. A redis client connection
 //! opened before the first move must keep working across both, every value must read back
 //! the same, and after a hard reset at the end the guest must boot again from the twice-copied
-//! disk and find the values redis saved there before the first move.
+//! disk and find the values redis saved there before the first move. The same guest started by
+//! hand with a QEMU command line of its owner's moves with `ferry migrate --qmp --disk`.
 
 mod common;
 
@@ -16,9 +17,12 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use common::TestLab;
+use ferry_lab::topology::HOST_DIR;
 use ferry_lab::Site;
+use ferry_qemu::{Accel, Boot, DiskSpec, NicSpec, VmSpec};
 
 const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"];
+const FAST_LINK_NO_LIBVIRT: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
 /// The guest's address on the lab's segment (scripts/debian-guest.sh).
 const REDIS: &str = "10.77.0.60:6379";
 const NAME: &str = "deb1";
@@ -310,4 +314,122 @@ fn a_debian_guest_with_redis_moves_with_libvirt_and_virsh_its_client_connected()
     wait_ready(&console_a, boots + 1);
     let mut redis = Redis::connect(&t);
     check_values(&mut redis, "after a reset at site a, from the copied disk");
+}
+
+/// The guest as its owner would start it by hand: firmware boot from its disk, a QMP socket,
+/// its console logged to a file, a NIC on a tap of the site's bridge.
+fn bare_spec(name: &str) -> VmSpec {
+    let host = Path::new(HOST_DIR);
+    VmSpec {
+        name: name.to_owned(),
+        mem_mib: 512,
+        vcpus: 1,
+        accel: Accel::Tcg,
+        boot: Boot::Disk,
+        disks: vec![DiskSpec {
+            id: "disk0".into(),
+            path: host.join(format!("{name}.qcow2")),
+            format: "qcow2".into(),
+        }],
+        nics: vec![NicSpec {
+            id: "net0".into(),
+            tap: format!("{name}t"),
+            mac: "52:54:00:77:00:3c".into(),
+        }],
+        qmp_socket: host.join(format!("{name}.qmp")),
+        serial_socket: host.join(format!("{name}.serial")),
+        serial_log: Some(host.join(format!("{name}.console"))),
+        mem_file: None,
+        incoming: None,
+        paused: false,
+        extra_args: vec![
+            "-daemonize".into(),
+            "-pidfile".into(),
+            host.join(format!("{name}.pid")).display().to_string(),
+        ],
+    }
+}
+
+#[test]
+fn a_debian_guest_started_by_hand_moves_with_migrate_qmp_its_client_connected() {
+    let base = image();
+    let t = TestLab::up("debq", FAST_LINK_NO_LIBVIRT);
+    let name = "deb2";
+    let spec = bare_spec(name);
+    for site in Site::ALL {
+        let ns = t.lab.site_ns(site);
+        let tap = &spec.nics[0].tap;
+        ferry_lab::sh::run_in(&ns, "ip", &["tuntap", "add", tap, "mode", "tap"]).unwrap();
+        ferry_lab::sh::run_in(
+            &ns,
+            "ip",
+            &["link", "set", "dev", tap, "master", "br0", "up"],
+        )
+        .unwrap();
+    }
+    let size = {
+        let info = qemu_img(&["info", "--output=json", &base.to_string_lossy()]);
+        common::json(&info)["virtual-size"].as_u64().unwrap()
+    };
+    let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
+    let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        &base.to_string_lossy(),
+        &disk_a.to_string_lossy(),
+    ]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        &disk_b.to_string_lossy(),
+        &size.to_string(),
+    ]);
+    let started = t
+        .lab
+        .host_command(Site::A, ferry_qemu::qemu_program())
+        .args(spec.argv())
+        .output()
+        .unwrap();
+    ok("start QEMU", &started);
+    wait_ready(&t.lab.host_dir(Site::A).join(format!("{name}.console")), 1);
+
+    let mut redis = Redis::connect(&t);
+    for i in 0..KEYS {
+        assert_eq!(
+            redis.call(&[b"SET", format!("k{i}").as_bytes(), &value(i)]),
+            b"OK"
+        );
+    }
+    let out = t
+        .lab
+        .host_command(Site::A, common::ferry_bin())
+        .args([
+            "migrate",
+            name,
+            "--qmp",
+            &format!("{HOST_DIR}/{name}.qmp"),
+            "--to",
+            "site-b",
+            "--disk",
+            "disk0",
+            "--json",
+            "--agent",
+        ])
+        .arg(t.lab.agent_socket(Site::A))
+        .output()
+        .unwrap();
+    let v = common::json(&ok("ferry migrate --qmp", &out));
+    assert_eq!(v["outcome"]["completed"], true, "{v}");
+    eprintln!("ferry migrate --qmp: {}", v["outcome"]);
+    check_values(&mut redis, "at site b, the same connection");
+    // Redis writes its snapshot to the disk as it is at site b.
+    assert_eq!(redis.call(&[b"SAVE"]), b"OK");
 }
