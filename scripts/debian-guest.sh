@@ -48,6 +48,7 @@ command -v grub-mkimage >/dev/null || need+=(grub-common)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
 if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
+    apt-get update -q || die "apt-get update failed; check the apt sources"
     apt-get install -y -q --no-install-recommends "${need[@]}" || die "apt refused: ${need[*]}"
 fi
 

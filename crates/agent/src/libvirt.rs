@@ -93,7 +93,8 @@ impl Libvirt {
     pub async fn job(&self, domain: &str, completed: bool) -> Result<JobStats> {
         let mut args = vec!["domjobinfo", domain, "--rawstats"];
         if completed {
-            args.push("--completed");
+            // Reading a completed job's figures removes them unless told to keep them.
+            args.extend(["--completed", "--keep-completed"]);
         }
         Ok(JobStats::parse(&self.virsh(&args).await?))
     }

@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// With a disk: the writer's rate, MiB/s of 4 KiB O_DIRECT|O_DSYNC writes.
     #[arg(long, default_value_t = 0.5)]
     disk_rate_mib_s: f64,
+    /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
+    /// site running its own libvirtd; --modes names the systems (ferry, virsh,
+    /// virsh-parallel-zstd; default all three).
+    #[arg(long)]
+    libvirt: bool,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -70,6 +75,9 @@ pub struct BenchArgs {
 pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     let link = a.link.config();
     link.validate()?;
+    if a.libvirt {
+        return run_libvirt(a).await;
+    }
     let base = a.migration.options()?;
     let systems: Vec<System> = if a.modes.is_empty() {
         vec![base.system()]
@@ -79,18 +87,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
             .map(|m| System::parse(m))
             .collect::<Result<_>>()?
     };
-    let workloads: Vec<Workload> = a
-        .workloads
-        .iter()
-        .map(|p| Workload {
-            pattern: p.clone(),
-            dirty_mib: a.dirty_mib,
-            rate_mib_s: a.dirty_rate_mib_s,
-        })
-        .collect();
-    for w in &workloads {
-        w.validate(a.shape.mem_mib)?;
-    }
+    let workloads = workloads(&a)?;
     a.shape.validate()?;
     let disk_mib = a.shape.disk_mib.unwrap_or(64);
     if a.shape.has_disk() && (a.disk_file_mib == 0 || a.disk_file_mib + 8 > disk_mib) {
@@ -118,18 +115,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     })
     .await??;
     eprintln!("bench: accelerator {} ({why})", accel.as_str());
-    let lab = Lab {
-        name: a.lab.clone(),
-    };
-    let exe = std::env::current_exe()?;
-    {
-        let lab = lab.clone();
-        tokio::task::spawn_blocking(move || {
-            lab.down(true)?;
-            lab.up(link, &exe, false)
-        })
-        .await??;
-    }
+    let (lab, _) = fresh_lab(&a.lab, link, false).await?;
     let mut failures = 0;
     for w in &workloads {
         for run in 1..=a.runs {
@@ -158,25 +144,110 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
                         rate_mib_s: a.disk_rate_mib_s,
                     },
                 };
-                match run_scenario(&lab, &img, &sc).await {
-                    Ok(records) => {
-                        for r in records {
-                            println!("{}", serde_json::to_string(&r)?);
-                        }
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        eprintln!(
-                            "bench: {} {} run {run}: {}",
-                            w.pattern,
-                            system.name(),
-                            report::error_chain(&e)
-                        );
-                    }
-                }
+                let what = format!("{} {} run {run}", w.pattern, system.name());
+                failures += print_records(run_scenario(&lab, &img, &sc).await, &what)?;
             }
         }
     }
+    finish(lab, failures).await
+}
+
+/// `ferry bench --libvirt`: every system on a fresh domain per run, systems interleaved.
+async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
+    use ferry_lab::libvirt_bench::{self, LibvirtScenario, LibvirtSystem};
+    let link = a.link.config();
+    let systems: Vec<LibvirtSystem> = if a.modes.is_empty() {
+        LibvirtSystem::ALL.to_vec()
+    } else {
+        a.modes
+            .iter()
+            .map(|m| LibvirtSystem::parse(m))
+            .collect::<Result<_>>()?
+    };
+    if a.shape.has_disk() {
+        bail!("--libvirt benchmarks memory only for now; drop --disk");
+    }
+    let workloads = workloads(&a)?;
+    ferry_lab::topology::require_root()?;
+    let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
+    let (lab, exe) = fresh_lab(&a.lab, link, true).await?;
+    let mut failures = 0;
+    for w in &workloads {
+        for run in 1..=a.runs {
+            for &system in &systems {
+                let sc = LibvirtScenario {
+                    system,
+                    workload: w.clone(),
+                    mem_mib: a.shape.mem_mib,
+                    warmup: Duration::from_secs(a.warmup_s),
+                    run,
+                    ferry_exe: exe.clone(),
+                };
+                let what = format!("{} {} run {run}", w.pattern, system.name());
+                let record = libvirt_bench::run_scenario(&lab, &img, &sc).await;
+                let failed = record.as_ref().is_ok_and(|r| !r.completed);
+                failures += print_records(record.map(|r| vec![r]), &what)? + usize::from(failed);
+            }
+        }
+    }
+    finish(lab, failures).await
+}
+
+/// The workloads asked for, checked against the guest's memory.
+fn workloads(a: &BenchArgs) -> Result<Vec<Workload>> {
+    let workloads: Vec<Workload> = a
+        .workloads
+        .iter()
+        .map(|p| Workload {
+            pattern: p.clone(),
+            dirty_mib: a.dirty_mib,
+            rate_mib_s: a.dirty_rate_mib_s,
+        })
+        .collect();
+    for w in &workloads {
+        w.validate(a.shape.mem_mib)?;
+    }
+    Ok(workloads)
+}
+
+/// The bench's own lab, brought up afresh (with a libvirtd per site if asked); returns it and
+/// the ferry binary the lab's agents run.
+async fn fresh_lab(
+    name: &str,
+    link: ferry_lab::link::LinkConfig,
+    libvirt: bool,
+) -> Result<(Lab, std::path::PathBuf)> {
+    let lab = Lab {
+        name: name.to_owned(),
+    };
+    let exe = std::env::current_exe()?;
+    let (l, e) = (lab.clone(), exe.clone());
+    tokio::task::spawn_blocking(move || {
+        l.down(true)?;
+        l.up(link, &e, libvirt)
+    })
+    .await??;
+    Ok((lab, exe))
+}
+
+/// Prints a scenario's records as JSON lines, or its error; returns 1 for an error.
+fn print_records<T: serde::Serialize>(records: Result<Vec<T>>, what: &str) -> Result<usize> {
+    match records {
+        Ok(records) => {
+            for r in records {
+                println!("{}", serde_json::to_string(&r)?);
+            }
+            Ok(0)
+        }
+        Err(e) => {
+            eprintln!("bench: {what}: {}", report::error_chain(&e));
+            Ok(1)
+        }
+    }
+}
+
+/// Takes the bench's lab down; the exit code says whether every scenario ran.
+async fn finish(lab: Lab, failures: usize) -> Result<ExitCode> {
     let _ = tokio::task::spawn_blocking(move || lab.down(true)).await?;
     Ok(if failures == 0 {
         ExitCode::SUCCESS

@@ -17,31 +17,9 @@ use ferry_lab::Site;
 
 const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"];
 
-/// The tiny guest as a libvirt domain: direct kernel boot, its serial console a unix socket in
-/// the site's host directory, a NIC on the site's bridge (guest address 10.77.0.`host`), and
-/// optionally a qcow2 data disk in the site's host directory.
 fn domain_xml(name: &str, host: u8, disk: bool) -> String {
     let img = ferry_lab::vm::ensure_image().expect("guest image (ferry image build)");
-    let disk = if disk {
-        format!(
-            "<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>\
-             <source file='/run/ferry-host/{name}.qcow2'/><target dev='vda' bus='virtio'/></disk>"
-        )
-    } else {
-        String::new()
-    };
-    format!(
-        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>\
-         <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
-         <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip=10.77.0.{host}</cmdline></os>\
-         <on_reboot>destroy</on_reboot><devices>{disk}\
-         <serial type='unix'><source mode='bind' path='/run/ferry-host/{name}.serial'/>\
-         <target port='0'/></serial>\
-         <interface type='bridge'><source bridge='br0'/><mac address='52:54:00:77:00:{host:02x}'/>\
-         <model type='virtio'/></interface></devices></domain>",
-        img.kernel.display(),
-        img.initrd.display()
-    )
+    ferry_lab::libvirt::tiny_domain_xml(&img, name, 128, host, disk)
 }
 
 /// Defines and starts domain `name` at site a; returns its serial link once the guest's

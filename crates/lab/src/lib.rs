@@ -23,6 +23,7 @@ pub mod floor;
 pub mod guest;
 pub mod image;
 pub mod libvirt;
+pub mod libvirt_bench;
 pub mod link;
 pub mod pki;
 pub mod sh;

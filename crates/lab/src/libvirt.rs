@@ -9,6 +9,8 @@
 //!
 //! The site's `/etc/libvirt` is a copy of the host's with QEMU run as root and no security
 //! driver: the lab's images live in root's cache and there is no AppArmor profile for them.
+//! Each daemon also listens on TCP at its site's underlay address without authentication
+//! ([`tcp_uri`]), for libvirt's own migration across the WAN without ferry (the baseline).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -89,7 +91,53 @@ pub fn prepare(lab: &Lab, site: Site) -> Result<()> {
          security_driver = \"none\"\n",
     );
     fs::write(&qemu_conf, conf)?;
+    let daemon_conf = root.join("etc/libvirtd.conf");
+    let mut conf = fs::read_to_string(&daemon_conf).unwrap_or_default();
+    conf.push_str(&format!(
+        "\n# ferry lab: TCP on the underlay, no authentication (the lab's WAN only)\n\
+         listen_tls = 0\nlisten_tcp = 1\nauth_tcp = \"none\"\nlisten_addr = \"{}\"\n",
+        site.underlay_ip()
+    ));
+    fs::write(&daemon_conf, conf)?;
     Ok(())
+}
+
+/// `site`'s libvirtd over TCP across the WAN, as another site's libvirt reaches it directly.
+pub fn tcp_uri(site: Site) -> String {
+    format!("qemu+tcp://{}/system", site.underlay_ip())
+}
+
+/// The lab's tiny guest as a libvirt domain: direct kernel boot, its serial console a unix
+/// socket in the site's host directory (`/run/ferry-host/NAME.serial`), a virtio NIC on the
+/// site's bridge with guest address 10.77.0.`host`, and optionally a qcow2 data disk at
+/// `/run/ferry-host/NAME.qcow2`.
+pub fn tiny_domain_xml(
+    img: &crate::image::Image,
+    name: &str,
+    mem_mib: u32,
+    host: u8,
+    disk: bool,
+) -> String {
+    let disk = if disk {
+        format!(
+            "<disk type='file' device='disk'><driver name='qemu' type='qcow2'/>\
+             <source file='/run/ferry-host/{name}.qcow2'/><target dev='vda' bus='virtio'/></disk>"
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "<domain type='qemu'><name>{name}</name><memory unit='MiB'>{mem_mib}</memory><vcpu>1</vcpu>\
+         <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
+         <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip=10.77.0.{host}</cmdline></os>\
+         <on_reboot>destroy</on_reboot><devices>{disk}\
+         <serial type='unix'><source mode='bind' path='/run/ferry-host/{name}.serial'/>\
+         <target port='0'/></serial>\
+         <interface type='bridge'><source bridge='br0'/><mac address='52:54:00:77:00:{host:02x}'/>\
+         <model type='virtio'/></interface></devices></domain>",
+        img.kernel.display(),
+        img.initrd.display()
+    )
 }
 
 /// Starts `site`'s daemons ([`prepare`]d); returns once `virsh` reaches them.
@@ -97,7 +145,7 @@ pub fn start(lab: &Lab, site: Site) -> Result<()> {
     let log = fs::File::create(lab.dir().join(format!("libvirtd-{}.log", site.name())))?;
     let status = lab
         .host_command(site, "sh")
-        .args(["-c", "virtlogd -d -p /run/libvirt/virtlogd.pid && exec libvirtd -d -p /run/libvirt/libvirtd.pid"])
+        .args(["-c", "virtlogd -d -p /run/libvirt/virtlogd.pid && exec libvirtd -d --listen -p /run/libvirt/libvirtd.pid"])
         .stdout(log.try_clone()?)
         .stderr(log)
         .status()

@@ -1,0 +1,230 @@
+//! `ferry bench --libvirt`: a libvirt-managed VM moved from site a to site b by ferry (`ferry
+//! migrate --libvirt`, through the agents) and by libvirt alone (`virsh migrate --p2p` straight
+//! across the WAN to site b's daemon: plain, or QEMU's multifd channels with zstd), on the same
+//! guest, workload and link. Every system is measured the same way: the wall time of the
+//! command that migrates, the bytes the WAN emulator counted, and libvirt's own figure of the
+//! real pause (the completed job at the destination: its stop at the source to its resume at
+//! the destination).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use crate::bench::Workload;
+use crate::guest::{GuestLink, Heartbeats};
+use crate::image::Image;
+use crate::libvirt;
+use crate::topology::{Lab, Site};
+
+/// Who migrates the domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LibvirtSystem {
+    /// `ferry migrate --libvirt`: libvirt's migration carried, coded and steered by the agents.
+    Ferry,
+    /// `virsh migrate --live --p2p` straight to the destination's libvirtd.
+    Plain,
+    /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
+    ParallelZstd,
+}
+
+impl LibvirtSystem {
+    pub const ALL: [LibvirtSystem; 3] = [
+        LibvirtSystem::Ferry,
+        LibvirtSystem::Plain,
+        LibvirtSystem::ParallelZstd,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LibvirtSystem::Ferry => "ferry",
+            LibvirtSystem::Plain => "virsh",
+            LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<LibvirtSystem> {
+        LibvirtSystem::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .with_context(|| {
+                let known: Vec<_> = LibvirtSystem::ALL.iter().map(|m| m.name()).collect();
+                format!(
+                    "unknown system {s:?} for --libvirt (known: {})",
+                    known.join(", ")
+                )
+            })
+    }
+}
+
+/// One migration of a libvirt domain.
+#[derive(Debug, Clone, Serialize)]
+pub struct LibvirtRecord {
+    pub system: &'static str,
+    pub workload: String,
+    pub run: u32,
+    pub mem_mib: u32,
+    pub completed: bool,
+    /// The migrating command's wall time.
+    pub total_ms: u64,
+    /// Both directions, counted by the WAN emulator.
+    pub wan_bytes: u64,
+    /// libvirt's real pause, read at the destination.
+    pub downtime_ms: Option<u64>,
+    /// The guest's memory verifier at the destination.
+    pub mem_errors: Option<u64>,
+    pub error: Option<String>,
+}
+
+/// One scenario: `system` moves a fresh domain of `mem_mib` MiB running `workload`.
+pub struct LibvirtScenario {
+    pub system: LibvirtSystem,
+    pub workload: Workload,
+    pub mem_mib: u32,
+    pub warmup: Duration,
+    pub run: u32,
+    /// `ferry`, for `ferry migrate --libvirt`.
+    pub ferry_exe: PathBuf,
+}
+
+/// Runs one scenario in a lab up with libvirt; the domain is removed afterwards whatever
+/// happened.
+pub async fn run_scenario(lab: &Lab, img: &Image, sc: &LibvirtScenario) -> Result<LibvirtRecord> {
+    let name = format!("bench-{}-{}", sc.system.name(), sc.run);
+    let result = measure(lab, img, sc, &name).await;
+    for site in Site::ALL {
+        let _ = virsh(lab, site, &["destroy", &name]);
+        let _ = virsh(lab, site, &["undefine", &name]);
+    }
+    result
+}
+
+async fn measure(
+    lab: &Lab,
+    img: &Image,
+    sc: &LibvirtScenario,
+    name: &str,
+) -> Result<LibvirtRecord> {
+    let xml = lab.host_dir(Site::A).join(format!("{name}.xml"));
+    std::fs::write(
+        &xml,
+        libvirt::tiny_domain_xml(img, name, sc.mem_mib, 95, false),
+    )?;
+    virsh(
+        lab,
+        Site::A,
+        &["define", &format!("/run/ferry-host/{name}.xml")],
+    )?;
+    virsh(lab, Site::A, &["start", name])?;
+    let serial = |site| lab.host_dir(site).join(format!("{name}.serial"));
+    let link = GuestLink::connect(&serial(Site::A), Arc::new(Heartbeats::default())).await?;
+    link.wait_ready(Duration::from_secs(120)).await?;
+    link.call(&sc.workload.start_command(), Duration::from_secs(180))
+        .await?;
+    tokio::time::sleep(sc.warmup).await;
+    let wan_before = crate::wan::stats(&lab.wan_socket())?.total_bytes();
+    let started = Instant::now();
+    let migrated = {
+        let (lab, system, name, exe) = (
+            lab.clone(),
+            sc.system,
+            name.to_owned(),
+            sc.ferry_exe.clone(),
+        );
+        tokio::task::spawn_blocking(move || migrate(&lab, system, &name, &exe)).await?
+    };
+    let total_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let wan_bytes = crate::wan::stats(&lab.wan_socket())?.total_bytes() - wan_before;
+    drop(link);
+    let mut record = LibvirtRecord {
+        system: sc.system.name(),
+        workload: sc.workload.pattern.clone(),
+        run: sc.run,
+        mem_mib: sc.mem_mib,
+        completed: migrated.is_ok(),
+        total_ms,
+        wan_bytes,
+        downtime_ms: None,
+        mem_errors: None,
+        error: migrated.err().map(|e| format!("{e:#}")),
+    };
+    if record.completed {
+        let at_b = ferry_agent::libvirt::Libvirt::new(
+            libvirt::site_dir(lab, Site::B).join("run/libvirt-sock"),
+        );
+        record.downtime_ms = at_b.job(name, true).await.ok().and_then(|j| j.downtime_ms);
+        let link = GuestLink::connect(&serial(Site::B), Arc::new(Heartbeats::default())).await?;
+        record.mem_errors = Some(crate::guest::verify(&link, false).await?.errors());
+    }
+    Ok(record)
+}
+
+/// Moves domain `name` from site a to site b with `system`.
+fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path) -> Result<()> {
+    let direct = || -> Vec<String> {
+        let b = Site::B.underlay_ip();
+        [
+            "migrate",
+            "--live",
+            "--p2p",
+            "--persistent",
+            "--undefinesource",
+            "--auto-converge",
+            name,
+            &libvirt::tcp_uri(Site::B),
+            "--migrateuri",
+            &format!("tcp://{b}"),
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let out = match system {
+        LibvirtSystem::Ferry => lab
+            .host_command(Site::A, ferry)
+            .args([
+                "migrate",
+                "--libvirt",
+                name,
+                "--to",
+                "site-b",
+                "--json",
+                "--agent",
+            ])
+            .arg(lab.agent_socket(Site::A))
+            .output()?,
+        LibvirtSystem::Plain => virsh_command(lab, Site::A).args(direct()).output()?,
+        LibvirtSystem::ParallelZstd => virsh_command(lab, Site::A)
+            .args(direct())
+            .args(["--parallel", "--compressed", "--comp-methods", "zstd"])
+            .output()?,
+    };
+    if !out.status.success() {
+        bail!(
+            "{}: {}",
+            system.name(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn virsh_command(lab: &Lab, site: Site) -> Command {
+    let mut c = lab.host_command(site, "virsh");
+    c.args(["-q", "-c", "qemu:///system"]);
+    c
+}
+
+fn virsh(lab: &Lab, site: Site, args: &[&str]) -> Result<String> {
+    let out = virsh_command(lab, site).args(args).output()?;
+    if !out.status.success() {
+        bail!(
+            "virsh {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
