@@ -35,7 +35,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::MigrationStatus;
-use ferry_wire::net::{keep_connected, Peer, Pool};
+use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -186,7 +186,7 @@ impl Tunnels {
             .next()
             .ok_or_else(|| anyhow!("peer {peer_name:?}: {:?} resolves to nothing", peer.address))?;
         let session = Session::new(SessionId::random(), SessionConfig::default());
-        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let (events, mut link_events) = tokio::sync::mpsc::unbounded_channel();
         let _connections = keep_connected(
             session.clone(),
             Peer {
@@ -222,6 +222,21 @@ impl Tunnels {
                 Some(c) => (c.status, c.corrupt_at),
                 None => (self.register_unclaimed(peer_name, &session), None),
             };
+            // What is buffered here still has to cross after QEMU stops the VM: the window is
+            // ferry's own (twice the link's bandwidth-delay product), not the session's default
+            // 4 MiB (a third of a second at 100 Mbit/s).
+            let (sizing, rate) = (session.clone(), peer.rate_mbit);
+            let recording = status.clone();
+            tokio::spawn(async move {
+                while let Some(event) = link_events.recv().await {
+                    if let LinkEvent::Connected { rtt, .. } = event {
+                        let rtt_ms = rtt.as_secs_f64() * 1e3;
+                        sizing.set_send_limit(crate::source::send_window(rate, rtt_ms));
+                        recording.update(|s| s.wire.rtt_ms = Some(rtt_ms));
+                        return;
+                    }
+                }
+            });
             let (read, write) = conn.into_split();
             let link = peer.rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
             let carried = tunnel_stream::source(
