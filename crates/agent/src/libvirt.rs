@@ -82,6 +82,18 @@ impl Libvirt {
             .any(|l| l.starts_with("Persistent:") && l.trim_end().ends_with("yes")))
     }
 
+    /// The files of the domain's disks (`domblklist --details`: type, device, target, source).
+    pub async fn disk_files(&self, domain: &str) -> Result<Vec<String>> {
+        let list = self.virsh(&["domblklist", domain, "--details"]).await?;
+        Ok(list
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.len() == 4 && f[0] == "file" && f[1] == "disk").then(|| f[3].to_owned())
+            })
+            .collect())
+    }
+
     /// The longest pause QEMU may plan for at switchover.
     pub async fn set_max_downtime(&self, domain: &str, ms: u64) -> Result<()> {
         self.virsh(&["migrate-setmaxdowntime", domain, &ms.to_string()])

@@ -173,7 +173,15 @@ async fn drive(
     if exit.success() {
         return Ok(());
     }
-    let why = virsh_error(&stderr);
+    let mut why = virsh_error(&stderr);
+    if req.copy_storage && why.contains("storage") {
+        // libvirt tried to create a missing image at the destination and could not.
+        let files = libvirt.disk_files(&req.domain).await.unwrap_or_default();
+        why = format!(
+            "{why} (the destination needs an image at each disk's path, {}: create it there with the same size)",
+            files.join(", ")
+        );
+    }
     match stopped_by {
         Some(reason) => anyhow::bail!("{reason} (libvirt: {why})"),
         None => anyhow::bail!("libvirt: {why}"),
@@ -239,4 +247,31 @@ fn record_job(status: &Shared, job: &JobStats) {
             s.detail = "libvirt copies the disks".into();
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_api::agent::ErrorKind;
+
+    #[tokio::test]
+    async fn a_libvirt_that_does_not_answer_is_unavailable_and_named() {
+        let libvirt = Libvirt::new("/nonexistent/libvirt-sock");
+        let refusal = check_domain(&libvirt, "vm1").await.unwrap_err();
+        assert_eq!(refusal.kind(), ErrorKind::Unavailable, "{refusal}");
+        assert!(
+            refusal.to_string().contains("/nonexistent/libvirt-sock"),
+            "{refusal}"
+        );
+    }
+
+    #[test]
+    fn settings_libvirt_cannot_honour_are_refused_by_name() {
+        let mut req: LibvirtMigrationRequest =
+            serde_json::from_str(r#"{"domain":"d","to":"p","smart_stop":true}"#).unwrap();
+        let refusal = check_settings(&req).unwrap_err();
+        assert!(refusal.to_string().contains("smart_stop"), "{refusal}");
+        req.settings.smart_stop = false;
+        assert!(check_settings(&req).is_ok());
+    }
 }

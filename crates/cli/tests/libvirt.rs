@@ -197,7 +197,6 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
         &disk_a.to_string_lossy(),
     ]);
     let size = std::fs::metadata(&img.data_disk).unwrap().len().to_string();
-    qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
     let link = start_domain(
         &t,
         &rt,
@@ -234,6 +233,27 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("site-x"), "{err}");
+
+    // A destination without the disk's storage: libvirt's own words name it, the domain keeps
+    // running at site a and nothing is defined at site b.
+    let out = ferry(&[
+        "migrate",
+        "--libvirt",
+        name,
+        "--to",
+        "site-b",
+        "--copy-storage",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains(&format!("{name}.qcow2")), "{err}");
+    assert_eq!(
+        domstate(&t, Site::A, name).as_deref(),
+        Some("running"),
+        "{err}"
+    );
+    assert_eq!(domstate(&t, Site::B, name), None, "{err}");
+    qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
 
     // A stream corrupted on its way: the destination's digest check refuses it, libvirt's
     // migration fails, the domain keeps running at site a and nothing is left at site b.
