@@ -53,7 +53,7 @@ pub struct AgentConfig {
     pub api_socket: PathBuf,
     /// Sockets to and from QEMU live here.
     pub work_dir: PathBuf,
-    /// Memory images of VMs that left this host, for their return ([`crate::seed_store`]).
+    /// Memory images of VMs that left this host, for their return ([`crate::engine::seed_store`]).
     pub seed_dir: PathBuf,
     /// The most bytes of seed images kept; the oldest go first beyond it.
     pub seed_budget_bytes: u64,

@@ -17,10 +17,10 @@ use ferry_api::agent::{DiskMode, LibvirtMigrationRequest, MigrationState, Phase}
 use ferry_api::EventKind;
 use tokio::io::AsyncReadExt;
 
-use crate::control::TunnelKind;
+use crate::engine::control::TunnelKind;
+use crate::engine::status::{now_ms, Events, Shared};
 use crate::libvirt::{virsh_error, JobStats, Libvirt};
 use crate::refusal::Refusal;
-use crate::status::{now_ms, Events, Shared};
 use crate::tunnel::{self, Claim, Tunnels};
 
 /// How often libvirt's job figures are read into the status.

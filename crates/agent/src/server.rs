@@ -20,11 +20,12 @@ use ferry_wire::{ConnectionEnd, Session, SessionConfig, SessionId};
 use tokio::net::{TcpListener, UnixListener};
 
 use crate::config::AgentConfig;
-use crate::control::{self, Control};
+use crate::engine::control::{self, Control};
+use crate::engine::status::{now_ms, Registry, Shared};
+use crate::engine::{destination, source};
 use crate::libvirt::Libvirt;
 use crate::refusal::Refusal;
-use crate::status::{now_ms, Registry, Shared};
-use crate::{destination, libvirt_migration, source, tunnel};
+use crate::{libvirt_migration, tunnel};
 
 /// How long a new session may take to say what it is for.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -255,7 +256,7 @@ fn admit(agent: &Agent, body: &[u8]) -> Result<(MigrationRequest, String), Refus
     // rather than after the destination QEMU was prepared.
     if req.settings.codec.seed {
         for name in std::iter::once(&req.vm).chain(req.settings.seed_from.as_ref()) {
-            crate::seed_store::image_path(&agent.config.seed_dir, name)
+            crate::engine::seed_store::image_path(&agent.config.seed_dir, name)
                 .map_err(|e| Refusal::SeedName(format!("{e:#}")))?;
         }
     }

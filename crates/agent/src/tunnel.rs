@@ -23,7 +23,7 @@
 //!
 //! A connection to the migration socket that starts with QEMU's stream header ("QEVM") is
 //! QEMU's main stream: it crosses coded, and the destination QEMU reads only what the source's
-//! digests confirm ([`crate::tunnel_stream`]); the source agent lists it among its migrations,
+//! digests confirm ([`crate::engine::tunnel_stream`]); the source agent lists it among its migrations,
 //! named after the QEMU at the other end of the socket. Every other connection (libvirt's RPC,
 //! the NBD disk copy, QEMU's multifd channels) crosses as it is.
 
@@ -42,10 +42,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
-use crate::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
+use crate::engine::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
+use crate::engine::status::{now_ms, Registry, Shared};
+use crate::engine::tunnel_stream;
 use crate::refusal::Refusal;
-use crate::status::{now_ms, Registry, Shared};
-use crate::tunnel_stream;
 
 /// Bytes read from a socket per frame (as the migration stream's chunks).
 const CHUNK: usize = 64 << 10;
@@ -231,7 +231,7 @@ impl Tunnels {
                 while let Some(event) = link_events.recv().await {
                     if let LinkEvent::Connected { rtt, .. } = event {
                         let rtt_ms = rtt.as_secs_f64() * 1e3;
-                        sizing.set_send_limit(crate::source::send_window(rate, rtt_ms));
+                        sizing.set_send_limit(crate::engine::source::send_window(rate, rtt_ms));
                         recording.update(|s| s.wire.rtt_ms = Some(rtt_ms));
                         return;
                     }

@@ -208,7 +208,10 @@ mod tests {
     #[test]
     fn the_version_line_names_the_protocols_spoken() {
         let wire = format!("wire protocol {}", ferry_wire::frame::WIRE_VERSION);
-        let control = format!("control messages {}", ferry_agent::control::CONTROL_VERSION);
+        let control = format!(
+            "control messages {}",
+            ferry_agent::engine::control::CONTROL_VERSION
+        );
         let timeline = format!("timeline {}", ferry_api::timeline::TIMELINE_VERSION);
         for part in [wire, control, timeline] {
             assert!(

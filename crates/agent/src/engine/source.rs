@@ -26,14 +26,14 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
-use crate::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
-use crate::disk;
-use crate::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
-use crate::page_ledger::{DestinationWork, PageLedger};
-use crate::seed_store;
-use crate::status::{Events, Shared};
-use crate::stream_codec::{self, StreamEncoder, BATCH_BYTES};
-use crate::switchover;
+use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::disk;
+use crate::engine::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
+use crate::engine::page_ledger::{DestinationWork, PageLedger};
+use crate::engine::seed_store;
+use crate::engine::status::{Events, Shared};
+use crate::engine::stream_codec::{self, StreamEncoder, BATCH_BYTES};
+use crate::engine::switchover;
 
 /// Stream bytes per frame: small enough that N connections share the stream evenly, large
 /// enough that the 20-byte header is noise.

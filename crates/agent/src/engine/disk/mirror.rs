@@ -31,8 +31,8 @@ use super::backing::backing_of;
 use super::buffer::{Extent, TransmitBuffer};
 use super::{codec_options, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
-use crate::control::{DiskPlan, DISK, DISK_ACK};
-use crate::status::Shared;
+use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
+use crate::engine::status::Shared;
 
 /// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
 const MIN_MEMORY_PHASE_BUFFER: u64 = 256 << 10;
@@ -304,7 +304,7 @@ impl SourceDisks {
 
     /// At the switchover (the VM is paused): completes the mirrors without pivoting, closes
     /// the buffer, and waits until every snapshot went to the session. Returns the number of
-    /// snapshots and the operations' digest for [`crate::control::Control::DiskEnd`].
+    /// snapshots and the operations' digest for [`crate::engine::control::Control::DiskEnd`].
     pub async fn finish(&mut self, qmp: &Qmp) -> Result<(u64, String)> {
         let t0 = std::time::Instant::now();
         for node in &self.nodes {

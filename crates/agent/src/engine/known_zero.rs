@@ -6,7 +6,7 @@
 //! lab use) that check faults in, allocates and reads a page that was a hole: about 4 µs each
 //! here, a core busy for half a second per 512 MiB of zeros, and on the switchover's critical
 //! path when the last pass has many. A page that lies in a hole of the backend's file is zero
-//! without looking at it, so [`crate::load_sieve`] leaves such records out.
+//! without looking at it, so [`crate::engine::load_sieve`] leaves such records out.
 //!
 //! Only what can be shown is trusted: a `memory-backend-file` mapped shared (QEMU's own writes,
 //! a ROM copied in at reset, land in the file), whose file's holes the agent can see with

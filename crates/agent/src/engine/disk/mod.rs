@@ -13,7 +13,7 @@
 //! Both ends hash the operations (not the bytes on the wire, so that a codec fault shows
 //! too); the destination commits only when the hashes match ([`Control::DiskEnd`]).
 //!
-//! [`Control::DiskEnd`]: crate::control::Control::DiskEnd
+//! [`Control::DiskEnd`]: crate::engine::control::Control::DiskEnd
 
 pub mod apply;
 pub mod backing;

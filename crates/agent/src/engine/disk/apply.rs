@@ -25,7 +25,7 @@ use tokio::net::UnixStream;
 use tokio::task::JoinSet;
 
 use super::{ack_frame, codec_options, hash_op, Frame};
-use crate::control::{DiskPlan, DISK, DISK_ACK};
+use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
 
 /// Requests in flight per migration: XvMotion's 32 outstanding IOs per destination volume.
 const MAX_IN_FLIGHT: usize = 32;

@@ -16,15 +16,15 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
-use crate::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
-use crate::disk::apply::DestinationDisks;
-use crate::disk::backing::backing_of;
-use crate::feeder::{self, Feeder};
-use crate::known_zero::{self, ZeroPages};
-use crate::launcher;
-use crate::load_sieve::LoadSieve;
-use crate::seed_store;
-use crate::stream_codec::{self, StreamDecoder};
+use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::disk::apply::DestinationDisks;
+use crate::engine::disk::backing::backing_of;
+use crate::engine::feeder::{self, Feeder};
+use crate::engine::known_zero::{self, ZeroPages};
+use crate::engine::launcher;
+use crate::engine::load_sieve::LoadSieve;
+use crate::engine::seed_store;
+use crate::engine::stream_codec::{self, StreamDecoder};
 
 /// The seed index goes to the source in pieces of this size.
 const SEED_PIECE: usize = 256 << 10;

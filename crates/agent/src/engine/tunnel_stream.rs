@@ -36,10 +36,10 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use crate::control::{self, Control, RETURN_PATH, STREAM};
-use crate::feeder::{self, Feeder};
-use crate::status::{now_ms, Events, Shared};
-use crate::stream_codec::{StreamDecoder, StreamEncoder, BATCH_BYTES, HISTORY_CAP};
+use crate::engine::control::{self, Control, RETURN_PATH, STREAM};
+use crate::engine::feeder::{self, Feeder};
+use crate::engine::status::{now_ms, Events, Shared};
+use crate::engine::stream_codec::{StreamDecoder, StreamEncoder, BATCH_BYTES, HISTORY_CAP};
 
 /// The codec's techniques on a tunnelled stream.
 pub const CODEC: CodecSettings = CodecSettings::ALL;
@@ -170,7 +170,7 @@ async fn pump(
             item_bytes.clear();
             item.encode(&mut item_bytes);
             hash.update(&item_bytes);
-            crate::source::corrupt_for_test(&mut item_bytes, total, corrupt_at);
+            crate::engine::source::corrupt_for_test(&mut item_bytes, total, corrupt_at);
             total += item_bytes.len() as u64;
             encoder.push(&item, &item_bytes);
             if encoder.pending() >= BATCH_BYTES {

@@ -3,7 +3,7 @@
 //! work it gives QEMU.
 //!
 //! A zero-page record for a page the destination holds as zero (a hole of its memory file,
-//! [`crate::known_zero`], or a page QEMU was last told is zero) is a no-op that still costs the
+//! [`crate::engine::known_zero`], or a page QEMU was last told is zero) is a no-op that still costs the
 //! destination QEMU a page fault and a page read. Left out, the first pass of a mostly-zero
 //! guest costs the destination nothing for its zeros, and the switchover's last pass only what
 //! it really changes. A page given any content in this migration loses its known-zero mark, so
@@ -14,7 +14,7 @@
 //! QEMU from that block, if QEMU's idea of the current block is another one.
 //!
 //! The weight: every RAM record given to QEMU (a page, a zero page, an XBZRLE delta) weighs a
-//! whole page, everything else (headers, device state) its bytes; [`crate::feeder`]'s budget
+//! whole page, everything else (headers, device state) its bytes; [`crate::engine::feeder`]'s budget
 //! counts it. The sieve parses the stream as the source agent did, so it also refuses bytes
 //! that are not one before QEMU sees them.
 
@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use bytes::{Bytes, BytesMut};
 use ferry_qemu::stream::{flag, Item, RamData, RamRecord, StreamParser, PAGE_SIZE};
 
-use crate::known_zero::ZeroPages;
+use crate::engine::known_zero::ZeroPages;
 
 pub struct LoadSieve {
     parser: StreamParser,
@@ -124,7 +124,7 @@ impl LoadSieve {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::known_zero::PageBits;
+    use crate::engine::known_zero::PageBits;
     use std::collections::HashMap;
 
     fn captured() -> Vec<(String, Vec<u8>)> {

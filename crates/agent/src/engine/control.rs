@@ -100,7 +100,7 @@ pub enum Control {
         top_only: Vec<bool>,
         /// RAM blocks whose every page is zero at the destination before the stream (a fresh
         /// memory file): their zero pages cost the destination nothing until the stream gives
-        /// them content ([`crate::load_sieve`]).
+        /// them content ([`crate::engine::load_sieve`]).
         #[serde(default)]
         zeroed_blocks: Vec<String>,
     },
@@ -110,7 +110,7 @@ pub enum Control {
     /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
     End { bytes: u64, sha256: String },
     /// Source, on a tunnelled stream: the stream's first `bytes` have this SHA-256 (the
-    /// destination QEMU may read them once they match: [`crate::tunnel_stream`]).
+    /// destination QEMU may read them once they match: [`crate::engine::tunnel_stream`]).
     Checkpoint { bytes: u64, sha256: String },
     /// Destination, on a tunnelled stream: every digest matched and QEMU read the whole stream
     /// (wall clock, µs); libvirt decides the rest.
@@ -131,7 +131,7 @@ pub enum Control {
         version: u32,
         kind: TunnelKind,
         /// The connection carries QEMU's main migration stream, coded and digest-gated
-        /// ([`crate::tunnel_stream`]); otherwise its bytes cross as they are.
+        /// ([`crate::engine::tunnel_stream`]); otherwise its bytes cross as they are.
         #[serde(default)]
         coded: bool,
     },

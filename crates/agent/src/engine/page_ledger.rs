@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use bytes::Bytes;
 use ferry_qemu::stream::{Item, PAGE_SIZE};
 
-use crate::known_zero::PageBits;
+use crate::engine::known_zero::PageBits;
 
 #[derive(Debug, Default)]
 pub struct PageLedger {
@@ -80,7 +80,7 @@ impl PageLedger {
 
 /// Which of QEMU's page records cost the destination a page of work: all of them, except a
 /// zero page for a page the destination holds as zero, which its agent leaves out
-/// ([`crate::load_sieve`]). Followed for the blocks the destination said start all zero, with
+/// ([`crate::engine::load_sieve`]). Followed for the blocks the destination said start all zero, with
 /// the same marks as the destination's, so the page window and the hold count the work that is
 /// really ahead of the destination QEMU: a fresh guest's first pass is mostly such zero pages.
 #[derive(Debug, Default)]

@@ -7,7 +7,7 @@
 //! writes in their own task, the agent keeps receiving and decoding (on the other core) while
 //! QEMU loads, up to a budget. Whatever is queued here when the VM stops must still be loaded
 //! during the pause, so the budget counts QEMU's work, not bytes: a RAM record weighs a page
-//! (see [`crate::load_sieve`]). Counted in bytes, a run of zero-page records (9 bytes each, and about 4 µs
+//! (see [`crate::engine::load_sieve`]). Counted in bytes, a run of zero-page records (9 bytes each, and about 4 µs
 //! of QEMU's time each: it checks its own copy of the page, faulting it in) let the 16 MiB budget
 //! hold more than the guest's whole memory, and the destination QEMU was still working through
 //! 350 ms of them, one core busy, after the source stopped the VM.
@@ -61,7 +61,7 @@ impl Feeder {
         }
     }
 
-    /// Queues `bytes` for QEMU, weighing `weight` against the budget (see [`crate::load_sieve`]),
+    /// Queues `bytes` for QEMU, weighing `weight` against the budget (see [`crate::engine::load_sieve`]),
     /// waiting while the budget is spent. Fails with the writer's error once the writer has
     /// stopped.
     pub async fn push(&mut self, bytes: Bytes, weight: usize) -> Result<()> {

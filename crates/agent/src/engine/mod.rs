@@ -1,0 +1,35 @@
+//! The migration engine: one migration, both ends. It speaks QMP and QEMU's stream, the
+//! session and the codec; the host service ([`crate::server`], [`crate::tunnel`],
+//! [`crate::libvirt_migration`]) starts it, lists it and maps its errors.
+//!
+//! - [`source`]: the sending side (QEMU -> parser -> session), its windows and deadlines.
+//! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
+//! - [`launcher`]: the destination QEMU, when the agent starts it from a command line.
+//! - [`feeder`]: the destination QEMU's stream, written from a bounded queue.
+//! - [`known_zero`]: the destination's pages that are zero before the stream arrives.
+//! - [`load_sieve`]: the stream as the destination QEMU gets it: no-op zero pages left out,
+//!   weighed by QEMU's work.
+//! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
+//! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
+//! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
+//! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
+//! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
+//! - [`tunnel_stream`]: QEMU's stream in a libvirt tunnel: coded, and fed to QEMU only under
+//!   matching digests.
+//! - [`control`]: the messages between the two sides, versioned.
+//! - [`status`]: a migration's shared status: its typed phase, events and cancellation.
+
+pub mod control;
+pub mod destination;
+pub mod disk;
+pub mod feeder;
+pub mod known_zero;
+pub mod launcher;
+pub mod load_sieve;
+pub mod page_ledger;
+pub mod seed_store;
+pub mod source;
+pub mod status;
+pub mod stream_codec;
+pub mod switchover;
+pub mod tunnel_stream;
