@@ -276,7 +276,7 @@ pub async fn destination(
         let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
         while !gate.finished() {
             tokio::select! {
-                r = session.recv(STREAM) => match r? {
+                r = session.recv(STREAM), if gate.has_room() => match r? {
                     Received::Data(chunk) => {
                         decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
                         gate.arrived(&decoded.split())?;
@@ -353,6 +353,13 @@ pub fn conclude(status: &Shared, session: &Session, result: &Result<()>, is_fina
     });
 }
 
+/// Decoded bytes the gate holds before the destination stops reading the stream until a digest
+/// releases some: the source checkpoints at least every [`MAX_UNCHECKED_BYTES`], so only a
+/// peer that breaks that promise meets it (and then waits, holding no more).
+pub const HELD_CAP: usize = 64 << 20;
+/// Digests announced ahead of the bytes they cover, at most.
+pub const EXPECTED_CAP: usize = 4096;
+
 /// The destination's gate: decoded bytes are held until a digest from the source covers them.
 #[derive(Debug, Default)]
 pub struct Gate {
@@ -383,8 +390,17 @@ impl Gate {
         Ok(())
     }
 
+    /// Whether more stream bytes may be taken ([`HELD_CAP`]).
+    pub fn has_room(&self) -> bool {
+        self.held.len() < HELD_CAP
+    }
+
     /// Takes a digest of the first `bytes` of the stream.
     pub fn expect(&mut self, bytes: u64, sha256: String, end: bool) -> Result<()> {
+        ensure!(
+            self.expected.len() < EXPECTED_CAP,
+            "the source announced more than {EXPECTED_CAP} digests ahead of the stream"
+        );
         let last = self.expected.back().map_or(self.released, |e| e.0);
         ensure!(
             bytes >= last && !self.expected.back().is_some_and(|e| e.2),
@@ -449,6 +465,25 @@ mod tests {
         gate.arrived(&stream[6000..]).unwrap();
         assert_eq!(gate.release().unwrap(), &stream[5000..]);
         assert!(gate.finished());
+    }
+
+    #[test]
+    fn the_gate_holds_at_most_its_cap_and_a_bounded_number_of_digests() {
+        let mut gate = Gate::default();
+        let chunk = vec![1u8; 1 << 20];
+        while gate.has_room() {
+            gate.arrived(&chunk).unwrap();
+        }
+        assert_eq!(gate.held.len(), HELD_CAP);
+        let mut gate = Gate::default();
+        for i in 0..EXPECTED_CAP as u64 {
+            gate.expect(i, String::new(), false).unwrap();
+        }
+        let err = format!(
+            "{:#}",
+            gate.expect(1 << 40, String::new(), false).unwrap_err()
+        );
+        assert!(err.contains("more than 4096 digests"), "{err}");
     }
 
     #[test]
