@@ -47,8 +47,6 @@ use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::tunnel_stream;
 use crate::refusal::Refusal;
 
-/// Bytes read from a socket per frame (as the migration stream's chunks).
-const CHUNK: usize = 64 << 10;
 /// How long the WAN may be down before a tunnelled connection is given up (libvirt's own
 /// keepalive gives up on its RPC connection after 30 s; a migration after its own timeout).
 const WAN_TIMEOUT: Duration = Duration::from_secs(120);
@@ -370,18 +368,7 @@ async fn pipe(
         if !first.is_empty() {
             session.send(out, Bytes::from(first)).await?;
         }
-        let mut buf = vec![0u8; CHUNK];
-        loop {
-            let n = read
-                .read(&mut buf)
-                .await
-                .context("reading the local socket")?;
-            if n == 0 {
-                session.barrier(out)?;
-                return Ok::<(), anyhow::Error>(());
-            }
-            session.send(out, Bytes::copy_from_slice(&buf[..n])).await?;
-        }
+        tunnel_stream::forward(&mut read, session, out).await
     };
     let downstream = async {
         loop {

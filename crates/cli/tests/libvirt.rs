@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::process::Output;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,12 +33,11 @@ fn start_domain(
 ) -> GuestLink {
     let xml = t.lab.host_dir(Site::A).join(format!("{name}.xml"));
     std::fs::write(&xml, domain_xml(name, host, disk)).unwrap();
-    ok(&virsh(
-        t,
-        Site::A,
-        &["define", &format!("/run/ferry-host/{name}.xml")],
-    ));
-    ok(&virsh(t, Site::A, &["start", name]));
+    common::succeeded(
+        "virsh",
+        &t.virsh(Site::A, &["define", &format!("/run/ferry-host/{name}.xml")]),
+    );
+    common::succeeded("virsh", &t.virsh(Site::A, &["start", name]));
     let serial_a = t.lab.host_dir(Site::A).join(format!("{name}.serial"));
     rt.block_on(async {
         let link = GuestLink::connect(&serial_a, Arc::new(Heartbeats::default()))
@@ -67,53 +65,25 @@ fn verify(t: &TestLab, rt: &tokio::runtime::Runtime, site: Site, name: &str, dis
     })
 }
 
-/// The state of `name` in `site`'s libvirt ("running", "shut off"), or None when it has no such
-/// domain.
-fn domstate(t: &TestLab, site: Site, name: &str) -> Option<String> {
-    let out = virsh(t, site, &["domstate", name]);
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
-/// This site's agent's migrations (`ferry migrations --json`).
-fn migrations(t: &TestLab, site: Site) -> Vec<serde_json::Value> {
-    let out = t
-        .lab
-        .host_command(site, common::ferry_bin())
-        .args(["migrations", "--json", "--agent"])
-        .arg(t.lab.agent_socket(site))
-        .output()
-        .unwrap();
-    let all: serde_json::Value = serde_json::from_slice(&out.stdout).expect("migrations JSON");
-    all.as_array().cloned().unwrap_or_default()
+/// Site a's agent's latest migration of `name`, which must have committed under a stream
+/// digest.
+fn committed_at_a(t: &TestLab, name: &str) -> serde_json::Value {
+    let all = t.migrations(Site::A);
+    let m = all
+        .iter()
+        .rev()
+        .find(|m| m["vm"] == name)
+        .unwrap_or_else(|| panic!("{name} not among the agent's migrations: {all:?}"))
+        .clone();
+    assert_eq!(m["state"], "committed", "{m}");
+    assert!(m["digest"].as_str().is_some_and(|d| d.len() == 64), "{m}");
+    m
 }
 
 fn wan_bytes(t: &TestLab) -> u64 {
     ferry_lab::wan::stats(&t.lab.wan_socket())
         .unwrap()
         .total_bytes()
-}
-
-/// `virsh ARGS` as a process of `site`'s host (its own libvirtd at qemu:///system).
-fn virsh(t: &TestLab, site: Site, args: &[&str]) -> Output {
-    t.lab
-        .host_command(site, "virsh")
-        .args(["-c", "qemu:///system"])
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "status {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]
@@ -133,25 +103,27 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
 
     // The user's own command: only the URIs name ferry's agent.
     let tunnels = "/run/ferry-host/tunnels/site-b";
-    ok(&virsh(
-        &t,
-        Site::A,
-        &[
-            "migrate",
-            "--live",
-            "--p2p",
-            name,
-            "--desturi",
-            &format!("qemu+unix:///system?socket={tunnels}/rpc.sock"),
-            "--migrateuri",
-            &format!("unix://{tunnels}/mig.sock"),
-        ],
-    ));
+    common::succeeded(
+        "virsh",
+        &t.virsh(
+            Site::A,
+            &[
+                "migrate",
+                "--live",
+                "--p2p",
+                name,
+                "--desturi",
+                &format!("qemu+unix:///system?socket={tunnels}/rpc.sock"),
+                "--migrateuri",
+                &format!("unix://{tunnels}/mig.sock"),
+            ],
+        ),
+    );
     drop(link);
 
     // The domain runs at site b and not at site a; its memory arrived intact.
-    assert_eq!(domstate(&t, Site::B, name).as_deref(), Some("running"));
-    assert_ne!(domstate(&t, Site::A, name).as_deref(), Some("running"));
+    assert_eq!(t.domstate(Site::B, name).as_deref(), Some("running"));
+    assert_ne!(t.domstate(Site::A, name).as_deref(), Some("running"));
     assert_eq!(
         verify(&t, &rt, Site::B, name, false),
         0,
@@ -163,13 +135,7 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
 
     // The source agent lists it, named after the domain: QEMU's stream crossed coded and was
     // fed to the destination QEMU under matching digests.
-    let all = migrations(&t, Site::A);
-    let m = all
-        .iter()
-        .find(|m| m["vm"] == name)
-        .unwrap_or_else(|| panic!("{name} not among the agent's migrations: {all:?}"));
-    assert_eq!(m["state"], "committed", "{m}");
-    assert!(m["digest"].as_str().is_some_and(|d| d.len() == 64), "{m}");
+    let m = committed_at_a(&t, name);
     let codec = &m["codec"];
     assert!(
         codec["pages"].as_u64().unwrap() > 8192,
@@ -189,7 +155,7 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let img = ferry_lab::vm::ensure_image().unwrap();
     let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
     let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
-    qemu_img(&[
+    common::qemu_img(&[
         "convert",
         "-O",
         "qcow2",
@@ -248,12 +214,12 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains(&format!("{name}.qcow2")), "{err}");
     assert_eq!(
-        domstate(&t, Site::A, name).as_deref(),
+        t.domstate(Site::A, name).as_deref(),
         Some("running"),
         "{err}"
     );
-    assert_eq!(domstate(&t, Site::B, name), None, "{err}");
-    qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
+    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+    common::qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
 
     // A stream corrupted on its way: the destination's digest check refuses it, libvirt's
     // migration fails, the domain keeps running at site a and nothing is left at site b.
@@ -270,11 +236,11 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert_eq!(
-        domstate(&t, Site::A, name).as_deref(),
+        t.domstate(Site::A, name).as_deref(),
         Some("running"),
         "{err}"
     );
-    assert_eq!(domstate(&t, Site::B, name), None, "{err}");
+    assert_eq!(t.domstate(Site::B, name), None, "{err}");
     // (through the link the test holds: a serial socket takes one client)
     let errors = rt.block_on(async { ferry_lab::guest::verify(&link, true).await.unwrap() });
     assert_eq!(errors.errors(), 0, "the source after the failed attempt");
@@ -301,9 +267,9 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     // libvirt's real pause (its stop at site a to its resume at site b), read at site b.
     let pause = v["outcome"]["downtime_ms"].as_f64().expect("the pause");
     assert!(pause > 0.0 && pause < 10_000.0, "{v}");
-    assert_eq!(domstate(&t, Site::B, name).as_deref(), Some("running"));
-    assert_eq!(domstate(&t, Site::A, name), None, "undefined at the source");
-    let info = ok(&virsh(&t, Site::B, &["dominfo", name]));
+    assert_eq!(t.domstate(Site::B, name).as_deref(), Some("running"));
+    assert_eq!(t.domstate(Site::A, name), None, "undefined at the source");
+    let info = common::succeeded("virsh", &t.virsh(Site::B, &["dominfo", name]));
     assert!(
         info.lines()
             .any(|l| l.starts_with("Persistent:") && l.ends_with("yes")),
@@ -316,20 +282,5 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     );
     let wan = wan_bytes(&t) - wan_before;
     assert!(wan > 32 << 20, "only {wan} bytes crossed the WAN");
-    let all = migrations(&t, Site::A);
-    let m = all.iter().rev().find(|m| m["vm"] == name).unwrap();
-    assert_eq!(m["state"], "committed", "{m}");
-    assert!(m["digest"].as_str().is_some_and(|d| d.len() == 64), "{m}");
-}
-
-fn qemu_img(args: &[&str]) {
-    let out = std::process::Command::new("qemu-img")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "qemu-img {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    committed_at_a(&t, name);
 }

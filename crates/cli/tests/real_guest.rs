@@ -13,7 +13,6 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 use common::TestLab;
@@ -56,32 +55,33 @@ fn domain_xml() -> String {
     )
 }
 
-fn virsh(t: &TestLab, site: Site, args: &[&str]) -> Output {
-    t.lab
-        .host_command(site, "virsh")
-        .args(["-c", "qemu:///system"])
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(what: &str, out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "{what}: status {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn qemu_img(args: &[&str]) -> String {
-    let out = std::process::Command::new("qemu-img")
-        .args(args)
-        .output()
-        .unwrap();
-    ok(&format!("qemu-img {args:?}"), &out)
+/// The VM's disk `NAME.qcow2` in each site's host directory: at site a an overlay on the
+/// guest image, at site b an empty image of the same size (no shared storage).
+fn make_disks(t: &TestLab, name: &str, base: &Path) {
+    let info = common::qemu_img(&["info", "--output=json", &base.to_string_lossy()]);
+    let size = common::json(&info)["virtual-size"].as_u64().unwrap();
+    let disk = |site| t.lab.host_dir(site).join(format!("{name}.qcow2"));
+    let base = base.to_string_lossy();
+    let (a, b) = (disk(Site::A), disk(Site::B));
+    common::qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        &base,
+        &a.to_string_lossy(),
+    ]);
+    common::qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        &b.to_string_lossy(),
+        &size.to_string(),
+    ]);
 }
 
 /// How many times the guest announced itself ready in the console file `path`.
@@ -189,45 +189,17 @@ fn a_debian_guest_with_redis_moves_with_libvirt_and_virsh_its_client_connected()
     let base = image();
     let t = TestLab::up("deb", FAST_LINK);
     // Its disk: an overlay on the image at site a; at site b an empty image of the same size.
-    let size = {
-        let info = qemu_img(&["info", "--output=json", &base.to_string_lossy()]);
-        common::json(&info)["virtual-size"].as_u64().unwrap()
-    };
-    let disk_a = t.lab.host_dir(Site::A).join(format!("{NAME}.qcow2"));
-    let disk_b = t.lab.host_dir(Site::B).join(format!("{NAME}.qcow2"));
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-F",
-        "qcow2",
-        "-b",
-        &base.to_string_lossy(),
-        &disk_a.to_string_lossy(),
-    ]);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        &disk_b.to_string_lossy(),
-        &size.to_string(),
-    ]);
+    make_disks(&t, NAME, &base);
     std::fs::write(
         t.lab.host_dir(Site::A).join(format!("{NAME}.xml")),
         domain_xml(),
     )
     .unwrap();
-    ok(
+    common::succeeded(
         "define",
-        &virsh(
-            &t,
-            Site::A,
-            &["define", &format!("/run/ferry-host/{NAME}.xml")],
-        ),
+        &t.virsh(Site::A, &["define", &format!("/run/ferry-host/{NAME}.xml")]),
     );
-    ok("start", &virsh(&t, Site::A, &["start", NAME]));
+    common::succeeded("start", &t.virsh(Site::A, &["start", NAME]));
     let console_a = t.lab.host_dir(Site::A).join(format!("{NAME}.console"));
     wait_ready(&console_a, 1);
 
@@ -258,19 +230,18 @@ fn a_debian_guest_with_redis_moves_with_libvirt_and_virsh_its_client_connected()
         .arg(t.lab.agent_socket(Site::A))
         .output()
         .unwrap();
-    let v = common::json(&ok("ferry migrate --libvirt", &out));
+    let v = common::json(&common::succeeded("ferry migrate --libvirt", &out));
     assert_eq!(v["outcome"]["completed"], true, "{v}");
     eprintln!("ferry migrate --libvirt: {}", v["outcome"]);
-    let state = ok("domstate", &virsh(&t, Site::B, &["domstate", NAME]));
+    let state = common::succeeded("domstate", &t.virsh(Site::B, &["domstate", NAME]));
     assert_eq!(state.trim(), "running");
     check_values(&mut redis, "at site b, the same connection");
 
     // Back with the user's own virsh command through site b's agent.
     let tunnels = "/run/ferry-host/tunnels/site-a";
-    ok(
+    common::succeeded(
         "virsh migrate back",
-        &virsh(
-            &t,
+        &t.virsh(
             Site::B,
             &[
                 "migrate",
@@ -290,27 +261,18 @@ fn a_debian_guest_with_redis_moves_with_libvirt_and_virsh_its_client_connected()
         ),
     );
     check_values(&mut redis, "back at site a, the same connection");
-    let listed = t
-        .lab
-        .host_command(Site::B, common::ferry_bin())
-        .args(["migrations", "--json", "--agent"])
-        .arg(t.lab.agent_socket(Site::B))
-        .output()
-        .unwrap();
-    let all = common::json(&ok("ferry migrations", &listed));
+    let all = t.migrations(Site::B);
     assert!(
-        all.as_array()
-            .unwrap()
-            .iter()
+        all.iter()
             .any(|m| m["vm"] == NAME && m["state"] == "committed"),
-        "site b's agent lists the virsh migration: {all}"
+        "site b's agent lists the virsh migration: {all:?}"
     );
     drop(redis);
 
     // The disk crossed twice: a hard reset boots the guest from it, and redis finds what it
     // saved before the first move.
     let boots = ready_lines(&console_a);
-    ok("reset", &virsh(&t, Site::A, &["reset", NAME]));
+    common::succeeded("reset", &t.virsh(Site::A, &["reset", NAME]));
     wait_ready(&console_a, boots + 1);
     let mut redis = Redis::connect(&t);
     check_values(&mut redis, "after a reset at site a, from the copied disk");
@@ -367,38 +329,14 @@ fn a_debian_guest_started_by_hand_moves_with_migrate_qmp_its_client_connected() 
         )
         .unwrap();
     }
-    let size = {
-        let info = qemu_img(&["info", "--output=json", &base.to_string_lossy()]);
-        common::json(&info)["virtual-size"].as_u64().unwrap()
-    };
-    let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
-    let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-F",
-        "qcow2",
-        "-b",
-        &base.to_string_lossy(),
-        &disk_a.to_string_lossy(),
-    ]);
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        &disk_b.to_string_lossy(),
-        &size.to_string(),
-    ]);
+    make_disks(&t, name, &base);
     let started = t
         .lab
         .host_command(Site::A, ferry_qemu::qemu_program())
         .args(spec.argv())
         .output()
         .unwrap();
-    ok("start QEMU", &started);
+    common::succeeded("start QEMU", &started);
     wait_ready(&t.lab.host_dir(Site::A).join(format!("{name}.console")), 1);
 
     let mut redis = Redis::connect(&t);
@@ -426,7 +364,7 @@ fn a_debian_guest_started_by_hand_moves_with_migrate_qmp_its_client_connected() 
         .arg(t.lab.agent_socket(Site::A))
         .output()
         .unwrap();
-    let v = common::json(&ok("ferry migrate --qmp", &out));
+    let v = common::json(&common::succeeded("ferry migrate --qmp", &out));
     assert_eq!(v["outcome"]["completed"], true, "{v}");
     eprintln!("ferry migrate --qmp: {}", v["outcome"]);
     check_values(&mut redis, "at site b, the same connection");

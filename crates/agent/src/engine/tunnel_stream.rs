@@ -31,7 +31,7 @@ use bytes::{Bytes, BytesMut};
 use ferry_api::agent::{CodecSettings, MigrationState, Phase};
 use ferry_api::EventKind;
 use ferry_qemu::stream::StreamParser;
-use ferry_wire::{Received, Session};
+use ferry_wire::{ChannelId, Received, Session};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -126,6 +126,28 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         }
         Control::Abort { reason } => bail!("the destination aborted: {reason}"),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
+    }
+}
+
+/// Sends what `from` reads on `channel` until its end of input, then a barrier there.
+pub async fn forward(
+    from: &mut (impl AsyncReadExt + Unpin),
+    session: &Session,
+    channel: ChannelId,
+) -> Result<()> {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let n = from
+            .read(&mut buf)
+            .await
+            .context("reading the local socket")?;
+        if n == 0 {
+            session.barrier(channel)?;
+            return Ok(());
+        }
+        session
+            .send(channel, Bytes::copy_from_slice(&buf[..n]))
+            .await?;
     }
 }
 
@@ -254,20 +276,10 @@ pub async fn destination(
     to_qemu: OwnedWriteHalf,
 ) -> Result<()> {
     let return_path = async {
-        let mut buf = vec![0u8; CHUNK];
-        loop {
-            let n = from_qemu
-                .read(&mut buf)
-                .await
-                .context("reading QEMU's return path")?;
-            if n == 0 {
-                session.barrier(RETURN_PATH)?;
-                return std::future::pending::<Result<()>>().await;
-            }
-            session
-                .send(RETURN_PATH, Bytes::copy_from_slice(&buf[..n]))
-                .await?;
-        }
+        forward(&mut from_qemu, session, RETURN_PATH)
+            .await
+            .context("QEMU's return path")?;
+        std::future::pending::<Result<()>>().await
     };
     let feed = async {
         let mut decoder = StreamDecoder::new(CODEC, HISTORY_CAP);

@@ -124,3 +124,58 @@ pub fn timeline(v: &serde_json::Value) -> ferry_api::Timeline {
         .expect("migrate --json names its timeline");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
+
+impl TestLab {
+    /// `virsh ARGS` as a process of `site`'s host (its own libvirtd at qemu:///system).
+    pub fn virsh(&self, site: Site, args: &[&str]) -> Output {
+        self.lab
+            .host_command(site, "virsh")
+            .args(["-c", "qemu:///system"])
+            .args(args)
+            .output()
+            .expect("run virsh")
+    }
+
+    /// The state of domain `name` in `site`'s libvirt ("running", "shut off"), or None when
+    /// it has no such domain.
+    pub fn domstate(&self, site: Site, name: &str) -> Option<String> {
+        let out = self.virsh(site, &["domstate", name]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// `site`'s agent's migrations (`ferry migrations --json`, run on that host).
+    pub fn migrations(&self, site: Site) -> Vec<serde_json::Value> {
+        let out = self
+            .lab
+            .host_command(site, ferry_bin())
+            .args(["migrations", "--json", "--agent"])
+            .arg(self.lab.agent_socket(site))
+            .output()
+            .expect("run ferry migrations");
+        let all = succeeded("ferry migrations", &out);
+        json(&all).as_array().cloned().unwrap_or_default()
+    }
+}
+
+/// The standard output of a command that must have succeeded (`what` names it otherwise).
+pub fn succeeded(what: &str, out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: status {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `qemu-img ARGS`, which must succeed; its standard output.
+pub fn qemu_img(args: &[&str]) -> String {
+    let out = Command::new("qemu-img")
+        .args(args)
+        .output()
+        .expect("run qemu-img");
+    succeeded(&format!("qemu-img {args:?}"), &out)
+}
