@@ -4,7 +4,8 @@
 //! libvirt migrates peer to peer over the agent's tunnels ([`crate::tunnel`]): its RPC to the
 //! destination's libvirtd, QEMU's stream (coded and gated by digests), the NBD disk copy. The
 //! steering is libvirt's: the downtime target (`migrate-setmaxdowntime`), the link's rate as
-//! QEMU's switchover bandwidth, auto-converge, synchronous disk writes. libvirt defines the
+//! QEMU's switchover bandwidth, auto-converge, the mirror's write-blocking mode (into the
+//! source agent's disk relay, [`crate::engine::disk::relay`]). libvirt defines the
 //! domain at the destination and undefines it at the source; when anything fails it cancels
 //! its job, resumes the source and removes the destination's copy, and this agent reports
 //! libvirt's own words.
@@ -73,9 +74,6 @@ pub async fn run(
     drop(claim);
     match result {
         Ok(()) => {
-            let finished_us = i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000;
-            // The destination's libvirt has the whole job's figures (the source undefined the
-            // domain), asked through the same tunnel its libvirt RPC took.
             let there = Libvirt::through(tunnel::socket_path(
                 &tunnels.config,
                 &req.to,
@@ -86,25 +84,9 @@ pub async fn run(
                 s.state = MigrationState::Committed;
                 s.phase = Phase::Committed;
                 s.detail = format!("{} runs at {}, defined there", req.domain, req.to);
-                match &job {
-                    // libvirt's downtime is the real pause (source stop to destination resume);
-                    // its end is taken as virsh's, a little after the resume.
-                    Ok(JobStats {
-                        downtime_ms: Some(ms),
-                        ..
-                    }) => {
-                        s.destination_resume_unix_us = Some(finished_us);
-                        s.source_stop_unix_us =
-                            Some(finished_us - i64::try_from(*ms).unwrap_or(0) * 1000);
-                    }
-                    Ok(_) => s.event(EventKind::Committed, "libvirt gave no downtime"),
-                    Err(e) => s.event(
-                        EventKind::Committed,
-                        format!("the destination's job figures: {e:#}"),
-                    ),
-                }
                 s.event(EventKind::Committed, "libvirt finished the migration");
             });
+            record_completed(&status, job);
         }
         Err(e) => {
             // libvirt resumes the source when a migration fails; say where the domain is.
@@ -217,9 +199,11 @@ fn migrate_args(
             "--disks-uri".into(),
             format!("unix://{}", socket(TunnelKind::Nbd).display()),
         ]);
-        if req.settings.disk_mode == DiskMode::Sync {
-            args.push("--copy-storage-synchronous-writes".into());
-        }
+        // QEMU's mirror in write-blocking mode: the guest's writes reach the source agent's
+        // disk relay as it makes them, and complete once buffered there (or, in the sync disk
+        // mode, once applied at the destination), so a guest that writes faster than the link
+        // is slowed to it instead of never converging.
+        args.push("--copy-storage-synchronous-writes".into());
     }
     if req.settings.converge {
         args.push("--auto-converge".into());
@@ -233,6 +217,32 @@ fn migrate_args(
         ]);
     }
     args
+}
+
+/// A completed job's figures, read from the destination's libvirt (the source's go with the
+/// domain), into the status. libvirt's downtime is the real pause, from the stop at the
+/// source to the resume at the destination; its end is taken as now, a little after the
+/// resume.
+pub(crate) fn record_completed(status: &Shared, job: Result<JobStats>) {
+    let now_us = i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000;
+    match job {
+        Ok(job) => {
+            record_job(status, &job);
+            status.update(|s| match job.downtime_ms {
+                Some(ms) => {
+                    s.destination_resume_unix_us = Some(now_us);
+                    s.source_stop_unix_us = Some(now_us - i64::try_from(ms).unwrap_or(0) * 1000);
+                }
+                None => s.event(EventKind::Committed, "libvirt gave no downtime"),
+            });
+        }
+        Err(e) => status.update(|s| {
+            s.event(
+                EventKind::Committed,
+                format!("the destination's job figures: {e:#}"),
+            );
+        }),
+    }
 }
 
 /// libvirt's job figures into the status: QEMU's progress as the CLI shows it.

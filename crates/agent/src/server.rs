@@ -66,6 +66,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             pool: pool.clone(),
             registry: migrations.clone(),
             claims: Mutex::default(),
+            relays: Mutex::default(),
         })
     });
     let agent = Arc::new(Agent {
@@ -169,11 +170,18 @@ impl Agent {
         tokio::spawn(async move {
             // The first message says what the session is for: a migration, or a tunnel.
             match tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, control::recv(&s)).await {
-                Ok(Ok(Control::Tunnel { kind, coded, .. })) => {
+                Ok(Ok(Control::Tunnel {
+                    version,
+                    kind,
+                    coded,
+                })) => {
                     tunnel::serve_destination(
                         s,
-                        kind,
-                        coded,
+                        tunnel::Carried {
+                            version,
+                            kind,
+                            coded,
+                        },
                         agent.config.libvirt.clone(),
                         &agent.config.name,
                     )
@@ -321,7 +329,7 @@ async fn admit_libvirt(agent: &Arc<Agent>, body: &[u8]) -> Result<Response, Refu
             &req.to,
             tunnel::Claimed {
                 status: status.clone(),
-                corrupt_at: req.settings.test_corrupt_at,
+                settings: req.settings.clone(),
             },
         )?;
         drop(migrations);

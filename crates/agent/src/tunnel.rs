@@ -29,12 +29,13 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::MigrationStatus;
+use ferry_api::settings::MigrationSettings;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
@@ -43,8 +44,13 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
 use crate::engine::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
+use crate::engine::disk::buffer::TransmitBuffer;
+use crate::engine::disk::mirror::memory_phase_buffer;
+use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
 use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::tunnel_stream;
+use crate::libvirt::Libvirt;
+use crate::libvirt_migration::record_completed;
 use crate::refusal::Refusal;
 
 /// How long the WAN may be down before a tunnelled connection is given up (libvirt's own
@@ -52,6 +58,9 @@ use crate::refusal::Refusal;
 const WAN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The link rate the codec's zstd level assumes when the peer's config gives none.
 const ASSUMED_LINK_MBIT: f64 = 1000.0;
+/// How long a user's own migration may take to finish at the destination once its stream was
+/// delivered (libvirt's Finish step) before its figures are given up.
+const COMPLETED_JOB_WAIT: Duration = Duration::from_secs(30);
 /// How long the destination waits for its Abort to reach the source.
 const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// How long the destination's socket may take to appear (libvirt has QEMU listen on it in its
@@ -76,14 +85,25 @@ pub struct Tunnels {
     /// Migrations this agent drives through libvirt, by peer: the next migration stream to
     /// that peer is theirs ([`Tunnels::claim`]).
     pub claims: Mutex<HashMap<String, Claimed>>,
+    /// The transmit buffers of the disk relays to each peer: when QEMU's memory stream
+    /// starts, their bound tightens to what crosses within the pause.
+    pub relays: Mutex<HashMap<String, Vec<Weak<TransmitBuffer>>>>,
 }
 
-/// A driven migration's status and what its stream should get.
+/// A driven migration's status and settings (its disk mode and buffer, its downtime target,
+/// the test hook that flips a bit of the stream).
 #[derive(Clone)]
 pub struct Claimed {
     pub status: Shared,
-    /// Test hook: flip a bit of the stream at this offset after hashing it.
-    pub corrupt_at: Option<u64>,
+    pub settings: MigrationSettings,
+}
+
+/// What a tunnel session carries, as its first control message says.
+#[derive(Debug, Clone, Copy)]
+pub struct Carried {
+    pub version: u32,
+    pub kind: TunnelKind,
+    pub coded: bool,
 }
 
 /// The claim on a peer's next migration stream, given back when dropped.
@@ -177,14 +197,15 @@ impl Tunnels {
                 .await
                 .context("reading the first bytes of the migration socket")?;
         }
-        let coded = first == ferry_qemu::stream::MAGIC;
+        // QEMU's main stream crosses coded; so do disk writes, through the relay.
+        let coded = first == ferry_qemu::stream::MAGIC || kind == TunnelKind::Nbd;
         let addr = tokio::net::lookup_host(&peer.address)
             .await
             .with_context(|| format!("peer {peer_name:?}: address {:?}", peer.address))?
             .next()
             .ok_or_else(|| anyhow!("peer {peer_name:?}: {:?} resolves to nothing", peer.address))?;
         let session = Session::new(SessionId::random(), SessionConfig::default());
-        let (events, mut link_events) = tokio::sync::mpsc::unbounded_channel();
+        let (events, link_events) = tokio::sync::mpsc::unbounded_channel();
         let _connections = keep_connected(
             session.clone(),
             Peer {
@@ -208,35 +229,52 @@ impl Tunnels {
         )
         .await?;
         tracing::info!("tunnel {kind:?} to {peer_name}: session {}", session.id());
-        let result = if coded {
-            let claimed = self
-                .claims
-                .lock()
-                .expect("claims lock")
-                .get(peer_name)
-                .cloned();
-            let driven = claimed.is_some();
-            let (status, corrupt_at) = match claimed {
-                Some(c) => (c.status, c.corrupt_at),
-                None => (self.register_unclaimed(peer_name, &session), None),
+        let claimed = self
+            .claims
+            .lock()
+            .expect("claims lock")
+            .get(peer_name)
+            .cloned();
+        let link = peer.rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
+        let result = if kind == TunnelKind::Nbd {
+            let settings = claimed.as_ref().map(|c| &c.settings);
+            let status = match &claimed {
+                Some(c) => c.status.clone(),
+                // Figures nobody reads: a user's own migration is listed by its memory stream.
+                None => Shared::new(MigrationStatus::starting(
+                    session.id().to_string(),
+                    "(a libvirt disk)".into(),
+                    now_ms(),
+                )),
             };
-            // What is buffered here still has to cross after QEMU stops the VM: the window is
-            // ferry's own (twice the link's bandwidth-delay product), not the session's default
-            // 4 MiB (a third of a second at 100 Mbit/s).
-            let (sizing, rate) = (session.clone(), peer.rate_mbit);
-            let recording = status.clone();
-            tokio::spawn(async move {
-                while let Some(event) = link_events.recv().await {
-                    if let LinkEvent::Connected { rtt, .. } = event {
-                        let rtt_ms = rtt.as_secs_f64() * 1e3;
-                        sizing.set_send_limit(crate::engine::source::send_window(rate, rtt_ms));
-                        recording.update(|s| s.wire.rtt_ms = Some(rtt_ms));
-                        return;
-                    }
-                }
+            size_window(&session, link_events, peer.rate_mbit, None);
+            let defaults = MigrationSettings::default();
+            let settings = settings.unwrap_or(&defaults);
+            let relay = RelaySource::new(RelaySettings {
+                mode: settings.disk_mode,
+                buffer_bytes: settings.disk_buffer_mib << 20,
             });
+            self.relays
+                .lock()
+                .expect("relays lock")
+                .entry(peer_name.clone())
+                .or_default()
+                .push(relay.buffer());
+            let carried = relay.run(conn, &session, settings.codec, status);
+            within_wan_timeout(&session, carried).await
+        } else if coded {
+            let driven = claimed.is_some();
+            let (status, corrupt_at, downtime_ms) = match claimed {
+                Some(c) => (c.status, c.settings.test_corrupt_at, c.settings.downtime_ms),
+                None => (
+                    self.register_unclaimed(peer_name, &session),
+                    None,
+                    MigrationSettings::default().downtime_ms,
+                ),
+            };
+            self.memory_phase(peer_name, link, downtime_ms);
+            size_window(&session, link_events, peer.rate_mbit, Some(status.clone()));
             let (read, write) = conn.into_split();
-            let link = peer.rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
             let carried = tunnel_stream::source(
                 tunnel_stream::Source {
                     first,
@@ -250,6 +288,11 @@ impl Tunnels {
             );
             let result = within_wan_timeout(&session, carried).await;
             tunnel_stream::conclude(&status, &session, &result, !driven);
+            if !driven && result.is_ok() {
+                let there =
+                    Libvirt::through(socket_path(&self.config, peer_name, TunnelKind::LibvirtRpc));
+                tokio::spawn(completed_job(there, status));
+            }
             result
         } else {
             pipe(conn, first, &session, STREAM, RETURN_PATH).await
@@ -260,6 +303,20 @@ impl Tunnels {
 }
 
 impl Tunnels {
+    /// QEMU's memory stream to `peer` began: what the disk relays to it buffer must now cross
+    /// within the pause.
+    fn memory_phase(&self, peer: &str, link_rate_mbit: f64, downtime_ms: u64) {
+        let mut relays = self.relays.lock().expect("relays lock");
+        let Some(buffers) = relays.get_mut(peer) else {
+            return;
+        };
+        buffers.retain(|b| b.strong_count() > 0);
+        let limit = memory_phase_buffer(link_rate_mbit, downtime_ms);
+        for buffer in buffers.iter().filter_map(Weak::upgrade) {
+            buffer.set_limit(limit);
+        }
+    }
+
     /// Lists a migration stream nobody here drives (a user's own `virsh migrate`), named
     /// after the domain libvirt says is migrating out.
     fn register_unclaimed(&self, peer_name: &str, session: &Session) -> Shared {
@@ -284,6 +341,52 @@ impl Tunnels {
     }
 }
 
+/// What is buffered here still has to cross after QEMU stops the VM: the session's window
+/// becomes ferry's own (twice the link's bandwidth-delay product) once the first connection
+/// measured the round trip, not the default 4 MiB (a third of a second at 100 Mbit/s).
+fn size_window(
+    session: &Session,
+    mut link_events: tokio::sync::mpsc::UnboundedReceiver<LinkEvent>,
+    rate_mbit: Option<f64>,
+    recording: Option<Shared>,
+) {
+    let sizing = session.clone();
+    tokio::spawn(async move {
+        while let Some(event) = link_events.recv().await {
+            if let LinkEvent::Connected { rtt, .. } = event {
+                let rtt_ms = rtt.as_secs_f64() * 1e3;
+                sizing.set_send_limit(crate::engine::source::send_window(rate_mbit, rtt_ms));
+                if let Some(status) = recording {
+                    status.update(|s| s.wire.rtt_ms = Some(rtt_ms));
+                }
+                return;
+            }
+        }
+    });
+}
+
+/// A user's own migration was delivered: once libvirt finished it at the destination, the
+/// whole job's figures (the real pause among them) from there, as for one ferry drives.
+async fn completed_job(there: Libvirt, status: Shared) {
+    let deadline = tokio::time::Instant::now() + COMPLETED_JOB_WAIT;
+    let mut job = Err(anyhow!(
+        "libvirt's migration did not finish within {}s",
+        COMPLETED_JOB_WAIT.as_secs()
+    ));
+    while tokio::time::Instant::now() < deadline {
+        // Named meanwhile by the source's libvirt; several candidates cannot be told apart.
+        let vm = status.get().vm;
+        if !vm.contains(" or ") && !vm.starts_with('(') {
+            job = there.job(&vm, true).await;
+            if job.as_ref().is_ok_and(|j| j.downtime_ms.is_some()) {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    record_completed(&status, job);
+}
+
 /// The domain migrating out through this tunnel, as the source's libvirt names it (one
 /// name, or the candidates when several migrate at once).
 async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
@@ -301,12 +404,22 @@ async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
 /// and carries both ways.
 pub async fn serve_destination(
     session: Session,
-    kind: TunnelKind,
-    coded: bool,
+    carried: Carried,
     config: Option<LibvirtConfig>,
     own_name: &str,
 ) {
+    let Carried {
+        version,
+        kind,
+        coded,
+    } = carried;
     let result = async {
+        if version != CONTROL_VERSION {
+            bail!(
+                "the source agent speaks control version {version}, this one {CONTROL_VERSION}: \
+                 run the same ferry release on both hosts"
+            );
+        }
         let config = config.ok_or_else(|| {
             anyhow!("this agent carries no libvirt tunnels (no [libvirt] section in its config)")
         })?;
@@ -314,6 +427,9 @@ pub async fn serve_destination(
             TunnelKind::LibvirtRpc => config.socket.clone(),
             TunnelKind::Migration | TunnelKind::Nbd => socket_path(&config, own_name, kind),
         };
+        if kind == TunnelKind::Nbd && coded {
+            return within_wan_timeout(&session, relay::destination(&session, &target)).await;
+        }
         let conn = connect_when_there(&target).await?;
         if coded {
             let (read, write) = conn.into_split();

@@ -43,7 +43,9 @@ pub struct DiskPlan {
 /// 2: `Prepare.destination` (was `destination_qmp`); `Tunnel`.
 /// 3: `Tunnel.coded`, `Checkpoint`, `Delivered` (a version-2 peer would pass a coded stream on
 /// as raw bytes).
-pub const CONTROL_VERSION: u32 = 3;
+/// 4: a coded NBD tunnel is a disk relay (`NbdExport`, `NbdExportOpened`); the destination
+/// refuses a tunnel of another version.
+pub const CONTROL_VERSION: u32 = 4;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,6 +126,16 @@ pub enum Control {
     },
     /// Either side: the migration stops here, for this reason. The source resumes its VM.
     Abort { reason: String },
+    /// Source, on a disk relay ([`crate::engine::disk::relay`]): QEMU's mirror asks for this
+    /// export of the destination QEMU's NBD server.
+    NbdExport { name: String, codec: CodecSettings },
+    /// Destination, on a disk relay: the export is open and this large, or why not.
+    NbdExportOpened {
+        #[serde(default)]
+        size: Option<u64>,
+        #[serde(default)]
+        error: Option<String>,
+    },
     /// Source, instead of `Prepare`: this session carries one unix-socket connection to the
     /// destination's socket of this kind ([`crate::tunnel`]).
     Tunnel {
@@ -131,7 +143,9 @@ pub enum Control {
         version: u32,
         kind: TunnelKind,
         /// The connection carries QEMU's main migration stream, coded and digest-gated
-        /// ([`crate::engine::tunnel_stream`]); otherwise its bytes cross as they are.
+        /// ([`crate::engine::tunnel_stream`]), or (on an NBD tunnel) QEMU's mirror, answered
+        /// at the source ([`crate::engine::disk::relay`]); otherwise its bytes cross as they
+        /// are.
         #[serde(default)]
         coded: bool,
     },

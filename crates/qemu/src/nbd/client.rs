@@ -275,7 +275,10 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             r if r & (1 << 31) != 0 => {
                 let message = String::from_utf8_lossy(&data).into_owned();
                 if r == REP_ERR_UNKNOWN {
-                    return Err(NbdError::NoSuchExport(format!("{name} ({message})")));
+                    return Err(NbdError::NoSuchExport {
+                        name: name.to_owned(),
+                        message,
+                    });
                 }
                 return Err(NbdError::Refused {
                     option,

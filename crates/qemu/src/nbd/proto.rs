@@ -110,8 +110,8 @@ pub enum NbdError {
     },
     #[error("nbd: unexpected reply to option {option}: {detail}")]
     UnexpectedReply { option: u32, detail: String },
-    #[error("nbd: server has no export {0:?}")]
-    NoSuchExport(String),
+    #[error("nbd: no export {name:?}: {message}")]
+    NoSuchExport { name: String, message: String },
     #[error("nbd: {command} at {offset}+{len} failed with errno {errno}")]
     Command {
         command: &'static str,

@@ -45,11 +45,36 @@ pub trait Blocks: Send + Sync + 'static {
     }
 }
 
-/// The one export a server offers.
+/// An export a server offers.
 #[derive(Debug, Clone)]
 pub struct Export {
     pub name: String,
     pub size: u64,
+}
+
+/// Where a server finds the export a client names during the handshake: one fixed export, or
+/// one only known when asked for (a relay that opens the same export far away).
+pub trait Exports: Send + Sync {
+    /// The export called `name` (empty: the default one), or why there is none, which the
+    /// client is told.
+    fn find(&self, name: &str) -> impl Future<Output = Result<Export, String>> + Send;
+    /// The names NBD_OPT_LIST shows.
+    fn names(&self) -> Vec<String>;
+}
+
+impl Exports for Export {
+    async fn find(&self, name: &str) -> Result<Export, String> {
+        // An empty name means "the default export", which is the only one.
+        if name.is_empty() || name == self.name {
+            Ok(self.clone())
+        } else {
+            Err(format!("this server offers {:?}", self.name))
+        }
+    }
+
+    fn names(&self) -> Vec<String> {
+        vec![self.name.clone()]
+    }
 }
 
 /// How a served connection ended without an error.
@@ -82,18 +107,33 @@ where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     B: Blocks,
 {
-    let mut stream = stream;
-    if !handshake(&mut stream, export).await? {
-        return Ok(ServeEnd::HandshakeAborted);
-    }
-    transmission(stream, export, blocks).await
+    serve_any(stream, export, blocks).await
 }
 
-/// The fixed-newstyle handshake. True when the client chose the export and transmission
-/// begins; false when it aborted.
-async fn handshake<S>(stream: &mut S, export: &Export) -> Result<bool, NbdError>
+/// Serves the export the client chooses among `exports` until it disconnects.
+pub async fn serve_any<S, E, B>(
+    stream: S,
+    exports: &E,
+    blocks: Arc<B>,
+) -> Result<ServeEnd, NbdError>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    E: Exports,
+    B: Blocks,
+{
+    let mut stream = stream;
+    let Some(export) = handshake(&mut stream, exports).await? else {
+        return Ok(ServeEnd::HandshakeAborted);
+    };
+    transmission(stream, &export, blocks).await
+}
+
+/// The fixed-newstyle handshake. The export the client chose when transmission begins; None
+/// when it aborted.
+async fn handshake<S, E>(stream: &mut S, exports: &E) -> Result<Option<Export>, NbdError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
+    E: Exports,
 {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
@@ -104,7 +144,7 @@ where
 
     let client_flags = match stream.read_u32().await {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e.into()),
     };
     if client_flags & FLAG_C_FIXED_NEWSTYLE == 0
@@ -118,7 +158,7 @@ where
     loop {
         let magic = match stream.read_u64().await {
             Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
             Err(e) => return Err(e.into()),
         };
         if magic != IHAVEOPT {
@@ -140,9 +180,10 @@ where
             OPT_EXPORT_NAME => {
                 // No way to refuse here but to close (the reason of NBD_OPT_GO's existence).
                 let name = String::from_utf8_lossy(&data).into_owned();
-                if name != export.name {
-                    return Err(NbdError::NoSuchExport(name));
-                }
+                let export = match exports.find(&name).await {
+                    Ok(export) => export,
+                    Err(message) => return Err(NbdError::NoSuchExport { name, message }),
+                };
                 let mut reply = Vec::with_capacity(10 + 124);
                 reply.extend_from_slice(&export.size.to_be_bytes());
                 reply.extend_from_slice(&tflags.to_be_bytes());
@@ -151,22 +192,20 @@ where
                 }
                 stream.write_all(&reply).await?;
                 stream.flush().await?;
-                return Ok(true);
+                return Ok(Some(export));
             }
             OPT_GO | OPT_INFO => {
                 let Some(go) = GoRequest::decode(&data) else {
                     option_error(stream, option, REP_ERR_INVALID, "malformed request").await?;
                     continue;
                 };
-                // An empty name means "the default export", which is the only one.
-                if !go.name.is_empty() && go.name != export.name {
-                    let msg = format!(
-                        "no export {:?} here (this server offers {:?})",
-                        go.name, export.name
-                    );
-                    option_error(stream, option, REP_ERR_UNKNOWN, &msg).await?;
-                    continue;
-                }
+                let export = match exports.find(&go.name).await {
+                    Ok(export) => export,
+                    Err(msg) => {
+                        option_error(stream, option, REP_ERR_UNKNOWN, &msg).await?;
+                        continue;
+                    }
+                };
                 let mut info = Vec::with_capacity(12);
                 info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 info.extend_from_slice(&export.size.to_be_bytes());
@@ -182,21 +221,23 @@ where
                 }
                 option_reply(stream, option, REP_ACK, &[]).await?;
                 if option == OPT_GO {
-                    return Ok(true);
+                    return Ok(Some(export));
                 }
             }
             OPT_LIST => {
-                let name_len = u32::try_from(export.name.len()).expect("short export name");
-                let mut entry = Vec::with_capacity(4 + export.name.len());
-                entry.extend_from_slice(&name_len.to_be_bytes());
-                entry.extend_from_slice(export.name.as_bytes());
-                option_reply(stream, option, REP_SERVER, &entry).await?;
+                for name in exports.names() {
+                    let name_len = u32::try_from(name.len()).expect("short export name");
+                    let mut entry = Vec::with_capacity(4 + name.len());
+                    entry.extend_from_slice(&name_len.to_be_bytes());
+                    entry.extend_from_slice(name.as_bytes());
+                    option_reply(stream, option, REP_SERVER, &entry).await?;
+                }
                 option_reply(stream, option, REP_ACK, &[]).await?;
             }
             OPT_ABORT => {
                 // The client may already have closed; a failed courtesy reply is no error.
                 let _ = option_reply(stream, option, REP_ACK, &[]).await;
-                return Ok(false);
+                return Ok(None);
             }
             _ => {
                 let msg = format!("option {option} is not supported by ferry's NBD server");

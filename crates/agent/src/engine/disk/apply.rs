@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use tokio::net::UnixStream;
 use tokio::task::JoinSet;
 
-use super::{ack_frame, codec_options, hash_op, Frame};
+use super::{ack_frame, codec_options, digest_so_far, hash_op, Digest32, Frame};
 use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
 
 /// Requests in flight per migration: XvMotion's 32 outstanding IOs per destination volume.
@@ -43,10 +43,27 @@ type NbdClient = Client<UnixStream>;
 pub struct DestinationDisks {
     clients: Vec<Arc<NbdClient>>,
     plans: Vec<DiskPlan>,
-    socket: PathBuf,
+    /// The NBD server's socket when this agent started it.
+    socket: Option<PathBuf>,
 }
 
 impl DestinationDisks {
+    /// One disk whose export someone else made (libvirt, for [`super::relay`]).
+    pub fn adopt(client: NbdClient, plan: DiskPlan) -> DestinationDisks {
+        DestinationDisks {
+            clients: vec![Arc::new(client)],
+            plans: vec![plan],
+            socket: None,
+        }
+    }
+
+    /// Ends the connections to the exports.
+    pub async fn disconnect(&self) {
+        for c in &self.clients {
+            let _ = c.disconnect().await;
+        }
+    }
+
     /// Exports every planned disk of the destination QEMU and connects to each export.
     pub async fn start(
         qmp: &Qmp,
@@ -94,7 +111,7 @@ impl DestinationDisks {
         Ok(DestinationDisks {
             clients,
             plans: plans.to_vec(),
-            socket,
+            socket: Some(socket),
         })
     }
 
@@ -149,6 +166,7 @@ impl DestinationDisks {
             ranges: BTreeMap::new(),
             next_id: 0,
             snapshots: BTreeMap::new(),
+            digests: BTreeMap::new(),
             acked: 0,
         };
         let mut decoder = DiskDecoder::new(codec_options(codec));
@@ -199,6 +217,7 @@ impl DestinationDisks {
                 applier.apply(frame.seq, op).await?;
             }
             if frame.last_of_snapshot {
+                applier.digests.insert(frame.seq, digest_so_far(&hash));
                 applier
                     .snapshots
                     .get_mut(&frame.seq)
@@ -211,13 +230,13 @@ impl DestinationDisks {
 
     /// Ends the exports: the destination QEMU's NBD server stops (before it resumes).
     pub async fn stop(&self, qmp: &Qmp) -> Result<()> {
-        for c in &self.clients {
-            let _ = c.disconnect().await;
-        }
+        self.disconnect().await;
         qmp.execute(&NbdServerStop)
             .await
             .context("stopping the destination QEMU's NBD server")?;
-        let _ = std::fs::remove_file(&self.socket);
+        if let Some(socket) = &self.socket {
+            let _ = std::fs::remove_file(socket);
+        }
         Ok(())
     }
 }
@@ -232,6 +251,8 @@ struct Applier<'a> {
     next_id: u64,
     /// snapshot -> (requests outstanding, all its frames seen).
     snapshots: BTreeMap<u64, (usize, bool)>,
+    /// snapshot -> the digest of the operations through it, until acknowledged.
+    digests: BTreeMap<u64, Digest32>,
     acked: u64,
 }
 
@@ -332,7 +353,12 @@ impl Applier<'_> {
         }
         if applied > self.acked {
             self.acked = applied;
-            self.session.send(DISK_ACK, ack_frame(applied)).await?;
+            let last = applied - 1;
+            let digest = self.digests[&last];
+            self.digests = self.digests.split_off(&applied);
+            self.session
+                .send(DISK_ACK, ack_frame(applied, &digest))
+                .await?;
         }
         Ok(())
     }

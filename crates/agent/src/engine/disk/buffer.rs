@@ -18,6 +18,9 @@ use bytes::Bytes;
 use ferry_codec::DiskOp;
 use tokio::sync::{watch, Notify};
 
+/// The applied count once acknowledgements stopped.
+const STOPPED: u64 = u64::MAX;
+
 /// What a piece of a snapshot does to its range.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Extent {
@@ -362,16 +365,17 @@ impl TransmitBuffer {
     }
 
     /// Waits until snapshot `seq` has been applied at the destination. None if the buffer's
-    /// acknowledgements stopped (the migration ended).
+    /// acknowledgements stopped first (the migration ended without it).
     pub async fn wait_applied(&self, seq: u64) -> Option<()> {
         let mut rx = self.applied.subscribe();
-        rx.wait_for(|v| *v > seq).await.ok().map(|_| ())
+        let applied = *rx.wait_for(|v| *v > seq).await.ok()?;
+        (applied != STOPPED).then_some(())
     }
 
-    /// Fails every waiter of [`TransmitBuffer::wait_applied`] (their writes did not reach the
-    /// destination; the migration is over, and the source keeps its own disk).
+    /// Ends every wait in [`TransmitBuffer::wait_applied`], now and later, with None (their
+    /// writes did not reach the destination; the migration is over).
     pub fn stop_acknowledging(&self) {
-        self.applied.send_modify(|v| *v = u64::MAX);
+        self.applied.send_modify(|v| *v = STOPPED);
     }
 }
 

@@ -29,13 +29,22 @@ use tokio::task::JoinHandle;
 
 use super::backing::backing_of;
 use super::buffer::{Extent, TransmitBuffer};
-use super::{codec_options, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
+use super::SentDigests;
+use super::{codec_options, digest_so_far, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
 use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
 use crate::engine::status::Shared;
 
 /// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
 const MIN_MEMORY_PHASE_BUFFER: u64 = 256 << 10;
+
+/// The transmit buffer's bound in the memory phase: what a link of `rate_mbit` drains in a
+/// third of the downtime target (what is buffered at the pause crosses within the pause).
+pub fn memory_phase_buffer(rate_mbit: f64, downtime_ms: u64) -> u64 {
+    let drain = rate_mbit * 1e6 / 8.0 * downtime_ms as f64 / 3000.0;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    (drain as u64).max(MIN_MEMORY_PHASE_BUFFER)
+}
 
 /// What QEMU's mirror writes into: one disk's view of the shared transmit buffer.
 struct MirrorTarget {
@@ -52,9 +61,18 @@ impl MirrorTarget {
             .await
             .map_err(|_| proto::ESHUTDOWN)?;
         if self.buffer.is_synchronous() {
-            self.buffer.wait_applied(seq).await.ok_or(proto::EIO)?;
+            self.released(seq).await;
         }
         Ok(())
+    }
+
+    /// Waits until snapshot `seq` was applied at the destination, or the migration ended:
+    /// then the guest's write is released all the same (the source's own disk holds it, and
+    /// the source keeps running on that disk).
+    async fn released(&self, seq: u64) {
+        if self.buffer.wait_applied(seq).await.is_none() {
+            tracing::debug!(seq, "a synchronous write released: the migration ended");
+        }
     }
 }
 
@@ -77,7 +95,7 @@ impl Blocks for MirrorTarget {
     async fn flush(&self) -> Result<(), u32> {
         let seq = self.buffer.flush(self.disk).map_err(|_| proto::ESHUTDOWN)?;
         if self.buffer.is_synchronous() {
-            self.buffer.wait_applied(seq).await.ok_or(proto::EIO)?;
+            self.released(seq).await;
         }
         Ok(())
     }
@@ -191,7 +209,8 @@ impl SourceDisks {
             servers.push(tokio::spawn(serve_mirror(listener, export, target)));
             sockets.push(sock);
         }
-        let acks = tokio::spawn(take_acks(session.clone(), buffer.clone()));
+        let digests = Arc::new(SentDigests::default());
+        let acks = tokio::spawn(take_acks(session.clone(), buffer.clone(), digests.clone()));
         let report = DiskReport {
             mode,
             disks: u32::try_from(plans.len()).expect("at most 255 disks"),
@@ -204,12 +223,15 @@ impl SourceDisks {
         // and the ones the destination holds go as SAME.
         let zero_first = base.is_none();
         let sender = tokio::spawn(send_snapshots(
-            buffer.clone(),
-            session.clone(),
-            codec,
+            Sending {
+                buffer: buffer.clone(),
+                session: session.clone(),
+                digests,
+                codec,
+                report,
+                status,
+            },
             base,
-            report,
-            status,
         ));
         let mut disks = SourceDisks {
             buffer,
@@ -292,10 +314,8 @@ impl SourceDisks {
             DiskMode::Cloudnet => self.buffer.set_synchronous(true),
             DiskMode::Async => {
                 if let Some(rate) = link_rate_mbit {
-                    let drain = rate * 1e6 / 8.0 * downtime_ms as f64 / 3000.0;
-                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
                     self.buffer
-                        .set_limit((drain as u64).max(MIN_MEMORY_PHASE_BUFFER));
+                        .set_limit(memory_phase_buffer(rate, downtime_ms));
                 }
             }
             DiskMode::Sync => {}
@@ -411,9 +431,18 @@ async fn serve_mirror(listener: UnixListener, export: Export, target: Arc<Mirror
     }
 }
 
-async fn take_acks(session: Session, buffer: Arc<TransmitBuffer>) {
+/// Takes the destination's acknowledgements: a snapshot counts as applied once the digest
+/// through it matches what was sent.
+pub(super) async fn take_acks(
+    session: Session,
+    buffer: Arc<TransmitBuffer>,
+    digests: Arc<SentDigests>,
+) {
     while let Ok(Received::Data(b)) = session.recv(DISK_ACK).await {
-        match parse_ack(&b) {
+        match parse_ack(&b).and_then(|(applied, digest)| {
+            digests.check(applied, &digest)?;
+            Ok(applied)
+        }) {
             Ok(applied) => buffer.applied(applied),
             Err(e) => {
                 session.fail(format!("from the destination: {e}"));
@@ -424,15 +453,30 @@ async fn take_acks(session: Session, buffer: Arc<TransmitBuffer>) {
     buffer.stop_acknowledging();
 }
 
+/// What the disk sender needs: the buffer it empties, the session it sends on, where it
+/// keeps each snapshot's digest, how it codes and where it reports.
+pub(super) struct Sending {
+    pub buffer: Arc<TransmitBuffer>,
+    pub session: Session,
+    pub digests: Arc<SentDigests>,
+    pub codec: CodecSettings,
+    pub report: DiskReport,
+    pub status: Shared,
+}
+
 /// Sends snapshots until the buffer closes; returns how many and the operations' digest.
-async fn send_snapshots(
-    buffer: Arc<TransmitBuffer>,
-    session: Session,
-    codec: CodecSettings,
+pub(super) async fn send_snapshots(
+    sending: Sending,
     mut base: Option<DiskBase>,
-    mut report: DiskReport,
-    status: Shared,
 ) -> Result<(u64, String)> {
+    let Sending {
+        buffer,
+        session,
+        digests,
+        codec,
+        mut report,
+        status,
+    } = sending;
     let mut encoder = DiskEncoder::new(codec_options(codec));
     let level = zstd_level(codec);
     let mut zstd = BatchCompressor::default();
@@ -460,6 +504,10 @@ async fn send_snapshots(
             }
             encoder.encode(&op, &mut records);
             let last = ops.peek().is_none();
+            if last {
+                // Before the frame goes: its acknowledgement may come back at once.
+                digests.record(seq, digest_so_far(&hash));
+            }
             if records.len() >= FRAME_RECORDS || last {
                 let flags = if last { LAST_OF_SNAPSHOT } else { 0 };
                 let frame = Frame::encode(seq, flags, &records, level, &mut zstd);

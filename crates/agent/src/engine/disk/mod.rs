@@ -8,10 +8,14 @@
 //! ([`ferry_codec::BatchCompressor`], one zstd context per channel) over disk records
 //! ([`ferry_codec::disk`]). Flag 1: the
 //! last frame of snapshot `seq`; flag 2: the last frame of all (the buffer closed; `seq` is the
-//! number of snapshots sent). Acknowledgement frame: `applied: u64 LE`, every snapshot below it.
+//! number of snapshots sent). Acknowledgement frame: `applied: u64 LE | sha256: [u8; 32]`,
+//! every snapshot below `applied`, and the digest of their operations.
 //!
 //! Both ends hash the operations (not the bytes on the wire, so that a codec fault shows
-//! too); the destination commits only when the hashes match ([`Control::DiskEnd`]).
+//! too): every acknowledgement carries the destination's digest through the snapshots it
+//! applied, which the source checks against its own before it lets anything wait on them
+//! proceed ([`SentDigests`]); the destination commits only when the final hashes match
+//! ([`Control::DiskEnd`]).
 //!
 //! [`Control::DiskEnd`]: crate::engine::control::Control::DiskEnd
 
@@ -19,6 +23,10 @@ pub mod apply;
 pub mod backing;
 pub mod buffer;
 pub mod mirror;
+pub mod relay;
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 use anyhow::{bail, Result};
 use bytes::{BufMut, Bytes, BytesMut};
@@ -92,17 +100,56 @@ impl Frame {
     }
 }
 
-pub fn ack_frame(applied: u64) -> Bytes {
-    let mut b = BytesMut::with_capacity(8);
+/// The SHA-256 of the disk operations through some snapshot.
+pub type Digest32 = [u8; 32];
+
+pub fn ack_frame(applied: u64, digest: &Digest32) -> Bytes {
+    let mut b = BytesMut::with_capacity(40);
     b.put_u64_le(applied);
+    b.put_slice(digest);
     b.freeze()
 }
 
-pub fn parse_ack(b: &[u8]) -> Result<u64> {
-    match <[u8; 8]>::try_from(b) {
-        Ok(a) => Ok(u64::from_le_bytes(a)),
-        Err(_) => bail!("disk acknowledgement of {} bytes (8 expected)", b.len()),
+pub fn parse_ack(b: &[u8]) -> Result<(u64, Digest32)> {
+    if b.len() != 40 {
+        bail!("disk acknowledgement of {} bytes (40 expected)", b.len());
     }
+    let applied = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+    Ok((applied, b[8..].try_into().expect("32 bytes")))
+}
+
+/// The source's digest through each snapshot sent, kept until the destination acknowledges
+/// that snapshot with its own.
+#[derive(Default)]
+pub struct SentDigests(Mutex<BTreeMap<u64, Digest32>>);
+
+impl SentDigests {
+    /// Snapshot `seq` was sent; the operations through it hash to `digest`.
+    pub fn record(&self, seq: u64, digest: Digest32) {
+        self.0.lock().expect("digests lock").insert(seq, digest);
+    }
+
+    /// The destination applied every snapshot below `applied`, and their operations hash to
+    /// `digest` there.
+    pub fn check(&self, applied: u64, digest: &Digest32) -> Result<()> {
+        let Some(last) = applied.checked_sub(1) else {
+            bail!("the destination acknowledged no snapshot");
+        };
+        let mut sent = self.0.lock().expect("digests lock");
+        let Some(ours) = sent.get(&last).copied() else {
+            bail!("the destination acknowledged snapshot {last}, which was not sent");
+        };
+        *sent = sent.split_off(&last);
+        if &ours != digest {
+            bail!("the disk writes applied at the destination differ from those sent (digests through snapshot {last})");
+        }
+        Ok(())
+    }
+}
+
+/// The digest of what `h` has hashed so far.
+pub fn digest_so_far(h: &Sha256) -> Digest32 {
+    h.clone().finalize().into()
 }
 
 /// Adds one operation to a digest both ends compute the same way.
@@ -170,7 +217,26 @@ mod tests {
             Frame::decode(Bytes::from(bad)).unwrap_err().to_string(),
             "disk frame with unknown flags 0x80"
         );
-        assert_eq!(parse_ack(&ack_frame(42)).unwrap(), 42);
+        assert_eq!(parse_ack(&ack_frame(42, &[7; 32])).unwrap(), (42, [7; 32]));
         assert!(parse_ack(b"123").is_err());
+    }
+
+    #[test]
+    fn acknowledgements_are_checked_against_what_was_sent() {
+        let sent = SentDigests::default();
+        sent.record(0, [1; 32]);
+        sent.record(1, [2; 32]);
+        sent.record(2, [3; 32]);
+        sent.check(2, &[2; 32]).unwrap();
+        // Snapshots before an acknowledged one are forgotten.
+        assert!(sent.check(1, &[1; 32]).is_err());
+        assert_eq!(
+            sent.check(3, &[9; 32]).unwrap_err().to_string(),
+            "the disk writes applied at the destination differ from those sent (digests through snapshot 2)"
+        );
+        assert_eq!(
+            sent.check(5, &[0; 32]).unwrap_err().to_string(),
+            "the destination acknowledged snapshot 4, which was not sent"
+        );
     }
 }

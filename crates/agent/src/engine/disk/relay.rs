@@ -1,0 +1,532 @@
+//! libvirt's disk copy through the agents ([`crate::tunnel`]). With `--copy-storage-all
+//! --disks-uri`, libvirt's source QEMU mirrors each disk into an NBD export its destination
+//! QEMU serves. Carried as it is, every write waits a WAN round trip and QEMU's mirror keeps
+//! only a few in flight (about 9 MB/s over a 10 ms link). Instead the source agent answers
+//! the mirror itself, as it does for ferry's own mirror ([`super::mirror`]): writes join the
+//! transmit buffer and complete there, cross as coded snapshots, and the destination agent
+//! writes them into the destination QEMU's export ([`super::apply`]).
+//!
+//! The guarantee: a flush completes only once every write before it was applied and flushed
+//! at the destination, under matching digests ([`super::SentDigests`]). QEMU's mirror flushes
+//! its target before it completes, and libvirt resumes the destination only after the mirror
+//! completed, so the destination never runs on a disk short of a write; a failure anywhere
+//! fails that flush, the mirror, and libvirt's migration, and the source keeps running.
+//!
+//! One tunnel session per NBD connection (one per disk): the source asks for the export QEMU
+//! names ([`Control::NbdExport`]), the destination opens it on its QEMU's NBD server and
+//! answers with its size ([`Control::NbdExportOpened`]); at the end the source sends the
+//! operations' digest ([`Control::DiskEnd`]).
+
+use std::path::Path;
+use std::sync::{Arc, Weak};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
+use ferry_qemu::nbd::{self, proto, Blocks, Client, Export, Exports};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, Mutex};
+
+use super::apply::DestinationDisks;
+use super::buffer::{Extent, TransmitBuffer};
+use super::mirror::{send_snapshots, take_acks, Sending};
+use super::SentDigests;
+use crate::engine::control::{self, Control, DiskPlan};
+use crate::engine::status::Shared;
+use ferry_wire::Session;
+
+/// How one relayed disk copy is carried.
+#[derive(Debug, Clone, Copy)]
+pub struct RelaySettings {
+    /// Synchronous: a write completes once applied at the destination (ferry's `sync` disk
+    /// mode); otherwise once buffered here.
+    pub mode: DiskMode,
+    /// The transmit buffer's bound during the bulk copy.
+    pub buffer_bytes: u64,
+}
+
+/// The source side of one relayed NBD connection.
+pub struct RelaySource {
+    buffer: Arc<TransmitBuffer>,
+}
+
+impl RelaySource {
+    pub fn new(settings: RelaySettings) -> RelaySource {
+        RelaySource {
+            buffer: Arc::new(TransmitBuffer::new(
+                settings.buffer_bytes,
+                settings.mode == DiskMode::Sync,
+            )),
+        }
+    }
+
+    /// A handle to the buffer, for the memory phase's tighter bound.
+    pub fn buffer(&self) -> Weak<TransmitBuffer> {
+        Arc::downgrade(&self.buffer)
+    }
+
+    /// Serves QEMU's NBD connection `conn` over `session` until QEMU disconnects and every
+    /// write reached the destination. The disk figures go to `status`.
+    pub async fn run(
+        self,
+        conn: UnixStream,
+        session: &Session,
+        codec: CodecSettings,
+        status: Shared,
+    ) -> Result<()> {
+        let buffer = self.buffer;
+        let digests = Arc::new(SentDigests::default());
+        let acks = AbortOnDrop(tokio::spawn(take_acks(
+            session.clone(),
+            buffer.clone(),
+            digests.clone(),
+        )));
+        let report = DiskReport {
+            mode: if buffer.is_synchronous() {
+                DiskMode::Sync
+            } else {
+                DiskMode::Async
+            },
+            disks: 1,
+            ..DiskReport::default()
+        };
+        let mut sender = AbortOnDrop(tokio::spawn(send_snapshots(
+            Sending {
+                buffer: buffer.clone(),
+                session: session.clone(),
+                digests,
+                codec,
+                report,
+                status,
+            },
+            None,
+        )));
+        let (opened_tx, opened_rx) = mpsc::channel(1);
+        let exports = RemoteExports {
+            session: session.clone(),
+            codec,
+            opened: Mutex::new(opened_rx),
+        };
+        let target = Arc::new(RelayTarget {
+            buffer: buffer.clone(),
+        });
+        let served = tokio::select! {
+            end = nbd::serve_any(conn, &exports, target) => end.context("QEMU's NBD connection"),
+            e = control_from_destination(session, opened_tx) => Err(e),
+        };
+        buffer.close();
+        if let Err(e) = served {
+            buffer.stop_acknowledging();
+            return Err(e);
+        }
+        let (snapshots, sha256) = (&mut sender.0).await.context("the disk sender task")??;
+        control::send(session, &Control::DiskEnd { snapshots, sha256 }).await?;
+        drop(acks);
+        Ok(())
+    }
+}
+
+/// The destination's control messages during a relayed connection: the export's size
+/// (handed to the handshake), or why it stops. Returns only with an error.
+async fn control_from_destination(
+    session: &Session,
+    opened: mpsc::Sender<Result<u64, String>>,
+) -> anyhow::Error {
+    loop {
+        match control::recv(session).await {
+            Ok(Control::NbdExportOpened { size, error }) => {
+                let answer = match (size, error) {
+                    (Some(size), None) => Ok(size),
+                    (_, error) => Err(error.unwrap_or_else(|| "no size".into())),
+                };
+                if opened.send(answer).await.is_err() {
+                    return anyhow::anyhow!("the handshake ended before the destination answered");
+                }
+            }
+            Ok(Control::Abort { reason }) => return anyhow::anyhow!("{reason}"),
+            Ok(other) => {
+                return anyhow::anyhow!("unexpected control message in a disk relay: {other:?}")
+            }
+            Err(e) => return e,
+        }
+    }
+}
+
+/// The export QEMU names, as the destination QEMU serves it.
+struct RemoteExports {
+    session: Session,
+    codec: CodecSettings,
+    opened: Mutex<mpsc::Receiver<Result<u64, String>>>,
+}
+
+impl Exports for RemoteExports {
+    async fn find(&self, name: &str) -> Result<Export, String> {
+        let mut opened = self.opened.lock().await;
+        let ask = Control::NbdExport {
+            name: name.to_owned(),
+            codec: self.codec,
+        };
+        control::send(&self.session, &ask)
+            .await
+            .map_err(|e| format!("asking the destination for export {name:?}: {e:#}"))?;
+        let size = opened
+            .recv()
+            .await
+            .ok_or_else(|| format!("the destination did not answer for export {name:?}"))??;
+        Ok(Export {
+            name: name.to_owned(),
+            size,
+        })
+    }
+
+    fn names(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// What QEMU's mirror writes into: the transmit buffer. A flush waits for the destination.
+struct RelayTarget {
+    buffer: Arc<TransmitBuffer>,
+}
+
+impl RelayTarget {
+    async fn put(&self, offset: u64, len: u64, what: Extent) -> Result<(), u32> {
+        let seq = self
+            .buffer
+            .put(0, offset, len, what)
+            .await
+            .map_err(|_| proto::ESHUTDOWN)?;
+        if self.buffer.is_synchronous() {
+            self.buffer.wait_applied(seq).await.ok_or(proto::EIO)?;
+        }
+        Ok(())
+    }
+}
+
+impl Blocks for RelayTarget {
+    async fn write(&self, offset: u64, data: Bytes) -> Result<(), u32> {
+        let len = data.len() as u64;
+        self.put(offset, len, Extent::Data(data)).await
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> Result<(), u32> {
+        self.put(offset, len, Extent::Zeroes { may_trim }).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64) -> Result<(), u32> {
+        self.put(offset, len, Extent::Trim).await
+    }
+
+    /// Every write before it applied and flushed at the destination, digests matching: what
+    /// libvirt's switchover relies on.
+    async fn flush(&self) -> Result<(), u32> {
+        let seq = self.buffer.flush(0).map_err(|_| proto::ESHUTDOWN)?;
+        self.buffer.wait_applied(seq).await.ok_or(proto::EIO)
+    }
+}
+
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The destination side: opens the export the source names on the QEMU NBD server at
+/// `socket`, applies the source's snapshots to it, and checks the final digest.
+pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
+    let (client, plan, codec) = loop {
+        match control::recv(session).await? {
+            Control::NbdExport { name, codec } => match open(socket, &name).await {
+                Ok(client) => {
+                    let size = client.info().size;
+                    let answer = Control::NbdExportOpened {
+                        size: Some(size),
+                        error: None,
+                    };
+                    control::send(session, &answer).await?;
+                    let plan = DiskPlan {
+                        node: name,
+                        size,
+                        backing_sha256: None,
+                    };
+                    break (client, plan, codec);
+                }
+                Err(e) => {
+                    tracing::warn!("disk relay: {e:#}");
+                    let answer = Control::NbdExportOpened {
+                        size: None,
+                        error: Some(format!("at the destination: {e:#}")),
+                    };
+                    control::send(session, &answer).await?;
+                }
+            },
+            // QEMU left before it chose an export.
+            Control::DiskEnd { snapshots: 0, .. } => return Ok(()),
+            Control::Abort { reason } => bail!("{reason}"),
+            other => bail!("unexpected control message in a disk relay: {other:?}"),
+        }
+    };
+    let disks = DestinationDisks::adopt(client, plan);
+    let apply = disks.apply(session, codec);
+    tokio::pin!(apply);
+    let mut end = None;
+    let applied = loop {
+        tokio::select! {
+            r = &mut apply => break r?,
+            msg = control::recv(session), if end.is_none() => match msg? {
+                Control::DiskEnd { snapshots, sha256 } => end = Some((snapshots, sha256)),
+                Control::Abort { reason } => bail!("{reason}"),
+                other => bail!("unexpected control message in a disk relay: {other:?}"),
+            },
+        }
+    };
+    let end = match end {
+        Some(end) => end,
+        None => match control::recv(session).await? {
+            Control::DiskEnd { snapshots, sha256 } => (snapshots, sha256),
+            Control::Abort { reason } => bail!("{reason}"),
+            other => bail!("unexpected control message in a disk relay: {other:?}"),
+        },
+    };
+    disks.disconnect().await;
+    if end != applied {
+        bail!(
+            "the disk writes applied here differ from those sent ({} snapshots, sha256 {}; the source sent {} with {})",
+            applied.0,
+            applied.1,
+            end.0,
+            end.1
+        );
+    }
+    Ok(())
+}
+
+async fn open(socket: &Path, name: &str) -> Result<Client<UnixStream>> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .with_context(|| format!("connect to {}", socket.display()))?;
+    Client::connect(stream, name)
+        .await
+        .with_context(|| format!("the NBD export {name:?} of the destination QEMU"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_api::agent::MigrationStatus;
+    use ferry_wire::session::exchange_hello;
+    use ferry_wire::{SessionConfig, SessionId};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    const SIZE: u64 = 4 << 20;
+
+    /// The destination QEMU's export: memory, failing every write when told to.
+    struct MemoryDisk {
+        bytes: std::sync::Mutex<Vec<u8>>,
+        fail_writes: AtomicBool,
+    }
+
+    impl Blocks for MemoryDisk {
+        async fn write(&self, offset: u64, data: Bytes) -> Result<(), u32> {
+            if self.fail_writes.load(Ordering::Relaxed) {
+                return Err(proto::EIO);
+            }
+            let at = usize::try_from(offset).unwrap();
+            self.bytes.lock().unwrap()[at..at + data.len()].copy_from_slice(&data);
+            Ok(())
+        }
+        async fn write_zeroes(&self, offset: u64, len: u64, _: bool) -> Result<(), u32> {
+            let at = usize::try_from(offset).unwrap();
+            let end = at + usize::try_from(len).unwrap();
+            self.bytes.lock().unwrap()[at..end].fill(0);
+            Ok(())
+        }
+        async fn trim(&self, offset: u64, len: u64) -> Result<(), u32> {
+            self.write_zeroes(offset, len, true).await
+        }
+        async fn flush(&self) -> Result<(), u32> {
+            Ok(())
+        }
+    }
+
+    /// Two ends of one session over an in-memory connection.
+    async fn session_pair() -> (Session, Session) {
+        let id = SessionId::random();
+        let (a, b) = (
+            Session::new(id, SessionConfig::default()),
+            Session::new(id, SessionConfig::default()),
+        );
+        let (mut x, mut y) = tokio::io::duplex(1 << 20);
+        let t = Duration::from_secs(5);
+        let (ha, hb) = (a.hello(0), b.hello(0));
+        let (ra, rb) = tokio::join!(
+            exchange_hello(&mut x, &ha, t),
+            exchange_hello(&mut y, &hb, t)
+        );
+        let ((hello_b, left_a), (hello_a, left_b)) = (ra.unwrap(), rb.unwrap());
+        a.accept_hello(&hello_b).unwrap();
+        b.accept_hello(&hello_a).unwrap();
+        let (a2, b2) = (a.clone(), b.clone());
+        tokio::spawn(async move { a2.run_connection(x, left_a).await });
+        tokio::spawn(async move { b2.run_connection(y, left_b).await });
+        (a, b)
+    }
+
+    struct Relayed {
+        disk: Arc<MemoryDisk>,
+        /// QEMU's mirror, at the source.
+        mirror: Result<Client<UnixStream>, ferry_qemu::nbd::NbdError>,
+        source: tokio::task::JoinHandle<Result<()>>,
+        destination: tokio::task::JoinHandle<Result<()>>,
+        _dir: TempDir,
+    }
+
+    struct TempDir(std::path::PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A relay from a mirror asking for `export` to a destination QEMU serving "disk0".
+    async fn relay(export: &str) -> Relayed {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ferry-relay-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("nbd.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let disk = Arc::new(MemoryDisk {
+            bytes: std::sync::Mutex::new(vec![0xee; usize::try_from(SIZE).unwrap()]),
+            fail_writes: AtomicBool::new(false),
+        });
+        let served = disk.clone();
+        tokio::spawn(async move {
+            let export = Export {
+                name: "disk0".into(),
+                size: SIZE,
+            };
+            while let Ok((conn, _)) = listener.accept().await {
+                let _ = nbd::serve(conn, &export, served.clone()).await;
+            }
+        });
+        let (a, b) = session_pair().await;
+        // As the tunnel's destination does: a failure is told to the source.
+        let destination = tokio::spawn(async move {
+            let result = super::destination(&b, &socket).await;
+            if let Err(e) = &result {
+                let reason = format!("destination: {e:#}");
+                control::send(&b, &Control::Abort { reason }).await.unwrap();
+            }
+            result
+        });
+        let (qemu_end, agent_end) = UnixStream::pair().unwrap();
+        let status = Shared::new(MigrationStatus::starting("t".into(), "vm".into(), 0));
+        let relay = RelaySource::new(RelaySettings {
+            mode: DiskMode::Async,
+            buffer_bytes: 1 << 20,
+        });
+        let source =
+            tokio::spawn(async move { relay.run(agent_end, &a, CodecSettings::ALL, status).await });
+        let mirror = Client::connect(qemu_end, export).await;
+        Relayed {
+            disk,
+            mirror,
+            source,
+            destination,
+            _dir: TempDir(dir),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flush_returns_once_every_write_before_it_is_at_the_destination() {
+        let r = relay("disk0").await;
+        let mirror = r.mirror.unwrap();
+        assert_eq!(mirror.info().size, SIZE);
+        let block = |b: u8| Bytes::from(vec![b; 64 << 10]);
+        let mut pending = Vec::new();
+        // More than the buffer holds, rewrites of the same range, zeroes.
+        for i in 0..48u64 {
+            pending.push(
+                mirror
+                    .write((i % 40) * (64 << 10), block(i as u8))
+                    .await
+                    .unwrap(),
+            );
+        }
+        pending.push(
+            mirror
+                .write_zeroes(SIZE - (64 << 10), 64 << 10, true)
+                .await
+                .unwrap(),
+        );
+        for p in pending {
+            p.wait().await.unwrap();
+        }
+        mirror.flush().await.unwrap().wait().await.unwrap();
+        {
+            let disk = r.disk.bytes.lock().unwrap();
+            for i in 0..40u64 {
+                let last = if i < 8 { i + 40 } else { i };
+                let at = usize::try_from(i * (64 << 10)).unwrap();
+                assert!(
+                    disk[at..at + (64 << 10)].iter().all(|&b| b == last as u8),
+                    "block {i}"
+                );
+            }
+            assert!(disk[usize::try_from(SIZE).unwrap() - (64 << 10)..]
+                .iter()
+                .all(|&b| b == 0));
+        }
+        mirror.disconnect().await.unwrap();
+        r.source.await.unwrap().unwrap();
+        r.destination.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_write_the_destination_refuses_fails_the_flush() {
+        let r = relay("disk0").await;
+        let mirror = r.mirror.unwrap();
+        r.disk.fail_writes.store(true, Ordering::Relaxed);
+        // Buffered here, so it completes; the destination's refusal shows at the flush.
+        mirror
+            .write(0, Bytes::from(vec![1u8; 4096]))
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        let flushed = mirror.flush().await.unwrap().wait().await;
+        assert!(flushed.is_err(), "{flushed:?}");
+        let err = r.destination.await.unwrap().unwrap_err();
+        assert!(
+            format!("{err:#}").contains("writing to the destination's disk"),
+            "{err:#}"
+        );
+        let err = r.source.await.unwrap().unwrap_err();
+        assert!(
+            format!("{err:#}").contains("writing to the destination's disk"),
+            "{err:#}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_export_the_destination_lacks_is_refused_with_its_words() {
+        let r = relay("nope").await;
+        let err = r.mirror.err().expect("refused").to_string();
+        assert!(
+            err.starts_with("nbd: no export \"nope\": at the destination: ")
+                && err.contains("this server offers \"disk0\""),
+            "{err}"
+        );
+        r.source.abort();
+        r.destination.abort();
+    }
+}
