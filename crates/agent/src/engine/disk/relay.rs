@@ -453,10 +453,10 @@ mod tests {
         let block = |b: u8| Bytes::from(vec![b; 64 << 10]);
         let mut pending = Vec::new();
         // More than the buffer holds, rewrites of the same range, zeroes.
-        for i in 0..48u64 {
+        for i in 0..48u8 {
             pending.push(
                 mirror
-                    .write((i % 40) * (64 << 10), block(i as u8))
+                    .write(u64::from(i % 40) * (64 << 10), block(i))
                     .await
                     .unwrap(),
             );
@@ -473,11 +473,11 @@ mod tests {
         mirror.flush().await.unwrap().wait().await.unwrap();
         {
             let disk = r.disk.bytes.lock().unwrap();
-            for i in 0..40u64 {
+            for i in 0..40u8 {
                 let last = if i < 8 { i + 40 } else { i };
-                let at = usize::try_from(i * (64 << 10)).unwrap();
+                let at = usize::from(i) * (64 << 10);
                 assert!(
-                    disk[at..at + (64 << 10)].iter().all(|&b| b == last as u8),
+                    disk[at..at + (64 << 10)].iter().all(|&b| b == last),
                     "block {i}"
                 );
             }
