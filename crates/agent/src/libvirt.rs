@@ -74,6 +74,11 @@ impl Libvirt {
         Ok(self.virsh(&["domstate", domain]).await?.trim().to_owned())
     }
 
+    /// Whether the daemon answers (`virsh version`).
+    pub async fn answers(&self) -> Result<()> {
+        self.virsh(&["version"]).await.map(drop)
+    }
+
     /// Whether the domain has a persistent definition (not only a running instance).
     pub async fn is_persistent(&self, domain: &str) -> Result<bool> {
         let info = self.virsh(&["dominfo", domain]).await?;

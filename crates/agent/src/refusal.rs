@@ -35,6 +35,8 @@ pub enum Refusal {
     DomainNotRunning { domain: String, state: String },
     #[error("this host's libvirt ({0}) does not answer: {1}")]
     LibvirtUnavailable(String, String),
+    #[error("the libvirt of {peer} does not answer through ferry's tunnel: {why}")]
+    PeerLibvirtUnavailable { peer: String, why: String },
     #[error(
         "a libvirt migration to {peer} is already running ({vm}, {id}); one at a time per peer"
     )]
@@ -60,7 +62,9 @@ impl Refusal {
             | Refusal::NotWithLibvirt(_) => ErrorKind::BadRequest,
             Refusal::UnknownDomain(..) => ErrorKind::NotFound,
             Refusal::DomainNotRunning { .. } | Refusal::PeerBusy { .. } => ErrorKind::Conflict,
-            Refusal::LibvirtUnavailable(..) => ErrorKind::Unavailable,
+            Refusal::LibvirtUnavailable(..) | Refusal::PeerLibvirtUnavailable { .. } => {
+                ErrorKind::Unavailable
+            }
             Refusal::Busy { .. } => ErrorKind::Busy,
             Refusal::AlreadyMigrating { .. } | Refusal::TooLateToCancel(_) => ErrorKind::Conflict,
             Refusal::NoMigration(_) => ErrorKind::NotFound,

@@ -67,6 +67,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             registry: migrations.clone(),
             claims: Mutex::default(),
             relays: Mutex::default(),
+            failures: Mutex::default(),
         })
     });
     let agent = Arc::new(Agent {
@@ -316,6 +317,7 @@ async fn admit_libvirt(agent: &Arc<Agent>, body: &[u8]) -> Result<Response, Refu
     req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
     let libvirt = Libvirt::new(&tunnels.config.socket);
     libvirt_migration::check_domain(&libvirt, &req.domain).await?;
+    tunnels.check_peer_libvirt(&req.to).await?;
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let status = Shared::new(MigrationStatus::starting(
         id.clone(),

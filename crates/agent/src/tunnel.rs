@@ -10,7 +10,7 @@
 //!  source host                                          destination host (agent <peer>)
 //!  libvirtd --connect--> <dir>/<peer>/rpc.sock  ==WAN==> /run/libvirt/libvirt-sock (libvirtd)
 //!  QEMU ----connect----> <dir>/<peer>/mig.sock  ==WAN==> <dir>/<peer>/mig.sock (QEMU listens)
-//!  QEMU ----connect----> <dir>/<peer>/nbd.sock  ==WAN==> <dir>/<peer>/nbd.sock (QEMU's NBD)
+//!  QEMU ----connect----> <dir>/<peer>/nbd.sock  ==relay=> <dir>/<peer>/nbd.sock (QEMU's NBD)
 //! ```
 //!
 //! libvirt requires the same paths on both hosts: the source agent listens on them, and at the
@@ -24,8 +24,9 @@
 //! A connection to the migration socket that starts with QEMU's stream header ("QEVM") is
 //! QEMU's main stream: it crosses coded, and the destination QEMU reads only what the source's
 //! digests confirm ([`crate::engine::tunnel_stream`]); the source agent lists it among its migrations,
-//! named after the QEMU at the other end of the socket. Every other connection (libvirt's RPC,
-//! the NBD disk copy, QEMU's multifd channels) crosses as it is.
+//! named after the QEMU at the other end of the socket. The NBD disk copy is answered at the
+//! source and crosses as coded disk snapshots ([`crate::engine::disk::relay`]). Every other
+//! connection (libvirt's RPC, QEMU's multifd channels) crosses as it is.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -88,6 +89,9 @@ pub struct Tunnels {
     /// The transmit buffers of the disk relays to each peer: when QEMU's memory stream
     /// starts, their bound tightens to what crosses within the pause.
     pub relays: Mutex<HashMap<String, Vec<Weak<TransmitBuffer>>>>,
+    /// Why the last tunnel to each peer failed (the destination's own words, which libvirt
+    /// only sees as a closed connection).
+    pub failures: Mutex<HashMap<String, String>>,
 }
 
 /// A driven migration's status and settings (its disk mode and buffer, its downtime target,
@@ -295,10 +299,33 @@ impl Tunnels {
             }
             result
         } else {
-            pipe(conn, first, &session, STREAM, RETURN_PATH).await
+            let mut conn = conn;
+            let result = pipe(&mut conn, first, &session, STREAM, RETURN_PATH).await;
+            // Kept before the connection closes: whoever sees it close may ask why.
+            if let Err(e) = &result {
+                self.failures
+                    .lock()
+                    .expect("failures lock")
+                    .insert(peer_name.clone(), format!("{e:#}"));
+            }
+            result
         };
         finish(&session, &result).await;
         result
+    }
+
+    /// Whether `peer`'s libvirt answers through the RPC tunnel; if not, why (the tunnel's
+    /// failure when there was one).
+    pub async fn check_peer_libvirt(&self, peer: &str) -> Result<(), Refusal> {
+        self.failures.lock().expect("failures lock").remove(peer);
+        let there = Libvirt::through(socket_path(&self.config, peer, TunnelKind::LibvirtRpc));
+        there.answers().await.map_err(|e| {
+            let tunnel = self.failures.lock().expect("failures lock").remove(peer);
+            Refusal::PeerLibvirtUnavailable {
+                peer: peer.to_owned(),
+                why: tunnel.unwrap_or_else(|| format!("{e:#}")),
+            }
+        })
     }
 }
 
@@ -430,12 +457,22 @@ pub async fn serve_destination(
         if kind == TunnelKind::Nbd && coded {
             return within_wan_timeout(&session, relay::destination(&session, &target)).await;
         }
-        let conn = connect_when_there(&target).await?;
+        let conn = match kind {
+            // The daemon's socket is there or libvirtd is down: no waiting.
+            TunnelKind::LibvirtRpc => UnixStream::connect(&target).await.with_context(|| {
+                format!(
+                    "this host's libvirt does not answer at {} (is libvirtd running?)",
+                    target.display()
+                )
+            })?,
+            _ => connect_when_there(&target).await?,
+        };
         if coded {
             let (read, write) = conn.into_split();
             within_wan_timeout(&session, tunnel_stream::destination(&session, read, write)).await
         } else {
-            pipe(conn, Vec::new(), &session, RETURN_PATH, STREAM).await
+            let mut conn = conn;
+            pipe(&mut conn, Vec::new(), &session, RETURN_PATH, STREAM).await
         }
     }
     .await;
@@ -473,13 +510,13 @@ async fn connect_when_there(path: &Path) -> Result<UnixStream> {
 /// when both directions have ended, or fails when the session does or the WAN is down for
 /// longer than [`WAN_TIMEOUT`].
 async fn pipe(
-    conn: UnixStream,
+    conn: &mut UnixStream,
     first: Vec<u8>,
     session: &Session,
     out: ferry_wire::ChannelId,
     inn: ferry_wire::ChannelId,
 ) -> Result<()> {
-    let (mut read, mut write) = conn.into_split();
+    let (mut read, mut write) = conn.split();
     let upstream = async {
         if !first.is_empty() {
             session.send(out, Bytes::from(first)).await?;

@@ -164,9 +164,13 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
             .map(|m| LibvirtSystem::parse(m))
             .collect::<Result<_>>()?
     };
-    if a.shape.has_disk() {
-        bail!("--libvirt benchmarks memory only for now; drop --disk");
+    if a.shape.disk_mib.is_some() || a.shape.disk_template_mib.is_some() {
+        bail!("--libvirt copies the guest image's own data disk; drop --disk-mib and --disk-template-mib");
     }
+    let disk = a.shape.has_disk().then_some(DiskWriter {
+        file_mib: a.disk_file_mib,
+        rate_mib_s: a.disk_rate_mib_s,
+    });
     let workloads = workloads(&a)?;
     ferry_lab::topology::require_root()?;
     let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
@@ -182,6 +186,7 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
                     warmup: Duration::from_secs(a.warmup_s),
                     run,
                     ferry_exe: exe.clone(),
+                    disk,
                 };
                 let what = format!("{} {} run {run}", w.pattern, system.name());
                 let record = libvirt_bench::run_scenario(&lab, &img, &sc).await;

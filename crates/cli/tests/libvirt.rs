@@ -16,9 +16,11 @@ use ferry_lab::Site;
 
 const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"];
 
-fn domain_xml(name: &str, host: u8, disk: bool) -> String {
+/// The tiny guest as domain `name`, with `extra` devices.
+fn domain_xml(name: &str, host: u8, disk: bool, extra: &str) -> String {
     let img = ferry_lab::vm::ensure_image().expect("guest image (ferry image build)");
     ferry_lab::libvirt::tiny_domain_xml(&img, name, 128, host, disk)
+        .replace("</devices>", &format!("{extra}</devices>"))
 }
 
 /// Defines and starts domain `name` at site a; returns its serial link once the guest's
@@ -26,13 +28,11 @@ fn domain_xml(name: &str, host: u8, disk: bool) -> String {
 fn start_domain(
     t: &TestLab,
     rt: &tokio::runtime::Runtime,
-    name: &str,
-    host: u8,
-    disk: bool,
+    (name, host, disk, extra): (&str, u8, bool, &str),
     workload: &[&str],
 ) -> GuestLink {
     let xml = t.lab.host_dir(Site::A).join(format!("{name}.xml"));
-    std::fs::write(&xml, domain_xml(name, host, disk)).unwrap();
+    std::fs::write(&xml, domain_xml(name, host, disk, extra)).unwrap();
     common::succeeded(
         "virsh",
         &t.virsh(Site::A, &["define", &format!("/run/ferry-host/{name}.xml")]),
@@ -94,9 +94,7 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
     let link = start_domain(
         &t,
         &rt,
-        name,
-        92,
-        false,
+        (name, 92, false, ""),
         &["mem start pattern=ws mib=32 rate=1"],
     );
     let wan_before = wan_bytes(&t);
@@ -185,9 +183,7 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let link = start_domain(
         &t,
         &rt,
-        name,
-        93,
-        true,
+        (name, 93, true, ""),
         // The guest keeps writing its disk in 4 KiB blocks all along: libvirt's mirror writes
         // into the source agent's disk relay, which completes them there, so the copy goes at
         // the link's rate and converges (carried as it is, each write waited a round trip and
@@ -240,6 +236,31 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     );
     assert_eq!(t.domstate(Site::B, name), None, "{err}");
     common::qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
+
+    // A destination whose libvirt is down: refused before anything starts, naming it.
+    ferry_lab::libvirt::stop_libvirtd(&t.lab, Site::B).unwrap();
+    let out = ferry(&[
+        "migrate",
+        "--libvirt",
+        name,
+        "--to",
+        "site-b",
+        "--copy-storage",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("the libvirt of site-b does not answer")
+            && err.contains("is libvirtd running?"),
+        "{err}"
+    );
+    assert_eq!(
+        t.domstate(Site::A, name).as_deref(),
+        Some("running"),
+        "{err}"
+    );
+    ferry_lab::libvirt::start(&t.lab, Site::B).unwrap();
+    assert_eq!(t.domstate(Site::B, name), None, "{err}");
 
     // A stream corrupted on its way: the destination's digest check refuses it, libvirt's
     // migration fails, the domain keeps running at site a and nothing is left at site b.
@@ -309,4 +330,49 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let written = disk["written_bytes"].as_u64().unwrap();
     assert!(written >= 8 << 20, "{v}");
     assert!(disk["frame_bytes"].as_u64().unwrap() > 0, "{v}");
+}
+
+#[test]
+fn a_domain_with_a_device_the_destination_lacks_stays_at_the_source() {
+    let t = TestLab::up("lvd", FAST_LINK);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let name = "lv3";
+    // A second NIC on a bridge only site a has.
+    for args in [
+        &["link", "add", "br-only-a", "type", "bridge"][..],
+        &["link", "set", "br-only-a", "up"],
+    ] {
+        let out = t
+            .lab
+            .host_command(Site::A, "ip")
+            .args(args)
+            .output()
+            .unwrap();
+        common::succeeded("ip", &out);
+    }
+    let nic =
+        "<interface type='bridge'><source bridge='br-only-a'/><model type='virtio'/></interface>";
+    let link = start_domain(&t, &rt, (name, 94, false, nic), &[]);
+    let out = t
+        .lab
+        .host_command(Site::A, common::ferry_bin())
+        .args(["migrate", "--libvirt", name, "--to", "site-b", "--agent"])
+        .arg(t.lab.agent_socket(Site::A))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    // libvirt's own words name the device; the domain runs on at site a, nothing at site b.
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("br-only-a"), "{err}");
+    assert_eq!(
+        t.domstate(Site::A, name).as_deref(),
+        Some("running"),
+        "{err}"
+    );
+    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+    let errors = rt.block_on(async { ferry_lab::guest::verify(&link, false).await.unwrap() });
+    assert_eq!(errors.errors(), 0, "the source after the failed attempt");
+    let failed = t.migrations(Site::A);
+    let m = failed.iter().find(|m| m["vm"] == name).expect("listed");
+    assert_eq!(m["state"], "failed", "{m}");
 }

@@ -145,7 +145,13 @@ pub fn start(lab: &Lab, site: Site) -> Result<()> {
     let log = fs::File::create(lab.dir().join(format!("libvirtd-{}.log", site.name())))?;
     let status = lab
         .host_command(site, "sh")
-        .args(["-c", "virtlogd -d -p /run/libvirt/virtlogd.pid && exec libvirtd -d --listen -p /run/libvirt/libvirtd.pid"])
+        // virtlogd stays up when libvirtd is restarted ([`stop_libvirtd`]).
+        .args([
+            "-c",
+            "if ! kill -0 \"$(cat /run/libvirt/virtlogd.pid 2>/dev/null)\" 2>/dev/null; then \
+                      virtlogd -d -p /run/libvirt/virtlogd.pid || exit 1; fi; \
+                      exec libvirtd -d --listen -p /run/libvirt/libvirtd.pid",
+        ])
         .stdout(log.try_clone()?)
         .stderr(log)
         .status()
@@ -167,4 +173,24 @@ pub fn start(lab: &Lab, site: Site) -> Result<()> {
             .is_ok_and(|o| o.status.success())
     })
     .with_context(|| format!("libvirtd at site {} does not answer ({uri})", site.name()))
+}
+
+/// Stops `site`'s libvirtd (a host whose libvirt is down); [`start`] brings it back. Its
+/// domains keep running: QEMU does not depend on the daemon.
+pub fn stop_libvirtd(lab: &Lab, site: Site) -> Result<()> {
+    let pid_file = site_dir(lab, site).join("run/libvirtd.pid");
+    let pid =
+        fs::read_to_string(&pid_file).with_context(|| format!("read {}", pid_file.display()))?;
+    let pid = pid.trim().to_owned();
+    let status = Command::new("kill")
+        .arg(&pid)
+        .status()
+        .context("run kill")?;
+    if !status.success() {
+        bail!("could not stop libvirtd {pid} at site {}", site.name());
+    }
+    wait_until(Duration::from_secs(20), || {
+        !Path::new("/proc").join(&pid).exists()
+    })
+    .with_context(|| format!("libvirtd {pid} at site {} did not stop", site.name()))
 }

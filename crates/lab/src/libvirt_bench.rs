@@ -4,7 +4,9 @@
 //! guest, workload and link. Every system is measured the same way: the wall time of the
 //! command that migrates, the bytes the WAN emulator counted, and libvirt's own figure of the
 //! real pause (the completed job at the destination: its stop at the source to its resume at
-//! the destination).
+//! the destination). With a disk, the domain's image is copied too (`--copy-storage` /
+//! `--copy-storage-all`, into an empty image of the same size at site b) while the guest's
+//! writer keeps rewriting its file.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use crate::bench::Workload;
+use crate::bench::{DiskWriter, Workload};
 use crate::guest::{GuestLink, Heartbeats};
 use crate::image::Image;
 use crate::libvirt;
@@ -76,6 +78,9 @@ pub struct LibvirtRecord {
     pub downtime_ms: Option<u64>,
     /// The guest's memory verifier at the destination.
     pub mem_errors: Option<u64>,
+    /// With a disk: its verifier at the destination.
+    pub disk_errors: Option<u64>,
+    pub disk_writer: Option<DiskWriter>,
     pub error: Option<String>,
 }
 
@@ -88,6 +93,8 @@ pub struct LibvirtScenario {
     pub run: u32,
     /// `ferry`, for `ferry migrate --libvirt`.
     pub ferry_exe: PathBuf,
+    /// A data disk (the image's, copied) and the guest's writer on it.
+    pub disk: Option<DiskWriter>,
 }
 
 /// Runs one scenario in a lab up with libvirt; the domain is removed afterwards whatever
@@ -98,8 +105,38 @@ pub async fn run_scenario(lab: &Lab, img: &Image, sc: &LibvirtScenario) -> Resul
     for site in Site::ALL {
         let _ = virsh(lab, site, &["destroy", &name]);
         let _ = virsh(lab, site, &["undefine", &name]);
+        let _ = std::fs::remove_file(disk_path(lab, site, &name));
     }
     result
+}
+
+/// Domain `name`'s disk image at `site` (`/run/ferry-host/NAME.qcow2` there).
+fn disk_path(lab: &Lab, site: Site, name: &str) -> PathBuf {
+    lab.host_dir(site).join(format!("{name}.qcow2"))
+}
+
+/// The domain's disk: the image's data disk as qcow2 at site a, an empty image of the same
+/// size at site b (libvirt copies into an image that exists).
+fn make_disks(lab: &Lab, img: &Image, name: &str) -> Result<()> {
+    let a = disk_path(lab, Site::A, name);
+    let size = std::fs::metadata(&img.data_disk)?.len().to_string();
+    crate::sh::run(
+        "qemu-img",
+        &[
+            "convert",
+            "-q",
+            "-O",
+            "qcow2",
+            &img.data_disk.to_string_lossy(),
+            &a.to_string_lossy(),
+        ],
+    )?;
+    let b = disk_path(lab, Site::B, name);
+    crate::sh::run(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", &b.to_string_lossy(), &size],
+    )?;
+    Ok(())
 }
 
 async fn measure(
@@ -109,9 +146,12 @@ async fn measure(
     name: &str,
 ) -> Result<LibvirtRecord> {
     let xml = lab.host_dir(Site::A).join(format!("{name}.xml"));
+    if sc.disk.is_some() {
+        make_disks(lab, img, name)?;
+    }
     std::fs::write(
         &xml,
-        libvirt::tiny_domain_xml(img, name, sc.mem_mib, 95, false),
+        libvirt::tiny_domain_xml(img, name, sc.mem_mib, 95, sc.disk.is_some()),
     )?;
     virsh(
         lab,
@@ -124,17 +164,26 @@ async fn measure(
     link.wait_ready(Duration::from_secs(120)).await?;
     link.call(&sc.workload.start_command(), Duration::from_secs(180))
         .await?;
+    if let Some(w) = sc.disk {
+        // The first fill writes the whole file once (O_DIRECT, under TCG): allow minutes.
+        link.call(
+            &format!("disk start mib={} rate={}", w.file_mib, w.rate_mib_s),
+            Duration::from_secs(600),
+        )
+        .await?;
+    }
     tokio::time::sleep(sc.warmup).await;
     let wan_before = crate::wan::stats(&lab.wan_socket())?.total_bytes();
     let started = Instant::now();
     let migrated = {
-        let (lab, system, name, exe) = (
+        let (lab, system, name, exe, disk) = (
             lab.clone(),
             sc.system,
             name.to_owned(),
             sc.ferry_exe.clone(),
+            sc.disk.is_some(),
         );
-        tokio::task::spawn_blocking(move || migrate(&lab, system, &name, &exe)).await?
+        tokio::task::spawn_blocking(move || migrate(&lab, system, &name, &exe, disk)).await?
     };
     let total_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let wan_bytes = crate::wan::stats(&lab.wan_socket())?.total_bytes() - wan_before;
@@ -149,6 +198,8 @@ async fn measure(
         wan_bytes,
         downtime_ms: None,
         mem_errors: None,
+        disk_errors: None,
+        disk_writer: sc.disk,
         error: migrated.err().map(|e| format!("{e:#}")),
     };
     if record.completed {
@@ -157,13 +208,15 @@ async fn measure(
         );
         record.downtime_ms = at_b.job(name, true).await.ok().and_then(|j| j.downtime_ms);
         let link = GuestLink::connect(&serial(Site::B), Arc::new(Heartbeats::default())).await?;
-        record.mem_errors = Some(crate::guest::verify(&link, false).await?.errors());
+        let verified = crate::guest::verify(&link, sc.disk.is_some()).await?;
+        record.mem_errors = Some(verified.mem_errors);
+        record.disk_errors = sc.disk.map(|_| verified.disk_errors);
     }
     Ok(record)
 }
 
-/// Moves domain `name` from site a to site b with `system`.
-fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path) -> Result<()> {
+/// Moves domain `name` from site a to site b with `system`, its disk copied if `disk`.
+fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: bool) -> Result<()> {
     let direct = || -> Vec<String> {
         let b = Site::B.underlay_ip();
         [
@@ -179,7 +232,9 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path) -> Result
             &format!("tcp://{b}"),
         ]
         .map(str::to_owned)
-        .to_vec()
+        .into_iter()
+        .chain(disk.then(|| "--copy-storage-all".to_owned()))
+        .collect()
     };
     let out = match system {
         LibvirtSystem::Ferry => lab
@@ -194,6 +249,7 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path) -> Result
                 "--agent",
             ])
             .arg(lab.agent_socket(Site::A))
+            .args(disk.then_some("--copy-storage"))
             .output()?,
         LibvirtSystem::Plain => virsh_command(lab, Site::A).args(direct()).output()?,
         LibvirtSystem::ParallelZstd => virsh_command(lab, Site::A)
