@@ -133,6 +133,8 @@ async fn drive(
     tokio::pin!(deadline);
     let mut poll = tokio::time::interval(POLL);
     let mut stopped_by: Option<&str> = None;
+    // With disks, once the link's round trip is known: QEMU's share of the pause.
+    let mut disk_allowed = false;
     let exit = loop {
         tokio::select! {
             exit = child.wait() => break exit?,
@@ -147,6 +149,14 @@ async fn drive(
             _ = poll.tick() => {
                 if let Ok(job) = libvirt.job(&req.domain, false).await {
                     record_job(status, &job);
+                }
+                if let (Some(rtt_ms), false) = (status.get().wire.rtt_ms, disk_allowed) {
+                    if req.copy_storage {
+                        let memory_ms = memory_downtime_ms(settings.downtime_ms, rtt_ms);
+                        libvirt.set_max_downtime(&req.domain, memory_ms).await?;
+                        status.update(|s| s.qemu_downtime_limit_ms = Some(memory_ms));
+                    }
+                    disk_allowed = true;
                 }
             }
         }
@@ -168,6 +178,16 @@ async fn drive(
         Some(reason) => anyhow::bail!("{reason} (libvirt: {why})"),
         None => anyhow::bail!("libvirt: {why}"),
     }
+}
+
+/// QEMU's share of a pause of `downtime_ms` when disks are copied: after QEMU's switchover
+/// libvirt completes the mirrors, whose last flush waits for the disk relay's buffer to cross
+/// (a sixth of the target, [`crate::tunnel::RELAY_DRAIN_SHARE`]) and for the destination's
+/// answer (a round trip). At least a third of the target is left to QEMU.
+pub fn memory_downtime_ms(downtime_ms: u64, rtt_ms: f64) -> u64 {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let disk_ms = downtime_ms / crate::tunnel::RELAY_DRAIN_SHARE + rtt_ms.ceil() as u64;
+    downtime_ms.saturating_sub(disk_ms).max(downtime_ms / 3)
 }
 
 /// `virsh migrate`'s options for this request: peer to peer through the tunnels to `to`.
@@ -273,6 +293,14 @@ mod tests {
             refusal.to_string().contains("/nonexistent/libvirt-sock"),
             "{refusal}"
         );
+    }
+
+    #[test]
+    fn with_disks_qemu_gets_the_pause_less_the_relays_drain_and_a_round_trip() {
+        assert_eq!(memory_downtime_ms(300, 50.0), 200);
+        assert_eq!(memory_downtime_ms(300, 10.2), 239);
+        // A long round trip leaves QEMU a third.
+        assert_eq!(memory_downtime_ms(300, 250.0), 100);
     }
 
     #[test]

@@ -59,6 +59,10 @@ use crate::refusal::Refusal;
 const WAN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The link rate the codec's zstd level assumes when the peer's config gives none.
 const ASSUMED_LINK_MBIT: f64 = 1000.0;
+/// The disk relays' buffers, once QEMU's memory stream starts, hold what the link drains in
+/// this fraction of the downtime target: they cross after QEMU's switchover, within the pause
+/// ([`crate::libvirt_migration::memory_downtime_ms`] leaves them that share).
+pub const RELAY_DRAIN_SHARE: u64 = 6;
 /// How long a user's own migration may take to finish at the destination once its stream was
 /// delivered (libvirt's Finish step) before its figures are given up.
 const COMPLETED_JOB_WAIT: Duration = Duration::from_secs(30);
@@ -251,7 +255,13 @@ impl Tunnels {
                     now_ms(),
                 )),
             };
-            size_window(&session, link_events, peer.rate_mbit, None);
+            // The round trip it measures is the first the driver of a migration learns.
+            size_window(
+                &session,
+                link_events,
+                peer.rate_mbit,
+                claimed.as_ref().map(|c| c.status.clone()),
+            );
             let defaults = MigrationSettings::default();
             let settings = settings.unwrap_or(&defaults);
             let relay = RelaySource::new(RelaySettings {
@@ -338,7 +348,8 @@ impl Tunnels {
             return;
         };
         buffers.retain(|b| b.strong_count() > 0);
-        let limit = memory_phase_buffer(link_rate_mbit, downtime_ms);
+        // memory_phase_buffer drains in a third of what it is given.
+        let limit = memory_phase_buffer(link_rate_mbit, downtime_ms * 3 / RELAY_DRAIN_SHARE);
         for buffer in buffers.iter().filter_map(Weak::upgrade) {
             buffer.set_limit(limit);
         }

@@ -236,7 +236,7 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
         .chain(disk.then(|| "--copy-storage-all".to_owned()))
         .collect()
     };
-    let out = match system {
+    let command = match system {
         LibvirtSystem::Ferry => lab
             .host_command(Site::A, ferry)
             .args([
@@ -250,13 +250,14 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
             ])
             .arg(lab.agent_socket(Site::A))
             .args(disk.then_some("--copy-storage"))
-            .output()?,
-        LibvirtSystem::Plain => virsh_command(lab, Site::A).args(direct()).output()?,
+            .spawn_piped()?,
+        LibvirtSystem::Plain => virsh_command(lab, Site::A).args(direct()).spawn_piped()?,
         LibvirtSystem::ParallelZstd => virsh_command(lab, Site::A)
             .args(direct())
             .args(["--parallel", "--compressed", "--comp-methods", "zstd"])
-            .output()?,
+            .spawn_piped()?,
     };
+    let out = finish_within(lab, command, name, DEADLINE)?;
     if !out.status.success() {
         bail!(
             "{}: {}",
@@ -265,6 +266,45 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
         );
     }
     Ok(())
+}
+
+/// How long any system may take: libvirt's own disk mirror may never converge with a guest
+/// that keeps writing, and its job is then aborted.
+pub const DEADLINE: Duration = Duration::from_secs(180);
+
+trait SpawnPiped {
+    fn spawn_piped(&mut self) -> std::io::Result<std::process::Child>;
+}
+
+impl SpawnPiped for Command {
+    fn spawn_piped(&mut self) -> std::io::Result<std::process::Child> {
+        self.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+    }
+}
+
+/// Waits for the migrating command; past `deadline`, aborts domain `name`'s job at site a
+/// (the source keeps running) and reports that.
+fn finish_within(
+    lab: &Lab,
+    mut child: std::process::Child,
+    name: &str,
+    deadline: Duration,
+) -> Result<std::process::Output> {
+    let started = Instant::now();
+    while child.try_wait()?.is_none() {
+        if started.elapsed() > deadline {
+            let _ = virsh(lab, Site::A, &["domjobabort", name]);
+            let _ = child.wait_with_output();
+            bail!(
+                "did not finish within {} s (the job was aborted)",
+                deadline.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(child.wait_with_output()?)
 }
 
 fn virsh_command(lab: &Lab, site: Site) -> Command {
