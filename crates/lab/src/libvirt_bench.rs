@@ -31,10 +31,21 @@ pub enum LibvirtSystem {
     Plain,
     /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
     ParallelZstd,
+    /// Plain, with the disk mirror in write-blocking mode (`--copy-storage-synchronous-writes`:
+    /// each guest write waits for the destination), libvirt's way to make a copy converge.
+    SyncWrites,
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 3] = [
+    pub const ALL: [LibvirtSystem; 4] = [
+        LibvirtSystem::Ferry,
+        LibvirtSystem::Plain,
+        LibvirtSystem::ParallelZstd,
+        LibvirtSystem::SyncWrites,
+    ];
+
+    /// What `--libvirt` compares when no --modes are given.
+    pub const DEFAULT: [LibvirtSystem; 3] = [
         LibvirtSystem::Ferry,
         LibvirtSystem::Plain,
         LibvirtSystem::ParallelZstd,
@@ -45,6 +56,7 @@ impl LibvirtSystem {
             LibvirtSystem::Ferry => "ferry",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
+            LibvirtSystem::SyncWrites => "virsh-sync-writes",
         }
     }
 
@@ -255,6 +267,10 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
         LibvirtSystem::ParallelZstd => virsh_command(lab, Site::A)
             .args(direct())
             .args(["--parallel", "--compressed", "--comp-methods", "zstd"])
+            .spawn_piped()?,
+        LibvirtSystem::SyncWrites => virsh_command(lab, Site::A)
+            .args(direct())
+            .args(disk.then_some("--copy-storage-synchronous-writes"))
             .spawn_piped()?,
     };
     let out = finish_within(lab, command, name, DEADLINE)?;
