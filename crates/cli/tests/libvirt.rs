@@ -80,6 +80,17 @@ fn committed_at_a(t: &TestLab, name: &str) -> serde_json::Value {
     m
 }
 
+/// After a refused or failed migration (`err`, what the user saw): domain `name` still runs
+/// at site a and site b's libvirt has no trace of it.
+fn stayed_at_a(t: &TestLab, name: &str, err: &str) {
+    assert_eq!(
+        t.domstate(Site::A, name).as_deref(),
+        Some("running"),
+        "{err}"
+    );
+    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+}
+
 fn wan_bytes(t: &TestLab) -> u64 {
     ferry_lab::wan::stats(&t.lab.wan_socket())
         .unwrap()
@@ -229,12 +240,7 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains(&format!("{name}.qcow2")), "{err}");
-    assert_eq!(
-        t.domstate(Site::A, name).as_deref(),
-        Some("running"),
-        "{err}"
-    );
-    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+    stayed_at_a(&t, name, &err);
     common::qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
 
     // A destination whose libvirt is down: refused before anything starts, naming it.
@@ -254,13 +260,8 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
             && err.contains("is libvirtd running?"),
         "{err}"
     );
-    assert_eq!(
-        t.domstate(Site::A, name).as_deref(),
-        Some("running"),
-        "{err}"
-    );
     ferry_lab::libvirt::start(&t.lab, Site::B).unwrap();
-    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+    stayed_at_a(&t, name, &err);
 
     // A stream corrupted on its way: the destination's digest check refuses it, libvirt's
     // migration fails, the domain keeps running at site a and nothing is left at site b.
@@ -276,12 +277,7 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
-    assert_eq!(
-        t.domstate(Site::A, name).as_deref(),
-        Some("running"),
-        "{err}"
-    );
-    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+    stayed_at_a(&t, name, &err);
     // (through the link the test holds: a serial socket takes one client)
     let errors = rt.block_on(async { ferry_lab::guest::verify(&link, true).await.unwrap() });
     assert_eq!(errors.errors(), 0, "the source after the failed attempt");
@@ -364,12 +360,7 @@ fn a_domain_with_a_device_the_destination_lacks_stays_at_the_source() {
     // libvirt's own words name the device; the domain runs on at site a, nothing at site b.
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains("br-only-a"), "{err}");
-    assert_eq!(
-        t.domstate(Site::A, name).as_deref(),
-        Some("running"),
-        "{err}"
-    );
-    assert_eq!(t.domstate(Site::B, name), None, "{err}");
+    stayed_at_a(&t, name, &err);
     let errors = rt.block_on(async { ferry_lab::guest::verify(&link, false).await.unwrap() });
     assert_eq!(errors.errors(), 0, "the source after the failed attempt");
     let failed = t.migrations(Site::A);

@@ -8,4 +8,4 @@ pub mod server;
 
 pub use client::{Client, ExportInfo, Pending};
 pub use proto::{Command, NbdError};
-pub use server::{serve, serve_any, Blocks, Export, Exports, ServeEnd};
+pub use server::{serve, Blocks, Export, Exports, ServeEnd};

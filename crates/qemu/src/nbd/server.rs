@@ -100,22 +100,10 @@ pub const MAX_IN_FLIGHT_BYTES: u64 = 64 * 1024 * 1024;
 const BLOCK_MIN: u32 = 512;
 const BLOCK_PREFERRED: u32 = 4096;
 
-/// Serves `export` on `stream` until the client disconnects. Not cancel-safe in the middle of a
-/// request: drop it only to abandon the connection.
-pub async fn serve<S, B>(stream: S, export: &Export, blocks: Arc<B>) -> Result<ServeEnd, NbdError>
-where
-    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-    B: Blocks,
-{
-    serve_any(stream, export, blocks).await
-}
-
-/// Serves the export the client chooses among `exports` until it disconnects.
-pub async fn serve_any<S, E, B>(
-    stream: S,
-    exports: &E,
-    blocks: Arc<B>,
-) -> Result<ServeEnd, NbdError>
+/// Serves the export the client chooses among `exports` (one [`Export`], or an [`Exports`]
+/// lookup) until it disconnects. Not cancel-safe in the middle of a request: drop it only to
+/// abandon the connection.
+pub async fn serve<S, E, B>(stream: S, exports: &E, blocks: Arc<B>) -> Result<ServeEnd, NbdError>
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     E: Exports,

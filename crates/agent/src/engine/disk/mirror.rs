@@ -47,9 +47,15 @@ pub fn memory_phase_buffer(rate_mbit: f64, downtime_ms: u64) -> u64 {
 }
 
 /// What QEMU's mirror writes into: one disk's view of the shared transmit buffer.
-struct MirrorTarget {
-    buffer: Arc<TransmitBuffer>,
-    disk: u8,
+pub(super) struct MirrorTarget {
+    pub buffer: Arc<TransmitBuffer>,
+    pub disk: u8,
+    /// A flush is the disks' commit point (libvirt's relay): it always waits until the
+    /// destination applied everything before it and fails when that did not happen. Otherwise
+    /// (ferry's own mirror, which commits at `DiskEnd`) waits happen in synchronous mode only
+    /// and are released when the migration ends: the source's own disk holds the write and
+    /// the source keeps running on it.
+    pub flush_commits: bool,
 }
 
 impl MirrorTarget {
@@ -61,18 +67,21 @@ impl MirrorTarget {
             .await
             .map_err(|_| proto::ESHUTDOWN)?;
         if self.buffer.is_synchronous() {
-            self.released(seq).await;
+            self.applied(seq).await?;
         }
         Ok(())
     }
 
-    /// Waits until snapshot `seq` was applied at the destination, or the migration ended:
-    /// then the guest's write is released all the same (the source's own disk holds it, and
-    /// the source keeps running on that disk).
-    async fn released(&self, seq: u64) {
+    /// Waits until snapshot `seq` was applied at the destination, or the migration ended
+    /// (an error only where a flush commits).
+    async fn applied(&self, seq: u64) -> Result<(), u32> {
         if self.buffer.wait_applied(seq).await.is_none() {
+            if self.flush_commits {
+                return Err(proto::EIO);
+            }
             tracing::debug!(seq, "a synchronous write released: the migration ended");
         }
+        Ok(())
     }
 }
 
@@ -91,11 +100,12 @@ impl Blocks for MirrorTarget {
     }
 
     /// Asynchronous: the source's own disk holds the data (QEMU flushes it); the destination's
-    /// copy is made durable before it resumes. Synchronous: the destination flushed too.
+    /// copy is made durable before it resumes. Synchronous, or where the flush commits: the
+    /// destination applied and flushed everything before it, digests matching.
     async fn flush(&self) -> Result<(), u32> {
         let seq = self.buffer.flush(self.disk).map_err(|_| proto::ESHUTDOWN)?;
-        if self.buffer.is_synchronous() {
-            self.released(seq).await;
+        if self.flush_commits || self.buffer.is_synchronous() {
+            self.applied(seq).await?;
         }
         Ok(())
     }
@@ -201,6 +211,7 @@ impl SourceDisks {
             let target = Arc::new(MirrorTarget {
                 buffer: buffer.clone(),
                 disk: u8::try_from(i).expect("at most 255 disks"),
+                flush_commits: false,
             });
             let export = Export {
                 name: plan.node.clone(),
@@ -209,8 +220,6 @@ impl SourceDisks {
             servers.push(tokio::spawn(serve_mirror(listener, export, target)));
             sockets.push(sock);
         }
-        let digests = Arc::new(SentDigests::default());
-        let acks = tokio::spawn(take_acks(session.clone(), buffer.clone(), digests.clone()));
         let report = DiskReport {
             mode,
             disks: u32::try_from(plans.len()).expect("at most 255 disks"),
@@ -222,17 +231,16 @@ impl SourceDisks {
         // (it does when the target can zero cheaply, `discard=unmap`): it copies every block,
         // and the ones the destination holds go as SAME.
         let zero_first = base.is_none();
-        let sender = tokio::spawn(send_snapshots(
+        let (acks, sender) = start_channel(
             Sending {
                 buffer: buffer.clone(),
                 session: session.clone(),
-                digests,
                 codec,
                 report,
                 status,
             },
             base,
-        ));
+        );
         let mut disks = SourceDisks {
             buffer,
             nodes: plans.iter().map(|p| p.node.clone()).collect(),
@@ -431,13 +439,24 @@ async fn serve_mirror(listener: UnixListener, export: Export, target: Arc<Mirror
     }
 }
 
+/// The disk channel's source end: the task that sends the buffer's snapshots and the task
+/// that takes the destination's acknowledgements, sharing the digests sent.
+pub(super) fn start_channel(
+    sending: Sending,
+    base: Option<DiskBase>,
+) -> (JoinHandle<()>, JoinHandle<Result<(u64, String)>>) {
+    let digests = Arc::new(SentDigests::default());
+    let acks = tokio::spawn(take_acks(
+        sending.session.clone(),
+        sending.buffer.clone(),
+        digests.clone(),
+    ));
+    (acks, tokio::spawn(send_snapshots(sending, digests, base)))
+}
+
 /// Takes the destination's acknowledgements: a snapshot counts as applied once the digest
 /// through it matches what was sent.
-pub(super) async fn take_acks(
-    session: Session,
-    buffer: Arc<TransmitBuffer>,
-    digests: Arc<SentDigests>,
-) {
+async fn take_acks(session: Session, buffer: Arc<TransmitBuffer>, digests: Arc<SentDigests>) {
     while let Ok(Received::Data(b)) = session.recv(DISK_ACK).await {
         match parse_ack(&b).and_then(|(applied, digest)| {
             digests.check(applied, &digest)?;
@@ -453,26 +472,26 @@ pub(super) async fn take_acks(
     buffer.stop_acknowledging();
 }
 
-/// What the disk sender needs: the buffer it empties, the session it sends on, where it
-/// keeps each snapshot's digest, how it codes and where it reports.
+/// What the disk sender needs: the buffer it empties, the session it sends on, how it codes
+/// and where it reports.
 pub(super) struct Sending {
     pub buffer: Arc<TransmitBuffer>,
     pub session: Session,
-    pub digests: Arc<SentDigests>,
     pub codec: CodecSettings,
     pub report: DiskReport,
     pub status: Shared,
 }
 
-/// Sends snapshots until the buffer closes; returns how many and the operations' digest.
-pub(super) async fn send_snapshots(
+/// Sends snapshots until the buffer closes, keeping each one's digest in `digests`; returns
+/// how many and the operations' digest.
+async fn send_snapshots(
     sending: Sending,
+    digests: Arc<SentDigests>,
     mut base: Option<DiskBase>,
 ) -> Result<(u64, String)> {
     let Sending {
         buffer,
         session,
-        digests,
         codec,
         mut report,
         status,

@@ -2,8 +2,8 @@
 //! --disks-uri`, libvirt's source QEMU mirrors each disk into an NBD export its destination
 //! QEMU serves. Carried as it is, every write waits a WAN round trip and QEMU's mirror keeps
 //! only a few in flight (about 9 MB/s over a 10 ms link). Instead the source agent answers
-//! the mirror itself, as it does for ferry's own mirror ([`super::mirror`]): writes join the
-//! transmit buffer and complete there, cross as coded snapshots, and the destination agent
+//! the mirror itself with ferry's own mirror target ([`super::mirror`], its flushes made the
+//! commit point): writes join the transmit buffer and complete there, cross as coded snapshots, and the destination agent
 //! writes them into the destination QEMU's export ([`super::apply`]).
 //!
 //! The guarantee: a flush completes only once every write before it was applied and flushed
@@ -21,16 +21,14 @@ use std::path::Path;
 use std::sync::{Arc, Weak};
 
 use anyhow::{bail, Context, Result};
-use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
-use ferry_qemu::nbd::{self, proto, Blocks, Client, Export, Exports};
+use ferry_qemu::nbd::{self, Client, Export, Exports};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Mutex};
 
 use super::apply::DestinationDisks;
-use super::buffer::{Extent, TransmitBuffer};
-use super::mirror::{send_snapshots, take_acks, Sending};
-use super::SentDigests;
+use super::buffer::TransmitBuffer;
+use super::mirror::{start_channel, MirrorTarget, Sending};
 use crate::engine::control::{self, Control, DiskPlan};
 use crate::engine::status::Shared;
 use ferry_wire::Session;
@@ -75,12 +73,6 @@ impl RelaySource {
         status: Shared,
     ) -> Result<()> {
         let buffer = self.buffer;
-        let digests = Arc::new(SentDigests::default());
-        let acks = AbortOnDrop(tokio::spawn(take_acks(
-            session.clone(),
-            buffer.clone(),
-            digests.clone(),
-        )));
         let report = DiskReport {
             mode: if buffer.is_synchronous() {
                 DiskMode::Sync
@@ -90,28 +82,30 @@ impl RelaySource {
             disks: 1,
             ..DiskReport::default()
         };
-        let mut sender = AbortOnDrop(tokio::spawn(send_snapshots(
+        let (acks, sender) = start_channel(
             Sending {
                 buffer: buffer.clone(),
                 session: session.clone(),
-                digests,
                 codec,
                 report,
                 status,
             },
             None,
-        )));
+        );
+        let (acks, mut sender) = (AbortOnDrop(acks), AbortOnDrop(sender));
         let (opened_tx, opened_rx) = mpsc::channel(1);
         let exports = RemoteExports {
             session: session.clone(),
             codec,
             opened: Mutex::new(opened_rx),
         };
-        let target = Arc::new(RelayTarget {
+        let target = Arc::new(MirrorTarget {
             buffer: buffer.clone(),
+            disk: 0,
+            flush_commits: true,
         });
         let served = tokio::select! {
-            end = nbd::serve_any(conn, &exports, target) => end.context("QEMU's NBD connection"),
+            end = nbd::serve(conn, &exports, target) => end.context("QEMU's NBD connection"),
             e = control_from_destination(session, opened_tx) => Err(e),
         };
         buffer.close();
@@ -181,47 +175,6 @@ impl Exports for RemoteExports {
 
     fn names(&self) -> Vec<String> {
         Vec::new()
-    }
-}
-
-/// What QEMU's mirror writes into: the transmit buffer. A flush waits for the destination.
-struct RelayTarget {
-    buffer: Arc<TransmitBuffer>,
-}
-
-impl RelayTarget {
-    async fn put(&self, offset: u64, len: u64, what: Extent) -> Result<(), u32> {
-        let seq = self
-            .buffer
-            .put(0, offset, len, what)
-            .await
-            .map_err(|_| proto::ESHUTDOWN)?;
-        if self.buffer.is_synchronous() {
-            self.buffer.wait_applied(seq).await.ok_or(proto::EIO)?;
-        }
-        Ok(())
-    }
-}
-
-impl Blocks for RelayTarget {
-    async fn write(&self, offset: u64, data: Bytes) -> Result<(), u32> {
-        let len = data.len() as u64;
-        self.put(offset, len, Extent::Data(data)).await
-    }
-
-    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> Result<(), u32> {
-        self.put(offset, len, Extent::Zeroes { may_trim }).await
-    }
-
-    async fn trim(&self, offset: u64, len: u64) -> Result<(), u32> {
-        self.put(offset, len, Extent::Trim).await
-    }
-
-    /// Every write before it applied and flushed at the destination, digests matching: what
-    /// libvirt's switchover relies on.
-    async fn flush(&self) -> Result<(), u32> {
-        let seq = self.buffer.flush(0).map_err(|_| proto::ESHUTDOWN)?;
-        self.buffer.wait_applied(seq).await.ok_or(proto::EIO)
     }
 }
 
@@ -315,7 +268,9 @@ async fn open(socket: &Path, name: &str) -> Result<Client<UnixStream>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use ferry_api::agent::MigrationStatus;
+    use ferry_qemu::nbd::{proto, Blocks};
     use ferry_wire::session::exchange_hello;
     use ferry_wire::{SessionConfig, SessionId};
     use std::sync::atomic::{AtomicBool, Ordering};
