@@ -2,6 +2,7 @@
 //! agent's request and response types. Serde only, no I/O.
 
 pub mod agent;
+pub mod fleet;
 pub mod outcome;
 pub mod settings;
 pub mod timeline;

@@ -1,0 +1,233 @@
+//! The fleet controller's API (docs/fleet.md) and what agents tell it in their heartbeats.
+
+use serde::{Deserialize, Serialize};
+
+use crate::agent::{ApiError, MigrationStatus};
+use crate::settings::MigrationSettings;
+
+/// What an agent reports every heartbeat (`POST /v1/agent/heartbeat`, over mutual TLS: the
+/// certificate it presents names the host, so the body does not).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The site (data center) the host is in.
+    pub site: String,
+    /// ferry's version on the host.
+    pub version: String,
+    /// Where the host's agent listens for peers.
+    pub peer_listen: String,
+    /// The hosts this agent may migrate to (its config's peers).
+    pub peers: Vec<String>,
+    /// Migrations the agent sends at once.
+    pub max_outgoing: u32,
+    /// The VMs running on the host now.
+    pub vms: Vec<VmReport>,
+    /// Migrations the controller asked this agent for, as the agent knows them.
+    pub migrations: Vec<FleetMigrationReport>,
+}
+
+/// A VM an agent sees on its host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmReport {
+    pub name: String,
+    pub kind: VmKind,
+    /// In the words of whoever runs it (libvirt's domain state: `running`, `paused`, ...).
+    pub state: String,
+}
+
+/// Who runs a VM, and so how it migrates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VmKind {
+    /// A libvirt domain: libvirt's own migration, carried by the agents.
+    Libvirt,
+}
+
+/// How an agent answered one of the controller's migrations: started (its status), or
+/// refused (why).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FleetMigrationReport {
+    pub fleet_id: String,
+    #[serde(default)]
+    pub status: Option<MigrationStatus>,
+    #[serde(default)]
+    pub refused: Option<ApiError>,
+}
+
+/// The controller's answer to a heartbeat: what to start, what to cancel, when to call again.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HeartbeatAnswer {
+    pub start: Vec<FleetWork>,
+    /// Fleet ids of running migrations to cancel.
+    pub cancel: Vec<String>,
+    /// The next heartbeat is due within this.
+    pub heartbeat_ms: u64,
+}
+
+/// A migration the controller gives the source host's agent to run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FleetWork {
+    pub fleet_id: String,
+    pub vm: String,
+    pub kind: VmKind,
+    /// The destination host (one of the agent's peers).
+    pub to: String,
+    #[serde(default)]
+    pub copy_storage: bool,
+    #[serde(flatten)]
+    pub settings: MigrationSettings,
+}
+
+/// `POST /v1/migrations` on the controller: move a VM the fleet knows to a host, or to a
+/// site (the controller chooses a host there).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FleetMigrationRequest {
+    pub vm: String,
+    /// The destination host.
+    #[serde(default)]
+    pub to: Option<String>,
+    /// The destination site, when no host is named.
+    #[serde(default)]
+    pub to_site: Option<String>,
+    /// Copy the VM's disks too (no shared storage).
+    #[serde(default)]
+    pub copy_storage: bool,
+    #[serde(flatten)]
+    pub settings: MigrationSettings,
+}
+
+/// Where a fleet migration is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FleetMigrationState {
+    /// Accepted; waits for the leader to schedule it (hosts up, within the limits).
+    Requested,
+    /// Given to the source host's agent at its next heartbeat.
+    Scheduled,
+    /// The source agent runs it.
+    Running,
+    /// The VM runs at the destination.
+    Committed,
+    /// It did not happen (refused, failed or cancelled); the VM runs at the source.
+    Failed,
+}
+
+impl FleetMigrationState {
+    pub fn name(self) -> &'static str {
+        match self {
+            FleetMigrationState::Requested => "requested",
+            FleetMigrationState::Scheduled => "scheduled",
+            FleetMigrationState::Running => "running",
+            FleetMigrationState::Committed => "committed",
+            FleetMigrationState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<FleetMigrationState> {
+        [
+            FleetMigrationState::Requested,
+            FleetMigrationState::Scheduled,
+            FleetMigrationState::Running,
+            FleetMigrationState::Committed,
+            FleetMigrationState::Failed,
+        ]
+        .into_iter()
+        .find(|state| state.name() == s)
+    }
+
+    pub fn finished(self) -> bool {
+        matches!(
+            self,
+            FleetMigrationState::Committed | FleetMigrationState::Failed
+        )
+    }
+}
+
+/// A migration the controller knows: the request, where it is, the source agent's last
+/// status and what happened to it, by whom.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FleetMigration {
+    pub id: String,
+    pub vm: String,
+    pub kind: VmKind,
+    pub source_host: String,
+    pub destination_host: String,
+    pub state: FleetMigrationState,
+    pub error: Option<String>,
+    /// Who asked (a certificate's name, or `local` for the controller's socket).
+    pub requested_by: String,
+    pub copy_storage: bool,
+    pub settings: MigrationSettings,
+    pub created_unix_ms: u64,
+    pub updated_unix_ms: u64,
+    pub finished_unix_ms: Option<u64>,
+    /// A cancel was asked for and goes to the source agent.
+    pub cancel_requested: bool,
+    /// The source agent's view, as of its last heartbeat.
+    pub agent: Option<MigrationStatus>,
+    /// The controller's own events (requested, scheduled, started, ...), oldest first.
+    pub timeline: Vec<FleetEvent>,
+}
+
+/// Something the controller saw happen to a migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetEvent {
+    pub unix_ms: u64,
+    pub state: FleetMigrationState,
+    /// Which controller recorded it.
+    pub controller: String,
+    pub detail: String,
+}
+
+/// A site: a data center, known by its hosts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Site {
+    pub name: String,
+    pub hosts: u32,
+    pub hosts_up: u32,
+    pub vms: u32,
+}
+
+/// Whether a host's agent is heard from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostState {
+    Up,
+    /// No heartbeat within the controller's `host_timeout_s`: it gets no new migrations.
+    Down,
+}
+
+/// A host (an agent) of the fleet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Host {
+    pub name: String,
+    pub site: String,
+    pub state: HostState,
+    pub version: String,
+    pub peer_listen: String,
+    pub peers: Vec<String>,
+    pub max_outgoing: u32,
+    pub vms: u32,
+    pub first_seen_unix_ms: u64,
+    pub last_seen_unix_ms: u64,
+}
+
+/// A VM of the fleet, where it runs now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vm {
+    pub name: String,
+    pub kind: VmKind,
+    pub host: String,
+    pub site: String,
+    pub state: String,
+}
+
+/// `GET /v1/health` on the controller.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ControllerHealth {
+    pub name: String,
+    pub version: String,
+    /// The store's kind: `sqlite` or `postgres`.
+    pub store: String,
+    /// The controller that leads now (schedules migrations, marks hosts down), if any.
+    pub leader: Option<String>,
+}

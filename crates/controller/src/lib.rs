@@ -1,0 +1,5 @@
+//! ferry's fleet controller: it knows the fleet's sites, hosts (agents heartbeat to it), VMs
+//! and every migration, keeps them in a store (SQLite, or PostgreSQL shared by several
+//! controllers, one of which leads), and hands migrations to the source hosts' agents.
+
+pub mod store;
