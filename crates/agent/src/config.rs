@@ -34,6 +34,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use ferry_api::names::{check_address, valid_name};
 use ferry_wire::tls::Identity;
 use serde::Deserialize;
 
@@ -266,21 +267,6 @@ impl AgentConfig {
 pub struct UnknownPeer {
     pub name: String,
     pub known: Vec<String>,
-}
-
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
-}
-
-fn check_address(addr: &str) -> Result<(), String> {
-    match addr.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
-        _ => Err(format!("{addr:?} is not host:port (e.g. 192.0.2.10:7070)")),
-    }
 }
 
 #[cfg(test)]

@@ -42,6 +42,18 @@ pub enum VmKind {
     Libvirt,
 }
 
+impl VmKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            VmKind::Libvirt => "libvirt",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<VmKind> {
+        [VmKind::Libvirt].into_iter().find(|k| k.name() == s)
+    }
+}
+
 /// How an agent answered one of the controller's migrations: started (its status), or
 /// refused (why).
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod fleet;
+pub mod names;
 pub mod outcome;
 pub mod settings;
 pub mod timeline;

@@ -2,4 +2,9 @@
 //! and every migration, keeps them in a store (SQLite, or PostgreSQL shared by several
 //! controllers, one of which leads), and hands migrations to the source hosts' agents.
 
+pub mod api;
+pub mod client;
+pub mod config;
+pub mod fleet;
+pub mod serve;
 pub mod store;

@@ -79,12 +79,6 @@ fn corrupt(what: &str, e: impl std::fmt::Display) -> StoreError {
     }
 }
 
-fn vm_kind_name(kind: VmKind) -> &'static str {
-    match kind {
-        VmKind::Libvirt => "libvirt",
-    }
-}
-
 impl Store {
     /// Opens the store `database` names, a `postgres://` URL or a SQLite file's path (made if
     /// missing), and brings its schema up to date.
@@ -169,7 +163,7 @@ impl Store {
             sqlx::query("INSERT INTO vms (host, name, kind, state) VALUES ($1, $2, $3, $4)")
                 .bind(name)
                 .bind(&vm.name)
-                .bind(vm_kind_name(vm.kind))
+                .bind(vm.kind.name())
                 .bind(&vm.state)
                 .execute(&mut *tx)
                 .await?;
@@ -219,10 +213,7 @@ impl Store {
                 let kind: String = row.try_get(1)?;
                 Ok(Vm {
                     name: row.try_get(0)?,
-                    kind: match kind.as_str() {
-                        "libvirt" => VmKind::Libvirt,
-                        other => return Err(corrupt("vm kind", other)),
-                    },
+                    kind: VmKind::parse(&kind).ok_or_else(|| corrupt("vm kind", &kind))?,
                     host: row.try_get(2)?,
                     site: row.try_get(3)?,
                     state: row.try_get(4)?,

@@ -1,0 +1,160 @@
+//! A client of the controller's API (`ferry fleet`): through its local socket, or over mutual
+//! TLS with an operator's certificate.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context, Result};
+use ferry_api::agent::{ApiError, ErrorKind};
+use ferry_api::fleet::{
+    ControllerHealth, FleetMigration, FleetMigrationRequest, Heartbeat, HeartbeatAnswer, Host,
+    Site, Vm,
+};
+use ferry_wire::tls::ClientConfig;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpStream, UnixStream};
+
+/// The controller refused a request; `kind` says how (none: 403, not allowed).
+#[derive(Debug, thiserror::Error)]
+#[error("controller: {message}")]
+pub struct ControllerRefused {
+    pub kind: Option<ErrorKind>,
+    pub message: String,
+}
+
+/// Where the controller is.
+#[derive(Clone)]
+pub enum Endpoint {
+    /// Its local socket.
+    Local(PathBuf),
+    /// Its TCP address, the name its certificate carries, and our credentials.
+    Tls {
+        address: String,
+        server_name: String,
+        tls: Arc<ClientConfig>,
+    },
+}
+
+#[derive(Clone)]
+pub struct ControllerClient {
+    endpoint: Endpoint,
+}
+
+impl ControllerClient {
+    pub fn new(endpoint: Endpoint) -> ControllerClient {
+        ControllerClient { endpoint }
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T> {
+        match &self.endpoint {
+            Endpoint::Local(socket) => {
+                let stream = UnixStream::connect(socket).await.with_context(|| {
+                    format!(
+                        "cannot reach the controller at {} (is `ferry controller` running?)",
+                        socket.display()
+                    )
+                })?;
+                exchange(stream, method, path, body).await
+            }
+            Endpoint::Tls {
+                address,
+                server_name,
+                tls,
+            } => {
+                let tcp = TcpStream::connect(address)
+                    .await
+                    .with_context(|| format!("cannot reach the controller at {address}"))?;
+                let name = rustls_pki_types::ServerName::try_from(server_name.clone())
+                    .map_err(|e| anyhow!("controller name {server_name:?}: {e}"))?;
+                let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                    .connect(name, tcp)
+                    .await
+                    .with_context(|| {
+                        format!("TLS with the controller {server_name} at {address}")
+                    })?;
+                exchange(stream, method, path, body).await
+            }
+        }
+    }
+
+    pub async fn health(&self) -> Result<ControllerHealth> {
+        self.call("GET", "/v1/health", None).await
+    }
+
+    pub async fn sites(&self) -> Result<Vec<Site>> {
+        self.call("GET", "/v1/sites", None).await
+    }
+
+    pub async fn hosts(&self) -> Result<Vec<Host>> {
+        self.call("GET", "/v1/hosts", None).await
+    }
+
+    pub async fn vms(&self) -> Result<Vec<Vm>> {
+        self.call("GET", "/v1/vms", None).await
+    }
+
+    pub async fn migrations(&self) -> Result<Vec<FleetMigration>> {
+        self.call("GET", "/v1/migrations", None).await
+    }
+
+    pub async fn migration(&self, id: &str) -> Result<FleetMigration> {
+        self.call("GET", &format!("/v1/migrations/{id}"), None)
+            .await
+    }
+
+    pub async fn migrate(&self, req: &FleetMigrationRequest) -> Result<FleetMigration> {
+        self.call("POST", "/v1/migrations", Some(serde_json::to_vec(req)?))
+            .await
+    }
+
+    pub async fn cancel(&self, id: &str) -> Result<FleetMigration> {
+        self.call("POST", &format!("/v1/migrations/{id}/cancel"), None)
+            .await
+    }
+
+    /// What an agent sends (tests play agents with it).
+    pub async fn heartbeat(&self, beat: &Heartbeat) -> Result<HeartbeatAnswer> {
+        self.call(
+            "POST",
+            "/v1/agent/heartbeat",
+            Some(serde_json::to_vec(beat)?),
+        )
+        .await
+    }
+}
+
+/// One request and its JSON answer on a fresh connection.
+pub async fn exchange<T, S>(stream: S, method: &str, path: &str, body: Option<Vec<u8>>) -> Result<T>
+where
+    T: DeserializeOwned,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "ferry-controller")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    if !status.is_success() {
+        let (message, kind) = match serde_json::from_slice::<ApiError>(&bytes) {
+            Ok(e) => (e.error, e.kind),
+            Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None),
+        };
+        return Err(ControllerRefused { kind, message }.into());
+    }
+    serde_json::from_slice(&bytes).map_err(|e| anyhow!("malformed answer to {path}: {e}"))
+}

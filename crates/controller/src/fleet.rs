@@ -1,0 +1,555 @@
+//! What the controller does with the fleet: takes migration requests, answers agents'
+//! heartbeats (their VMs, their migrations' progress, the work they are given) and, while it
+//! leads, schedules migrations and marks silent hosts down.
+//!
+//! A migration's life: `requested` (checked against the fleet and stored) -> `scheduled` (the
+//! leader found both hosts up and room under the limits) -> `running` (the source agent
+//! reported it started, or `failed` with its refusal) -> `committed` or `failed` (as the agent
+//! reports). Each step is one conditional write of the store ([`Store::update_migration`]), so
+//! whichever controller makes it, it is made once.
+
+use ferry_api::agent::{ErrorKind, MigrationState};
+use ferry_api::fleet::{
+    FleetEvent, FleetMigration, FleetMigrationReport, FleetMigrationRequest, FleetMigrationState,
+    FleetWork, Heartbeat, HeartbeatAnswer, Host, HostState,
+};
+
+use crate::config::ControllerConfig;
+use crate::store::{now_ms, Store, StoreError};
+
+/// A request the controller refuses, or a failure of its own; `kind` is the HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("{1}")]
+    Refused(ErrorKind, String),
+    /// The caller may not do this (403).
+    #[error("{0}")]
+    Forbidden(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl FleetError {
+    pub fn bad(message: impl Into<String>) -> FleetError {
+        FleetError::Refused(ErrorKind::BadRequest, message.into())
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            FleetError::Refused(kind, _) => *kind,
+            FleetError::Forbidden(_) => ErrorKind::BadRequest,
+            // A store that does not answer refuses changes; it does not corrupt them.
+            FleetError::Store(StoreError::Database(_) | StoreError::Open { .. }) => {
+                ErrorKind::Unavailable
+            }
+            FleetError::Store(_) => ErrorKind::Internal,
+        }
+    }
+}
+
+/// One controller of the fleet.
+pub struct Controller {
+    pub config: ControllerConfig,
+    pub store: Store,
+}
+
+impl Controller {
+    fn event(&self, state: FleetMigrationState, detail: impl Into<String>) -> FleetEvent {
+        FleetEvent {
+            unix_ms: now_ms(),
+            state,
+            controller: self.config.name.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    /// Checks a migration request against the fleet and stores it as `requested`.
+    pub async fn request(
+        &self,
+        req: FleetMigrationRequest,
+        requested_by: &str,
+    ) -> Result<FleetMigration, FleetError> {
+        req.settings
+            .validate()
+            .map_err(|e| FleetError::bad(e.to_string()))?;
+        let vms: Vec<_> = self
+            .store
+            .vms()
+            .await?
+            .into_iter()
+            .filter(|vm| vm.name == req.vm)
+            .collect();
+        let vm = match vms.as_slice() {
+            [] => {
+                return Err(FleetError::Refused(
+                    ErrorKind::NotFound,
+                    format!(
+                        "no VM {:?} in the fleet (`ferry fleet vms` lists them)",
+                        req.vm
+                    ),
+                ))
+            }
+            [vm] => vm.clone(),
+            several => {
+                return Err(FleetError::Refused(
+                    ErrorKind::Conflict,
+                    format!(
+                        "VM {:?} is reported by several hosts ({}); move it by hand",
+                        req.vm,
+                        several
+                            .iter()
+                            .map(|v| v.host.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ))
+            }
+        };
+        let hosts = self.store.hosts().await?;
+        let source = hosts.iter().find(|h| h.name == vm.host).ok_or_else(|| {
+            FleetError::Refused(ErrorKind::Internal, "the VM's host is unknown".into())
+        })?;
+        if source.state == HostState::Down {
+            return Err(FleetError::Refused(
+                ErrorKind::Unavailable,
+                format!("{}'s host {} is down (no heartbeat)", vm.name, source.name),
+            ));
+        }
+        let destination = choose_destination(&req, source, &hosts)?;
+        let unfinished = self
+            .store
+            .migrations()
+            .await?
+            .into_iter()
+            .find(|m| m.vm == vm.name && !m.state.finished());
+        if let Some(m) = unfinished {
+            return Err(FleetError::Refused(
+                ErrorKind::Conflict,
+                format!(
+                    "{} is already migrating ({}, {})",
+                    vm.name,
+                    m.id,
+                    m.state.name()
+                ),
+            ));
+        }
+        let now = now_ms();
+        let migration = FleetMigration {
+            id: new_id(),
+            vm: vm.name.clone(),
+            kind: vm.kind,
+            source_host: source.name.clone(),
+            destination_host: destination.clone(),
+            state: FleetMigrationState::Requested,
+            error: None,
+            requested_by: requested_by.to_owned(),
+            copy_storage: req.copy_storage,
+            settings: req.settings,
+            created_unix_ms: now,
+            updated_unix_ms: now,
+            finished_unix_ms: None,
+            cancel_requested: false,
+            agent: None,
+            timeline: vec![self.event(
+                FleetMigrationState::Requested,
+                format!("{} -> {} asked by {requested_by}", source.name, destination),
+            )],
+        };
+        self.store.insert_migration(&migration).await?;
+        tracing::info!(
+            "migration {} of {} from {} to {} requested by {requested_by}",
+            migration.id,
+            migration.vm,
+            migration.source_host,
+            migration.destination_host
+        );
+        Ok(migration)
+    }
+
+    /// Cancels a migration: one not started yet fails now; a running one is cancelled by its
+    /// source agent at its next heartbeat (too late once its stream ended: the agent says so).
+    pub async fn cancel(&self, id: &str, by: &str) -> Result<FleetMigration, FleetError> {
+        let mut finished = false;
+        let m = self
+            .store
+            .update_migration(id, |m| {
+                finished = m.state.finished();
+                match m.state {
+                    FleetMigrationState::Requested | FleetMigrationState::Scheduled => {
+                        self.finish(m, FleetMigrationState::Failed, format!("cancelled by {by}"));
+                        true
+                    }
+                    FleetMigrationState::Running if !m.cancel_requested => {
+                        m.cancel_requested = true;
+                        m.timeline
+                            .push(self.event(m.state, format!("cancel asked by {by}")));
+                        true
+                    }
+                    _ => false,
+                }
+            })
+            .await?
+            .ok_or_else(|| not_found(id))?;
+        if finished {
+            return Err(FleetError::Refused(
+                ErrorKind::Conflict,
+                format!("migration {id} already {}", m.state.name()),
+            ));
+        }
+        Ok(m)
+    }
+
+    fn finish(&self, m: &mut FleetMigration, state: FleetMigrationState, detail: String) {
+        m.state = state;
+        m.finished_unix_ms = Some(now_ms());
+        if state == FleetMigrationState::Failed && m.error.is_none() {
+            m.error = Some(detail.clone());
+        }
+        m.timeline.push(self.event(state, detail));
+    }
+
+    /// A host's heartbeat: records it, takes in its migrations' progress, and answers with
+    /// the work scheduled for it and the cancels asked for.
+    pub async fn heartbeat(
+        &self,
+        host: &str,
+        beat: Heartbeat,
+    ) -> Result<HeartbeatAnswer, FleetError> {
+        if beat.site.is_empty() || !ferry_api::names::valid_name(&beat.site) {
+            return Err(FleetError::bad(format!(
+                "{:?} is not a site's name",
+                beat.site
+            )));
+        }
+        self.store.record_heartbeat(host, &beat, now_ms()).await?;
+        for report in &beat.migrations {
+            self.take_report(host, report).await?;
+        }
+        let reported: Vec<&str> = beat
+            .migrations
+            .iter()
+            .map(|r| r.fleet_id.as_str())
+            .collect();
+        // A running migration its agent no longer knows: the agent restarted and lost it.
+        for m in self
+            .store
+            .migrations_in(FleetMigrationState::Running, Some(host))
+            .await?
+        {
+            if !reported.contains(&m.id.as_str()) {
+                self.store
+                    .update_migration(&m.id, |m| {
+                        m.state == FleetMigrationState::Running && {
+                            self.finish(
+                                m,
+                                FleetMigrationState::Failed,
+                                format!("{host}'s agent no longer knows this migration (it restarted); see where the VM runs with `ferry fleet vms`"),
+                            );
+                            true
+                        }
+                    })
+                    .await?;
+            }
+        }
+        let start = self
+            .store
+            .migrations_in(FleetMigrationState::Scheduled, Some(host))
+            .await?
+            .into_iter()
+            .filter(|m| !reported.contains(&m.id.as_str()))
+            .map(|m| FleetWork {
+                fleet_id: m.id,
+                vm: m.vm,
+                kind: m.kind,
+                to: m.destination_host,
+                copy_storage: m.copy_storage,
+                settings: m.settings,
+            })
+            .collect();
+        let cancel = self
+            .store
+            .migrations_in(FleetMigrationState::Running, Some(host))
+            .await?
+            .into_iter()
+            .filter(|m| m.cancel_requested)
+            .map(|m| m.id)
+            .collect();
+        Ok(HeartbeatAnswer {
+            start,
+            cancel,
+            heartbeat_ms: self.config.timing.heartbeat_ms,
+        })
+    }
+
+    /// One migration as its source agent reports it.
+    async fn take_report(
+        &self,
+        host: &str,
+        report: &FleetMigrationReport,
+    ) -> Result<(), FleetError> {
+        self.store
+            .update_migration(&report.fleet_id, |m| {
+                if m.source_host != host || m.state.finished() {
+                    return false;
+                }
+                if let Some(refused) = &report.refused {
+                    self.finish(
+                        m,
+                        FleetMigrationState::Failed,
+                        format!("{host}'s agent refused it: {}", refused.error),
+                    );
+                    return true;
+                }
+                let Some(status) = &report.status else {
+                    return false;
+                };
+                let mut changed = false;
+                if m.state != FleetMigrationState::Running {
+                    m.state = FleetMigrationState::Running;
+                    m.timeline.push(self.event(
+                        FleetMigrationState::Running,
+                        format!("{host}'s agent started it as {}", status.id),
+                    ));
+                    changed = true;
+                }
+                match status.state {
+                    MigrationState::Running => {}
+                    MigrationState::Committed => {
+                        self.finish(
+                            m,
+                            FleetMigrationState::Committed,
+                            format!("{} runs at {}", m.vm, m.destination_host),
+                        );
+                        changed = true;
+                    }
+                    MigrationState::Failed => {
+                        m.error = status.error.clone();
+                        self.finish(
+                            m,
+                            FleetMigrationState::Failed,
+                            status.error.clone().unwrap_or_else(|| "failed".into()),
+                        );
+                        changed = true;
+                    }
+                }
+                // Progress alone is worth a write only when it moved.
+                let moved = m.agent.as_ref().is_none_or(|a| {
+                    a.phase != status.phase
+                        || a.stream_bytes != status.stream_bytes
+                        || a.wire.bytes_out != status.wire.bytes_out
+                        || a.events.len() != status.events.len()
+                });
+                if moved || changed {
+                    m.agent = Some(status.clone());
+                }
+                moved || changed
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// The leader's round: hosts not heard from are down; requested migrations whose hosts
+    /// are up are scheduled within the limits; ones that waited too long fail; scheduled ones
+    /// whose source went down go back to the queue.
+    pub async fn lead(&self) -> Result<(), FleetError> {
+        let now = now_ms();
+        let timing = self.config.timing;
+        for host in self
+            .store
+            .mark_hosts_down(now.saturating_sub(timing.host_timeout_ms))
+            .await?
+        {
+            tracing::warn!(
+                "host {host} is down: no heartbeat for {} ms",
+                timing.host_timeout_ms
+            );
+        }
+        let hosts = self.store.hosts().await?;
+        let up = |name: &str| {
+            hosts
+                .iter()
+                .find(|h| h.name == name)
+                .filter(|h| h.state == HostState::Up)
+        };
+        let site_of = |name: &str| {
+            hosts
+                .iter()
+                .find(|h| h.name == name)
+                .map(|h| h.site.clone())
+        };
+        for m in self
+            .store
+            .migrations_in(FleetMigrationState::Scheduled, None)
+            .await?
+        {
+            if up(&m.source_host).is_none() {
+                self.store
+                    .update_migration(&m.id, |m| {
+                        m.state == FleetMigrationState::Scheduled && {
+                            m.state = FleetMigrationState::Requested;
+                            m.timeline.push(self.event(
+                                FleetMigrationState::Requested,
+                                format!(
+                                    "{} went down before starting it; queued again",
+                                    m.source_host
+                                ),
+                            ));
+                            true
+                        }
+                    })
+                    .await?;
+            }
+        }
+        let mut busy: Vec<FleetMigration> = self
+            .store
+            .migrations_in(FleetMigrationState::Scheduled, None)
+            .await?;
+        busy.extend(
+            self.store
+                .migrations_in(FleetMigrationState::Running, None)
+                .await?,
+        );
+        for m in self
+            .store
+            .migrations_in(FleetMigrationState::Requested, None)
+            .await?
+        {
+            let (Some(source), Some(_)) = (up(&m.source_host), up(&m.destination_host)) else {
+                if now.saturating_sub(m.created_unix_ms) > timing.queue_timeout_ms {
+                    let down = [&m.source_host, &m.destination_host]
+                        .into_iter()
+                        .filter(|h| up(h).is_none())
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(" and ");
+                    self.store
+                        .update_migration(&m.id, |m| {
+                            m.state == FleetMigrationState::Requested && {
+                                self.finish(
+                                    m,
+                                    FleetMigrationState::Failed,
+                                    format!(
+                                        "{down} stayed down for {} s",
+                                        timing.queue_timeout_ms / 1000
+                                    ),
+                                );
+                                true
+                            }
+                        })
+                        .await?;
+                }
+                continue;
+            };
+            let from_host = busy
+                .iter()
+                .filter(|b| b.source_host == m.source_host)
+                .count();
+            let pair = |b: &FleetMigration| {
+                let (a, z) = (site_of(&b.source_host), site_of(&b.destination_host));
+                let (ma, mz) = (site_of(&m.source_host), site_of(&m.destination_host));
+                (a == ma && z == mz) || (a == mz && z == ma)
+            };
+            let on_link = busy.iter().filter(|b| pair(b)).count();
+            if from_host >= source.max_outgoing as usize
+                || on_link >= self.config.per_site_pair as usize
+            {
+                continue;
+            }
+            if let Some(m) = self
+                .store
+                .update_migration(&m.id, |m| {
+                    m.state == FleetMigrationState::Requested && {
+                        m.state = FleetMigrationState::Scheduled;
+                        m.timeline.push(self.event(
+                            FleetMigrationState::Scheduled,
+                            format!("for {}'s next heartbeat", m.source_host),
+                        ));
+                        true
+                    }
+                })
+                .await?
+            {
+                if m.state == FleetMigrationState::Scheduled {
+                    busy.push(m);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The destination host: the one named (it must be up, another host, and one of the source
+/// agent's peers), or the least loaded such host of the site named.
+fn choose_destination(
+    req: &FleetMigrationRequest,
+    source: &Host,
+    hosts: &[Host],
+) -> Result<String, FleetError> {
+    let peer = |h: &Host| source.peers.contains(&h.name);
+    match (&req.to, &req.to_site) {
+        (Some(_), Some(_)) => Err(FleetError::bad(
+            "give the destination host or its site, not both",
+        )),
+        (None, None) => Err(FleetError::bad(
+            "no destination: give a host (to) or a site (to_site)",
+        )),
+        (Some(to), None) => {
+            let host = hosts.iter().find(|h| &h.name == to).ok_or_else(|| {
+                FleetError::Refused(ErrorKind::NotFound, format!("no host {to:?} in the fleet"))
+            })?;
+            if host.name == source.name {
+                return Err(FleetError::Refused(
+                    ErrorKind::Conflict,
+                    format!("{} already runs on {to}", req.vm),
+                ));
+            }
+            if !peer(host) {
+                return Err(FleetError::bad(format!(
+                    "{}'s agent has no peer {to} in its config (its peers: {})",
+                    source.name,
+                    if source.peers.is_empty() {
+                        "none".into()
+                    } else {
+                        source.peers.join(", ")
+                    }
+                )));
+            }
+            if host.state == HostState::Down {
+                return Err(FleetError::Refused(
+                    ErrorKind::Unavailable,
+                    format!("host {to} is down (no heartbeat)"),
+                ));
+            }
+            Ok(host.name.clone())
+        }
+        (None, Some(site)) => {
+            if !hosts.iter().any(|h| &h.site == site) {
+                return Err(FleetError::Refused(
+                    ErrorKind::NotFound,
+                    format!("no site {site:?} in the fleet"),
+                ));
+            }
+            hosts
+                .iter()
+                .filter(|h| &h.site == site && h.name != source.name && peer(h))
+                .filter(|h| h.state == HostState::Up)
+                .min_by_key(|h| (h.vms, h.name.clone()))
+                .map(|h| h.name.clone())
+                .ok_or_else(|| {
+                    FleetError::Refused(
+                        ErrorKind::Unavailable,
+                        format!("no host of site {site} is up and a peer of {}", source.name),
+                    )
+                })
+        }
+    }
+}
+
+fn not_found(id: &str) -> FleetError {
+    FleetError::Refused(ErrorKind::NotFound, format!("no migration {id}"))
+}
+
+/// 64 random bits: plenty for a fleet's migrations, short enough to type.
+fn new_id() -> String {
+    format!("m-{:016x}", ferry_wire::SessionId::random().0 >> 64)
+}
