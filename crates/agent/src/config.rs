@@ -66,6 +66,20 @@ pub struct AgentConfig {
     pub peers: BTreeMap<String, PeerConfig>,
     /// libvirt on this host, for `virsh migrate` over UNIX sockets ([`crate::tunnel`]).
     pub libvirt: Option<LibvirtConfig>,
+    /// The site (data center) this host is in, as the fleet controller groups hosts.
+    pub site: String,
+    /// The fleet controller this agent heartbeats to, if any ([`crate::fleet`]).
+    pub controller: Option<ControllerLink>,
+}
+
+/// The fleet controller this agent reports to and takes migrations from.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControllerLink {
+    /// `host:port` of its mutual-TLS listener.
+    pub address: String,
+    /// The name its certificate carries (checked, like a peer's).
+    pub name: String,
 }
 
 /// libvirt on this host.
@@ -135,6 +149,10 @@ struct File {
     peers: BTreeMap<String, PeerConfig>,
     #[serde(default)]
     libvirt: Option<LibvirtConfig>,
+    #[serde(default)]
+    site: Option<String>,
+    #[serde(default)]
+    controller: Option<ControllerLink>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -187,6 +205,23 @@ impl AgentConfig {
             ));
         }
         check_address(&file.listen).map_err(|p| invalid("listen", p))?;
+        if let Some(site) = &file.site {
+            if !valid_name(site) {
+                return Err(invalid(
+                    "site",
+                    format!("{site:?} is not a site's name (letters, digits, '-', '.')"),
+                ));
+            }
+        }
+        if let Some(link) = &file.controller {
+            check_address(&link.address).map_err(|p| invalid("controller.address", p))?;
+            if !valid_name(&link.name) {
+                return Err(invalid(
+                    "controller.name",
+                    format!("{:?} is not a certificate's name", link.name),
+                ));
+            }
+        }
         for (name, peer) in &file.peers {
             if !valid_name(name) {
                 return Err(invalid(
@@ -234,7 +269,6 @@ impl AgentConfig {
         }
         let budget_mib = file.seeds.budget_mib.unwrap_or(DEFAULT_SEED_BUDGET_MIB);
         Ok(AgentConfig {
-            name: file.name,
             listen: file.listen,
             api_socket: file
                 .api_socket
@@ -249,6 +283,10 @@ impl AgentConfig {
             max_outgoing: outgoing,
             peers: file.peers,
             libvirt: file.libvirt,
+            // A host alone in its data center needs no site name: its own will do.
+            site: file.site.unwrap_or_else(|| file.name.clone()),
+            controller: file.controller,
+            name: file.name,
         })
     }
 

@@ -16,6 +16,7 @@
 pub mod client;
 pub mod config;
 pub mod engine;
+pub mod fleet;
 pub mod follow;
 pub mod interrupt;
 pub mod libvirt;

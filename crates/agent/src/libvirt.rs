@@ -68,6 +68,21 @@ impl Libvirt {
         Ok(outgoing)
     }
 
+    /// The active domains (running, paused, ...) with their state in libvirt's words.
+    pub async fn active_domains(&self) -> Result<Vec<(String, String)>> {
+        // `virsh -q list`: "<id> <name> <state words>" per line.
+        Ok(self
+            .virsh(&["list"])
+            .await?
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split_whitespace();
+                let (_id, name) = (fields.next()?, fields.next()?);
+                Some((name.to_owned(), fields.collect::<Vec<_>>().join(" ")))
+            })
+            .collect())
+    }
+
     /// The domain's state in libvirt's words ("running", "paused", "shut off", ...); an
     /// unknown domain is an error in libvirt's words.
     pub async fn state(&self, domain: &str) -> Result<String> {

@@ -30,14 +30,14 @@ use crate::{libvirt_migration, tunnel};
 /// How long a new session may take to say what it is for.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
-struct Agent {
-    config: AgentConfig,
+pub(crate) struct Agent {
+    pub(crate) config: AgentConfig,
     client_tls: Arc<ClientConfig>,
     /// Connections to peers that finished a migration, for the next one (warm).
     pool: Arc<Pool>,
-    migrations: Registry,
+    pub(crate) migrations: Registry,
     /// libvirt's migrations carried to peers, when the config has `[libvirt]`.
-    tunnels: Option<Arc<tunnel::Tunnels>>,
+    pub(crate) tunnels: Option<Arc<tunnel::Tunnels>>,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
@@ -98,8 +98,15 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             None => std::future::pending().await,
         }
     };
+    let fleet = async {
+        match agent.config.controller.clone() {
+            Some(link) => crate::fleet::report(agent.clone(), link).await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         r = axum::serve(api, app) => r.context("API server")?,
+        r = fleet => r?,
         r = serve_peers(agent.clone(), peers, server_tls) => r?,
         r = tunnels => r?,
     }
@@ -299,17 +306,24 @@ fn check_limits(
 }
 
 async fn start_libvirt(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
-    match admit_libvirt(&agent, &body).await {
-        Ok(response) => response,
+    let started = match serde_json::from_slice(&body) {
+        Ok(req) => start_libvirt_migration(&agent, req, None).await,
+        Err(e) => Err(Refusal::Malformed(e.to_string())),
+    };
+    match started {
+        Ok(status) => (StatusCode::CREATED, Json(status)).into_response(),
         Err(refusal) => refusal.into_response(),
     }
 }
 
 /// Checks a libvirt migration request (its settings, its peer, the domain in libvirt, the
-/// agent's limits) and starts it; answers 201 with its first status.
-async fn admit_libvirt(agent: &Arc<Agent>, body: &[u8]) -> Result<Response, Refusal> {
-    let mut req: LibvirtMigrationRequest =
-        serde_json::from_slice(body).map_err(|e| Refusal::Malformed(e.to_string()))?;
+/// agent's limits) and starts it, for the fleet controller's migration `fleet_id` if given;
+/// returns its first status.
+pub(crate) async fn start_libvirt_migration(
+    agent: &Arc<Agent>,
+    mut req: LibvirtMigrationRequest,
+    fleet_id: Option<String>,
+) -> Result<MigrationStatus, Refusal> {
     req.settings.validate()?;
     libvirt_migration::check_settings(&req)?;
     let tunnels = agent.tunnels.clone().ok_or(Refusal::NoLibvirt)?;
@@ -319,11 +333,10 @@ async fn admit_libvirt(agent: &Arc<Agent>, body: &[u8]) -> Result<Response, Refu
     libvirt_migration::check_domain(&libvirt, &req.domain).await?;
     tunnels.check_peer_libvirt(&req.to).await?;
     let id = format!("{:016x}", SessionId::random().0 >> 64);
-    let status = Shared::new(MigrationStatus::starting(
-        id.clone(),
-        req.domain.clone(),
-        now_ms(),
-    ));
+    let status = Shared::new(MigrationStatus {
+        fleet_id,
+        ..MigrationStatus::starting(id.clone(), req.domain.clone(), now_ms())
+    });
     {
         let migrations = agent.migrations.lock().expect("lock");
         check_limits(agent, &migrations, &req.domain)?;
@@ -350,7 +363,7 @@ async fn admit_libvirt(agent: &Arc<Agent>, body: &[u8]) -> Result<Response, Refu
             status.clone(),
         ));
     }
-    Ok((StatusCode::CREATED, Json(status.get())).into_response())
+    Ok(status.get())
 }
 
 /// Starts an admitted migration's task; answers 201 with its first status.

@@ -340,6 +340,9 @@ pub struct DestinationSwitchover {
 pub struct MigrationStatus {
     pub id: String,
     pub vm: String,
+    /// The fleet controller's id for it, when the controller asked for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_id: Option<String>,
     pub state: MigrationState,
     /// Where it is.
     pub phase: Phase,
@@ -394,6 +397,7 @@ impl MigrationStatus {
         MigrationStatus {
             id,
             vm,
+            fleet_id: None,
             state: MigrationState::Running,
             phase: Phase::Starting,
             detail: String::new(),

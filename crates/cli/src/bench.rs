@@ -229,7 +229,14 @@ async fn fresh_lab(
     let (l, e) = (lab.clone(), exe.clone());
     tokio::task::spawn_blocking(move || {
         l.down(true)?;
-        l.up(link, &e, libvirt)
+        l.up(
+            link,
+            &e,
+            ferry_lab::Services {
+                libvirt,
+                controller: false,
+            },
+        )
     })
     .await??;
     Ok((lab, exe))

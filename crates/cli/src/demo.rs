@@ -92,7 +92,8 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let exe = std::env::current_exe()?;
     {
         let lab = lab.clone();
-        tokio::task::spawn_blocking(move || lab.up(link, &exe, false)).await??;
+        tokio::task::spawn_blocking(move || lab.up(link, &exe, ferry_lab::Services::default()))
+            .await??;
     }
     let result = demo_inner(&lab, &a, &img, accel, &workload, &opts).await;
     if !a.keep {

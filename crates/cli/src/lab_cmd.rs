@@ -45,6 +45,10 @@ pub enum LabCmd {
         /// Also run libvirt at each site (its own libvirtd, as on two hosts).
         #[arg(long)]
         libvirt: bool,
+        /// Also run the fleet controller at site a, both agents heartbeating to it
+        /// (`ferry fleet --controller <lab dir>/controller.sock ...`).
+        #[arg(long)]
+        controller: bool,
     },
     /// Remove everything `lab up` made, with every VM in it.
     Down,
@@ -96,7 +100,11 @@ pub enum LabCmd {
 pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
     let lab = Lab::from_env();
     match cmd {
-        LabCmd::Up { link, libvirt } => {
+        LabCmd::Up {
+            link,
+            libvirt,
+            controller,
+        } => {
             let exe = std::env::current_exe().context("locate the ferry binary")?;
             let cfg = link.config();
             if libvirt && !ferry_lab::libvirt::installed() {
@@ -104,7 +112,16 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             }
             let state = tokio::task::spawn_blocking({
                 let lab = lab.clone();
-                move || lab.up(cfg, &exe, libvirt)
+                move || {
+                    lab.up(
+                        cfg,
+                        &exe,
+                        ferry_lab::Services {
+                            libvirt,
+                            controller,
+                        },
+                    )
+                }
             })
             .await??;
             println!(
@@ -115,6 +132,12 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 state.link.jitter_ms,
                 state.link.loss_pct
             );
+            if controller {
+                println!(
+                    "fleet controller at site a: ferry fleet --controller {} hosts",
+                    ferry_lab::controller::socket(&lab).display()
+                );
+            }
             if libvirt {
                 for site in Site::ALL {
                     println!(

@@ -7,6 +7,7 @@
 mod bench;
 #[cfg(feature = "lab")]
 mod demo;
+mod fleet_cmd;
 #[cfg(feature = "lab")]
 mod lab_cmd;
 #[cfg(feature = "lab")]
@@ -34,8 +35,18 @@ pub const EXIT_USAGE: u8 = 2;
 fn exit_code_of(e: &anyhow::Error) -> ExitCode {
     use ferry_agent::client::AgentRefused;
     use ferry_api::agent::ErrorKind;
-    match e.downcast_ref::<AgentRefused>().map(|r| r.kind) {
+    use ferry_controller::client::ControllerRefused;
+    let kind = match e.downcast_ref::<AgentRefused>() {
+        Some(r) => Some(r.kind),
+        None => e.downcast_ref::<ControllerRefused>().and_then(|r| r.kind),
+    };
+    // A setting out of bounds is bad usage whether the CLI or the agent finds it.
+    let out_of_bounds = e
+        .downcast_ref::<ferry_api::settings::SettingsError>()
+        .is_some();
+    match kind {
         Some(ErrorKind::BadRequest) => ExitCode::from(EXIT_USAGE),
+        _ if out_of_bounds => ExitCode::from(EXIT_USAGE),
         _ => ExitCode::FAILURE,
     }
 }
@@ -63,6 +74,11 @@ enum Cmd {
     Migrations(migrations::MigrationsArgs),
     /// Run this host's agent: the local API for the CLI and the endpoint for peer agents.
     Agent(AgentArgs),
+    /// Run the fleet controller: sites, hosts, VMs and migrations in one store; agents
+    /// heartbeat to it and run the migrations it schedules.
+    Controller(fleet_cmd::ControllerArgs),
+    /// The fleet, through its controller: sites, hosts, VMs, migrations; migrate, watch.
+    Fleet(fleet_cmd::FleetArgs),
     /// The fleet's certificates: a CA, and one certificate per host.
     #[command(subcommand)]
     Pki(pki_cmd::PkiCmd),
@@ -167,6 +183,8 @@ fn main() -> ExitCode {
             Cmd::Agent(a) => ferry_agent::run(ferry_agent::AgentConfig::load(&a.config)?)
                 .await
                 .map(|()| ExitCode::SUCCESS),
+            Cmd::Controller(a) => fleet_cmd::controller(a).await,
+            Cmd::Fleet(a) => fleet_cmd::fleet(a).await,
             Cmd::Report { timeline, output } => report_svg(&timeline, output),
             #[cfg(feature = "lab")]
             Cmd::Demo(a) => demo::run(a).await,

@@ -7,63 +7,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::domains::{start_domain, verify};
 use common::TestLab;
-use ferry_lab::guest::{GuestLink, Heartbeats};
 use ferry_lab::Site;
 
 const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10"];
-
-/// The tiny guest as domain `name`, with `extra` devices.
-fn domain_xml(name: &str, host: u8, disk: bool, extra: &str) -> String {
-    let img = ferry_lab::vm::ensure_image().expect("guest image (ferry image build)");
-    ferry_lab::libvirt::tiny_domain_xml(&img, name, 128, host, disk)
-        .replace("</devices>", &format!("{extra}</devices>"))
-}
-
-/// Defines and starts domain `name` at site a; returns its serial link once the guest's
-/// agent answers, with `workload` (guest commands) started.
-fn start_domain(
-    t: &TestLab,
-    rt: &tokio::runtime::Runtime,
-    (name, host, disk, extra): (&str, u8, bool, &str),
-    workload: &[&str],
-) -> GuestLink {
-    let xml = t.lab.host_dir(Site::A).join(format!("{name}.xml"));
-    std::fs::write(&xml, domain_xml(name, host, disk, extra)).unwrap();
-    common::succeeded(
-        "virsh",
-        &t.virsh(Site::A, &["define", &format!("/run/ferry-host/{name}.xml")]),
-    );
-    common::succeeded("virsh", &t.virsh(Site::A, &["start", name]));
-    let serial_a = t.lab.host_dir(Site::A).join(format!("{name}.serial"));
-    rt.block_on(async {
-        let link = GuestLink::connect(&serial_a, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        link.wait_ready(Duration::from_secs(120)).await.unwrap();
-        for command in workload {
-            link.call(command, Duration::from_secs(60)).await.unwrap();
-        }
-        link
-    })
-}
-
-/// The errors the guest's verifiers find in domain `name` at `site` (memory, and the disk).
-fn verify(t: &TestLab, rt: &tokio::runtime::Runtime, site: Site, name: &str, disk: bool) -> u64 {
-    let serial = t.lab.host_dir(site).join(format!("{name}.serial"));
-    rt.block_on(async {
-        let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        ferry_lab::guest::verify(&link, disk)
-            .await
-            .unwrap()
-            .errors()
-    })
-}
 
 /// Site a's agent's latest migration of `name`, which must have committed under a stream
 /// digest.

@@ -24,12 +24,13 @@ pub fn config_path(lab: &Lab, site: Site) -> std::path::PathBuf {
 }
 
 /// `site`'s agent's config, as a fleet would write it: the other sites are its peers.
-fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>) -> String {
+fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controller: bool) -> String {
     let name = pki::agent_name(site);
     let id = pki::identity(&lab.pki_dir(), &name);
     let q = |p: &Path| format!("{:?}", p.display().to_string());
     let mut text = format!(
-        "# made by `ferry lab up`\nname = {name:?}\nlisten = {:?}\napi_socket = {}\nwork_dir = {}\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[seeds]\ndir = {}\n",
+        "# made by `ferry lab up`\nname = {name:?}\nsite = {:?}\nlisten = {:?}\napi_socket = {}\nwork_dir = {}\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[seeds]\ndir = {}\n",
+        site.name(),
         lab.agent_peer_addr(site),
         q(&lab.agent_socket(site)),
         q(&lab.dir().join(format!("agent-{}", site.name()))),
@@ -38,6 +39,9 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>) -> String {
         q(&id.key),
         q(&seed_dir(lab, site)),
     );
+    if controller {
+        text.push_str(&format!("\n{}", crate::controller::agent_section()));
+    }
     // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in
     // the site's own host directory, the same path at every site, as libvirt wants.
     text.push_str(&format!(
@@ -58,12 +62,19 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>) -> String {
 }
 
 /// Starts `site`'s agent and waits until its API answers. Returns its pid.
-pub fn start(lab: &Lab, site: Site, ferry_exe: &Path, link_rate_mbit: Option<f64>) -> Result<u32> {
+/// With `controller`, it heartbeats to the lab's controller ([`crate::controller`]).
+pub fn start(
+    lab: &Lab,
+    site: Site,
+    ferry_exe: &Path,
+    link_rate_mbit: Option<f64>,
+    controller: bool,
+) -> Result<u32> {
     let name = pki::agent_name(site);
     let sock = lab.agent_socket(site);
     let _ = fs::remove_file(&sock);
     let config_path = config_path(lab, site);
-    fs::write(&config_path, config(lab, site, link_rate_mbit))
+    fs::write(&config_path, config(lab, site, link_rate_mbit, controller))
         .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("agent-{}.log", site.name()));
     let log = fs::File::create(&log_path)?;

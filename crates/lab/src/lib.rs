@@ -18,6 +18,7 @@ pub mod accel;
 pub mod agents;
 pub mod baseline;
 pub mod bench;
+pub mod controller;
 pub mod ferry_path;
 pub mod floor;
 pub mod guest;
@@ -33,4 +34,4 @@ pub mod vm;
 pub mod wan;
 
 pub use link::LinkConfig;
-pub use topology::{Lab, Site};
+pub use topology::{Lab, Services, Site};

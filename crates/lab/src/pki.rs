@@ -16,9 +16,12 @@ pub fn agent_name(site: Site) -> String {
     format!("site-{}", site.name())
 }
 
-/// A fresh CA in `dir` (whatever was there goes) and a certificate and key per site.
+/// A fresh CA in `dir` (whatever was there goes) and a certificate and key per site, for
+/// the controller and for its operator.
 pub fn create(dir: &Path) -> Result<()> {
-    create_with(dir, &Site::ALL.map(agent_name))
+    let mut names = Site::ALL.map(agent_name).to_vec();
+    names.extend(crate::controller::certificate_names());
+    create_with(dir, &names)
 }
 
 /// A fresh CA in `dir` and certificates for `names` (tests use it for a foreign CA).

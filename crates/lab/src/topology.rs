@@ -89,6 +89,15 @@ impl Site {
     }
 }
 
+/// What runs in the lab besides the sites, the WAN and the agents.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Services {
+    /// A libvirtd per site ([`crate::libvirt`]).
+    pub libvirt: bool,
+    /// The fleet controller at site a, the agents heartbeating to it ([`crate::controller`]).
+    pub controller: bool,
+}
+
 /// What `lab up` recorded.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LabState {
@@ -224,7 +233,7 @@ impl Lab {
     /// that runs the relay (`ferry lab relay`). On failure, whatever was created is removed.
     /// Brings the lab up: sites, WAN emulator, bridges, an agent per site and, with
     /// `libvirt`, a libvirtd per site ([`crate::libvirt`]).
-    pub fn up(&self, link: LinkConfig, ferry_exe: &Path, libvirt: bool) -> Result<LabState> {
+    pub fn up(&self, link: LinkConfig, ferry_exe: &Path, services: Services) -> Result<LabState> {
         require_root()?;
         link.validate()?;
         if self.state_path().exists() || !self.existing_namespaces()?.is_empty() {
@@ -239,7 +248,7 @@ impl Lab {
         {
             fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         }
-        match self.create(link, ferry_exe, libvirt) {
+        match self.create(link, ferry_exe, services) {
             Ok(state) => Ok(state),
             Err(e) => {
                 let _ = self.down(true);
@@ -248,7 +257,11 @@ impl Lab {
         }
     }
 
-    fn create(&self, link: LinkConfig, ferry_exe: &Path, libvirt: bool) -> Result<LabState> {
+    fn create(&self, link: LinkConfig, ferry_exe: &Path, services: Services) -> Result<LabState> {
+        let Services {
+            libvirt,
+            controller,
+        } = services;
         if libvirt {
             for site in Site::ALL {
                 crate::libvirt::prepare(self, site)?;
@@ -348,8 +361,11 @@ impl Lab {
         })
         .context("site a cannot reach site b through the WAN relay")?;
         crate::pki::create(&self.pki_dir())?;
+        if controller {
+            crate::controller::start(self, ferry_exe)?;
+        }
         for site in Site::ALL {
-            crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit))?;
+            crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit), controller)?;
             if libvirt {
                 crate::libvirt::start(self, site)?;
             }

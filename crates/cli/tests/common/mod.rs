@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // each test binary uses a part of the harness
 
+pub mod domains;
+
 use std::process::{Command, Output};
 
 use ferry_lab::{Lab, Site};

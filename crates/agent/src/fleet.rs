@@ -1,0 +1,234 @@
+//! The agent's side of the fleet: it heartbeats to the controller named in its config's
+//! `[controller]` (mutual TLS; the certificate says which host it is), reporting its site, its
+//! peers, the VMs it runs and the progress of the migrations the controller asked for, and
+//! starts the migrations the answer hands it. The controller never dials the agent.
+//!
+//! A migration handed over is started at most once per agent: the agent recognizes the fleet
+//! id among its own migrations (or its refusals) when the same work comes again before the
+//! controller took in the report.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use ferry_api::agent::{ApiError, LibvirtMigrationRequest, MigrationStatus};
+use ferry_api::fleet::{
+    FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, VmKind, VmReport,
+};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::config::ControllerLink;
+use crate::libvirt::Libvirt;
+use crate::server::{self, Agent};
+
+/// Until the controller says otherwise.
+const FIRST_HEARTBEAT: Duration = Duration::from_secs(2);
+/// A heartbeat that takes longer failed (the controller answers from its store at once).
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a refusal is repeated in heartbeats (the controller takes the first).
+const REFUSAL_KEPT: Duration = Duration::from_secs(600);
+
+/// Heartbeats until the agent stops; a controller that does not answer is retried at the
+/// same pace (the agent's own migrations go on regardless).
+pub(crate) async fn report(agent: Arc<Agent>, link: ControllerLink) -> Result<()> {
+    let tls = agent.config.identity.client_config()?;
+    let mut refused: HashMap<String, (ApiError, tokio::time::Instant)> = HashMap::new();
+    let mut vms = Vec::new();
+    let mut pace = FIRST_HEARTBEAT;
+    let mut failing = false;
+    loop {
+        refused.retain(|_, (_, at)| at.elapsed() < REFUSAL_KEPT);
+        if let Some(now) = running_vms(&agent).await {
+            vms = now;
+        }
+        let beat = heartbeat(&agent, vms.clone(), &refused);
+        let answer = tokio::time::timeout(HEARTBEAT_TIMEOUT, send(&link, &tls, &beat))
+            .await
+            .unwrap_or_else(|_| Err(anyhow!("no answer within {HEARTBEAT_TIMEOUT:?}")));
+        let mut started = false;
+        match answer {
+            Ok(answer) => {
+                if failing {
+                    tracing::info!("the controller {} answers again", link.name);
+                    failing = false;
+                }
+                pace = Duration::from_millis(answer.heartbeat_ms.clamp(100, 60_000));
+                for work in answer.start {
+                    if known(&agent, &work.fleet_id) || refused.contains_key(&work.fleet_id) {
+                        continue;
+                    }
+                    started = true;
+                    let id = work.fleet_id.clone();
+                    if let Err(refusal) = start(&agent, work).await {
+                        tracing::warn!("the controller's migration {id}: refused: {refusal}");
+                        let error = ApiError {
+                            error: refusal.to_string(),
+                            kind: Some(refusal.kind()),
+                        };
+                        refused.insert(id, (error, tokio::time::Instant::now()));
+                    }
+                }
+                for id in answer.cancel {
+                    cancel(&agent, &id);
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(
+                        "the controller {} at {}: {e:#}; trying again every {pace:?}",
+                        link.name,
+                        link.address
+                    );
+                }
+                failing = true;
+            }
+        }
+        // What was just started or refused goes to the controller at once.
+        if !started {
+            tokio::time::sleep(pace).await;
+        }
+    }
+}
+
+/// The VMs this host runs (libvirt's active domains), or None when they cannot be listed now
+/// (the last list stands rather than telling the controller they all left).
+async fn running_vms(agent: &Agent) -> Option<Vec<VmReport>> {
+    let tunnels = agent.tunnels.as_ref()?;
+    match Libvirt::new(&tunnels.config.socket).active_domains().await {
+        Ok(domains) => Some(
+            domains
+                .into_iter()
+                .map(|(name, state)| VmReport {
+                    name,
+                    kind: VmKind::Libvirt,
+                    state,
+                })
+                .collect(),
+        ),
+        Err(e) => {
+            tracing::warn!("listing libvirt's domains for the controller: {e:#}");
+            None
+        }
+    }
+}
+
+fn heartbeat(
+    agent: &Agent,
+    vms: Vec<VmReport>,
+    refused: &HashMap<String, (ApiError, tokio::time::Instant)>,
+) -> Heartbeat {
+    let mut migrations: Vec<FleetMigrationReport> = fleet_statuses(agent)
+        .into_iter()
+        .filter_map(|status| {
+            Some(FleetMigrationReport {
+                fleet_id: status.fleet_id.clone()?,
+                status: Some(status),
+                refused: None,
+            })
+        })
+        .collect();
+    migrations.extend(refused.iter().map(|(id, (error, _))| FleetMigrationReport {
+        fleet_id: id.clone(),
+        status: None,
+        refused: Some(error.clone()),
+    }));
+    Heartbeat {
+        site: agent.config.site.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        peer_listen: agent.config.listen.clone(),
+        peers: agent.config.peers.keys().cloned().collect(),
+        max_outgoing: u32::try_from(agent.config.max_outgoing).unwrap_or(u32::MAX),
+        vms,
+        migrations,
+    }
+}
+
+/// This agent's migrations that the controller asked for.
+fn fleet_statuses(agent: &Agent) -> Vec<MigrationStatus> {
+    agent
+        .migrations
+        .lock()
+        .expect("lock")
+        .values()
+        .map(|m| m.get())
+        .filter(|s| s.fleet_id.is_some())
+        .collect()
+}
+
+fn known(agent: &Agent, fleet_id: &str) -> bool {
+    agent
+        .migrations
+        .lock()
+        .expect("lock")
+        .values()
+        .any(|m| m.update(|s| s.fleet_id.as_deref() == Some(fleet_id)))
+}
+
+async fn start(
+    agent: &Arc<Agent>,
+    work: FleetWork,
+) -> Result<MigrationStatus, crate::refusal::Refusal> {
+    match work.kind {
+        VmKind::Libvirt => {
+            let req = LibvirtMigrationRequest {
+                domain: work.vm,
+                to: work.to,
+                copy_storage: work.copy_storage,
+                link_rate_mbit: None,
+                settings: work.settings,
+            };
+            server::start_libvirt_migration(agent, req, Some(work.fleet_id)).await
+        }
+    }
+}
+
+fn cancel(agent: &Agent, fleet_id: &str) {
+    let migrations = agent.migrations.lock().expect("lock");
+    if let Some(m) = migrations
+        .values()
+        .find(|m| m.update(|s| s.fleet_id.as_deref() == Some(fleet_id)))
+    {
+        // Too late (the stream ended) is the agent's answer too: it shows in the status.
+        if !m.request_cancel() {
+            tracing::info!("the controller's cancel of {fleet_id} came too late");
+        }
+    }
+}
+
+/// One heartbeat: a fresh mutual-TLS connection, one request, the answer.
+async fn send(
+    link: &ControllerLink,
+    tls: &Arc<ferry_wire::tls::ClientConfig>,
+    beat: &Heartbeat,
+) -> Result<HeartbeatAnswer> {
+    let tcp = TcpStream::connect(&link.address)
+        .await
+        .with_context(|| format!("connect to {}", link.address))?;
+    let name = rustls_pki_types::ServerName::try_from(link.name.clone())
+        .map_err(|e| anyhow!("controller name {:?}: {e}", link.name))?;
+    let stream = tokio_rustls::TlsConnector::from(tls.clone())
+        .connect(name, tcp)
+        .await
+        .context("TLS")?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method("POST")
+        .uri("/v1/agent/heartbeat")
+        .header("host", link.name.as_str())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(beat)?)))?;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    if !status.is_success() {
+        let message = serde_json::from_slice::<ApiError>(&body)
+            .map_or_else(|_| String::from_utf8_lossy(&body).into_owned(), |e| e.error);
+        bail!("refused the heartbeat ({status}): {message}");
+    }
+    serde_json::from_slice(&body).context("malformed answer")
+}

@@ -1,0 +1,245 @@
+//! `ferry controller` (the fleet's service) and `ferry fleet ...` (its API from the command
+//! line: the fleet's sites, hosts, VMs and migrations; migrate, watch, cancel).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use ferry_api::fleet::{FleetMigration, FleetMigrationRequest, FleetMigrationState};
+use ferry_controller::client::{ControllerClient, Endpoint};
+
+use crate::report;
+use crate::settings_flags::SettingsFlags;
+
+#[derive(Args)]
+pub struct ControllerArgs {
+    /// The controller's config file (TOML: name, listen address, database, certificates,
+    /// operators; contrib/controller.toml is a commented example).
+    #[arg(long, default_value = ferry_controller::config::DEFAULT_CONFIG)]
+    config: PathBuf,
+}
+
+pub async fn controller(a: ControllerArgs) -> Result<ExitCode> {
+    let config = ferry_controller::config::ControllerConfig::load(&a.config)?;
+    ferry_controller::serve::run(config).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Args)]
+pub struct FleetArgs {
+    /// The controller: its local socket, or `host:port` of its TLS listener (then with
+    /// --controller-name and --as).
+    #[arg(long, env = "FERRY_CONTROLLER", default_value = ferry_controller::config::DEFAULT_API_SOCKET)]
+    controller: String,
+    /// Over TLS: the name the controller's certificate carries.
+    #[arg(long)]
+    controller_name: Option<String>,
+    /// Over TLS: the operator certificate to present (`NAME.pem` and `NAME.key` in --pki-dir).
+    #[arg(long = "as", value_name = "NAME")]
+    identity: Option<String>,
+    /// Over TLS: where the fleet's CA and the operator's certificate are.
+    #[arg(long, default_value = "/etc/ferry/pki")]
+    pki_dir: PathBuf,
+    #[command(subcommand)]
+    command: FleetCmd,
+}
+
+#[derive(Subcommand)]
+enum FleetCmd {
+    /// The sites, with their hosts up and VMs.
+    Sites(ListArgs),
+    /// The hosts (agents), up or down, with their peers.
+    Hosts(ListArgs),
+    /// The VMs and where they run.
+    Vms(ListArgs),
+    /// Every migration the controller knows.
+    Migrations(ListArgs),
+    /// Move a VM of the fleet to a host, or to a site (the controller picks the host).
+    Migrate(Box<MigrateArgs>),
+    /// Follow a migration until it ends (exit 0 committed, 3 failed).
+    Watch { id: String },
+    /// Cancel a migration (one not yet started ends at once; a running one is cancelled by
+    /// its source agent).
+    Cancel { id: String },
+}
+
+#[derive(Args)]
+struct ListArgs {
+    /// Print JSON, as the API answers.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct MigrateArgs {
+    vm: String,
+    /// The destination host.
+    #[arg(long, conflicts_with = "to_site", required_unless_present = "to_site")]
+    to: Option<String>,
+    /// The destination site (the controller chooses a host there).
+    #[arg(long)]
+    to_site: Option<String>,
+    /// Copy the VM's disks too (no shared storage).
+    #[arg(long)]
+    copy_storage: bool,
+    /// Return once the controller accepted it, without following it.
+    #[arg(long)]
+    no_wait: bool,
+    #[command(flatten)]
+    settings: SettingsFlags,
+}
+
+impl FleetArgs {
+    fn client(&self) -> Result<ControllerClient> {
+        let tls = !self.controller.starts_with('/') && self.controller.contains(':');
+        if !tls {
+            return Ok(ControllerClient::new(Endpoint::Local(PathBuf::from(
+                &self.controller,
+            ))));
+        }
+        let (Some(server_name), Some(identity)) = (&self.controller_name, &self.identity) else {
+            bail!("--controller {} is a TLS address: give --controller-name (its certificate's name) and --as (your operator certificate's name)", self.controller);
+        };
+        let id = ferry_agent::pki::identity(&self.pki_dir, identity);
+        Ok(ControllerClient::new(Endpoint::Tls {
+            address: self.controller.clone(),
+            server_name: server_name.clone(),
+            tls: id.client_config()?,
+        }))
+    }
+}
+
+pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
+    let client = a.client()?;
+    match a.command {
+        FleetCmd::Sites(l) => {
+            let sites = client.sites().await?;
+            print(l.json, &sites, || {
+                for s in &sites {
+                    println!(
+                        "{:<20} hosts {} ({} up)  VMs {}",
+                        s.name, s.hosts, s.hosts_up, s.vms
+                    );
+                }
+            })
+        }
+        FleetCmd::Hosts(l) => {
+            let hosts = client.hosts().await?;
+            print(l.json, &hosts, || {
+                for h in &hosts {
+                    println!(
+                        "{:<20} {:<12} {:<5} VMs {:<3} peers {}",
+                        h.name,
+                        h.site,
+                        match h.state {
+                            ferry_api::fleet::HostState::Up => "up",
+                            ferry_api::fleet::HostState::Down => "down",
+                        },
+                        h.vms,
+                        h.peers.join(",")
+                    );
+                }
+            })
+        }
+        FleetCmd::Vms(l) => {
+            let vms = client.vms().await?;
+            print(l.json, &vms, || {
+                for v in &vms {
+                    println!(
+                        "{:<20} {:<8} {:<20} {:<12} {}",
+                        v.name,
+                        v.kind.name(),
+                        v.host,
+                        v.site,
+                        v.state
+                    );
+                }
+            })
+        }
+        FleetCmd::Migrations(l) => {
+            let all = client.migrations().await?;
+            print(l.json, &all, || {
+                if all.is_empty() {
+                    println!("no migrations");
+                }
+                for m in &all {
+                    println!("{}", line(m));
+                }
+            })
+        }
+        FleetCmd::Migrate(m) => {
+            let req = FleetMigrationRequest {
+                vm: m.vm.clone(),
+                to: m.to.clone(),
+                to_site: m.to_site.clone(),
+                copy_storage: m.copy_storage,
+                settings: m.settings.settings()?,
+            };
+            let created = client.migrate(&req).await?;
+            println!("{}", line(&created));
+            if m.no_wait {
+                return Ok(ExitCode::SUCCESS);
+            }
+            watch(&client, &created.id).await
+        }
+        FleetCmd::Watch { id } => watch(&client, &id).await,
+        FleetCmd::Cancel { id } => {
+            println!("{}", line(&client.cancel(&id).await?));
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn print<T: serde::Serialize>(json: bool, value: &T, text: impl FnOnce()) -> Result<ExitCode> {
+    if json {
+        println!("{}", serde_json::to_string(value)?);
+    } else {
+        text();
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One migration in a line: id, VM, hosts, state, the agent's phase and bytes, the error.
+fn line(m: &FleetMigration) -> String {
+    let progress = m.agent.as_ref().map_or_else(String::new, |a| {
+        format!(
+            " | {}, {} on the wire",
+            a.phase.name(),
+            report::bytes(a.wire.bytes_out + a.wire.bytes_in)
+        )
+    });
+    format!(
+        "{}  {:<16} {} -> {}  {}{progress}{}",
+        m.id,
+        m.vm,
+        m.source_host,
+        m.destination_host,
+        m.state.name(),
+        m.error
+            .as_ref()
+            .map_or_else(String::new, |e| format!(": {e}"))
+    )
+}
+
+/// Prints the migration's line whenever it changes, until it ends.
+async fn watch(client: &ControllerClient, id: &str) -> Result<ExitCode> {
+    let mut last = String::new();
+    loop {
+        let m = client
+            .migration(id)
+            .await
+            .with_context(|| format!("following migration {id}"))?;
+        let now = line(&m);
+        if now != last {
+            println!("{now}");
+            last = now;
+        }
+        match m.state {
+            FleetMigrationState::Committed => return Ok(ExitCode::SUCCESS),
+            FleetMigrationState::Failed => return Ok(ExitCode::from(crate::EXIT_MIGRATION_FAILED)),
+            _ => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+}

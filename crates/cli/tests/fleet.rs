@@ -1,0 +1,163 @@
+//! The fleet controller with the lab (`lab up --libvirt --controller`): the controller runs
+//! at site a, both sites' agents heartbeat to it across the WAN, and `ferry fleet` drives it.
+//! It learns where a libvirt domain runs, moves it through the source agent (libvirt's own
+//! migration, carried by the agents), follows it to the commit and then finds it at site b;
+//! the guest's verifiers decide whether its memory arrived intact. A host whose agent stops
+//! is marked down and gets no migration.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::domains::{start_domain, verify};
+use common::TestLab;
+use ferry_lab::Site;
+
+const LAB: &[&str] = &[
+    "--libvirt",
+    "--controller",
+    "--rate-mbit",
+    "1000",
+    "--rtt-ms",
+    "10",
+];
+
+/// `ferry fleet ARGS` against the lab's controller, through its local socket.
+fn fleet(t: &TestLab, args: &[&str]) -> std::process::Output {
+    let socket = ferry_lab::controller::socket(&t.lab);
+    let mut all = vec!["fleet", "--controller", socket.to_str().unwrap()];
+    all.extend_from_slice(args);
+    t.run(&all)
+}
+
+fn fleet_json(t: &TestLab, what: &str) -> Vec<serde_json::Value> {
+    let out = common::succeeded("ferry fleet", &fleet(t, &[what, "--json"]));
+    common::json(&out).as_array().cloned().unwrap_or_default()
+}
+
+/// Polls `ferry fleet WHAT --json` until `ready` holds for it (the agents report every second).
+fn wait_for(
+    t: &TestLab,
+    what: &str,
+    ready: impl Fn(&[serde_json::Value]) -> bool,
+) -> Vec<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = fleet_json(t, what);
+        if ready(&now) {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fleet {what} never got there: {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn host_of(vms: &[serde_json::Value], name: &str) -> Option<String> {
+    vms.iter()
+        .find(|v| v["name"] == name)
+        .and_then(|v| v["host"].as_str().map(str::to_owned))
+}
+
+#[test]
+fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
+    let t = TestLab::up("fleet", LAB);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let hosts = wait_for(&t, "hosts", |h| {
+        h.len() == 2 && h.iter().all(|h| h["state"] == "up")
+    });
+    assert_eq!(hosts[0]["site"], "a", "{hosts:?}");
+    let _link = start_domain(
+        &t,
+        &rt,
+        ("fleet1", 21, false, ""),
+        &["mem start pattern=ws mib=32 rate=1"],
+    );
+    wait_for(&t, "vms", |v| {
+        host_of(v, "fleet1").as_deref() == Some("site-a")
+    });
+
+    // Bad requests are refused in the controller's words, and nothing moves.
+    let out = fleet(&t, &["migrate", "nope", "--to-site", "b"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no VM \"nope\" in the fleet"));
+    let out = fleet(&t, &["migrate", "fleet1", "--to", "site-a"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fleet1 already runs on site-a"));
+    let out = fleet(
+        &t,
+        &["migrate", "fleet1", "--to-site", "b", "--connections", "0"],
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+
+    // To site b: the controller picks site-b, the leader schedules it, site a's agent runs it
+    // at its next heartbeat, and `migrate` follows it to the commit.
+    let out = common::succeeded(
+        "ferry fleet migrate",
+        &fleet(&t, &["migrate", "fleet1", "--to-site", "b"]),
+    );
+    assert!(out.contains("site-a -> site-b"), "{out}");
+    assert!(out.lines().last().unwrap().contains("committed"), "{out}");
+    assert_eq!(t.domstate(Site::B, "fleet1").as_deref(), Some("running"));
+    assert_eq!(t.domstate(Site::A, "fleet1"), None);
+    assert_eq!(verify(&t, &rt, Site::B, "fleet1", false), 0);
+
+    let migrations = fleet_json(&t, "migrations");
+    assert_eq!(migrations.len(), 1, "{migrations:?}");
+    let m = &migrations[0];
+    assert_eq!(m["state"], "committed", "{m}");
+    let states: Vec<&str> = m["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        states,
+        ["requested", "scheduled", "running", "committed"],
+        "{m}"
+    );
+    assert_eq!(m["agent"]["state"], "committed", "{m}");
+    assert!(
+        m["agent"]["digest"].as_str().is_some_and(|d| d.len() == 64),
+        "{m}"
+    );
+    // Site a's agent ran it once, under the controller's id.
+    let at_a: Vec<_> = t
+        .migrations(Site::A)
+        .into_iter()
+        .filter(|s| s["fleet_id"] == m["id"])
+        .collect();
+    assert_eq!(at_a.len(), 1, "{at_a:?}");
+    wait_for(&t, "vms", |v| {
+        host_of(v, "fleet1").as_deref() == Some("site-b")
+    });
+
+    // Site a's agent stops: the controller marks it down, and a move there is refused.
+    kill_agent(&t, Site::A);
+    wait_for(&t, "hosts", |h| {
+        h.iter()
+            .any(|h| h["name"] == "site-a" && h["state"] == "down")
+    });
+    let out = fleet(&t, &["migrate", "fleet1", "--to", "site-a"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("host site-a is down"),
+        "{out:?}"
+    );
+    assert_eq!(t.domstate(Site::B, "fleet1").as_deref(), Some("running"));
+}
+
+/// Kills `site`'s agent (as a crash would).
+fn kill_agent(t: &TestLab, site: Site) {
+    let out = std::process::Command::new("pkill")
+        .args(["-KILL", "-f"])
+        .arg(format!(
+            "agent --config {}",
+            ferry_lab::agents::config_path(&t.lab, site).display()
+        ))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "no agent to kill: {out:?}");
+}
