@@ -71,6 +71,13 @@ if ! command -v libvirtd >/dev/null || ! command -v virsh >/dev/null; then
         libvirt-daemon-driver-qemu libvirt-daemon libvirt-clients \
         || die "could not install libvirt from $backports"
 fi
+# PostgreSQL for the fleet controller's shared store (the tests start their own server in the
+# lab, as the postgres user; the package's own cluster is not used).
+if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q || die "apt-get update failed; check the apt sources above"
+    apt-get install -y -q --no-install-recommends postgresql || die "could not install postgresql"
+fi
 qemu-system-x86_64 --version | head -1 | grep -Eq 'version (1[0-9]|[2-9][0-9])\.' \
     || die "QEMU >= 10 is required; found: $(qemu-system-x86_64 --version | head -1)"
 

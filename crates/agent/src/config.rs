@@ -68,11 +68,12 @@ pub struct AgentConfig {
     pub libvirt: Option<LibvirtConfig>,
     /// The site (data center) this host is in, as the fleet controller groups hosts.
     pub site: String,
-    /// The fleet controller this agent heartbeats to, if any ([`crate::fleet`]).
-    pub controller: Option<ControllerLink>,
+    /// The fleet's controllers this agent heartbeats to, in the order it tries them (none:
+    /// no fleet; [`crate::fleet`]).
+    pub controllers: Vec<ControllerLink>,
 }
 
-/// The fleet controller this agent reports to and takes migrations from.
+/// A fleet controller this agent reports to and takes migrations from.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControllerLink {
@@ -152,7 +153,7 @@ struct File {
     #[serde(default)]
     site: Option<String>,
     #[serde(default)]
-    controller: Option<ControllerLink>,
+    controllers: Vec<ControllerLink>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -213,11 +214,11 @@ impl AgentConfig {
                 ));
             }
         }
-        if let Some(link) = &file.controller {
-            check_address(&link.address).map_err(|p| invalid("controller.address", p))?;
+        for link in &file.controllers {
+            check_address(&link.address).map_err(|p| invalid("controllers.address", p))?;
             if !valid_name(&link.name) {
                 return Err(invalid(
-                    "controller.name",
+                    "controllers.name",
                     format!("{:?} is not a certificate's name", link.name),
                 ));
             }
@@ -285,7 +286,7 @@ impl AgentConfig {
             libvirt: file.libvirt,
             // A host alone in its data center needs no site name: its own will do.
             site: file.site.unwrap_or_else(|| file.name.clone()),
-            controller: file.controller,
+            controllers: file.controllers,
             name: file.name,
         })
     }

@@ -1,5 +1,6 @@
-//! The agent's side of the fleet: it heartbeats to the controller named in its config's
-//! `[controller]` (mutual TLS; the certificate says which host it is), reporting its site, its
+//! The agent's side of the fleet: it heartbeats to a controller of its config's
+//! `[[controllers]]` (mutual TLS; the certificate says which host it is; the first that answers,
+//! keeping to it while it does, since any controller of a fleet takes heartbeats), reporting its site, its
 //! peers, the VMs it runs and the progress of the migrations the controller asked for, and
 //! starts the migrations the answer hands it. The controller never dials the agent.
 //!
@@ -34,26 +35,25 @@ const REFUSAL_KEPT: Duration = Duration::from_secs(600);
 
 /// Heartbeats until the agent stops; a controller that does not answer is retried at the
 /// same pace (the agent's own migrations go on regardless).
-pub(crate) async fn report(agent: Arc<Agent>, link: ControllerLink) -> Result<()> {
+pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Result<()> {
     let tls = agent.config.identity.client_config()?;
     let mut refused: HashMap<String, (ApiError, tokio::time::Instant)> = HashMap::new();
     let mut vms = Vec::new();
     let mut pace = FIRST_HEARTBEAT;
     let mut failing = false;
+    // The controller that answered last: tried first next time.
+    let mut current = 0;
     loop {
         refused.retain(|_, (_, at)| at.elapsed() < REFUSAL_KEPT);
         if let Some(now) = running_vms(&agent).await {
             vms = now;
         }
         let beat = heartbeat(&agent, vms.clone(), &refused);
-        let answer = tokio::time::timeout(HEARTBEAT_TIMEOUT, send(&link, &tls, &beat))
-            .await
-            .unwrap_or_else(|_| Err(anyhow!("no answer within {HEARTBEAT_TIMEOUT:?}")));
         let mut started = false;
-        match answer {
+        match send_to_any(&links, &mut current, &tls, &beat).await {
             Ok(answer) => {
                 if failing {
-                    tracing::info!("the controller {} answers again", link.name);
+                    tracing::info!("the controller {} answers", links[current].name);
                     failing = false;
                 }
                 pace = Duration::from_millis(answer.heartbeat_ms.clamp(100, 60_000));
@@ -78,11 +78,7 @@ pub(crate) async fn report(agent: Arc<Agent>, link: ControllerLink) -> Result<()
             }
             Err(e) => {
                 if !failing {
-                    tracing::warn!(
-                        "the controller {} at {}: {e:#}; trying again every {pace:?}",
-                        link.name,
-                        link.address
-                    );
+                    tracing::warn!("{e:#}; trying again every {pace:?}");
                 }
                 failing = true;
             }
@@ -197,6 +193,35 @@ fn cancel(agent: &Agent, fleet_id: &str) {
             tracing::info!("the controller's cancel of {fleet_id} came too late");
         }
     }
+}
+
+/// Sends the heartbeat to the controller at `current`, else to the others in turn; `current`
+/// becomes the one that answered.
+async fn send_to_any(
+    links: &[ControllerLink],
+    current: &mut usize,
+    tls: &Arc<ferry_wire::tls::ClientConfig>,
+    beat: &Heartbeat,
+) -> Result<HeartbeatAnswer> {
+    let mut errors = Vec::new();
+    for i in (0..links.len()).map(|k| (*current + k) % links.len()) {
+        let link = &links[i];
+        match tokio::time::timeout(HEARTBEAT_TIMEOUT, send(link, tls, beat)).await {
+            Ok(Ok(answer)) => {
+                if i != *current {
+                    tracing::info!("heartbeats go to the controller {} now", link.name);
+                }
+                *current = i;
+                return Ok(answer);
+            }
+            Ok(Err(e)) => errors.push(format!("{} at {}: {e:#}", link.name, link.address)),
+            Err(_) => errors.push(format!(
+                "{} at {}: no answer within {HEARTBEAT_TIMEOUT:?}",
+                link.name, link.address
+            )),
+        }
+    }
+    bail!("no controller answers: {}", errors.join("; "))
 }
 
 /// One heartbeat: a fresh mutual-TLS connection, one request, the answer.

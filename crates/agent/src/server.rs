@@ -99,9 +99,9 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         }
     };
     let fleet = async {
-        match agent.config.controller.clone() {
-            Some(link) => crate::fleet::report(agent.clone(), link).await,
-            None => std::future::pending().await,
+        match agent.config.controllers.clone() {
+            links if links.is_empty() => std::future::pending().await,
+            links => crate::fleet::report(agent.clone(), links).await,
         }
     };
     tokio::select! {

@@ -234,7 +234,7 @@ async fn fresh_lab(
             &e,
             ferry_lab::Services {
                 libvirt,
-                controller: false,
+                ..ferry_lab::Services::default()
             },
         )
     })

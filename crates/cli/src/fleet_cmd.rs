@@ -48,6 +48,8 @@ pub struct FleetArgs {
 
 #[derive(Subcommand)]
 enum FleetCmd {
+    /// The controller: its name, its store, which controller leads.
+    Status(ListArgs),
     /// The sites, with their hosts up and VMs.
     Sites(ListArgs),
     /// The hosts (agents), up or down, with their peers.
@@ -114,6 +116,18 @@ impl FleetArgs {
 pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
     let client = a.client()?;
     match a.command {
+        FleetCmd::Status(l) => {
+            let h = client.health().await?;
+            print(l.json, &h, || {
+                println!(
+                    "controller {} (ferry {}), store {}, leader {}",
+                    h.name,
+                    h.version,
+                    h.store,
+                    h.leader.as_deref().unwrap_or("none (no lease held)")
+                );
+            })
+        }
         FleetCmd::Sites(l) => {
             let sites = client.sites().await?;
             print(l.json, &sites, || {

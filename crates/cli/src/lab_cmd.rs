@@ -46,9 +46,13 @@ pub enum LabCmd {
         #[arg(long)]
         libvirt: bool,
         /// Also run the fleet controller at site a, both agents heartbeating to it
-        /// (`ferry fleet --controller <lab dir>/controller.sock ...`).
+        /// (`ferry fleet --controller <lab dir>/controller-a.sock ...`).
         #[arg(long)]
         controller: bool,
+        /// With --controller: PostgreSQL at site a and a controller at each site sharing it
+        /// (one leads at a time).
+        #[arg(long, requires = "controller")]
+        postgres: bool,
     },
     /// Remove everything `lab up` made, with every VM in it.
     Down,
@@ -104,6 +108,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             link,
             libvirt,
             controller,
+            postgres,
         } => {
             let exe = std::env::current_exe().context("locate the ferry binary")?;
             let cfg = link.config();
@@ -119,6 +124,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                         ferry_lab::Services {
                             libvirt,
                             controller,
+                            postgres,
                         },
                     )
                 }
@@ -132,10 +138,16 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 state.link.jitter_ms,
                 state.link.loss_pct
             );
-            if controller {
+            let services = ferry_lab::Services {
+                libvirt,
+                controller,
+                postgres,
+            };
+            for site in services.controller_sites() {
                 println!(
-                    "fleet controller at site a: ferry fleet --controller {} hosts",
-                    ferry_lab::controller::socket(&lab).display()
+                    "fleet controller at site {}: ferry fleet --controller {} hosts",
+                    site.name(),
+                    ferry_lab::controller::socket(&lab, site).display()
                 );
             }
             if libvirt {

@@ -24,7 +24,7 @@ const LAB: &[&str] = &[
 
 /// `ferry fleet ARGS` against the lab's controller, through its local socket.
 fn fleet(t: &TestLab, args: &[&str]) -> std::process::Output {
-    let socket = ferry_lab::controller::socket(&t.lab);
+    let socket = ferry_lab::controller::socket(&t.lab, Site::A);
     let mut all = vec!["fleet", "--controller", socket.to_str().unwrap()];
     all.extend_from_slice(args);
     t.run(&all)
@@ -160,4 +160,121 @@ fn kill_agent(t: &TestLab, site: Site) {
         .output()
         .unwrap();
     assert!(out.status.success(), "no agent to kill: {out:?}");
+}
+
+/// `ferry fleet ARGS` against the controller at `site`.
+fn fleet_at(t: &TestLab, site: Site, args: &[&str]) -> std::process::Output {
+    let socket = ferry_lab::controller::socket(&t.lab, site);
+    let mut all = vec!["fleet", "--controller", socket.to_str().unwrap()];
+    all.extend_from_slice(args);
+    t.run(&all)
+}
+
+fn leader(t: &TestLab, site: Site) -> Option<String> {
+    let out = common::succeeded("fleet status", &fleet_at(t, site, &["status", "--json"]));
+    common::json(&out)["leader"].as_str().map(str::to_owned)
+}
+
+#[test]
+fn a_second_controller_takes_over_a_migration_when_the_leader_dies() {
+    // Two controllers, one at each site, sharing the lab's PostgreSQL at site a.
+    let t = TestLab::up(
+        "fleetpg",
+        &[
+            "--libvirt",
+            "--controller",
+            "--postgres",
+            "--rate-mbit",
+            "100",
+            "--rtt-ms",
+            "20",
+        ],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(leader(&t, Site::B).as_deref(), Some("controller-a"));
+    let _link = start_domain(
+        &t,
+        &rt,
+        ("fleet2", 22, false, ""),
+        &["mem start pattern=ws mib=32 rate=1"],
+    );
+    wait_for(&t, "vms", |v| {
+        host_of(v, "fleet2").as_deref() == Some("site-a")
+    });
+
+    // Asked of the controller that does not lead; the leader schedules it, site a's agent
+    // starts it; then the leader dies.
+    let out = common::succeeded(
+        "ferry fleet migrate",
+        &fleet_at(
+            &t,
+            Site::B,
+            &["migrate", "fleet2", "--to-site", "b", "--no-wait"],
+        ),
+    );
+    let id = out.split_whitespace().next().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = common::succeeded(
+            "fleet watch",
+            &fleet_at(&t, Site::B, &["migrations", "--json"]),
+        );
+        let m = common::json(&out)[0].clone();
+        if m["state"] == "running" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never running: {m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ferry_lab::controller::kill(&t.lab, Site::A).unwrap();
+
+    // The agents turn to controller-b, which takes the lease once it runs out and records
+    // the migration to its end: committed once, by the one agent run.
+    let out = fleet_at(&t, Site::B, &["watch", &id]);
+    let text = common::succeeded("ferry fleet watch", &out);
+    assert!(text.lines().last().unwrap().contains("committed"), "{text}");
+    assert_eq!(t.domstate(Site::B, "fleet2").as_deref(), Some("running"));
+    assert_eq!(t.domstate(Site::A, "fleet2"), None);
+    assert_eq!(verify(&t, &rt, Site::B, "fleet2", false), 0);
+    let runs: Vec<_> = t
+        .migrations(Site::A)
+        .into_iter()
+        .filter(|s| s["fleet_id"] == id.as_str())
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let out = common::succeeded(
+        "fleet migrations",
+        &fleet_at(&t, Site::B, &["migrations", "--json"]),
+    );
+    let m = common::json(&out)[0].clone();
+    let by: Vec<&str> = m["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["controller"].as_str().unwrap())
+        .collect();
+    assert_eq!(by.first(), Some(&"controller-b"), "{m}");
+    assert_eq!(by.last(), Some(&"controller-b"), "{m}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while leader(&t, Site::B).as_deref() != Some("controller-b") {
+        assert!(
+            Instant::now() < deadline,
+            "controller-b never took the lease"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    // A second migration, asked of the survivor alone, is scheduled by it.
+    let out = fleet_at(&t, Site::B, &["migrate", "fleet2", "--to-site", "a"]);
+    let text = common::succeeded("ferry fleet migrate back", &out);
+    assert!(text.lines().last().unwrap().contains("committed"), "{text}");
+    assert_eq!(verify(&t, &rt, Site::A, "fleet2", false), 0);
+
+    // The database goes away: the controller refuses changes and says why; the VM stays.
+    ferry_lab::postgres::stop(&t.lab).unwrap();
+    let out = fleet_at(&t, Site::B, &["migrate", "fleet2", "--to-site", "b"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("store"), "{err}");
+    assert_eq!(t.domstate(Site::A, "fleet2").as_deref(), Some("running"));
 }

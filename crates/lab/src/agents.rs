@@ -24,7 +24,7 @@ pub fn config_path(lab: &Lab, site: Site) -> std::path::PathBuf {
 }
 
 /// `site`'s agent's config, as a fleet would write it: the other sites are its peers.
-fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controller: bool) -> String {
+fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controllers: &[Site]) -> String {
     let name = pki::agent_name(site);
     let id = pki::identity(&lab.pki_dir(), &name);
     let q = |p: &Path| format!("{:?}", p.display().to_string());
@@ -39,9 +39,7 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controller: bool) 
         q(&id.key),
         q(&seed_dir(lab, site)),
     );
-    if controller {
-        text.push_str(&format!("\n{}", crate::controller::agent_section()));
-    }
+    text.push_str(&crate::controller::agent_sections(controllers));
     // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in
     // the site's own host directory, the same path at every site, as libvirt wants.
     text.push_str(&format!(
@@ -62,19 +60,19 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controller: bool) 
 }
 
 /// Starts `site`'s agent and waits until its API answers. Returns its pid.
-/// With `controller`, it heartbeats to the lab's controller ([`crate::controller`]).
+/// It heartbeats to the lab's controllers at `controllers` ([`crate::controller`]).
 pub fn start(
     lab: &Lab,
     site: Site,
     ferry_exe: &Path,
     link_rate_mbit: Option<f64>,
-    controller: bool,
+    controllers: &[Site],
 ) -> Result<u32> {
     let name = pki::agent_name(site);
     let sock = lab.agent_socket(site);
     let _ = fs::remove_file(&sock);
     let config_path = config_path(lab, site);
-    fs::write(&config_path, config(lab, site, link_rate_mbit, controller))
+    fs::write(&config_path, config(lab, site, link_rate_mbit, controllers))
         .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("agent-{}.log", site.name()));
     let log = fs::File::create(&log_path)?;

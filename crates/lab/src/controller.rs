@@ -1,6 +1,7 @@
-//! The lab's fleet controller (`lab up --controller`): `ferry controller` at site a, as a
-//! fleet would run it, with its store in the lab's directory; both sites' agents heartbeat to
-//! it across the WAN.
+//! The lab's fleet controllers (`lab up --controller`): `ferry controller` as a fleet would
+//! run it, with the lab's certificates. Alone, one at site a with a SQLite store in the lab's
+//! directory; with `--postgres`, one at each site sharing the lab's PostgreSQL
+//! ([`crate::postgres`]), one leading at a time. Both sites' agents heartbeat to them.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -12,75 +13,87 @@ use anyhow::{Context, Result};
 use crate::pki;
 use crate::topology::{detach, reap, wait_until, Lab, Site};
 
-/// The controller's certificate name.
-pub const NAME: &str = "controller";
 /// The operator certificate the lab issues (`ferry fleet --as operator` over TLS).
 pub const OPERATOR: &str = "operator";
-/// Its TLS port at site a's underlay address.
+/// The controllers' TLS port at their site's underlay address.
 pub const PORT: u16 = 7443;
-/// The site it runs at.
-pub const SITE: Site = Site::A;
 
-/// Where agents reach it.
-pub fn address() -> String {
-    format!("{}:{PORT}", SITE.underlay_ip())
+/// The name (and certificate) of the controller at `site`.
+pub fn name(site: Site) -> String {
+    format!("controller-{}", site.name())
 }
 
-/// Its local socket (`ferry fleet --controller PATH`).
-pub fn socket(lab: &Lab) -> PathBuf {
-    lab.dir().join("controller.sock")
+/// Where agents reach the controller at `site`.
+pub fn address(site: Site) -> String {
+    format!("{}:{PORT}", site.underlay_ip())
 }
 
-/// Its SQLite store.
-pub fn database(lab: &Lab) -> PathBuf {
+/// The local socket of the controller at `site` (`ferry fleet --controller PATH`).
+pub fn socket(lab: &Lab, site: Site) -> PathBuf {
+    lab.dir().join(format!("controller-{}.sock", site.name()))
+}
+
+/// The SQLite store of a lone controller.
+pub fn sqlite_database(lab: &Lab) -> PathBuf {
     lab.dir().join("controller.db")
 }
 
-fn config_path(lab: &Lab) -> PathBuf {
-    lab.dir().join("controller.toml")
+fn config_path(lab: &Lab, site: Site) -> PathBuf {
+    lab.dir().join(format!("controller-{}.toml", site.name()))
 }
 
-fn pid_path(lab: &Lab) -> PathBuf {
-    lab.dir().join("controller.pid")
+fn pid_path(lab: &Lab, site: Site) -> PathBuf {
+    lab.dir().join(format!("controller-{}.pid", site.name()))
 }
 
-/// The `[controller]` section of an agents' config.
-pub fn agent_section() -> String {
-    format!("[controller]\naddress = {:?}\nname = {NAME:?}\n", address())
+/// The `[[controllers]]` sections of an agent's config: the controllers at `sites`, in order.
+pub fn agent_sections(sites: &[Site]) -> String {
+    sites
+        .iter()
+        .map(|&site| {
+            format!(
+                "\n[[controllers]]\naddress = {:?}\nname = {:?}\n",
+                address(site),
+                name(site)
+            )
+        })
+        .collect()
 }
 
-/// The lab's certificates for the controller and its operator, beside the agents'.
-pub fn certificate_names() -> [String; 2] {
-    [NAME.to_owned(), OPERATOR.to_owned()]
+/// The lab's certificates for its controllers and their operator, beside the agents'.
+pub fn certificate_names() -> Vec<String> {
+    let mut names: Vec<String> = Site::ALL.into_iter().map(name).collect();
+    names.push(OPERATOR.to_owned());
+    names
 }
 
-/// The controller's config: quick heartbeats (the lab's hosts are two), the lab's PKI.
-fn config(lab: &Lab) -> String {
-    let id = pki::identity(&lab.pki_dir(), NAME);
+/// A controller's config: quick heartbeats (the lab's hosts are two), the lab's PKI.
+fn config(lab: &Lab, site: Site, database: &str) -> String {
+    let id = pki::identity(&lab.pki_dir(), &name(site));
     let q = |p: &Path| format!("{:?}", p.display().to_string());
     format!(
-        "# made by `ferry lab up --controller`\nname = {NAME:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n",
-        address(),
-        q(&socket(lab)),
-        q(&database(lab)),
+        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n",
+        name(site),
+        address(site),
+        q(&socket(lab, site)),
         q(&id.ca),
         q(&id.cert),
         q(&id.key),
     )
 }
 
-/// Starts the controller at site a and waits until its socket answers. Returns its pid.
-pub fn start(lab: &Lab, ferry_exe: &Path) -> Result<u32> {
-    let (sock, config_path) = (socket(lab), config_path(lab));
+/// Starts the controller at `site` on `database` and waits until its socket answers.
+pub fn start(lab: &Lab, ferry_exe: &Path, site: Site, database: &str) -> Result<u32> {
+    let (sock, config_path) = (socket(lab, site), config_path(lab, site));
     let _ = fs::remove_file(&sock);
-    fs::write(&config_path, config(lab))
+    fs::write(&config_path, config(lab, site, database))
         .with_context(|| format!("write {}", config_path.display()))?;
-    let log_path = lab.dir().join("controller.log");
+    let log_path = lab.dir().join(format!("controller-{}.log", site.name()));
     let log = fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&log_path)?;
-    let mut cmd = lab.host_command(SITE, ferry_exe);
+    let mut cmd = lab.host_command(site, ferry_exe);
     cmd.args(["controller", "--config"])
         .arg(&config_path)
         .env(
@@ -94,22 +107,31 @@ pub fn start(lab: &Lab, ferry_exe: &Path) -> Result<u32> {
     let child = cmd.spawn().context("start the controller")?;
     let pid = child.id();
     reap(child);
-    fs::write(pid_path(lab), pid.to_string())?;
-    wait_until(Duration::from_secs(10), || {
+    fs::write(pid_path(lab, site), pid.to_string())?;
+    wait_until(Duration::from_secs(30), || {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     })
-    .with_context(|| format!("the controller did not come up; see {}", log_path.display()))?;
+    .with_context(|| {
+        // The lab is taken down after a failed `up`, its logs with it: say what the log said.
+        let log = fs::read_to_string(&log_path).unwrap_or_default();
+        let last: Vec<&str> = log.lines().rev().take(3).collect();
+        format!(
+            "the controller at site {} did not come up: {}",
+            site.name(),
+            last.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        )
+    })?;
     Ok(pid)
 }
 
-/// Kills the controller (SIGKILL: as a crash would), if it runs.
-pub fn kill(lab: &Lab) -> Result<()> {
-    let Ok(pid) = fs::read_to_string(pid_path(lab)) else {
+/// Kills the controller at `site` (SIGKILL: as a crash would), if it runs.
+pub fn kill(lab: &Lab, site: Site) -> Result<()> {
+    let Ok(pid) = fs::read_to_string(pid_path(lab, site)) else {
         return Ok(());
     };
-    let pid: i32 = pid.trim().parse().context("controller.pid")?;
+    let pid: i32 = pid.trim().parse().context("controller pid file")?;
     // SAFETY: kill(2) on the pid the lab started; a stale pid only fails.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    let _ = fs::remove_file(pid_path(lab));
+    let _ = fs::remove_file(pid_path(lab, site));
     Ok(())
 }

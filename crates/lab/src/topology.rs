@@ -96,6 +96,20 @@ pub struct Services {
     pub libvirt: bool,
     /// The fleet controller at site a, the agents heartbeating to it ([`crate::controller`]).
     pub controller: bool,
+    /// With `controller`: PostgreSQL at site a and a controller at each site sharing it
+    /// ([`crate::postgres`]).
+    pub postgres: bool,
+}
+
+impl Services {
+    /// The sites with a controller, in the order agents try them.
+    pub fn controller_sites(self) -> Vec<Site> {
+        match (self.controller, self.postgres) {
+            (false, _) => vec![],
+            (true, false) => vec![Site::A],
+            (true, true) => Site::ALL.to_vec(),
+        }
+    }
 }
 
 /// What `lab up` recorded.
@@ -258,10 +272,7 @@ impl Lab {
     }
 
     fn create(&self, link: LinkConfig, ferry_exe: &Path, services: Services) -> Result<LabState> {
-        let Services {
-            libvirt,
-            controller,
-        } = services;
+        let libvirt = services.libvirt;
         if libvirt {
             for site in Site::ALL {
                 crate::libvirt::prepare(self, site)?;
@@ -361,11 +372,20 @@ impl Lab {
         })
         .context("site a cannot reach site b through the WAN relay")?;
         crate::pki::create(&self.pki_dir())?;
-        if controller {
-            crate::controller::start(self, ferry_exe)?;
+        let controllers = services.controller_sites();
+        let database = if services.postgres {
+            crate::postgres::start(self)?;
+            crate::postgres::url()
+        } else {
+            crate::controller::sqlite_database(self)
+                .display()
+                .to_string()
+        };
+        for &site in &controllers {
+            crate::controller::start(self, ferry_exe, site, &database)?;
         }
         for site in Site::ALL {
-            crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit), controller)?;
+            crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit), &controllers)?;
             if libvirt {
                 crate::libvirt::start(self, site)?;
             }
