@@ -6,6 +6,7 @@
 //! listen = "0.0.0.0:7070"                # where peer agents connect
 //! api_socket = "/run/ferry/agent.sock"   # the local API (the CLI, libvirt's hooks)
 //! work_dir = "/var/lib/ferry/work"       # sockets to and from QEMU
+//! site = "dc1"                           # its data center, for the fleet (default: name)
 //!
 //! [tls]                                  # `ferry pki init` / `ferry pki issue site-a`
 //! ca = "/etc/ferry/pki/ca.pem"
@@ -22,6 +23,10 @@
 //! [libvirt]                              # optional: `virsh migrate` over UNIX sockets
 //! socket = "/run/libvirt/libvirt-sock"
 //! tunnel_dir = "/run/ferry/libvirt"      # <dir>/<peer>/{rpc,mig,nbd}.sock
+//!
+//! [[controllers]]                        # optional: the fleet's controllers, tried in order
+//! address = "192.0.2.5:7443"
+//! name = "ctl1"
 //!
 //! [peers.site-b]                         # `ferry migrate ... --to site-b`
 //! address = "192.0.2.10:7070"
@@ -340,6 +345,9 @@ rate_mbit = 100
         assert_eq!(c.seed_budget_bytes, 8 << 30);
         assert_eq!(c.max_outgoing, 4);
         assert_eq!(c.peer("site-b").unwrap().rate_mbit, Some(100.0));
+        // Alone in its data center, a host is its own site; without controllers, no fleet.
+        assert_eq!(c.site, "site-a");
+        assert!(c.controllers.is_empty());
     }
 
     #[test]
@@ -367,6 +375,11 @@ rate_mbit = 100
         assert!(parse(&GOOD.replace("[peers.site-b]", "[peers.site-a]"))
             .unwrap_err()
             .contains("this agent itself is not a peer"));
+        assert_eq!(
+            parse(&format!("{GOOD}\n[[controllers]]\naddress = \"ctl\"\nname = \"ctl1\"\n"))
+                .unwrap_err(),
+            "/etc/ferry/agent.toml: controllers.address: \"ctl\" is not host:port (e.g. 192.0.2.10:7070)"
+        );
         let missing = parse(&GOOD.replace("name = \"site-a\"\n", "")).unwrap_err();
         assert!(missing.contains("missing field `name`"), "{missing}");
     }
@@ -376,7 +389,10 @@ rate_mbit = 100
         let text = include_str!("../../../contrib/agent.toml");
         let c = parse(text).unwrap();
         assert_eq!(c.name, "dc1-host7");
+        assert_eq!(c.site, "dc1");
         assert_eq!(c.peer("dc2-host3").unwrap().rate_mbit, Some(1000.0));
+        assert_eq!(c.controllers.len(), 1);
+        assert_eq!(c.controllers[0].name, "ctl1");
     }
 
     #[test]
