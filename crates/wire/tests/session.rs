@@ -114,11 +114,13 @@ async fn connect_loop(a: Session, b: Session, slots: u32, cuts: Vec<usize>, done
                 };
                 let t = Duration::from_secs(5);
                 let (ha, hb) = (a.hello(slot), b.hello(slot));
-                let (ra, rb) = tokio::join!(
+                // A cut inside the Hello fails one end at once; the other end must not wait
+                // out its timeout for the rest (a real dialer would hang up and redial).
+                let hellos = tokio::try_join!(
                     exchange_hello(&mut x, &ha, t),
                     exchange_hello(&mut y, &hb, t)
                 );
-                let (Ok((hello_b, left_a)), Ok((hello_a, left_b))) = (ra, rb) else {
+                let Ok(((hello_b, left_a), (hello_a, left_b))) = hellos else {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     continue;
                 };
