@@ -78,6 +78,12 @@ if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
     apt-get update -q || die "apt-get update failed; check the apt sources above"
     apt-get install -y -q --no-install-recommends postgresql || die "could not install postgresql"
 fi
+# Headless Chromium for the fleet dashboard's test (a real browser runs the page).
+if ! command -v chromium >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q || die "apt-get update failed; check the apt sources above"
+    apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core || die "could not install chromium"
+fi
 qemu-system-x86_64 --version | head -1 | grep -Eq 'version (1[0-9]|[2-9][0-9])\.' \
     || die "QEMU >= 10 is required; found: $(qemu-system-x86_64 --version | head -1)"
 

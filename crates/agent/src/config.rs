@@ -73,6 +73,9 @@ pub struct AgentConfig {
     pub libvirt: Option<LibvirtConfig>,
     /// The site (data center) this host is in, as the fleet controller groups hosts.
     pub site: String,
+    /// Where Prometheus scrapes `/metrics` over plain HTTP (read-only; none: only on the API
+    /// socket).
+    pub metrics_listen: Option<String>,
     /// The fleet's controllers this agent heartbeats to, in the order it tries them (none:
     /// no fleet; [`crate::fleet`]).
     pub controllers: Vec<ControllerLink>,
@@ -159,6 +162,8 @@ struct File {
     site: Option<String>,
     #[serde(default)]
     controllers: Vec<ControllerLink>,
+    #[serde(default)]
+    metrics_listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -218,6 +223,9 @@ impl AgentConfig {
                     format!("{site:?} is not a site's name (letters, digits, '-', '.')"),
                 ));
             }
+        }
+        if let Some(address) = &file.metrics_listen {
+            check_address(address).map_err(|p| invalid("metrics_listen", p))?;
         }
         for link in &file.controllers {
             check_address(&link.address).map_err(|p| invalid("controllers.address", p))?;
@@ -292,6 +300,7 @@ impl AgentConfig {
             // A host alone in its data center needs no site name: its own will do.
             site: file.site.unwrap_or_else(|| file.name.clone()),
             controllers: file.controllers,
+            metrics_listen: file.metrics_listen,
             name: file.name,
         })
     }
@@ -390,6 +399,7 @@ rate_mbit = 100
         let c = parse(text).unwrap();
         assert_eq!(c.name, "dc1-host7");
         assert_eq!(c.site, "dc1");
+        assert_eq!(c.metrics_listen.as_deref(), Some("127.0.0.1:9477"));
         assert_eq!(c.peer("dc2-host3").unwrap().rate_mbit, Some(1000.0));
         assert_eq!(c.controllers.len(), 1);
         assert_eq!(c.controllers[0].name, "ctl1");

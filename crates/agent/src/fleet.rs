@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::{ApiError, LibvirtMigrationRequest, MigrationStatus};
+use ferry_api::agent::{ApiError, LibvirtMigrationRequest, MigrationState, MigrationStatus};
 use ferry_api::fleet::{
     FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, VmKind, VmReport,
 };
@@ -43,12 +43,14 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
     let mut failing = false;
     // The controller that answered last: tried first next time.
     let mut current = 0;
+    // What the last answer asked to hear about besides what runs.
+    let mut track: Vec<String> = Vec::new();
     loop {
         refused.retain(|_, (_, at)| at.elapsed() < REFUSAL_KEPT);
         if let Some(now) = running_vms(&agent).await {
             vms = now;
         }
-        let beat = heartbeat(&agent, vms.clone(), &refused);
+        let beat = heartbeat(&agent, vms.clone(), &refused, &track);
         let mut started = false;
         match send_to_any(&links, &mut current, &tls, &beat).await {
             Ok(answer) => {
@@ -57,6 +59,7 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
                     failing = false;
                 }
                 pace = Duration::from_millis(answer.heartbeat_ms.clamp(100, 60_000));
+                track = answer.track;
                 for work in answer.start {
                     if known(&agent, &work.fleet_id) || refused.contains_key(&work.fleet_id) {
                         continue;
@@ -116,9 +119,14 @@ fn heartbeat(
     agent: &Agent,
     vms: Vec<VmReport>,
     refused: &HashMap<String, (ApiError, tokio::time::Instant)>,
+    track: &[String],
 ) -> Heartbeat {
     let mut migrations: Vec<FleetMigrationReport> = fleet_statuses(agent)
         .into_iter()
+        .filter(|s| {
+            s.state == MigrationState::Running
+                || s.fleet_id.as_ref().is_some_and(|id| track.contains(id))
+        })
         .filter_map(|status| {
             Some(FleetMigrationReport {
                 fleet_id: status.fleet_id.clone()?,

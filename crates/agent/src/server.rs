@@ -91,7 +91,23 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .route("/v1/migrations/{id}", get(one))
         .route("/v1/migrations/{id}/cancel", axum::routing::post(cancel))
         .route("/v1/libvirt/migrations", axum::routing::post(start_libvirt))
+        .route("/metrics", get(metrics))
         .with_state(agent.clone());
+    // Prometheus cannot scrape a unix socket: the metrics alone, read-only, on TCP if asked.
+    let metrics_only = async {
+        match &agent.config.metrics_listen {
+            Some(address) => {
+                let listener = TcpListener::bind(address)
+                    .await
+                    .with_context(|| format!("metrics_listen {address}"))?;
+                let app = Router::new()
+                    .route("/metrics", get(metrics))
+                    .with_state(agent.clone());
+                axum::serve(listener, app).await.context("metrics server")
+            }
+            None => std::future::pending().await,
+        }
+    };
     let tunnels = async {
         match tunnels {
             Some(tunnels) => tunnel::serve_sources(tunnels).await,
@@ -107,6 +123,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     tokio::select! {
         r = axum::serve(api, app) => r.context("API server")?,
         r = fleet => r?,
+        r = metrics_only => r?,
         r = serve_peers(agent.clone(), peers, server_tls) => r?,
         r = tunnels => r?,
     }
@@ -218,6 +235,24 @@ impl Agent {
         });
         Some(session)
     }
+}
+
+/// `GET /metrics`: Prometheus's text format, from this agent's migrations.
+async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
+    let statuses: Vec<MigrationStatus> = agent
+        .migrations
+        .lock()
+        .expect("lock")
+        .values()
+        .map(Shared::get)
+        .collect();
+    let mut registry = prometheus_client::registry::Registry::with_prefix("ferry_agent");
+    ferry_api::metrics::register_migrations(&mut registry, &statuses, now_ms());
+    (
+        [("content-type", ferry_api::metrics::CONTENT_TYPE)],
+        ferry_api::metrics::encode(&registry),
+    )
+        .into_response()
 }
 
 async fn health(State(agent): State<Arc<Agent>>) -> Json<Health> {

@@ -75,7 +75,7 @@ pub enum Destination {
 }
 
 /// How guest disk writes made during a migration are mirrored.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum DiskMode {
     /// XvMotion's asynchronous mirroring: a write completes once it is in the source agent's
@@ -106,7 +106,7 @@ impl DiskMode {
 }
 
 /// The codec's techniques, each on or off (for ablations; `ferry_codec::Options`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CodecSettings {
     /// Zero pages as a tag.
     pub zero: bool,
@@ -203,7 +203,7 @@ impl std::str::FromStr for CodecSettings {
 }
 
 /// What the codec did with the stream (source side).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CodecReport {
     /// The techniques that ran.
     pub settings: String,
@@ -240,7 +240,7 @@ pub struct CodecReport {
 }
 
 /// The destination's seed image, as offered to the source.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SeedReport {
     /// The VM whose earlier image it is.
     pub image: String,
@@ -251,7 +251,7 @@ pub struct SeedReport {
 }
 
 /// What one zstd level did over a migration.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ZstdLevelReport {
     pub level: i32,
     pub batches: u64,
@@ -261,7 +261,7 @@ pub struct ZstdLevelReport {
 }
 
 /// Where a migration is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum MigrationState {
     Running,
@@ -272,7 +272,7 @@ pub enum MigrationState {
 }
 
 /// Where a migration is, step by step (the source agent's view).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Phase {
     /// Accepted; nothing touched yet.
@@ -320,7 +320,7 @@ impl Phase {
 }
 
 /// The destination's side of the switchover, wall clock (µs since the epoch).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DestinationSwitchover {
     /// The stream's last byte had arrived and was decoded.
     pub arrived_unix_us: i64,
@@ -336,7 +336,7 @@ pub struct DestinationSwitchover {
 }
 
 /// `GET /v1/migrations/{id}`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrationStatus {
     pub id: String,
     pub vm: String,
@@ -424,7 +424,7 @@ impl MigrationStatus {
 }
 
 /// What the disk path did (source side).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DiskReport {
     pub mode: DiskMode,
     pub disks: u32,
@@ -449,7 +449,7 @@ pub struct DiskReport {
 }
 
 /// The transport's counters.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WireStats {
     pub bytes_out: u64,
     pub bytes_in: u64,
@@ -464,7 +464,7 @@ pub struct WireStats {
 }
 
 /// QEMU's view (query-migrate on the source).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct QemuProgress {
     pub status: String,
     pub transferred: u64,
@@ -474,7 +474,7 @@ pub struct QemuProgress {
 }
 
 /// Something that happened, with the wall-clock time it happened.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AgentEvent {
     pub unix_ms: u64,
     pub kind: crate::EventKind,
@@ -490,7 +490,7 @@ pub struct Health {
 }
 
 /// Every error the API returns: `{"error": "...", "kind": "..."}` with the kind's status.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ApiError {
     pub error: String,
     /// Absent from agents before it: the client then goes by the HTTP status.
@@ -500,7 +500,7 @@ pub struct ApiError {
 
 /// What kind of refusal an API error is. Its HTTP status is decided here, once; the CLI
 /// decides its exit code from it, once (`ferry` main).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum ErrorKind {
     /// The request itself is wrong (a bound, an unknown peer, a malformed body): 400.

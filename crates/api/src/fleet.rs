@@ -7,7 +7,7 @@ use crate::settings::MigrationSettings;
 
 /// What an agent reports every heartbeat (`POST /v1/agent/heartbeat`, over mutual TLS: the
 /// certificate it presents names the host, so the body does not).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Heartbeat {
     /// The site (data center) the host is in.
     pub site: String,
@@ -21,12 +21,13 @@ pub struct Heartbeat {
     pub max_outgoing: u32,
     /// The VMs running on the host now.
     pub vms: Vec<VmReport>,
-    /// Migrations the controller asked this agent for, as the agent knows them.
+    /// The controller's migrations this agent runs, those the controller's last answer asked
+    /// it to track, and its refusals.
     pub migrations: Vec<FleetMigrationReport>,
 }
 
 /// A VM an agent sees on its host.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmReport {
     pub name: String,
     pub kind: VmKind,
@@ -35,7 +36,7 @@ pub struct VmReport {
 }
 
 /// Who runs a VM, and so how it migrates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum VmKind {
     /// A libvirt domain: libvirt's own migration, carried by the agents.
@@ -56,7 +57,7 @@ impl VmKind {
 
 /// How an agent answered one of the controller's migrations: started (its status), or
 /// refused (why).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FleetMigrationReport {
     pub fleet_id: String,
     #[serde(default)]
@@ -66,17 +67,21 @@ pub struct FleetMigrationReport {
 }
 
 /// The controller's answer to a heartbeat: what to start, what to cancel, when to call again.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct HeartbeatAnswer {
     pub start: Vec<FleetWork>,
     /// Fleet ids of running migrations to cancel.
     pub cancel: Vec<String>,
+    /// Fleet ids the controller still waits to hear the end of: the agent reports these (and
+    /// whatever it runs), not every migration it ever ran.
+    #[serde(default)]
+    pub track: Vec<String>,
     /// The next heartbeat is due within this.
     pub heartbeat_ms: u64,
 }
 
 /// A migration the controller gives the source host's agent to run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FleetWork {
     pub fleet_id: String,
     pub vm: String,
@@ -91,7 +96,7 @@ pub struct FleetWork {
 
 /// `POST /v1/migrations` on the controller: move a VM the fleet knows to a host, or to a
 /// site (the controller chooses a host there).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FleetMigrationRequest {
     pub vm: String,
     /// The destination host.
@@ -107,8 +112,32 @@ pub struct FleetMigrationRequest {
     pub settings: MigrationSettings,
 }
 
+impl FleetMigrationRequest {
+    /// Parses a request, refusing a field it does not know (a typo must not silently become
+    /// a default: serde cannot refuse unknown fields of a flattened struct by itself).
+    pub fn parse(body: &[u8]) -> Result<FleetMigrationRequest, String> {
+        let value: serde_json::Value =
+            serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))?;
+        let every_setting = MigrationSettings {
+            seed_from: Some(String::new()),
+            test_corrupt_at: Some(0),
+            ..MigrationSettings::default()
+        };
+        let settings = serde_json::to_value(every_setting).map_err(|e| e.to_string())?;
+        let known = |key: &str| {
+            ["vm", "to", "to_site", "copy_storage"].contains(&key) || settings.get(key).is_some()
+        };
+        if let Some(fields) = value.as_object() {
+            if let Some(unknown) = fields.keys().find(|k| !known(k)) {
+                return Err(format!("unknown field {unknown:?} in the request"));
+            }
+        }
+        serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))
+    }
+}
+
 /// Where a fleet migration is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum FleetMigrationState {
     /// Accepted; waits for the leader to schedule it (hosts up, within the limits).
@@ -156,7 +185,7 @@ impl FleetMigrationState {
 
 /// A migration the controller knows: the request, where it is, the source agent's last
 /// status and what happened to it, by whom.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FleetMigration {
     pub id: String,
     pub vm: String,
@@ -181,7 +210,7 @@ pub struct FleetMigration {
 }
 
 /// Something the controller saw happen to a migration.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FleetEvent {
     pub unix_ms: u64,
     pub state: FleetMigrationState,
@@ -191,7 +220,7 @@ pub struct FleetEvent {
 }
 
 /// A site: a data center, known by its hosts.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Site {
     pub name: String,
     pub hosts: u32,
@@ -200,7 +229,7 @@ pub struct Site {
 }
 
 /// Whether a host's agent is heard from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum HostState {
     Up,
@@ -209,7 +238,7 @@ pub enum HostState {
 }
 
 /// A host (an agent) of the fleet.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Host {
     pub name: String,
     pub site: String,
@@ -224,7 +253,7 @@ pub struct Host {
 }
 
 /// A VM of the fleet, where it runs now.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Vm {
     pub name: String,
     pub kind: VmKind,
@@ -234,7 +263,7 @@ pub struct Vm {
 }
 
 /// `GET /v1/health` on the controller.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ControllerHealth {
     pub name: String,
     pub version: String,

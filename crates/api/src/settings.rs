@@ -9,7 +9,7 @@ use crate::agent::{CodecSettings, DiskMode};
 
 /// The settings of one migration. Serialized names are the agent API's field names; a field a
 /// request leaves out takes its default.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(default)]
 pub struct MigrationSettings {
     /// TCP connections across the WAN.

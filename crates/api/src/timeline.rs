@@ -91,7 +91,7 @@ pub struct Event {
 }
 
 /// What happened. Zero is not a valid kind on any wire: the enum is tagged by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum EventKind {
     /// The destination QEMU was started (paused, waiting for the stream).

@@ -134,6 +134,28 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
         host_of(v, "fleet1").as_deref() == Some("site-b")
     });
 
+    // Prometheus's view: the agent's own figures and the fleet's agree on the one commit.
+    let agent = metrics(&rt, &t.lab.agent_socket(Site::A));
+    assert!(
+        agent.contains("ferry_agent_migrations{state=\"committed\"} 1"),
+        "{agent}"
+    );
+    assert!(
+        agent.contains("ferry_agent_downtime_seconds_count 1"),
+        "{agent}"
+    );
+    let fleet_metrics = metrics(&rt, &ferry_lab::controller::socket(&t.lab, Site::A));
+    for line in [
+        "ferry_fleet_hosts{state=\"up\"} 2",
+        "ferry_fleet_migrations{state=\"committed\"} 1",
+        "ferry_fleet_agent_downtime_seconds_count 1",
+    ] {
+        assert!(
+            fleet_metrics.contains(line),
+            "{line} not in {fleet_metrics}"
+        );
+    }
+
     // Site a's agent stops: the controller marks it down, and a move there is refused.
     kill_agent(&t, Site::A);
     wait_for(&t, "hosts", |h| {
@@ -147,6 +169,19 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
         "{out:?}"
     );
     assert_eq!(t.domstate(Site::B, "fleet1").as_deref(), Some("running"));
+}
+
+/// `GET /metrics` through a unix socket (an agent's API, a controller's).
+fn metrics(rt: &tokio::runtime::Runtime, socket: &std::path::Path) -> String {
+    rt.block_on(async {
+        let stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+        let (status, body) =
+            ferry_controller::client::exchange_raw(stream, "GET", "/metrics", None)
+                .await
+                .unwrap();
+        assert_eq!(status, 200);
+        String::from_utf8(body.to_vec()).unwrap()
+    })
 }
 
 /// Kills `site`'s agent (as a crash would).

@@ -11,7 +11,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use ferry_api::agent::{ApiError, ErrorKind};
-use ferry_api::fleet::{ControllerHealth, FleetMigrationRequest, Heartbeat};
+use ferry_api::fleet::{
+    ControllerHealth, FleetMigration, FleetMigrationRequest, Heartbeat, HeartbeatAnswer, Host,
+    Site, Vm,
+};
+use utoipa::OpenApi;
 
 use crate::fleet::{Controller, FleetError};
 use crate::store::now_ms;
@@ -24,6 +28,8 @@ pub enum Caller {
     /// A process on the controller's host, through its socket; `privileged` when it runs as
     /// root or as the controller's own user (the kernel says which: SO_PEERCRED).
     Local { uid: u32, privileged: bool },
+    /// Anyone who reaches the read-only HTTP listener (`http_listen`: the dashboard, metrics).
+    Anonymous,
 }
 
 impl Caller {
@@ -31,13 +37,31 @@ impl Caller {
         match self {
             Caller::Certificate(name) => name.clone(),
             Caller::Local { uid, .. } => format!("local uid {uid}"),
+            Caller::Anonymous => "anonymous".into(),
         }
     }
 }
 
+/// The API's OpenAPI document, served at `/v1/openapi.json` (the tests check every answer
+/// against it).
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "ferry fleet controller",
+        description = "Sites, hosts, VMs and migrations of a ferry fleet (docs/fleet.md)"
+    ),
+    paths(
+        health, sites, hosts, vms, migrations, migration, migrate, cancel, heartbeat
+    )
+)]
+pub struct ApiDoc;
+
 /// The API's routes over a controller.
 pub fn router(controller: Arc<Controller>) -> Router {
     Router::new()
+        .route("/", get(dashboard))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
         .route("/v1/health", get(health))
         .route("/v1/sites", get(sites))
         .route("/v1/hosts", get(hosts))
@@ -47,6 +71,68 @@ pub fn router(controller: Arc<Controller>) -> Router {
         .route("/v1/migrations/{id}/cancel", post(cancel))
         .route("/v1/agent/heartbeat", post(heartbeat))
         .with_state(controller)
+}
+
+/// `GET /metrics`: the fleet in Prometheus's text format: hosts and migrations by state, and
+/// the migrations' figures as their source agents last reported them.
+async fn metrics(State(c): State<Arc<Controller>>) -> Response {
+    use ferry_api::metrics::StateLabel;
+    use prometheus_client::metrics::{family::Family, gauge::Gauge};
+    let result = async {
+        let (hosts, migrations) = (c.store.hosts().await?, c.store.migrations().await?);
+        let mut registry = prometheus_client::registry::Registry::with_prefix("ferry_fleet");
+        let host_states = Family::<StateLabel, Gauge>::default();
+        for state in ["up", "down"] {
+            drop(host_states.get_or_create(&StateLabel {
+                state: state.into(),
+            }));
+        }
+        for h in &hosts {
+            let state = match h.state {
+                ferry_api::fleet::HostState::Up => "up",
+                ferry_api::fleet::HostState::Down => "down",
+            };
+            host_states
+                .get_or_create(&StateLabel {
+                    state: state.into(),
+                })
+                .inc();
+        }
+        registry.register("hosts", "Hosts by state", host_states);
+        let states = Family::<StateLabel, Gauge>::default();
+        for m in &migrations {
+            states
+                .get_or_create(&StateLabel {
+                    state: m.state.name().into(),
+                })
+                .inc();
+        }
+        registry.register("migrations", "The controller's migrations by state", states);
+        let reported: Vec<_> = migrations.iter().filter_map(|m| m.agent.clone()).collect();
+        ferry_api::metrics::register_migrations(
+            registry.sub_registry_with_prefix("agent"),
+            &reported,
+            now_ms(),
+        );
+        Ok::<_, FleetError>(ferry_api::metrics::encode(&registry))
+    };
+    match result.await {
+        Ok(text) => ([("content-type", ferry_api::metrics::CONTENT_TYPE)], text).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /`: the dashboard, one page drawing the read-only views above (no framework).
+async fn dashboard() -> Response {
+    (
+        [("content-type", "text/html; charset=utf-8")],
+        include_str!("dashboard.html"),
+    )
+        .into_response()
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
 }
 
 fn refuse(kind: ErrorKind, message: String) -> Response {
@@ -108,6 +194,9 @@ fn operator(controller: &Controller, caller: &Caller) -> Result<(), FleetError> 
         Caller::Local { uid, .. } => Err(FleetError::Forbidden(format!(
             "uid {uid} may read but not change the fleet (run as root, or use an operator's certificate)"
         ))),
+        Caller::Anonymous => Err(FleetError::Forbidden(
+            "this listener is read-only; change the fleet through the controller's socket or its mutual-TLS listener".into(),
+        )),
     }
 }
 
@@ -115,6 +204,9 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, FleetError> {
     serde_json::from_slice(body).map_err(|e| FleetError::bad(format!("malformed request: {e}")))
 }
 
+#[utoipa::path(get, path = "/v1/health", responses(
+    (status = 200, description = "this controller, its store, who leads", body = ControllerHealth),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn health(State(c): State<Arc<Controller>>) -> Response {
     answer(
         async {
@@ -129,22 +221,37 @@ async fn health(State(c): State<Arc<Controller>>) -> Response {
     )
 }
 
+#[utoipa::path(get, path = "/v1/sites", responses(
+    (status = 200, description = "the sites, from their hosts", body = [Site]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn sites(State(c): State<Arc<Controller>>) -> Response {
     answer(c.store.sites().await.map_err(FleetError::from))
 }
 
+#[utoipa::path(get, path = "/v1/hosts", responses(
+    (status = 200, description = "every host, up or down", body = [Host]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn hosts(State(c): State<Arc<Controller>>) -> Response {
     answer(c.store.hosts().await.map_err(FleetError::from))
 }
 
+#[utoipa::path(get, path = "/v1/vms", responses(
+    (status = 200, description = "the VMs and where they run", body = [Vm]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn vms(State(c): State<Arc<Controller>>) -> Response {
     answer(c.store.vms().await.map_err(FleetError::from))
 }
 
+#[utoipa::path(get, path = "/v1/migrations", responses(
+    (status = 200, description = "every migration, oldest first", body = [FleetMigration]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn migrations(State(c): State<Arc<Controller>>) -> Response {
     answer(c.store.migrations().await.map_err(FleetError::from))
 }
 
+#[utoipa::path(get, path = "/v1/migrations/{id}", params(("id" = String, Path, description = "the migration's id")), responses(
+    (status = 200, description = "the migration", body = FleetMigration),
+    (status = 404, description = "no such migration", body = ApiError)))]
 async fn migration(State(c): State<Arc<Controller>>, Path(id): Path<String>) -> Response {
     match c.store.migration(&id).await {
         Ok(Some(m)) => Json(m).into_response(),
@@ -153,6 +260,13 @@ async fn migration(State(c): State<Arc<Controller>>, Path(id): Path<String>) -> 
     }
 }
 
+#[utoipa::path(post, path = "/v1/migrations", request_body = FleetMigrationRequest, responses(
+    (status = 201, description = "accepted: requested", body = FleetMigration),
+    (status = 400, description = "a bad request: what was wrong", body = ApiError),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "an unknown VM, host or site", body = ApiError),
+    (status = 409, description = "the VM is already there, or already migrating", body = ApiError),
+    (status = 503, description = "a host is down, or the store does not answer", body = ApiError)))]
 async fn migrate(
     State(c): State<Arc<Controller>>,
     Extension(caller): Extension<Caller>,
@@ -160,7 +274,7 @@ async fn migrate(
 ) -> Response {
     let result = async {
         operator(&c, &caller)?;
-        let req: FleetMigrationRequest = parse(&body)?;
+        let req = FleetMigrationRequest::parse(&body).map_err(FleetError::bad)?;
         c.request(req, &caller.name()).await
     };
     match result.await {
@@ -169,6 +283,11 @@ async fn migrate(
     }
 }
 
+#[utoipa::path(post, path = "/v1/migrations/{id}/cancel", params(("id" = String, Path, description = "the migration's id")), responses(
+    (status = 200, description = "cancelled, or the cancel goes to the source agent", body = FleetMigration),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "no such migration", body = ApiError),
+    (status = 409, description = "already finished", body = ApiError)))]
 async fn cancel(
     State(c): State<Arc<Controller>>,
     Extension(caller): Extension<Caller>,
@@ -181,6 +300,10 @@ async fn cancel(
     answer(result.await)
 }
 
+#[utoipa::path(post, path = "/v1/agent/heartbeat", request_body = Heartbeat, responses(
+    (status = 200, description = "what to start and cancel, when to call again", body = HeartbeatAnswer),
+    (status = 400, description = "a malformed report", body = ApiError),
+    (status = 403, description = "not a host's certificate over mutual TLS", body = ApiError)))]
 /// An agent's heartbeat: the host is the certificate's name, never the body's.
 async fn heartbeat(
     State(c): State<Arc<Controller>>,

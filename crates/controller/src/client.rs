@@ -55,6 +55,24 @@ impl ControllerClient {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<T> {
+        let (status, bytes) = self.raw(method, path, body).await?;
+        if !(200..300).contains(&status) {
+            let (message, kind) = match serde_json::from_slice::<ApiError>(&bytes) {
+                Ok(e) => (e.error, e.kind),
+                Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None),
+            };
+            return Err(ControllerRefused { kind, message }.into());
+        }
+        serde_json::from_slice(&bytes).map_err(|e| anyhow!("malformed answer to {path}: {e}"))
+    }
+
+    /// One request; the answer's status and body as they came.
+    pub async fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(u16, Bytes)> {
         match &self.endpoint {
             Endpoint::Local(socket) => {
                 let stream = UnixStream::connect(socket).await.with_context(|| {
@@ -63,7 +81,7 @@ impl ControllerClient {
                         socket.display()
                     )
                 })?;
-                exchange(stream, method, path, body).await
+                exchange_raw(stream, method, path, body).await
             }
             Endpoint::Tls {
                 address,
@@ -81,7 +99,7 @@ impl ControllerClient {
                     .with_context(|| {
                         format!("TLS with the controller {server_name} at {address}")
                     })?;
-                exchange(stream, method, path, body).await
+                exchange_raw(stream, method, path, body).await
             }
         }
     }
@@ -132,10 +150,14 @@ impl ControllerClient {
     }
 }
 
-/// One request and its JSON answer on a fresh connection.
-pub async fn exchange<T, S>(stream: S, method: &str, path: &str, body: Option<Vec<u8>>) -> Result<T>
+/// One request on a fresh connection: the answer's status and body.
+pub async fn exchange_raw<S>(
+    stream: S,
+    method: &str,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> Result<(u16, Bytes)>
 where
-    T: DeserializeOwned,
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -147,14 +169,6 @@ where
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
     let resp = sender.send_request(req).await?;
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await?.to_bytes();
-    if !status.is_success() {
-        let (message, kind) = match serde_json::from_slice::<ApiError>(&bytes) {
-            Ok(e) => (e.error, e.kind),
-            Err(_) => (String::from_utf8_lossy(&bytes).into_owned(), None),
-        };
-        return Err(ControllerRefused { kind, message }.into());
-    }
-    serde_json::from_slice(&bytes).map_err(|e| anyhow!("malformed answer to {path}: {e}"))
+    let status = resp.status().as_u16();
+    Ok((status, resp.into_body().collect().await?.to_bytes()))
 }

@@ -6,6 +6,7 @@
 //! listen = "0.0.0.0:7443"                      # agents and remote operators, mutual TLS
 //! api_socket = "/run/ferry/controller.sock"    # local: anyone reads, root changes
 //! database = "/var/lib/ferry/controller.db"    # SQLite file, or postgres://user:pw@host/db
+//! http_listen = "127.0.0.1:7480"               # optional: dashboard, views, metrics (read-only)
 //! operators = ["ops-alice"]                    # certificate names that may change things
 //!
 //! [tls]
@@ -40,6 +41,8 @@ pub struct ControllerConfig {
     pub api_socket: PathBuf,
     /// A SQLite file's path or a `postgres://` URL.
     pub database: String,
+    /// Plain HTTP, read-only: the dashboard, the views, the metrics (none: not served so).
+    pub http_listen: Option<String>,
     /// Certificate names that may start and cancel migrations over the network.
     pub operators: Vec<String>,
     pub identity: Identity,
@@ -82,6 +85,8 @@ struct File {
     api_socket: Option<PathBuf>,
     #[serde(default)]
     database: Option<String>,
+    #[serde(default)]
+    http_listen: Option<String>,
     #[serde(default)]
     operators: Vec<String>,
     tls: Identity,
@@ -135,6 +140,9 @@ impl ControllerConfig {
             ));
         }
         check_address(&file.listen).map_err(|p| invalid("listen", p))?;
+        if let Some(address) = &file.http_listen {
+            check_address(address).map_err(|p| invalid("http_listen", p))?;
+        }
         for name in &file.operators {
             if !valid_name(name) {
                 return Err(invalid(
@@ -206,6 +214,7 @@ impl ControllerConfig {
                 .api_socket
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET)),
             database,
+            http_listen: file.http_listen,
             operators: file.operators,
             identity: file.tls,
             timing,

@@ -266,17 +266,20 @@ impl Controller {
                 settings: m.settings,
             })
             .collect();
-        let cancel = self
+        let running = self
             .store
             .migrations_in(FleetMigrationState::Running, Some(host))
-            .await?
-            .into_iter()
+            .await?;
+        let cancel = running
+            .iter()
             .filter(|m| m.cancel_requested)
-            .map(|m| m.id)
+            .map(|m| m.id.clone())
             .collect();
+        let track = running.into_iter().map(|m| m.id).collect();
         Ok(HeartbeatAnswer {
             start,
             cancel,
+            track,
             heartbeat_ms: self.config.timing.heartbeat_ms,
         })
     }

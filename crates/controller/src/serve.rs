@@ -47,20 +47,37 @@ pub async fn run(config: ControllerConfig) -> Result<()> {
         config.api_socket.display(),
         store.kind().name()
     );
-    serve(Arc::new(Controller { config, store }), tcp, local).await
+    let http = match &config.http_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .with_context(|| format!("http_listen {address}"))?,
+        ),
+        None => None,
+    };
+    serve(Arc::new(Controller { config, store }), tcp, local, http).await
 }
 
-/// Serves the API on both listeners and leads when it can, until an error.
+/// Serves the API on its listeners (the read-only HTTP one if given) and leads when it can,
+/// until an error.
 pub async fn serve(
     controller: Arc<Controller>,
     tcp: TcpListener,
     local: UnixListener,
+    http: Option<TcpListener>,
 ) -> Result<()> {
     let tls = TlsAcceptor::from(controller.config.identity.server_config()?);
     let app = api::router(controller.clone());
+    let read_only = async {
+        match http {
+            Some(listener) => serve_read_only(listener, app.clone()).await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         r = serve_tls(tcp, tls, app.clone()) => r,
-        r = serve_local(local, app) => r,
+        r = serve_local(local, app.clone()) => r,
+        r = read_only => r,
         r = lead(controller) => r,
     }
 }
@@ -130,6 +147,14 @@ async fn serve_tls(listener: TcpListener, tls: TlsAcceptor, app: Router) -> Resu
             };
             serve_connection(stream, app, Caller::Certificate(name)).await;
         });
+    }
+}
+
+/// Plain HTTP for the dashboard, the read-only views and the metrics; every change is refused.
+async fn serve_read_only(listener: TcpListener, app: Router) -> Result<()> {
+    loop {
+        let (stream, _) = listener.accept().await.context("accept")?;
+        tokio::spawn(serve_connection(stream, app.clone(), Caller::Anonymous));
     }
 }
 

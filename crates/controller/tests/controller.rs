@@ -22,6 +22,8 @@ struct Fleet {
     _dir: tempfile::TempDir,
     pki: std::path::PathBuf,
     address: String,
+    /// The read-only HTTP listener (dashboard, views, metrics).
+    http_address: String,
     socket: std::path::PathBuf,
     controller: Arc<Controller>,
 }
@@ -51,15 +53,19 @@ impl Fleet {
         let address = tcp.local_addr().unwrap().to_string();
         let local = UnixListener::bind(&socket).unwrap();
         let controller = Arc::new(Controller { config, store });
+        let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_address = http.local_addr().unwrap().to_string();
         tokio::spawn(ferry_controller::serve::serve(
             controller.clone(),
             tcp,
             local,
+            Some(http),
         ));
         Fleet {
             _dir: dir,
             pki,
             address,
+            http_address,
             socket,
             controller,
         }
@@ -199,6 +205,8 @@ async fn a_migration_goes_from_request_to_commit_through_heartbeats() {
     }];
     let answer = a1.heartbeat(&running).await.unwrap();
     assert!(answer.start.is_empty(), "{answer:?}");
+    // The agent is to report it until its end is known.
+    assert_eq!(answer.track, vec![m.id.clone()]);
     fleet.controller.lead().await.unwrap();
     assert_eq!(
         ops.migration(&m2.id).await.unwrap().state,
@@ -216,7 +224,7 @@ async fn a_migration_goes_from_request_to_commit_through_heartbeats() {
         status: Some(agent_status("ag1", "vm1", MigrationState::Committed)),
         refused: None,
     }];
-    a1.heartbeat(&done).await.unwrap();
+    assert!(a1.heartbeat(&done).await.unwrap().track.is_empty());
     b1.heartbeat(&beat("b", &["a1"], &["vm1"])).await.unwrap();
     let m = fleet.local().migration(&m.id).await.unwrap();
     assert_eq!(m.state, FleetMigrationState::Committed);
@@ -262,6 +270,34 @@ async fn a_migration_goes_from_request_to_commit_through_heartbeats() {
             .contains("a1's agent refused it: libvirt: domain vm2 is not running"),
         "{m2:?}"
     );
+}
+
+#[tokio::test]
+async fn a_running_migration_its_restarted_agent_forgot_fails_with_that_reason() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    a1.heartbeat(&beat("a", &["b1"], &["vm1"])).await.unwrap();
+    b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+    let m = ops
+        .migrate(&request("vm1", Some("b1"), None))
+        .await
+        .unwrap();
+    fleet.controller.lead().await.unwrap();
+    let mut running = beat("a", &["b1"], &["vm1"]);
+    running.migrations = vec![FleetMigrationReport {
+        fleet_id: m.id.clone(),
+        status: Some(agent_status("ag1", "vm1", MigrationState::Running)),
+        refused: None,
+    }];
+    a1.heartbeat(&running).await.unwrap();
+    // The agent restarts: its first heartbeat knows nothing of it.
+    a1.heartbeat(&beat("a", &["b1"], &["vm1"])).await.unwrap();
+    let m = ops.migration(&m.id).await.unwrap();
+    assert_eq!(m.state, FleetMigrationState::Failed);
+    assert!(m
+        .error
+        .unwrap()
+        .contains("a1's agent no longer knows this migration"));
 }
 
 #[tokio::test]
@@ -312,6 +348,20 @@ async fn bad_requests_are_refused_with_what_was_wrong() {
         assert_eq!(got, Some(kind), "{message}");
         assert!(message.contains(text), "{message} (wanted {text})");
     }
+    let (status, body) = ops
+        .raw(
+            "POST",
+            "/v1/migrations",
+            Some(br#"{"vm": "vm1", "to": "b1", "downtime_ms": 100}"#.to_vec()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 400);
+    let unknown: ApiError = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        unknown.error,
+        "unknown field \"downtime_ms\" in the request"
+    );
     let mut bad = request("vm1", Some("a2"), None);
     bad.settings.connections = 0;
     let (kind, message) = refusal(ops.migrate(&bad).await.unwrap_err());
@@ -386,4 +436,337 @@ async fn a_silent_host_is_marked_down_and_gets_no_migrations() {
     let m = ops.cancel(&m.id).await.unwrap();
     assert_eq!(m.state, FleetMigrationState::Failed);
     assert_eq!(m.error.as_deref(), Some("cancelled by ops1"));
+}
+
+/// The schema of `path`'s `method` answer with `status` in the OpenAPI document, as a JSON
+/// Schema whose references resolve within the document.
+fn answer_schema(
+    doc: &serde_json::Value,
+    path: &str,
+    method: &str,
+    status: u16,
+) -> serde_json::Value {
+    let schema = &doc["paths"][path][method]["responses"][status.to_string()]["content"]
+        ["application/json"]["schema"];
+    assert!(
+        !schema.is_null(),
+        "the OpenAPI document has no {status} answer for {method} {path}"
+    );
+    let mut schema = schema.clone();
+    schema["components"] = doc["components"].clone();
+    schema
+}
+
+/// Checks a real answer against the document; panics with every violation.
+fn conforms(doc: &serde_json::Value, path: &str, method: &str, status: u16, body: &[u8]) {
+    let schema = answer_schema(doc, path, method, status);
+    let validator = jsonschema::validator_for(&schema)
+        .unwrap_or_else(|e| panic!("{method} {path} {status}: not a schema: {e}"));
+    let answer: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let errors: Vec<String> = validator
+        .iter_errors(&answer)
+        .map(|e| format!("{e} at {}", e.instance_path))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{method} {path} {status} does not match the OpenAPI document: {errors:?}\nanswer: {answer}"
+    );
+}
+
+#[tokio::test]
+async fn every_answer_matches_the_openapi_document() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    let (status, doc) = ops.raw("GET", "/v1/openapi.json", None).await.unwrap();
+    assert_eq!(status, 200);
+    let doc: serde_json::Value = serde_json::from_slice(&doc).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."), "{doc}");
+
+    // A fleet with something in every list: hosts, VMs, a migration running with the agent's
+    // full status, another refused.
+    a1.heartbeat(&beat("a", &["b1"], &["vm1", "vm2"]))
+        .await
+        .unwrap();
+    b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+    let body = serde_json::to_vec(&request("vm1", None, Some("b"))).unwrap();
+    let (status, created) = ops
+        .raw("POST", "/v1/migrations", Some(body.clone()))
+        .await
+        .unwrap();
+    assert_eq!(status, 201);
+    conforms(&doc, "/v1/migrations", "post", 201, &created);
+    let m: ferry_api::fleet::FleetMigration = serde_json::from_slice(&created).unwrap();
+    fleet.controller.lead().await.unwrap();
+    let mut running = beat("a", &["b1"], &["vm1", "vm2"]);
+    let mut status_now = agent_status("ag1", "vm1", MigrationState::Running);
+    status_now.codec = Some(Default::default());
+    status_now.disk = Some(Default::default());
+    running.migrations = vec![FleetMigrationReport {
+        fleet_id: m.id.clone(),
+        status: Some(status_now),
+        refused: None,
+    }];
+    let (status, answer) = a1
+        .raw(
+            "POST",
+            "/v1/agent/heartbeat",
+            Some(serde_json::to_vec(&running).unwrap()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    conforms(&doc, "/v1/agent/heartbeat", "post", 200, &answer);
+
+    for path in [
+        "/v1/health",
+        "/v1/sites",
+        "/v1/hosts",
+        "/v1/vms",
+        "/v1/migrations",
+    ] {
+        let (status, body) = ops.raw("GET", path, None).await.unwrap();
+        assert_eq!(status, 200, "{path}");
+        conforms(&doc, path, "get", 200, &body);
+    }
+    let one = format!("/v1/migrations/{}", m.id);
+    let (_, body) = ops.raw("GET", &one, None).await.unwrap();
+    conforms(&doc, "/v1/migrations/{id}", "get", 200, &body);
+    let (status, body) = ops.raw("GET", "/v1/migrations/m-none", None).await.unwrap();
+    assert_eq!(status, 404);
+    conforms(&doc, "/v1/migrations/{id}", "get", 404, &body);
+    // Refusals: the same VM again (409), a host's certificate changing things (403), a
+    // malformed body (400).
+    let (status, body) = ops
+        .raw(
+            "POST",
+            "/v1/migrations",
+            Some(body_of(&request("vm1", Some("b1"), None))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 409);
+    conforms(&doc, "/v1/migrations", "post", 409, &body);
+    let (status, body) = b1
+        .raw(
+            "POST",
+            "/v1/migrations",
+            Some(body_of(&request("vm2", Some("b1"), None))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 403);
+    conforms(&doc, "/v1/migrations", "post", 403, &body);
+    let (status, body) = ops
+        .raw("POST", "/v1/migrations", Some(b"{\"vm\": 7}".to_vec()))
+        .await
+        .unwrap();
+    assert_eq!(status, 400);
+    conforms(&doc, "/v1/migrations", "post", 400, &body);
+    let (status, body) = ops
+        .raw("POST", &format!("{one}/cancel"), None)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    conforms(&doc, "/v1/migrations/{id}/cancel", "post", 200, &body);
+
+    // Every API route is in the document (all but the document itself), and nothing else.
+    let mut documented: Vec<&str> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    documented.sort_unstable();
+    assert_eq!(
+        documented,
+        [
+            "/v1/agent/heartbeat",
+            "/v1/health",
+            "/v1/hosts",
+            "/v1/migrations",
+            "/v1/migrations/{id}",
+            "/v1/migrations/{id}/cancel",
+            "/v1/sites",
+            "/v1/vms"
+        ]
+    );
+}
+
+fn body_of<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap()
+}
+
+#[tokio::test]
+async fn metrics_show_the_fleet_and_its_migrations() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    a1.heartbeat(&beat("a", &["b1"], &["vm1"])).await.unwrap();
+    b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+    let m = ops
+        .migrate(&request("vm1", Some("b1"), None))
+        .await
+        .unwrap();
+    fleet.controller.lead().await.unwrap();
+    let mut committed = agent_status("ag1", "vm1", MigrationState::Committed);
+    committed.wire.bytes_out = 123_456;
+    committed.source_stop_unix_us = Some(10_000_000);
+    committed.destination_resume_unix_us = Some(10_250_000);
+    let mut done = beat("a", &["b1"], &[]);
+    done.migrations = vec![FleetMigrationReport {
+        fleet_id: m.id,
+        status: Some(committed),
+        refused: None,
+    }];
+    a1.heartbeat(&done).await.unwrap();
+    let (status, text) = fleet.local().raw("GET", "/metrics", None).await.unwrap();
+    assert_eq!(status, 200);
+    let text = String::from_utf8(text.to_vec()).unwrap();
+    for line in [
+        "ferry_fleet_hosts{state=\"up\"} 2",
+        "ferry_fleet_hosts{state=\"down\"} 0",
+        "ferry_fleet_migrations{state=\"committed\"} 1",
+        "ferry_fleet_agent_migrations{state=\"committed\"} 1",
+        "ferry_fleet_agent_wan_bytes_total 123456",
+        "ferry_fleet_agent_downtime_seconds_count 1",
+        "ferry_fleet_agent_downtime_seconds_sum 0.25",
+    ] {
+        assert!(text.contains(line), "{line} not in:\n{text}");
+    }
+}
+
+/// Headless Chromium on `url` with `args` (`--dump-dom`, `--screenshot=...`): its output.
+async fn chromium(profile: &Path, args: &[&str], url: &str) -> String {
+    let program = ["chromium", "chromium-browser"]
+        .into_iter()
+        .find(|p| {
+            std::process::Command::new(p)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .expect("Chromium is not installed (scripts/setup.sh installs it)");
+    let out = tokio::process::Command::new(program)
+        // Root in CI: Chromium's sandbox needs a user namespace it cannot have there. The
+        // virtual time budget lets the page run its fetches and timers before the dump.
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=5000",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "chromium {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn the_dashboard_shows_the_fleet_in_a_real_browser() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    a1.heartbeat(&beat("a", &["b1"], &["web-1", "db-1"]))
+        .await
+        .unwrap();
+    b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+    // One migration committed with a 250 ms pause, one in its memory phase, 75% done.
+    let done = ops
+        .migrate(&request("web-1", Some("b1"), None))
+        .await
+        .unwrap();
+    fleet.controller.lead().await.unwrap();
+    let mut committed = agent_status("ag1", "web-1", MigrationState::Committed);
+    committed.source_stop_unix_us = Some(10_000_000);
+    committed.destination_resume_unix_us = Some(10_250_000);
+    let mut report = beat("a", &["b1"], &["db-1"]);
+    report.migrations = vec![FleetMigrationReport {
+        fleet_id: done.id.clone(),
+        status: Some(committed),
+        refused: None,
+    }];
+    a1.heartbeat(&report).await.unwrap();
+    let moving = ops
+        .migrate(&request("db-1", Some("b1"), None))
+        .await
+        .unwrap();
+    fleet.controller.lead().await.unwrap();
+    let mut running = agent_status("ag2", "db-1", MigrationState::Running);
+    running.phase = ferry_api::agent::Phase::Memory;
+    running.qemu.total = 1000;
+    running.qemu.remaining = 250;
+    running.wire.bytes_out = 3 << 20;
+    running.started_unix_ms = ferry_controller::store::now_ms() - 3000;
+    report.migrations.push(FleetMigrationReport {
+        fleet_id: moving.id.clone(),
+        status: Some(running),
+        refused: None,
+    });
+    a1.heartbeat(&report).await.unwrap();
+
+    let url = format!("http://{}/", fleet.http_address);
+    let profile = tempfile::tempdir().unwrap();
+    let dom = chromium(profile.path(), &["--dump-dom"], &url).await;
+    for expected in [
+        // The status line drawn from /v1/health, not the error the page shows without it.
+        "<div id=\"status\" class=\"\">controller ctl1 · store sqlite · leader ctl1",
+        "<td>a</td><td>1 of 1 up</td>",
+        "<td>b1</td><td>b</td><td><span class=\"up\">up</span></td>",
+        "<td>db-1</td><td>libvirt</td><td>a1</td>",
+        &format!(
+            "<code>{}</code></td><td>db-1</td><td>a1 → b1</td>",
+            moving.id
+        ),
+        "<td>memory</td>",
+        "width:75.0%",
+        "3.0 MiB",
+        &format!("<code>{}</code></td><td>web-1</td>", done.id),
+        "<span class=\"committed\">committed</span>",
+        "<td>250 ms</td>",
+        "<svg class=\"timeline\"",
+    ] {
+        assert!(
+            dom.contains(expected),
+            "the dashboard lacks {expected:?}:\n{dom}"
+        );
+    }
+    // A screenshot, kept as the test's artifact (target/tmp/dashboard.png).
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+    let _ = std::fs::remove_file(&shot);
+    chromium(
+        profile.path(),
+        &[
+            &format!("--screenshot={}", shot.display()),
+            "--window-size=1280,900",
+        ],
+        &url,
+    )
+    .await;
+    let png = std::fs::read(&shot).unwrap();
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "{} bytes",
+        png.len()
+    );
+
+    // The page's listener is read-only.
+    let http = tokio::net::TcpStream::connect(&fleet.http_address)
+        .await
+        .unwrap();
+    let (status, body) = ferry_controller::client::exchange_raw(
+        http,
+        "POST",
+        "/v1/migrations",
+        Some(body_of(&request("db-1", Some("a1"), None))),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 403, "{body:?}");
+    assert!(String::from_utf8_lossy(&body).contains("read-only"));
 }
