@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything ferry needs on a Debian 12 host: QEMU 10 from the backports suite of the
-# machine's own Debian mirror, the lab's tools, and checks the Rust toolchain. Safe to run twice.
+# Installs everything ferry needs on a Debian 12 host: QEMU 10 and libvirt from the backports
+# suite of the machine's own Debian mirror, the lab's tools, PostgreSQL and headless Chromium for
+# the fleet's tests, and checks the Rust toolchain. Safe to run twice.
 set -euo pipefail
 
 die() { echo "setup: $*" >&2; exit 1; }
