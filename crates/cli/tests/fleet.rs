@@ -92,12 +92,26 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 
     // To site b: the controller picks site-b, the leader schedules it, site a's agent runs it
-    // at its next heartbeat, and `migrate` follows it to the commit.
+    // at its next heartbeat. The controller is killed and restarted while it runs: it picks
+    // the migration up from its store and the agent's reports, and `watch` follows it to the
+    // commit.
     let out = common::succeeded(
         "ferry fleet migrate",
-        &fleet(&t, &["migrate", "fleet1", "--to-site", "b"]),
+        &fleet(&t, &["migrate", "fleet1", "--to-site", "b", "--no-wait"]),
     );
     assert!(out.contains("site-a -> site-b"), "{out}");
+    let id = out.split_whitespace().next().unwrap().to_owned();
+    wait_for(&t, "migrations", |m| m[0]["state"] == "running");
+    ferry_lab::controller::kill(&t.lab, Site::A).unwrap();
+    let store = ferry_lab::controller::sqlite_database(&t.lab);
+    ferry_lab::controller::start(
+        &t.lab,
+        std::path::Path::new(common::ferry_bin()),
+        Site::A,
+        store.to_str().unwrap(),
+    )
+    .unwrap();
+    let out = common::succeeded("ferry fleet watch", &fleet(&t, &["watch", &id]));
     assert!(out.lines().last().unwrap().contains("committed"), "{out}");
     assert_eq!(t.domstate(Site::B, "fleet1").as_deref(), Some("running"));
     assert_eq!(t.domstate(Site::A, "fleet1"), None);
