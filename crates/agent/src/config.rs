@@ -24,6 +24,11 @@
 //! socket = "/run/libvirt/libvirt-sock"
 //! tunnel_dir = "/run/ferry/libvirt"      # <dir>/<peer>/{rpc,mig,nbd}.sock
 //!
+//! [overlay]                              # optional: this host's part in virtual cloud pools
+//! address = "192.0.2.11"                 # its VXLAN endpoint, reached by the other hosts
+//! device = "eth1"                        # optional: the interface to send tunnels out of
+//! port = 4789                            # optional: VXLAN's UDP port, the same fleet-wide
+//!
 //! [[controllers]]                        # optional: the fleet's controllers, tried in order
 //! address = "192.0.2.5:7443"
 //! name = "ctl1"
@@ -79,6 +84,25 @@ pub struct AgentConfig {
     /// The fleet's controllers this agent heartbeats to, in the order it tries them (none:
     /// no fleet; [`crate::fleet`]).
     pub controllers: Vec<ControllerLink>,
+    /// This host's tunnel endpoint for the fleet's pools (none: it takes no part in them).
+    pub overlay: Option<OverlayConfig>,
+}
+
+/// This host's VXLAN tunnel endpoint ([`crate::overlay`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OverlayConfig {
+    /// The address other hosts send the pools' frames to (one of this host's).
+    pub address: std::net::IpAddr,
+    /// The interface tunnels leave by (none: the route to each peer decides).
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default = "default_vxlan_port")]
+    pub port: u16,
+}
+
+fn default_vxlan_port() -> u16 {
+    4789
 }
 
 /// A fleet controller this agent reports to and takes migrations from.
@@ -164,6 +188,8 @@ struct File {
     controllers: Vec<ControllerLink>,
     #[serde(default)]
     metrics_listen: Option<String>,
+    #[serde(default)]
+    overlay: Option<OverlayConfig>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -236,6 +262,19 @@ impl AgentConfig {
                 ));
             }
         }
+        if let Some(overlay) = &file.overlay {
+            if overlay.port == 0 {
+                return Err(invalid("overlay.port", "0 is not a UDP port".into()));
+            }
+            if let Some(device) = &overlay.device {
+                if device.is_empty() || device.len() > 15 || device.contains(['/', ' ']) {
+                    return Err(invalid(
+                        "overlay.device",
+                        format!("{device:?} is not a network interface's name"),
+                    ));
+                }
+            }
+        }
         for (name, peer) in &file.peers {
             if !valid_name(name) {
                 return Err(invalid(
@@ -301,6 +340,7 @@ impl AgentConfig {
             site: file.site.unwrap_or_else(|| file.name.clone()),
             controllers: file.controllers,
             metrics_listen: file.metrics_listen,
+            overlay: file.overlay,
             name: file.name,
         })
     }

@@ -16,7 +16,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{ApiError, LibvirtMigrationRequest, MigrationState, MigrationStatus};
 use ferry_api::fleet::{
-    FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, VmKind, VmReport,
+    FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, VmKind, VmNic, VmReport,
 };
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
@@ -60,6 +60,9 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
                 }
                 pace = Duration::from_millis(answer.heartbeat_ms.clamp(100, 60_000));
                 track = answer.track;
+                if let (Some(overlay), Some(plan)) = (&agent.overlay, answer.overlay) {
+                    overlay.apply(plan).await;
+                }
                 for work in answer.start {
                     if known(&agent, &work.fleet_id) || refused.contains_key(&work.fleet_id) {
                         continue;
@@ -97,22 +100,32 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
 /// (the last list stands rather than telling the controller they all left).
 async fn running_vms(agent: &Agent) -> Option<Vec<VmReport>> {
     let tunnels = agent.tunnels.as_ref()?;
-    match Libvirt::new(&tunnels.config.socket).active_domains().await {
-        Ok(domains) => Some(
-            domains
-                .into_iter()
-                .map(|(name, state)| VmReport {
-                    name,
-                    kind: VmKind::Libvirt,
-                    state,
-                })
-                .collect(),
-        ),
+    let libvirt = Libvirt::new(&tunnels.config.socket);
+    let domains = match libvirt.active_domains().await {
+        Ok(domains) => domains,
         Err(e) => {
             tracing::warn!("listing libvirt's domains for the controller: {e:#}");
-            None
+            return None;
         }
+    };
+    let mut vms = Vec::with_capacity(domains.len());
+    for (name, state) in domains {
+        // A domain that left meanwhile has no interfaces to list: reported without.
+        let nics = libvirt
+            .bridged_nics(&name)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(mac, bridge)| VmNic { mac, bridge })
+            .collect();
+        vms.push(VmReport {
+            name,
+            kind: VmKind::Libvirt,
+            state,
+            nics,
+        });
     }
+    Some(vms)
 }
 
 fn heartbeat(
@@ -148,6 +161,7 @@ fn heartbeat(
         max_outgoing: u32::try_from(agent.config.max_outgoing).unwrap_or(u32::MAX),
         vms,
         migrations,
+        overlay: agent.overlay.as_ref().map(|o| o.report()),
     }
 }
 

@@ -9,6 +9,7 @@
 //! - [`pki`]: the fleet's CA and host certificates (`ferry pki`).
 //! - [`libvirt`]: this host's libvirt, through virsh (domains, job figures, `virsh migrate`).
 //! - [`libvirt_migration`]: libvirt's migration driven and steered by ferry (`--libvirt`).
+//! - [`overlay`]: this host's endpoints of the fleet's virtual cloud pools (VXLAN, bridges).
 //! - [`tunnel`]: unix sockets carried between hosts (libvirt's migration over UNIX sockets).
 //! - [`client`]: the CLI's client for the local API; [`follow`]: watching a migration
 //!   through it; [`interrupt`]: Ctrl-C during a migration the CLI watches.
@@ -21,6 +22,7 @@ pub mod follow;
 pub mod interrupt;
 pub mod libvirt;
 pub mod libvirt_migration;
+pub mod overlay;
 pub mod pki;
 pub mod refusal;
 pub mod server;

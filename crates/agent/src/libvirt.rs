@@ -83,6 +83,12 @@ impl Libvirt {
             .collect())
     }
 
+    /// The domain's network interfaces plugged into a bridge: (MAC, bridge). `virsh
+    /// domiflist`: "<interface> <type> <source> <model> <MAC>" per line under a header.
+    pub async fn bridged_nics(&self, domain: &str) -> Result<Vec<(String, String)>> {
+        Ok(parse_domiflist(&self.virsh(&["domiflist", domain]).await?))
+    }
+
     /// The domain's state in libvirt's words ("running", "paused", "shut off", ...); an
     /// unknown domain is an error in libvirt's words.
     pub async fn state(&self, domain: &str) -> Result<String> {
@@ -169,6 +175,21 @@ impl Libvirt {
     }
 }
 
+/// Bridged interfaces from `virsh domiflist` output: (MAC, bridge).
+fn parse_domiflist(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            match fields.as_slice() {
+                [_iface, "bridge", source, _model, mac] => {
+                    Some(((*mac).to_owned(), (*source).to_owned()))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 /// The domains with an outgoing migration job at the libvirt daemon behind `socket`.
 pub async fn outgoing_domains(socket: &Path) -> Result<Vec<String>> {
     Libvirt::new(socket).outgoing_domains().await
@@ -228,6 +249,22 @@ mod tests {
         );
         let eq = JobStats::parse("downtime=123\nmemory_total=5\n");
         assert_eq!((eq.downtime_ms, eq.memory_total), (Some(123), 5));
+    }
+
+    #[test]
+    fn bridged_interfaces_are_read_from_domiflist() {
+        let text = " Interface   Type      Source   Model    MAC\n\
+                    -------------------------------------------------------------\n\
+                    vnet0       bridge    fp1001   virtio   52:54:00:77:00:0b\n\
+                    -           network   default  virtio   52:54:00:aa:bb:cc\n\
+                    vnet2       bridge    br0      e1000    52:54:00:77:00:0c\n";
+        assert_eq!(
+            parse_domiflist(text),
+            vec![
+                ("52:54:00:77:00:0b".to_string(), "fp1001".to_string()),
+                ("52:54:00:77:00:0c".to_string(), "br0".to_string())
+            ]
+        );
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub(crate) struct Agent {
     pub(crate) migrations: Registry,
     /// libvirt's migrations carried to peers, when the config has `[libvirt]`.
     pub(crate) tunnels: Option<Arc<tunnel::Tunnels>>,
+    /// This host's pool endpoints, when the config has `[overlay]`.
+    pub(crate) overlay: Option<Arc<crate::overlay::Overlay>>,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
@@ -57,6 +59,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     let api = UnixListener::bind(&config.api_socket)
         .with_context(|| format!("API socket {}", config.api_socket.display()))?;
     let (pool, migrations) = (Pool::new(), Registry::default());
+    let overlay = config
+        .overlay
+        .clone()
+        .map(|o| Arc::new(crate::overlay::Overlay::new(o, config.name.clone())));
     let tunnels = config.libvirt.clone().map(|libvirt| {
         Arc::new(tunnel::Tunnels {
             config: libvirt,
@@ -68,6 +74,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             claims: Mutex::default(),
             relays: Mutex::default(),
             failures: Mutex::default(),
+            overlay: overlay.clone(),
         })
     });
     let agent = Arc::new(Agent {
@@ -76,6 +83,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         pool,
         migrations,
         tunnels: tunnels.clone(),
+        overlay,
         sessions: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashSet::new()),
     });
@@ -199,6 +207,7 @@ impl Agent {
                     version,
                     kind,
                     coded,
+                    from,
                 })) => {
                     tunnel::serve_destination(
                         s,
@@ -206,9 +215,11 @@ impl Agent {
                             version,
                             kind,
                             coded,
+                            from,
                         },
                         agent.config.libvirt.clone(),
                         &agent.config.name,
+                        agent.overlay.clone(),
                     )
                     .await;
                 }

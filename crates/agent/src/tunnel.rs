@@ -52,6 +52,7 @@ use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::tunnel_stream;
 use crate::libvirt::Libvirt;
 use crate::libvirt_migration::record_completed;
+use crate::overlay::Overlay;
 use crate::refusal::Refusal;
 
 /// How long the WAN may be down before a tunnelled connection is given up (libvirt's own
@@ -96,6 +97,8 @@ pub struct Tunnels {
     /// Why the last tunnel to each peer failed (the destination's own words, which libvirt
     /// only sees as a closed connection).
     pub failures: Mutex<HashMap<String, String>>,
+    /// This host's pool endpoints, re-pointed at each switchover.
+    pub overlay: Option<Arc<Overlay>>,
 }
 
 /// A driven migration's status and settings (its disk mode and buffer, its downtime target,
@@ -107,11 +110,13 @@ pub struct Claimed {
 }
 
 /// What a tunnel session carries, as its first control message says.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Carried {
     pub version: u32,
     pub kind: TunnelKind,
     pub coded: bool,
+    /// The source agent's name.
+    pub from: Option<String>,
 }
 
 /// The claim on a peer's next migration stream, given back when dropped.
@@ -233,6 +238,7 @@ impl Tunnels {
                 version: CONTROL_VERSION,
                 kind,
                 coded,
+                from: Some(self.own_name.clone()),
             },
         )
         .await?;
@@ -301,6 +307,10 @@ impl Tunnels {
                 &status,
             );
             let result = within_wan_timeout(&session, carried).await;
+            // The destination has the whole verified stream: the VM resumes there next.
+            if let (Ok(()), Some(overlay)) = (&result, &self.overlay) {
+                overlay.departed(peer_name).await;
+            }
             tunnel_stream::conclude(&status, &session, &result, !driven);
             if !driven && result.is_ok() {
                 let there =
@@ -445,11 +455,13 @@ pub async fn serve_destination(
     carried: Carried,
     config: Option<LibvirtConfig>,
     own_name: &str,
+    overlay: Option<Arc<Overlay>>,
 ) {
     let Carried {
         version,
         kind,
         coded,
+        from,
     } = carried;
     let result = async {
         if version != CONTROL_VERSION {
@@ -480,7 +492,14 @@ pub async fn serve_destination(
         };
         if coded {
             let (read, write) = conn.into_split();
-            within_wan_timeout(&session, tunnel_stream::destination(&session, read, write)).await
+            let delivered =
+                within_wan_timeout(&session, tunnel_stream::destination(&session, read, write))
+                    .await;
+            // QEMU has the whole verified stream: the VM resumes here next.
+            if let (Ok(()), Some(overlay), Some(from)) = (&delivered, &overlay, &from) {
+                overlay.arrived(from).await;
+            }
+            delivered
         } else {
             let mut conn = conn;
             pipe(&mut conn, Vec::new(), &session, RETURN_PATH, STREAM).await

@@ -24,6 +24,26 @@ pub struct Heartbeat {
     /// The controller's migrations this agent runs, those the controller's last answer asked
     /// it to track, and its refusals.
     pub migrations: Vec<FleetMigrationReport>,
+    /// The host's part in the virtual cloud pools, when its config has `[overlay]`.
+    #[serde(default)]
+    pub overlay: Option<OverlayReport>,
+}
+
+/// A host's overlay: where other hosts reach its tunnel endpoint, and which pools' endpoints
+/// are up on it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct OverlayReport {
+    /// The host's VXLAN tunnel endpoint (VTEP) address on the network between the sites.
+    pub address: String,
+    /// Pools whose endpoint (bridge and tunnel) is up here as the last plan asked.
+    pub ready: Vec<String>,
+}
+
+/// A VM's network interface: its MAC and the host bridge it is plugged into.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VmNic {
+    pub mac: String,
+    pub bridge: String,
 }
 
 /// A VM an agent sees on its host.
@@ -33,6 +53,8 @@ pub struct VmReport {
     pub kind: VmKind,
     /// In the words of whoever runs it (libvirt's domain state: `running`, `paused`, ...).
     pub state: String,
+    #[serde(default)]
+    pub nics: Vec<VmNic>,
 }
 
 /// Who runs a VM, and so how it migrates.
@@ -78,6 +100,57 @@ pub struct HeartbeatAnswer {
     pub track: Vec<String>,
     /// The next heartbeat is due within this.
     pub heartbeat_ms: u64,
+    /// The pools' endpoints this host must have now (absent: the host has no overlay).
+    #[serde(default)]
+    pub overlay: Option<OverlayPlan>,
+}
+
+/// What a host's overlay must be: one endpoint per pool that has VMs here, VMs arriving here,
+/// or an operator's hold on this host. Endpoints not listed are removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct OverlayPlan {
+    pub endpoints: Vec<EndpointPlan>,
+}
+
+/// One pool's endpoint on a host: a bridge the pool's VMs plug into, joined to the pool's
+/// other endpoints by a VXLAN tunnel with the pool's network identifier.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EndpointPlan {
+    pub pool: String,
+    pub vni: u32,
+    pub bridge: String,
+    /// A plain VXLAN that learns where MACs are from the frames it sees (the guests'
+    /// announcements after a move); otherwise the controller's directory (`macs`) says, and
+    /// the endpoints re-point a moving VM at its switchover.
+    pub learning: bool,
+    /// The pool's other endpoints: broadcast and unknown frames go to each.
+    pub remotes: Vec<OverlayRemote>,
+    /// Where the pool's VMs on other hosts are (empty when learning).
+    pub macs: Vec<RemoteMac>,
+    /// The pool's VMs moving between hosts now: at the switchover their MACs re-point.
+    pub moving: Vec<MovingMac>,
+}
+
+/// Another host's endpoint of the same pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct OverlayRemote {
+    pub host: String,
+    pub address: String,
+}
+
+/// A VM's MAC on another host of the pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct RemoteMac {
+    pub mac: String,
+    pub host: String,
+}
+
+/// A VM's MAC whose VM migrates from one host to another.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MovingMac {
+    pub mac: String,
+    pub from: String,
+    pub to: String,
 }
 
 /// A migration the controller gives the source host's agent to run.
@@ -250,6 +323,9 @@ pub struct Host {
     pub vms: u32,
     pub first_seen_unix_ms: u64,
     pub last_seen_unix_ms: u64,
+    /// Its tunnel endpoint and the pools up on it (absent: no `[overlay]` in its config).
+    #[serde(default)]
+    pub overlay: Option<OverlayReport>,
 }
 
 /// A VM of the fleet, where it runs now.
@@ -260,6 +336,50 @@ pub struct Vm {
     pub host: String,
     pub site: String,
     pub state: String,
+    pub nics: Vec<VmNic>,
+}
+
+/// A virtual cloud pool: one tenant's layer-2 segment across the sites where it has VMs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Pool {
+    pub name: String,
+    /// The VXLAN network identifier that keeps its frames apart from other pools'.
+    pub vni: u32,
+    /// The bridge its VMs plug into, the same name on every host.
+    pub bridge: String,
+    /// ARP-only (a plain learning VXLAN), without the controller's MAC directory.
+    pub learning: bool,
+    /// Hosts where an operator keeps its endpoint up whether or not VMs run there (to start
+    /// VMs in the pool there).
+    pub held: Vec<String>,
+    /// The hosts with its endpoint now.
+    pub endpoints: Vec<PoolEndpoint>,
+}
+
+/// A pool's endpoint on a host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PoolEndpoint {
+    pub host: String,
+    pub site: String,
+    /// The pool's VMs on that host.
+    pub vms: Vec<String>,
+    /// The host's agent reports the endpoint up.
+    pub ready: bool,
+}
+
+/// `POST /v1/pools`: a new pool.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolRequest {
+    pub name: String,
+    pub vni: u32,
+    /// Default: `fp<vni>`.
+    #[serde(default)]
+    pub bridge: Option<String>,
+    #[serde(default)]
+    pub learning: bool,
+    #[serde(default)]
+    pub hold: Vec<String>,
 }
 
 /// `GET /v1/health` on the controller.

@@ -56,6 +56,11 @@ enum FleetCmd {
     Hosts(ListArgs),
     /// The VMs and where they run.
     Vms(ListArgs),
+    /// The virtual cloud pools: each tenant's layer-2 segment and the hosts it spans now.
+    Pools(ListArgs),
+    /// Create, delete, hold or release a pool.
+    #[command(subcommand)]
+    Pool(PoolCmd),
     /// Every migration the controller knows.
     Migrations(ListArgs),
     /// Move a VM of the fleet to a host, or to a site (the controller picks the host).
@@ -65,6 +70,33 @@ enum FleetCmd {
     /// Cancel a migration (one not yet started ends at once; a running one is cancelled by
     /// its source agent).
     Cancel { id: String },
+}
+
+#[derive(Subcommand)]
+enum PoolCmd {
+    /// A new pool: its VMs plug into bridge `fp<VNI>` (or --bridge) on any host.
+    Create {
+        name: String,
+        /// Its VXLAN network identifier (1 to 16777215), unique in the fleet.
+        #[arg(long)]
+        vni: u32,
+        /// The bridge its VMs plug into (default fp<VNI>).
+        #[arg(long)]
+        bridge: Option<String>,
+        /// A plain learning VXLAN, without the controller's MAC directory and re-pointing at
+        /// switchover (what a moved VM's ARP announcement alone achieves).
+        #[arg(long)]
+        learning: bool,
+        /// Keep its endpoint up on these hosts (to start its first VMs there).
+        #[arg(long, value_delimiter = ',')]
+        hold: Vec<String>,
+    },
+    /// Delete a pool that has no VMs.
+    Delete { name: String },
+    /// Keep a pool's endpoint up on a host whether or not its VMs run there.
+    Hold { name: String, host: String },
+    /// Stop keeping it: the endpoint stays only while the pool's VMs need it.
+    Release { name: String, host: String },
 }
 
 #[derive(Args)]
@@ -172,6 +204,42 @@ pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
                 }
             })
         }
+        FleetCmd::Pools(l) => {
+            let pools = client.pools().await?;
+            print(l.json, &pools, || {
+                if pools.is_empty() {
+                    println!("no pools");
+                }
+                for p in &pools {
+                    println!("{}", pool_line(p));
+                }
+            })
+        }
+        FleetCmd::Pool(cmd) => {
+            let pool = match cmd {
+                PoolCmd::Create {
+                    name,
+                    vni,
+                    bridge,
+                    learning,
+                    hold,
+                } => {
+                    let req = ferry_api::fleet::PoolRequest {
+                        name,
+                        vni,
+                        bridge,
+                        learning,
+                        hold,
+                    };
+                    client.create_pool(&req).await?
+                }
+                PoolCmd::Delete { name } => client.delete_pool(&name).await?,
+                PoolCmd::Hold { name, host } => client.hold(&name, &host, true).await?,
+                PoolCmd::Release { name, host } => client.hold(&name, &host, false).await?,
+            };
+            println!("{}", pool_line(&pool));
+            Ok(ExitCode::SUCCESS)
+        }
         FleetCmd::Migrations(l) => {
             let all = client.migrations().await?;
             print(l.json, &all, || {
@@ -213,6 +281,34 @@ fn print<T: serde::Serialize>(json: bool, value: &T, text: impl FnOnce()) -> Res
         text();
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One pool in a line: name, VNI, bridge, mode, and its endpoints with their VMs.
+fn pool_line(p: &ferry_api::fleet::Pool) -> String {
+    let endpoints: Vec<String> = p
+        .endpoints
+        .iter()
+        .map(|e| {
+            format!(
+                "{}{}[{}]",
+                e.host,
+                if e.ready { "" } else { " (coming up)" },
+                e.vms.join(",")
+            )
+        })
+        .collect();
+    format!(
+        "{:<16} VNI {:<8} bridge {:<15} {:<9} {}",
+        p.name,
+        p.vni,
+        p.bridge,
+        if p.learning { "learning" } else { "directory" },
+        if endpoints.is_empty() {
+            "no endpoints".into()
+        } else {
+            endpoints.join(" ")
+        }
+    )
 }
 
 /// One migration in a line: id, VM, hosts, state, the agent's phase and bytes, the error.

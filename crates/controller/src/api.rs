@@ -13,7 +13,7 @@ use axum::{Extension, Json, Router};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
     ControllerHealth, FleetMigration, FleetMigrationRequest, Heartbeat, HeartbeatAnswer, Host,
-    Site, Vm,
+    Pool, PoolRequest, Site, Vm,
 };
 use utoipa::OpenApi;
 
@@ -51,7 +51,21 @@ impl Caller {
         description = "Sites, hosts, VMs and migrations of a ferry fleet (docs/fleet.md)"
     ),
     paths(
-        health, sites, hosts, vms, migrations, migration, migrate, cancel, heartbeat
+        health,
+        sites,
+        hosts,
+        vms,
+        pools,
+        pool,
+        create_pool,
+        delete_pool,
+        hold,
+        release,
+        migrations,
+        migration,
+        migrate,
+        cancel,
+        heartbeat
     )
 )]
 pub struct ApiDoc;
@@ -66,6 +80,12 @@ pub fn router(controller: Arc<Controller>) -> Router {
         .route("/v1/sites", get(sites))
         .route("/v1/hosts", get(hosts))
         .route("/v1/vms", get(vms))
+        .route("/v1/pools", get(pools).post(create_pool))
+        .route("/v1/pools/{name}", get(pool).delete(delete_pool))
+        .route(
+            "/v1/pools/{name}/holds/{host}",
+            axum::routing::put(hold).delete(release),
+        )
         .route("/v1/migrations", get(migrations).post(migrate))
         .route("/v1/migrations/{id}", get(migration))
         .route("/v1/migrations/{id}/cancel", post(cancel))
@@ -240,6 +260,97 @@ async fn hosts(State(c): State<Arc<Controller>>) -> Response {
     (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn vms(State(c): State<Arc<Controller>>) -> Response {
     answer(c.store.vms().await.map_err(FleetError::from))
+}
+
+#[utoipa::path(get, path = "/v1/pools", responses(
+    (status = 200, description = "the virtual cloud pools and their endpoints", body = [Pool]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
+async fn pools(State(c): State<Arc<Controller>>) -> Response {
+    answer(c.pools().await)
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}", params(("name" = String, Path, description = "the pool's name")), responses(
+    (status = 200, description = "the pool and its endpoints", body = Pool),
+    (status = 404, description = "no such pool", body = ApiError)))]
+async fn pool(State(c): State<Arc<Controller>>, Path(name): Path<String>) -> Response {
+    answer(c.pool(&name).await)
+}
+
+#[utoipa::path(post, path = "/v1/pools", request_body = PoolRequest, responses(
+    (status = 201, description = "created", body = Pool),
+    (status = 400, description = "a bad name, VNI or bridge", body = ApiError),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "a host to hold it on is unknown", body = ApiError),
+    (status = 409, description = "the name, VNI or bridge is taken, or a host has no overlay", body = ApiError)))]
+async fn create_pool(
+    State(c): State<Arc<Controller>>,
+    Extension(caller): Extension<Caller>,
+    body: axum::body::Bytes,
+) -> Response {
+    let result = async {
+        operator(&c, &caller)?;
+        c.create_pool(parse(&body)?).await
+    };
+    match result.await {
+        Ok(p) => (StatusCode::CREATED, Json(p)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}", params(("name" = String, Path, description = "the pool's name")), responses(
+    (status = 200, description = "deleted: the pool as it was", body = Pool),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "no such pool", body = ApiError),
+    (status = 409, description = "the pool still has VMs", body = ApiError)))]
+async fn delete_pool(
+    State(c): State<Arc<Controller>>,
+    Extension(caller): Extension<Caller>,
+    Path(name): Path<String>,
+) -> Response {
+    let result = async {
+        operator(&c, &caller)?;
+        let pool = c.pool(&name).await?;
+        c.delete_pool(&name).await?;
+        Ok(pool)
+    };
+    answer(result.await)
+}
+
+#[utoipa::path(put, path = "/v1/pools/{name}/holds/{host}", params(
+    ("name" = String, Path, description = "the pool's name"),
+    ("host" = String, Path, description = "the host to keep its endpoint on")), responses(
+    (status = 200, description = "held: the endpoint stays up there", body = Pool),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "no such pool or host", body = ApiError),
+    (status = 409, description = "the host has no overlay", body = ApiError)))]
+async fn hold(
+    State(c): State<Arc<Controller>>,
+    Extension(caller): Extension<Caller>,
+    Path((name, host)): Path<(String, String)>,
+) -> Response {
+    let result = async {
+        operator(&c, &caller)?;
+        c.hold(&name, &host, true).await
+    };
+    answer(result.await)
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}/holds/{host}", params(
+    ("name" = String, Path, description = "the pool's name"),
+    ("host" = String, Path, description = "the host")), responses(
+    (status = 200, description = "released: the endpoint stays only while VMs need it", body = Pool),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "no such pool or host", body = ApiError)))]
+async fn release(
+    State(c): State<Arc<Controller>>,
+    Extension(caller): Extension<Caller>,
+    Path((name, host)): Path<(String, String)>,
+) -> Response {
+    let result = async {
+        operator(&c, &caller)?;
+        c.hold(&name, &host, false).await
+    };
+    answer(result.await)
 }
 
 #[utoipa::path(get, path = "/v1/migrations", responses(

@@ -8,7 +8,7 @@ use anyhow::{anyhow, Context, Result};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
     ControllerHealth, FleetMigration, FleetMigrationRequest, Heartbeat, HeartbeatAnswer, Host,
-    Site, Vm,
+    Pool, PoolRequest, Site, Vm,
 };
 use ferry_wire::tls::ClientConfig;
 use http_body_util::{BodyExt, Full};
@@ -118,6 +118,27 @@ impl ControllerClient {
 
     pub async fn vms(&self) -> Result<Vec<Vm>> {
         self.call("GET", "/v1/vms", None).await
+    }
+
+    pub async fn pools(&self) -> Result<Vec<Pool>> {
+        self.call("GET", "/v1/pools", None).await
+    }
+
+    pub async fn create_pool(&self, req: &PoolRequest) -> Result<Pool> {
+        self.call("POST", "/v1/pools", Some(serde_json::to_vec(req)?))
+            .await
+    }
+
+    pub async fn delete_pool(&self, name: &str) -> Result<Pool> {
+        self.call("DELETE", &format!("/v1/pools/{name}"), None)
+            .await
+    }
+
+    /// Keeps (`hold`) or stops keeping `pool`'s endpoint on `host`.
+    pub async fn hold(&self, pool: &str, host: &str, hold: bool) -> Result<Pool> {
+        let method = if hold { "PUT" } else { "DELETE" };
+        self.call(method, &format!("/v1/pools/{pool}/holds/{host}"), None)
+            .await
     }
 
     pub async fn migrations(&self) -> Result<Vec<FleetMigration>> {

@@ -11,11 +11,12 @@
 use ferry_api::agent::{ErrorKind, MigrationState};
 use ferry_api::fleet::{
     FleetEvent, FleetMigration, FleetMigrationReport, FleetMigrationRequest, FleetMigrationState,
-    FleetWork, Heartbeat, HeartbeatAnswer, Host, HostState,
+    FleetWork, Heartbeat, HeartbeatAnswer, Host, HostState, Pool, PoolRequest, Vm,
 };
 
 use crate::config::ControllerConfig;
-use crate::store::{now_ms, Store, StoreError};
+use crate::pools::Snapshot;
+use crate::store::{now_ms, PoolRecord, Store, StoreError};
 
 /// A request the controller refuses, or a failure of its own; `kind` is the HTTP status.
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +117,25 @@ impl Controller {
             ));
         }
         let destination = choose_destination(&req, source, &hosts)?;
+        let fleet = self.load().await?;
+        let view = fleet.view();
+        let pools = view.pools_of(&vm);
+        if !pools.is_empty() {
+            let overlay = hosts
+                .iter()
+                .find(|h| h.name == destination)
+                .and_then(|h| h.overlay.as_ref());
+            if overlay.is_none() {
+                return Err(FleetError::Refused(
+                    ErrorKind::Conflict,
+                    format!(
+                        "{} is in pool {} but host {destination} has no overlay (no [overlay] in its agent's config)",
+                        vm.name,
+                        pools.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
+        }
         let unfinished = self
             .store
             .migrations()
@@ -276,11 +296,17 @@ impl Controller {
             .map(|m| m.id.clone())
             .collect();
         let track = running.into_iter().map(|m| m.id).collect();
+        let overlay = if beat.overlay.is_some() {
+            self.load().await?.view().plan_for(host)
+        } else {
+            None
+        };
         Ok(HeartbeatAnswer {
             start,
             cancel,
             track,
             heartbeat_ms: self.config.timing.heartbeat_ms,
+            overlay,
         })
     }
 
@@ -412,6 +438,8 @@ impl Controller {
                 .migrations_in(FleetMigrationState::Running, None)
                 .await?,
         );
+        let fleet = self.load().await?;
+        let view = fleet.view();
         for m in self
             .store
             .migrations_in(FleetMigrationState::Requested, None)
@@ -458,6 +486,17 @@ impl Controller {
             {
                 continue;
             }
+            // libvirt plugs the arriving VM into its pools' bridges: they must be up there.
+            let vm = fleet
+                .vms
+                .iter()
+                .find(|vm| vm.name == m.vm && vm.host == m.source_host);
+            if let Some(why) =
+                vm.and_then(|vm| view.not_ready(&m.destination_host, &view.pools_of(vm)))
+            {
+                tracing::debug!("migration {} waits: {why}", m.id);
+                continue;
+            }
             if let Some(m) = self
                 .store
                 .update_migration(&m.id, |m| {
@@ -479,6 +518,170 @@ impl Controller {
         }
         Ok(())
     }
+}
+
+/// One snapshot of what the pools are computed from.
+pub struct Loaded {
+    pub pools: Vec<PoolRecord>,
+    pub hosts: Vec<Host>,
+    pub vms: Vec<Vm>,
+    pub migrations: Vec<FleetMigration>,
+}
+
+impl Loaded {
+    pub fn view(&self) -> Snapshot<'_> {
+        Snapshot {
+            pools: &self.pools,
+            hosts: &self.hosts,
+            vms: &self.vms,
+            migrations: &self.migrations,
+        }
+    }
+}
+
+impl Controller {
+    pub async fn load(&self) -> Result<Loaded, FleetError> {
+        Ok(Loaded {
+            pools: self.store.pools().await?,
+            hosts: self.store.hosts().await?,
+            vms: self.store.vms().await?,
+            migrations: self.store.migrations().await?,
+        })
+    }
+
+    /// The pools, with where their endpoints are now.
+    pub async fn pools(&self) -> Result<Vec<Pool>, FleetError> {
+        Ok(self.load().await?.view().pools())
+    }
+
+    pub async fn pool(&self, name: &str) -> Result<Pool, FleetError> {
+        self.pools()
+            .await?
+            .into_iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| no_pool(name))
+    }
+
+    /// Checks a new pool against the fleet's others and stores it.
+    pub async fn create_pool(&self, req: PoolRequest) -> Result<Pool, FleetError> {
+        if !ferry_api::names::valid_name(&req.name) {
+            return Err(FleetError::bad(format!(
+                "{:?} is not a pool name",
+                req.name
+            )));
+        }
+        if !(1..=MAX_VNI).contains(&req.vni) {
+            return Err(FleetError::bad(format!(
+                "VNI {} is out of VXLAN's range 1..={MAX_VNI}",
+                req.vni
+            )));
+        }
+        let bridge = req.bridge.unwrap_or_else(|| format!("fp{}", req.vni));
+        if !valid_interface_name(&bridge) {
+            return Err(FleetError::bad(format!(
+                "{bridge:?} is not a network interface name (1 to 15 letters, digits, '-', '_' or '.')"
+            )));
+        }
+        let hosts = self.store.hosts().await?;
+        for held in &req.hold {
+            let host = hosts.iter().find(|h| &h.name == held).ok_or_else(|| {
+                FleetError::Refused(
+                    ErrorKind::NotFound,
+                    format!("no host {held:?} in the fleet"),
+                )
+            })?;
+            if host.overlay.is_none() {
+                return Err(no_overlay(held));
+            }
+        }
+        let record = PoolRecord {
+            name: req.name.clone(),
+            vni: req.vni,
+            bridge,
+            learning: req.learning,
+            held: Vec::new(),
+        };
+        if !self.store.insert_pool(&record, now_ms()).await? {
+            let clash = self
+                .store
+                .pools()
+                .await?
+                .into_iter()
+                .find(|p| p.name == record.name || p.vni == record.vni || p.bridge == record.bridge)
+                .map_or_else(
+                    || "a pool just created".into(),
+                    |p| format!("pool {} (VNI {}, bridge {})", p.name, p.vni, p.bridge),
+                );
+            return Err(FleetError::Refused(
+                ErrorKind::Conflict,
+                format!("the name, VNI or bridge is taken by {clash}"),
+            ));
+        }
+        for held in &req.hold {
+            self.store.set_hold(&record.name, held, true).await?;
+        }
+        tracing::info!("pool {} (VNI {}) created", record.name, record.vni);
+        self.pool(&record.name).await
+    }
+
+    /// Deletes a pool without VMs.
+    pub async fn delete_pool(&self, name: &str) -> Result<(), FleetError> {
+        let pool = self.pool(name).await?;
+        let vms: Vec<&str> = pool
+            .endpoints
+            .iter()
+            .flat_map(|e| e.vms.iter().map(String::as_str))
+            .collect();
+        if !vms.is_empty() {
+            return Err(FleetError::Refused(
+                ErrorKind::Conflict,
+                format!("pool {name} still has VMs: {}", vms.join(", ")),
+            ));
+        }
+        self.store.delete_pool(name).await?;
+        Ok(())
+    }
+
+    /// Keeps (or stops keeping) a pool's endpoint on a host whether or not its VMs run there.
+    pub async fn hold(&self, pool: &str, host: &str, hold: bool) -> Result<Pool, FleetError> {
+        self.pool(pool).await?;
+        let known = self.store.host(host).await?.ok_or_else(|| {
+            FleetError::Refused(
+                ErrorKind::NotFound,
+                format!("no host {host:?} in the fleet"),
+            )
+        })?;
+        if hold && known.overlay.is_none() {
+            return Err(no_overlay(host));
+        }
+        self.store.set_hold(pool, host, hold).await?;
+        self.pool(pool).await
+    }
+}
+
+/// VXLAN's network identifiers are 24 bits.
+const MAX_VNI: u32 = (1 << 24) - 1;
+
+/// What Linux takes as an interface name (IFNAMSIZ less its NUL), without the characters
+/// that would need quoting anywhere.
+fn valid_interface_name(name: &str) -> bool {
+    (1..=15).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && name != "."
+        && name != ".."
+}
+
+fn no_pool(name: &str) -> FleetError {
+    FleetError::Refused(ErrorKind::NotFound, format!("no pool {name:?}"))
+}
+
+fn no_overlay(host: &str) -> FleetError {
+    FleetError::Refused(
+        ErrorKind::Conflict,
+        format!("host {host} has no overlay (no [overlay] in its agent's config)"),
+    )
 }
 
 /// The destination host: the one named (it must be up, another host, and one of the source

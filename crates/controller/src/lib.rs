@@ -6,5 +6,6 @@ pub mod api;
 pub mod client;
 pub mod config;
 pub mod fleet;
+pub mod pools;
 pub mod serve;
 pub mod store;

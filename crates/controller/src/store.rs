@@ -49,6 +49,16 @@ impl StoreKind {
     }
 }
 
+/// A pool as stored: its identity and the hosts where it is held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolRecord {
+    pub name: String,
+    pub vni: u32,
+    pub bridge: String,
+    pub learning: bool,
+    pub held: Vec<String>,
+}
+
 /// The fleet's store.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -143,6 +153,7 @@ impl Store {
             vms: u32::try_from(beat.vms.len()).unwrap_or(u32::MAX),
             first_seen_unix_ms: first_seen,
             last_seen_unix_ms: now,
+            overlay: beat.overlay.clone(),
         };
         let record = serde_json::to_string(&host).map_err(|e| corrupt("host", e))?;
         sqlx::query(
@@ -160,13 +171,17 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         for vm in &beat.vms {
-            sqlx::query("INSERT INTO vms (host, name, kind, state) VALUES ($1, $2, $3, $4)")
-                .bind(name)
-                .bind(&vm.name)
-                .bind(vm.kind.name())
-                .bind(&vm.state)
-                .execute(&mut *tx)
-                .await?;
+            let nics = serde_json::to_string(&vm.nics).map_err(|e| corrupt("vm nics", e))?;
+            sqlx::query(
+                "INSERT INTO vms (host, name, kind, state, nics) VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(name)
+            .bind(&vm.name)
+            .bind(vm.kind.name())
+            .bind(&vm.state)
+            .bind(&nics)
+            .execute(&mut *tx)
+            .await?;
         }
         tx.commit().await?;
         Ok(())
@@ -203,7 +218,7 @@ impl Store {
 
     pub async fn vms(&self) -> Result<Vec<Vm>, StoreError> {
         let rows = sqlx::query(
-            "SELECT vms.name, vms.kind, vms.host, hosts.site, vms.state FROM vms
+            "SELECT vms.name, vms.kind, vms.host, hosts.site, vms.state, vms.nics FROM vms
              JOIN hosts ON hosts.name = vms.host ORDER BY vms.name, vms.host",
         )
         .fetch_all(&self.pool)
@@ -211,7 +226,9 @@ impl Store {
         rows.iter()
             .map(|row| {
                 let kind: String = row.try_get(1)?;
+                let nics: String = row.try_get(5)?;
                 Ok(Vm {
+                    nics: serde_json::from_str(&nics).map_err(|e| corrupt("vm nics", e))?,
                     name: row.try_get(0)?,
                     kind: VmKind::parse(&kind).ok_or_else(|| corrupt("vm kind", &kind))?,
                     host: row.try_get(2)?,
@@ -220,6 +237,79 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Stores a new pool; false when its name, VNI or bridge is taken.
+    pub async fn insert_pool(&self, pool: &PoolRecord, now: u64) -> Result<bool, StoreError> {
+        let written = sqlx::query(
+            "INSERT INTO pools (name, vni, bridge, learning, created_ms) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(&pool.name)
+        .bind(i64::from(pool.vni))
+        .bind(&pool.bridge)
+        .bind(i64::from(pool.learning))
+        .bind(db_i64(now))
+        .execute(&self.pool)
+        .await?;
+        Ok(written.rows_affected() == 1)
+    }
+
+    pub async fn delete_pool(&self, name: &str) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("DELETE FROM pool_holds WHERE pool = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        let deleted = sqlx::query("DELETE FROM pools WHERE name = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(deleted.rows_affected() == 1)
+    }
+
+    /// Every pool with its holds, by name.
+    pub async fn pools(&self) -> Result<Vec<PoolRecord>, StoreError> {
+        let rows = sqlx::query("SELECT name, vni, bridge, learning FROM pools ORDER BY name")
+            .fetch_all(&self.pool)
+            .await?;
+        let holds = sqlx::query("SELECT pool, host FROM pool_holds ORDER BY host")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let name: String = row.try_get(0)?;
+                let vni: i64 = row.try_get(1)?;
+                let held = holds
+                    .iter()
+                    .filter(|h| h.try_get::<String, _>(0).is_ok_and(|p| p == name))
+                    .map(|h| h.try_get::<String, _>(1))
+                    .collect::<Result<_, _>>()?;
+                Ok(PoolRecord {
+                    vni: u32::try_from(vni).map_err(|e| corrupt("pool vni", e))?,
+                    bridge: row.try_get(2)?,
+                    learning: row.try_get::<i64, _>(3)? != 0,
+                    name,
+                    held,
+                })
+            })
+            .collect()
+    }
+
+    /// Keeps (`hold`) or stops keeping a pool's endpoint on a host.
+    pub async fn set_hold(&self, pool: &str, host: &str, hold: bool) -> Result<(), StoreError> {
+        let query = if hold {
+            "INSERT INTO pool_holds (pool, host) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+        } else {
+            "DELETE FROM pool_holds WHERE pool = $1 AND host = $2"
+        };
+        sqlx::query(query)
+            .bind(pool)
+            .bind(host)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     /// The sites, from their hosts.
@@ -429,7 +519,7 @@ fn redact(url: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use ferry_api::fleet::VmReport;
     use ferry_api::settings::MigrationSettings;
@@ -447,9 +537,11 @@ mod tests {
                     name: (*n).into(),
                     kind: VmKind::Libvirt,
                     state: "running".into(),
+                    nics: vec![],
                 })
                 .collect(),
             migrations: vec![],
+            overlay: None,
         }
     }
 

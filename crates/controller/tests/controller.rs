@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use ferry_api::agent::{ApiError, ErrorKind, MigrationState, MigrationStatus};
 use ferry_api::fleet::{
-    FleetMigrationReport, FleetMigrationRequest, FleetMigrationState, Heartbeat, HostState, VmKind,
-    VmReport,
+    FleetMigrationReport, FleetMigrationRequest, FleetMigrationState, Heartbeat, HostState,
+    OverlayReport, PoolRequest, VmKind, VmNic, VmReport,
 };
 use ferry_api::settings::MigrationSettings;
 use ferry_controller::client::{ControllerClient, ControllerRefused, Endpoint};
@@ -99,9 +99,50 @@ fn beat(site: &str, peers: &[&str], vms: &[&str]) -> Heartbeat {
                 name: (*n).into(),
                 kind: VmKind::Libvirt,
                 state: "running".into(),
+                nics: vec![],
             })
             .collect(),
         migrations: vec![],
+        overlay: None,
+    }
+}
+
+/// A heartbeat from a host with an overlay at `address`, pools `ready` up, and VMs each with
+/// one NIC on a bridge: (name, MAC, bridge).
+fn overlay_beat(
+    site: &str,
+    peers: &[&str],
+    address: &str,
+    ready: &[&str],
+    vms: &[(&str, &str, &str)],
+) -> Heartbeat {
+    let mut b = beat(site, peers, &[]);
+    b.vms = vms
+        .iter()
+        .map(|(name, mac, bridge)| VmReport {
+            name: (*name).into(),
+            kind: VmKind::Libvirt,
+            state: "running".into(),
+            nics: vec![VmNic {
+                mac: (*mac).into(),
+                bridge: (*bridge).into(),
+            }],
+        })
+        .collect();
+    b.overlay = Some(OverlayReport {
+        address: address.into(),
+        ready: ready.iter().map(|r| (*r).to_string()).collect(),
+    });
+    b
+}
+
+fn pool_request(name: &str, vni: u32, hold: &[&str]) -> PoolRequest {
+    PoolRequest {
+        name: name.into(),
+        vni,
+        bridge: None,
+        learning: false,
+        hold: hold.iter().map(|h| (*h).to_string()).collect(),
     }
 }
 
@@ -517,11 +558,59 @@ async fn every_answer_matches_the_openapi_document() {
     assert_eq!(status, 200);
     conforms(&doc, "/v1/agent/heartbeat", "post", 200, &answer);
 
+    // Pools: created (201), listed, one shown, held, released, refused (409 taken, 404
+    // unknown), deleted.
+    let (status, body) = ops
+        .raw(
+            "POST",
+            "/v1/pools",
+            Some(body_of(&pool_request("red", 1001, &[]))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    conforms(&doc, "/v1/pools", "post", 201, &body);
+    let (status, body) = ops
+        .raw(
+            "POST",
+            "/v1/pools",
+            Some(body_of(&pool_request("red", 1001, &[]))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 409);
+    conforms(&doc, "/v1/pools", "post", 409, &body);
+    let (status, body) = ops.raw("GET", "/v1/pools/red", None).await.unwrap();
+    assert_eq!(status, 200);
+    conforms(&doc, "/v1/pools/{name}", "get", 200, &body);
+    let (status, body) = ops.raw("GET", "/v1/pools/blue", None).await.unwrap();
+    assert_eq!(status, 404);
+    conforms(&doc, "/v1/pools/{name}", "get", 404, &body);
+    let (status, body) = ops
+        .raw("PUT", "/v1/pools/red/holds/a1", None)
+        .await
+        .unwrap();
+    assert_eq!(status, 409, "a1 has no overlay");
+    conforms(&doc, "/v1/pools/{name}/holds/{host}", "put", 409, &body);
+    let (status, body) = ops
+        .raw("DELETE", "/v1/pools/red/holds/a1", None)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    conforms(&doc, "/v1/pools/{name}/holds/{host}", "delete", 200, &body);
+    let (status, body) = ops.raw("GET", "/v1/pools", None).await.unwrap();
+    assert_eq!(status, 200);
+    conforms(&doc, "/v1/pools", "get", 200, &body);
+    let (status, body) = ops.raw("DELETE", "/v1/pools/red", None).await.unwrap();
+    assert_eq!(status, 200);
+    conforms(&doc, "/v1/pools/{name}", "delete", 200, &body);
+
     for path in [
         "/v1/health",
         "/v1/sites",
         "/v1/hosts",
         "/v1/vms",
+        "/v1/pools",
         "/v1/migrations",
     ] {
         let (status, body) = ops.raw("GET", path, None).await.unwrap();
@@ -586,10 +675,182 @@ async fn every_answer_matches_the_openapi_document() {
             "/v1/migrations",
             "/v1/migrations/{id}",
             "/v1/migrations/{id}/cancel",
+            "/v1/pools",
+            "/v1/pools/{name}",
+            "/v1/pools/{name}/holds/{host}",
             "/v1/sites",
             "/v1/vms"
         ]
     );
+}
+
+#[tokio::test]
+async fn a_pool_has_endpoints_where_its_vms_are_and_a_migration_waits_for_the_destinations() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    let mac = "52:54:00:00:10:01";
+    a1.heartbeat(&overlay_beat(
+        "a",
+        &["b1"],
+        "172.31.0.1",
+        &[],
+        &[("web", mac, "fp1001")],
+    ))
+    .await
+    .unwrap();
+    b1.heartbeat(&overlay_beat("b", &["a1"], "172.31.0.2", &[], &[]))
+        .await
+        .unwrap();
+
+    // Bad pools are refused with what was wrong.
+    for (req, says) in [
+        (pool_request("red", 0, &[]), "VNI 0 is out of VXLAN's range"),
+        (pool_request("red", 1 << 24, &[]), "out of VXLAN's range"),
+        (pool_request("red pool", 5, &[]), "is not a pool name"),
+        (pool_request("red", 5, &["nowhere"]), "no host \"nowhere\""),
+        (
+            PoolRequest {
+                bridge: Some("a-bridge-name-too-long".into()),
+                ..pool_request("red", 5, &[])
+            },
+            "is not a network interface name",
+        ),
+    ] {
+        let (_, message) = refusal(ops.create_pool(&req).await.unwrap_err());
+        assert!(message.contains(says), "{message}");
+    }
+    let red = ops
+        .create_pool(&pool_request("red", 1001, &[]))
+        .await
+        .unwrap();
+    assert_eq!(red.bridge, "fp1001");
+    assert_eq!(red.endpoints.len(), 1, "{red:?}");
+    assert_eq!(red.endpoints[0].host, "a1");
+    assert_eq!(red.endpoints[0].vms, vec!["web".to_string()]);
+    assert!(!red.endpoints[0].ready);
+    let blue = ops
+        .create_pool(&pool_request("blue", 1002, &["b1"]))
+        .await
+        .unwrap();
+    assert_eq!(blue.held, vec!["b1".to_string()]);
+    let (kind, message) = refusal(
+        ops.create_pool(&pool_request("green", 1002, &[]))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(kind, Some(ErrorKind::Conflict));
+    assert!(
+        message.contains("pool blue (VNI 1002, bridge fp1002)"),
+        "{message}"
+    );
+
+    // Each host's plan: a1 has red (its VM), b1 has blue (held); the pools do not meet.
+    let answer = a1
+        .heartbeat(&overlay_beat(
+            "a",
+            &["b1"],
+            "172.31.0.1",
+            &["red"],
+            &[("web", mac, "fp1001")],
+        ))
+        .await
+        .unwrap();
+    let plan = answer.overlay.unwrap();
+    assert_eq!(plan.endpoints.len(), 1);
+    assert_eq!(
+        (plan.endpoints[0].pool.as_str(), plan.endpoints[0].vni),
+        ("red", 1001)
+    );
+    assert!(plan.endpoints[0].remotes.is_empty());
+    let answer = b1
+        .heartbeat(&overlay_beat("b", &["a1"], "172.31.0.2", &["blue"], &[]))
+        .await
+        .unwrap();
+    let plan = answer.overlay.unwrap();
+    assert_eq!(
+        plan.endpoints
+            .iter()
+            .map(|e| e.pool.as_str())
+            .collect::<Vec<_>>(),
+        ["blue"]
+    );
+
+    // web moves to b1: b1 gets red's endpoint, with the move in it; the leader schedules
+    // the migration only once b1 reports red's endpoint up (libvirt needs the bridge).
+    let m = ops
+        .migrate(&request("web", Some("b1"), None))
+        .await
+        .unwrap();
+    fleet.controller.lead().await.unwrap();
+    assert_eq!(
+        ops.migration(&m.id).await.unwrap().state,
+        FleetMigrationState::Requested,
+        "b1 has no red endpoint yet"
+    );
+    let answer = b1
+        .heartbeat(&overlay_beat("b", &["a1"], "172.31.0.2", &["blue"], &[]))
+        .await
+        .unwrap();
+    let plan = answer.overlay.unwrap();
+    let red_at_b1 = plan.endpoints.iter().find(|e| e.pool == "red").unwrap();
+    assert_eq!(red_at_b1.remotes[0].address, "172.31.0.1");
+    assert_eq!(red_at_b1.macs[0].mac, mac);
+    assert_eq!(red_at_b1.macs[0].host, "a1");
+    assert_eq!(
+        (
+            red_at_b1.moving[0].from.as_str(),
+            red_at_b1.moving[0].to.as_str()
+        ),
+        ("a1", "b1")
+    );
+    b1.heartbeat(&overlay_beat(
+        "b",
+        &["a1"],
+        "172.31.0.2",
+        &["blue", "red"],
+        &[],
+    ))
+    .await
+    .unwrap();
+    fleet.controller.lead().await.unwrap();
+    assert_eq!(
+        ops.migration(&m.id).await.unwrap().state,
+        FleetMigrationState::Scheduled
+    );
+    // A pool with VMs cannot go.
+    let (kind, message) = refusal(ops.delete_pool("red").await.unwrap_err());
+    assert_eq!(kind, Some(ErrorKind::Conflict));
+    assert!(message.contains("still has VMs: web"), "{message}");
+    // A host without an overlay cannot take a pool's VM.
+    fleet
+        .as_("a2")
+        .heartbeat(&beat("a", &[], &[]))
+        .await
+        .unwrap();
+    let mut a1_beat = overlay_beat(
+        "a",
+        &["b1", "a2"],
+        "172.31.0.1",
+        &["red"],
+        &[("web", mac, "fp1001")],
+    );
+    a1_beat.vms.push(VmReport {
+        name: "db".into(),
+        kind: VmKind::Libvirt,
+        state: "running".into(),
+        nics: vec![VmNic {
+            mac: "52:54:00:00:10:02".into(),
+            bridge: "fp1001".into(),
+        }],
+    });
+    a1.heartbeat(&a1_beat).await.unwrap();
+    let (kind, message) = refusal(
+        ops.migrate(&request("db", Some("a2"), None))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(kind, Some(ErrorKind::Conflict));
+    assert!(message.contains("host a2 has no overlay"), "{message}");
 }
 
 fn body_of<T: serde::Serialize>(v: &T) -> Vec<u8> {

@@ -148,6 +148,10 @@ pub enum Control {
         /// are.
         #[serde(default)]
         coded: bool,
+        /// The source agent's name (its certificate's): at the switchover the destination
+        /// re-points the pools' MACs moving from there ([`crate::overlay`]).
+        #[serde(default)]
+        from: Option<String>,
     },
 }
 

@@ -1,0 +1,434 @@
+//! Virtual cloud pools (CloudNet's VCP, VirtualWire's re-pointing): where each pool needs an
+//! endpoint and what each host's overlay must hold, computed from one snapshot of the store.
+//!
+//! A pool's VMs are the VMs with a NIC on its bridge. A host has the pool's endpoint while the
+//! pool has a VM there, a VM on its way there (any unfinished migration to it: libvirt needs
+//! the bridge before the VM arrives), or an operator's hold. Each endpoint floods broadcast
+//! and unknown frames to the pool's other endpoints; unless the pool learns (ARP-only), it also
+//! gets the controller's directory of where the pool's other VMs are, and the VMs moving now,
+//! whose MACs the agents at both ends re-point at the switchover.
+
+use std::collections::BTreeMap;
+
+use ferry_api::fleet::{
+    EndpointPlan, FleetMigration, FleetMigrationState, Host, HostState, MovingMac, OverlayPlan,
+    OverlayRemote, Pool, PoolEndpoint, RemoteMac, Vm,
+};
+
+use crate::store::PoolRecord;
+
+/// The fleet as the pools see it: one snapshot of the store.
+pub struct Snapshot<'a> {
+    pub pools: &'a [PoolRecord],
+    pub hosts: &'a [Host],
+    pub vms: &'a [Vm],
+    /// Every migration the store holds (unfinished ones place VMs; committed ones correct
+    /// reports older than them).
+    pub migrations: &'a [FleetMigration],
+}
+
+/// A pool's VM: one NIC on the pool's bridge, and the host it runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Member<'a> {
+    vm: &'a str,
+    mac: &'a str,
+    host: &'a str,
+}
+
+impl<'a> Snapshot<'a> {
+    fn host(&self, name: &str) -> Option<&'a Host> {
+        self.hosts.iter().find(|h| h.name == name)
+    }
+
+    /// Hosts that can hold an endpoint: up, with an overlay.
+    fn overlay_address(&self, name: &str) -> Option<&'a str> {
+        self.host(name)
+            .filter(|h| h.state == HostState::Up)
+            .and_then(|h| h.overlay.as_ref())
+            .map(|o| o.address.as_str())
+    }
+
+    fn unfinished(&self) -> impl Iterator<Item = &'a FleetMigration> {
+        self.migrations.iter().filter(|m| !m.state.finished())
+    }
+
+    /// Where `vm`, reported by `reporter`, runs: at the source while it migrates (the
+    /// destination lists the incoming domain too); at the destination of a migration that
+    /// committed after the reporter's last heartbeat.
+    fn location(&self, vm: &'a Vm) -> Option<&'a str> {
+        if let Some(m) = self.unfinished().find(|m| m.vm == vm.name) {
+            return (m.source_host == vm.host).then_some(m.source_host.as_str());
+        }
+        let reported = self.host(&vm.host).map_or(0, |h| h.last_seen_unix_ms);
+        let moved_since = self
+            .migrations
+            .iter()
+            .filter(|m| m.vm == vm.name && m.state == FleetMigrationState::Committed)
+            .filter(|m| m.source_host == vm.host)
+            .filter(|m| m.finished_unix_ms.is_some_and(|t| t > reported))
+            .max_by_key(|m| m.finished_unix_ms);
+        Some(moved_since.map_or(vm.host.as_str(), |m| m.destination_host.as_str()))
+    }
+
+    fn members(&self, pool: &PoolRecord) -> Vec<Member<'a>> {
+        let mut members: Vec<Member> = self
+            .vms
+            .iter()
+            .filter_map(|vm| Some((vm, self.location(vm)?)))
+            .flat_map(|(vm, host)| {
+                vm.nics
+                    .iter()
+                    .filter(|nic| nic.bridge == pool.bridge)
+                    .map(move |nic| Member {
+                        vm: &vm.name,
+                        mac: &nic.mac,
+                        host,
+                    })
+            })
+            .collect();
+        members.sort_by(|a, b| (a.mac, a.host).cmp(&(b.mac, b.host)));
+        members.dedup();
+        members
+    }
+
+    /// The pool's VMs' NICs moving now: (MAC, from, to).
+    fn moving(&self, pool: &PoolRecord) -> Vec<MovingMac> {
+        let members = self.members(pool);
+        self.unfinished()
+            .flat_map(|m| {
+                members
+                    .iter()
+                    .filter(|member| member.vm == m.vm)
+                    .map(|member| MovingMac {
+                        mac: member.mac.to_owned(),
+                        from: m.source_host.clone(),
+                        to: m.destination_host.clone(),
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The hosts with `pool`'s endpoint, each with the pool's VMs there.
+    fn endpoints(&self, pool: &PoolRecord) -> BTreeMap<&'a str, Vec<&'a str>> {
+        let mut hosts: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for member in self.members(pool) {
+            let vms = hosts.entry(member.host).or_default();
+            if !vms.contains(&member.vm) {
+                vms.push(member.vm);
+            }
+        }
+        let members = self.members(pool);
+        for m in self.unfinished() {
+            if members.iter().any(|member| member.vm == m.vm) {
+                hosts.entry(m.destination_host.as_str()).or_default();
+            }
+        }
+        for held in &pool.held {
+            if let Some(host) = self.host(held) {
+                hosts.entry(host.name.as_str()).or_default();
+            }
+        }
+        hosts.retain(|host, _| self.overlay_address(host).is_some());
+        hosts
+    }
+
+    /// What `host`'s overlay must be (None: it has none).
+    pub fn plan_for(&self, host: &str) -> Option<OverlayPlan> {
+        self.host(host)?.overlay.as_ref()?;
+        let endpoints = self
+            .pools
+            .iter()
+            .filter_map(|pool| {
+                let endpoints = self.endpoints(pool);
+                endpoints.contains_key(host).then(|| {
+                    let remotes = endpoints
+                        .keys()
+                        .filter(|h| **h != host)
+                        .filter_map(|h| {
+                            Some(OverlayRemote {
+                                host: (*h).to_owned(),
+                                address: self.overlay_address(h)?.to_owned(),
+                            })
+                        })
+                        .collect();
+                    let macs = if pool.learning {
+                        Vec::new()
+                    } else {
+                        self.members(pool)
+                            .into_iter()
+                            .filter(|m| m.host != host && endpoints.contains_key(m.host))
+                            .map(|m| RemoteMac {
+                                mac: m.mac.to_owned(),
+                                host: m.host.to_owned(),
+                            })
+                            .collect()
+                    };
+                    let moving = if pool.learning {
+                        Vec::new()
+                    } else {
+                        self.moving(pool)
+                    };
+                    EndpointPlan {
+                        pool: pool.name.clone(),
+                        vni: pool.vni,
+                        bridge: pool.bridge.clone(),
+                        learning: pool.learning,
+                        remotes,
+                        macs,
+                        moving,
+                    }
+                })
+            })
+            .collect();
+        Some(OverlayPlan { endpoints })
+    }
+
+    /// The pools as the API shows them.
+    pub fn pools(&self) -> Vec<Pool> {
+        self.pools
+            .iter()
+            .map(|pool| Pool {
+                name: pool.name.clone(),
+                vni: pool.vni,
+                bridge: pool.bridge.clone(),
+                learning: pool.learning,
+                held: pool.held.clone(),
+                endpoints: self
+                    .endpoints(pool)
+                    .into_iter()
+                    .map(|(host, vms)| {
+                        let h = self.host(host);
+                        PoolEndpoint {
+                            host: host.to_owned(),
+                            site: h.map(|h| h.site.clone()).unwrap_or_default(),
+                            vms: vms.into_iter().map(str::to_owned).collect(),
+                            ready: h
+                                .and_then(|h| h.overlay.as_ref())
+                                .is_some_and(|o| o.ready.contains(&pool.name)),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The pools `vm` is in (by its NICs' bridges).
+    pub fn pools_of(&self, vm: &Vm) -> Vec<&'a PoolRecord> {
+        self.pools
+            .iter()
+            .filter(|p| vm.nics.iter().any(|nic| nic.bridge == p.bridge))
+            .collect()
+    }
+
+    /// Why `host` cannot take a VM of `pools` now (None: it can): it has no overlay, or its
+    /// endpoints are not up yet.
+    pub fn not_ready(&self, host: &str, pools: &[&PoolRecord]) -> Option<String> {
+        if pools.is_empty() {
+            return None;
+        }
+        let overlay = self.host(host).and_then(|h| h.overlay.as_ref());
+        let Some(overlay) = overlay else {
+            return Some(format!(
+                "host {host} has no overlay (no [overlay] in its agent's config)"
+            ));
+        };
+        let waiting: Vec<&str> = pools
+            .iter()
+            .filter(|p| !overlay.ready.contains(&p.name))
+            .map(|p| p.name.as_str())
+            .collect();
+        (!waiting.is_empty()).then(|| {
+            format!(
+                "waiting for pool endpoint(s) {} on {host}",
+                waiting.join(", ")
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_api::fleet::{OverlayReport, VmKind, VmNic};
+
+    fn host(name: &str, site: &str, overlay: Option<(&str, &[&str])>) -> Host {
+        Host {
+            name: name.into(),
+            site: site.into(),
+            state: HostState::Up,
+            version: "test".into(),
+            peer_listen: String::new(),
+            peers: vec![],
+            max_outgoing: 1,
+            vms: 0,
+            first_seen_unix_ms: 0,
+            last_seen_unix_ms: 1000,
+            overlay: overlay.map(|(address, ready)| OverlayReport {
+                address: address.into(),
+                ready: ready.iter().map(|r| (*r).to_string()).collect(),
+            }),
+        }
+    }
+
+    fn vm(name: &str, host: &str, nics: &[(&str, &str)]) -> Vm {
+        Vm {
+            name: name.into(),
+            kind: VmKind::Libvirt,
+            host: host.into(),
+            site: String::new(),
+            state: "running".into(),
+            nics: nics
+                .iter()
+                .map(|(mac, bridge)| VmNic {
+                    mac: (*mac).into(),
+                    bridge: (*bridge).into(),
+                })
+                .collect(),
+        }
+    }
+
+    fn pool(name: &str, vni: u32, learning: bool, held: &[&str]) -> PoolRecord {
+        PoolRecord {
+            name: name.into(),
+            vni,
+            bridge: format!("fp{vni}"),
+            learning,
+            held: held.iter().map(|h| (*h).to_string()).collect(),
+        }
+    }
+
+    fn migration(vm: &str, from: &str, to: &str, state: FleetMigrationState) -> FleetMigration {
+        let mut m = crate::store::tests::migration("m-1");
+        m.vm = vm.into();
+        m.source_host = from.into();
+        m.destination_host = to.into();
+        m.state = state;
+        m
+    }
+
+    #[test]
+    fn an_endpoint_exists_where_the_pool_has_vms_is_going_or_is_held_and_nowhere_else() {
+        let pools = [
+            pool("red", 1001, false, &["c1"]),
+            pool("blue", 1002, false, &[]),
+        ];
+        let hosts = [
+            host("a1", "a", Some(("10.0.0.1", &["red"]))),
+            host("b1", "b", Some(("10.0.0.2", &[]))),
+            host("c1", "c", Some(("10.0.0.3", &[]))),
+            host("d1", "d", None),
+        ];
+        let vms = [
+            vm("web", "a1", &[("52:54:00:00:00:01", "fp1001")]),
+            vm("other", "a1", &[("52:54:00:00:00:09", "br0")]),
+        ];
+        let idle = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &[],
+        };
+        let red = idle.plan_for("a1").unwrap();
+        assert_eq!(red.endpoints.len(), 1, "blue has no VM on a1: {red:?}");
+        let ep = &red.endpoints[0];
+        assert_eq!((ep.pool.as_str(), ep.vni), ("red", 1001));
+        assert_eq!(
+            ep.remotes,
+            vec![OverlayRemote {
+                host: "c1".into(),
+                address: "10.0.0.3".into()
+            }],
+            "held at c1"
+        );
+        assert!(ep.macs.is_empty() && ep.moving.is_empty(), "{ep:?}");
+        assert!(idle.plan_for("b1").unwrap().endpoints.is_empty());
+        assert_eq!(idle.plan_for("d1"), None, "no overlay, no plan");
+        let c1 = idle.plan_for("c1").unwrap();
+        assert_eq!(
+            c1.endpoints[0].macs,
+            vec![RemoteMac {
+                mac: "52:54:00:00:00:01".into(),
+                host: "a1".into()
+            }]
+        );
+
+        // On its way to b1: b1 gets the endpoint first, and every end knows the move.
+        let moving = [migration("web", "a1", "b1", FleetMigrationState::Running)];
+        let during = Snapshot {
+            migrations: &moving,
+            ..idle
+        };
+        let b1 = during.plan_for("b1").unwrap();
+        assert_eq!(b1.endpoints.len(), 1);
+        assert_eq!(
+            b1.endpoints[0].moving,
+            vec![MovingMac {
+                mac: "52:54:00:00:00:01".into(),
+                from: "a1".into(),
+                to: "b1".into()
+            }]
+        );
+        assert_eq!(b1.endpoints[0].macs[0].host, "a1", "still at a1");
+        assert_eq!(
+            during.not_ready("b1", &during.pools_of(&vms[0])),
+            Some("waiting for pool endpoint(s) red on b1".into())
+        );
+        assert!(during.not_ready("a1", &during.pools_of(&vms[0])).is_none());
+        assert!(during.not_ready("d1", &during.pools_of(&vms[1])).is_none(), "in no pool");
+        assert!(during
+            .not_ready("d1", &during.pools_of(&vms[0]))
+            .unwrap()
+            .contains("no overlay"));
+    }
+
+    #[test]
+    fn a_commit_moves_the_vm_before_its_old_host_reports_again_and_its_last_vm_gone_removes_the_endpoint(
+    ) {
+        let pools = [pool("red", 1001, false, &[])];
+        let hosts = [
+            host("a1", "a", Some(("10.0.0.1", &["red"]))),
+            host("b1", "b", Some(("10.0.0.2", &["red"]))),
+        ];
+        let mut done = migration("web", "a1", "b1", FleetMigrationState::Committed);
+        done.finished_unix_ms = Some(2000);
+        let done = [done];
+        // a1's last report (t=1000) predates the commit (t=2000): the VM is at b1.
+        let vms = [vm("web", "a1", &[("52:54:00:00:00:01", "fp1001")])];
+        let s = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &done,
+        };
+        assert!(
+            s.plan_for("a1").unwrap().endpoints.is_empty(),
+            "a1 has none left"
+        );
+        let view = s.pools();
+        assert_eq!(view[0].endpoints.len(), 1);
+        assert_eq!(view[0].endpoints[0].host, "b1");
+        assert_eq!(view[0].endpoints[0].vms, vec!["web".to_string()]);
+    }
+
+    #[test]
+    fn a_learning_pool_gets_no_directory() {
+        let pools = [pool("red", 1001, true, &["b1"])];
+        let hosts = [
+            host("a1", "a", Some(("10.0.0.1", &[]))),
+            host("b1", "b", Some(("10.0.0.2", &[]))),
+        ];
+        let vms = [vm("web", "a1", &[("52:54:00:00:00:01", "fp1001")])];
+        let moving = [migration("web", "a1", "b1", FleetMigrationState::Running)];
+        let s = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &moving,
+        };
+        let b1 = s.plan_for("b1").unwrap();
+        assert!(b1.endpoints[0].learning);
+        assert!(b1.endpoints[0].macs.is_empty() && b1.endpoints[0].moving.is_empty());
+        assert_eq!(b1.endpoints[0].remotes.len(), 1);
+    }
+}
