@@ -276,6 +276,9 @@ pub struct FleetMigration {
     pub finished_unix_ms: Option<u64>,
     /// A cancel was asked for and goes to the source agent.
     pub cancel_requested: bool,
+    /// The VM's network interfaces when it was requested (its pools follow them).
+    #[serde(default)]
+    pub nics: Vec<VmNic>,
     /// The source agent's view, as of its last heartbeat.
     pub agent: Option<MigrationStatus>,
     /// The controller's own events (requested, scheduled, started, ...), oldest first.

@@ -10,6 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::domains::{start_domain, verify};
+use common::fleet::{fleet, fleet_json, host_of, wait_for};
 use common::TestLab;
 use ferry_lab::Site;
 
@@ -21,45 +22,6 @@ const LAB: &[&str] = &[
     "--rtt-ms",
     "10",
 ];
-
-/// `ferry fleet ARGS` against the lab's controller, through its local socket.
-fn fleet(t: &TestLab, args: &[&str]) -> std::process::Output {
-    let socket = ferry_lab::controller::socket(&t.lab, Site::A);
-    let mut all = vec!["fleet", "--controller", socket.to_str().unwrap()];
-    all.extend_from_slice(args);
-    t.run(&all)
-}
-
-fn fleet_json(t: &TestLab, what: &str) -> Vec<serde_json::Value> {
-    let out = common::succeeded("ferry fleet", &fleet(t, &[what, "--json"]));
-    common::json(&out).as_array().cloned().unwrap_or_default()
-}
-
-/// Polls `ferry fleet WHAT --json` until `ready` holds for it (the agents report every second).
-fn wait_for(
-    t: &TestLab,
-    what: &str,
-    ready: impl Fn(&[serde_json::Value]) -> bool,
-) -> Vec<serde_json::Value> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let now = fleet_json(t, what);
-        if ready(&now) {
-            return now;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "fleet {what} never got there: {now:?}"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
-fn host_of(vms: &[serde_json::Value], name: &str) -> Option<String> {
-    vms.iter()
-        .find(|v| v["name"] == name)
-        .and_then(|v| v["host"].as_str().map(str::to_owned))
-}
 
 #[test]
 fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {

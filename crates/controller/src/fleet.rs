@@ -169,6 +169,7 @@ impl Controller {
             updated_unix_ms: now,
             finished_unix_ms: None,
             cancel_requested: false,
+            nics: vm.nics.clone(),
             agent: None,
             timeline: vec![self.event(
                 FleetMigrationState::Requested,

@@ -8,11 +8,11 @@
 //! gets the controller's directory of where the pool's other VMs are, and the VMs moving now,
 //! whose MACs the agents at both ends re-point at the switchover.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use ferry_api::fleet::{
     EndpointPlan, FleetMigration, FleetMigrationState, Host, HostState, MovingMac, OverlayPlan,
-    OverlayRemote, Pool, PoolEndpoint, RemoteMac, Vm,
+    OverlayRemote, Pool, PoolEndpoint, RemoteMac, Vm, VmNic,
 };
 
 use crate::store::PoolRecord;
@@ -52,35 +52,72 @@ impl<'a> Snapshot<'a> {
         self.migrations.iter().filter(|m| !m.state.finished())
     }
 
-    /// Where `vm`, reported by `reporter`, runs: at the source while it migrates (the
-    /// destination lists the incoming domain too); at the destination of a migration that
-    /// committed after the reporter's last heartbeat.
-    fn location(&self, vm: &'a Vm) -> Option<&'a str> {
-        if let Some(m) = self.unfinished().find(|m| m.vm == vm.name) {
-            return (m.source_host == vm.host).then_some(m.source_host.as_str());
+    /// Where the VM named `name` runs: at the source while it migrates (whoever reports it:
+    /// the destination lists the incoming domain, the source may already have dropped it);
+    /// else where it is reported, or at the destination of a migration that committed after
+    /// that host's last report (or after the destination's, when nobody reports it).
+    fn location(&self, name: &str) -> Option<&'a str> {
+        if let Some(m) = self.unfinished().find(|m| m.vm == name) {
+            return Some(m.source_host.as_str());
         }
-        let reported = self.host(&vm.host).map_or(0, |h| h.last_seen_unix_ms);
-        let moved_since = self
-            .migrations
+        let committed_after = |from: Option<&str>| {
+            self.migrations
+                .iter()
+                .filter(|m| m.vm == name && m.state == FleetMigrationState::Committed)
+                .filter(|m| from.is_none_or(|h| m.source_host == h))
+                .filter(|m| {
+                    let seen = self
+                        .host(from.unwrap_or(&m.destination_host))
+                        .map_or(0, |h| h.last_seen_unix_ms);
+                    m.finished_unix_ms.is_some_and(|t| t > seen)
+                })
+                .max_by_key(|m| m.finished_unix_ms)
+        };
+        match self.vms.iter().find(|vm| vm.name == name) {
+            Some(vm) => Some(
+                committed_after(Some(&vm.host))
+                    .map_or(vm.host.as_str(), |m| m.destination_host.as_str()),
+            ),
+            None => committed_after(None).map(|m| m.destination_host.as_str()),
+        }
+    }
+
+    /// The NICs of the VM named `name`: as reported (by any host), else as its latest
+    /// migration recorded them.
+    fn nics(&self, name: &str) -> Vec<&'a VmNic> {
+        let reported: Vec<&VmNic> = self
+            .vms
             .iter()
-            .filter(|m| m.vm == vm.name && m.state == FleetMigrationState::Committed)
-            .filter(|m| m.source_host == vm.host)
-            .filter(|m| m.finished_unix_ms.is_some_and(|t| t > reported))
-            .max_by_key(|m| m.finished_unix_ms);
-        Some(moved_since.map_or(vm.host.as_str(), |m| m.destination_host.as_str()))
+            .filter(|vm| vm.name == name)
+            .flat_map(|vm| &vm.nics)
+            .collect();
+        if !reported.is_empty() {
+            return reported;
+        }
+        self.migrations
+            .iter()
+            .filter(|m| m.vm == name)
+            .max_by_key(|m| m.created_unix_ms)
+            .map(|m| m.nics.iter().collect())
+            .unwrap_or_default()
     }
 
     fn members(&self, pool: &PoolRecord) -> Vec<Member<'a>> {
-        let mut members: Vec<Member> = self
+        let names: BTreeSet<&str> = self
             .vms
             .iter()
-            .filter_map(|vm| Some((vm, self.location(vm)?)))
+            .map(|vm| vm.name.as_str())
+            .chain(self.migrations.iter().map(|m| m.vm.as_str()))
+            .collect();
+        let mut members: Vec<Member> = names
+            .into_iter()
+            .filter_map(|name| Some((name, self.location(name)?)))
             .flat_map(|(vm, host)| {
-                vm.nics
-                    .iter()
+                self.nics(vm)
+                    .into_iter()
                     .filter(|nic| nic.bridge == pool.bridge)
                     .map(move |nic| Member {
-                        vm: &vm.name,
+                        vm,
                         mac: &nic.mac,
                         host,
                     })
@@ -375,7 +412,10 @@ mod tests {
             Some("waiting for pool endpoint(s) red on b1".into())
         );
         assert!(during.not_ready("a1", &during.pools_of(&vms[0])).is_none());
-        assert!(during.not_ready("d1", &during.pools_of(&vms[1])).is_none(), "in no pool");
+        assert!(
+            during.not_ready("d1", &during.pools_of(&vms[1])).is_none(),
+            "in no pool"
+        );
         assert!(during
             .not_ready("d1", &during.pools_of(&vms[0]))
             .unwrap()
@@ -409,6 +449,37 @@ mod tests {
         assert_eq!(view[0].endpoints.len(), 1);
         assert_eq!(view[0].endpoints[0].host, "b1");
         assert_eq!(view[0].endpoints[0].vms, vec!["web".to_string()]);
+    }
+
+    #[test]
+    fn a_vm_between_its_hosts_reports_keeps_its_pool_at_both_ends() {
+        // The source dropped the domain and the destination lists it without interfaces
+        // (libvirt still finishing), the controller not told of the commit yet: the VM is
+        // still the source's, its NICs those the migration recorded, and the destination
+        // keeps its endpoint.
+        let pools = [pool("red", 1001, false, &[])];
+        let hosts = [
+            host("a1", "a", Some(("10.0.0.1", &["red"]))),
+            host("b1", "b", Some(("10.0.0.2", &["red"]))),
+        ];
+        let mut moving = migration("web", "a1", "b1", FleetMigrationState::Running);
+        moving.nics = vec![VmNic {
+            mac: "52:54:00:00:00:01".into(),
+            bridge: "fp1001".into(),
+        }];
+        let moving = [moving];
+        let vms = [vm("web", "b1", &[])];
+        let s = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &moving,
+        };
+        let b1 = s.plan_for("b1").unwrap();
+        assert_eq!(b1.endpoints.len(), 1, "{b1:?}");
+        assert_eq!(b1.endpoints[0].macs[0].host, "a1");
+        assert_eq!(b1.endpoints[0].moving.len(), 1);
+        assert_eq!(s.plan_for("a1").unwrap().endpoints.len(), 1);
     }
 
     #[test]

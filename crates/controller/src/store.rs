@@ -561,6 +561,7 @@ pub(crate) mod tests {
             updated_unix_ms: now_ms(),
             finished_unix_ms: None,
             cancel_requested: false,
+            nics: vec![],
             agent: None,
             timeline: vec![],
         }

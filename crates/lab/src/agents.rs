@@ -40,6 +40,11 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controllers: &[Sit
         q(&seed_dir(lab, site)),
     );
     text.push_str(&crate::controller::agent_sections(controllers));
+    // The pools' tunnels cross the WAN between the sites' underlay addresses.
+    text.push_str(&format!(
+        "\n[overlay]\naddress = {:?}\ndevice = \"wan0\"\n",
+        site.underlay_ip()
+    ));
     // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in
     // the site's own host directory, the same path at every site, as libvirt wants.
     text.push_str(&format!(

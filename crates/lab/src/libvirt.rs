@@ -107,15 +107,33 @@ pub fn tcp_uri(site: Site) -> String {
     format!("qemu+tcp://{}/system", site.underlay_ip())
 }
 
+/// A guest's virtio NIC: the host bridge it plugs into, its MAC, its address (/24).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestNic {
+    pub bridge: String,
+    pub mac: String,
+    pub ip: String,
+}
+
+impl GuestNic {
+    /// On the sites' shared segment (`br0`): address 10.77.0.`host`.
+    pub fn lab(host: u8) -> GuestNic {
+        GuestNic {
+            bridge: "br0".into(),
+            mac: format!("52:54:00:77:00:{host:02x}"),
+            ip: format!("10.77.0.{host}"),
+        }
+    }
+}
+
 /// The lab's tiny guest as a libvirt domain: direct kernel boot, its serial console a unix
-/// socket in the site's host directory (`/run/ferry-host/NAME.serial`), a virtio NIC on the
-/// site's bridge with guest address 10.77.0.`host`, and optionally a qcow2 data disk at
-/// `/run/ferry-host/NAME.qcow2`.
+/// socket in the site's host directory (`/run/ferry-host/NAME.serial`), a virtio NIC, and
+/// optionally a qcow2 data disk at `/run/ferry-host/NAME.qcow2`.
 pub fn tiny_domain_xml(
     img: &crate::image::Image,
     name: &str,
     mem_mib: u32,
-    host: u8,
+    nic: &GuestNic,
     disk: bool,
 ) -> String {
     let disk = if disk {
@@ -129,14 +147,17 @@ pub fn tiny_domain_xml(
     format!(
         "<domain type='qemu'><name>{name}</name><memory unit='MiB'>{mem_mib}</memory><vcpu>1</vcpu>\
          <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
-         <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip=10.77.0.{host}</cmdline></os>\
+         <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip={}</cmdline></os>\
          <on_reboot>destroy</on_reboot><devices>{disk}\
          <serial type='unix'><source mode='bind' path='/run/ferry-host/{name}.serial'/>\
          <target port='0'/></serial>\
-         <interface type='bridge'><source bridge='br0'/><mac address='52:54:00:77:00:{host:02x}'/>\
+         <interface type='bridge'><source bridge='{}'/><mac address='{}'/>\
          <model type='virtio'/></interface></devices></domain>",
         img.kernel.display(),
-        img.initrd.display()
+        img.initrd.display(),
+        nic.ip,
+        nic.bridge,
+        nic.mac,
     )
 }
 

@@ -163,7 +163,13 @@ async fn measure(
     }
     std::fs::write(
         &xml,
-        libvirt::tiny_domain_xml(img, name, sc.mem_mib, 95, sc.disk.is_some()),
+        libvirt::tiny_domain_xml(
+            img,
+            name,
+            sc.mem_mib,
+            &libvirt::GuestNic::lab(95),
+            sc.disk.is_some(),
+        ),
     )?;
     virsh(
         lab,

@@ -156,6 +156,11 @@ impl Lab {
         format!("{}-{}", self.name, site.name())
     }
 
+    /// The namespace of a port on a pool's bridge ([`crate::pools`]).
+    pub fn pool_port_ns(&self, name: &str) -> String {
+        format!("{}-p-{name}", self.name)
+    }
+
     /// What `site`'s processes see at [`HOST_DIR`], as a path outside the site.
     pub fn host_dir(&self, site: Site) -> PathBuf {
         self.dir().join(format!("host-{}", site.name()))
@@ -238,7 +243,7 @@ impl Lab {
         Ok(out
             .lines()
             .filter_map(|l| l.split_whitespace().next())
-            .filter(|n| mine.iter().any(|m| m == n))
+            .filter(|n| mine.iter().any(|m| m == n) || n.starts_with(&self.pool_port_ns("")))
             .map(str::to_owned)
             .collect())
     }

@@ -5,27 +5,41 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_lab::guest::{GuestLink, Heartbeats};
+use ferry_lab::libvirt::GuestNic;
 use ferry_lab::Site;
 
 use super::TestLab;
 
-/// The tiny guest as domain `name`, with `extra` devices.
-pub fn domain_xml(name: &str, host: u8, disk: bool, extra: &str) -> String {
+/// The tiny guest as domain `name` with `nic`, and `extra` devices.
+pub fn domain_xml(name: &str, nic: &GuestNic, disk: bool, extra: &str) -> String {
     let img = ferry_lab::vm::ensure_image().expect("guest image (ferry image build)");
-    ferry_lab::libvirt::tiny_domain_xml(&img, name, 128, host, disk)
+    ferry_lab::libvirt::tiny_domain_xml(&img, name, 128, nic, disk)
         .replace("</devices>", &format!("{extra}</devices>"))
 }
 
-/// Defines and starts domain `name` at site a; returns its serial link once the guest's
-/// agent answers, with `workload` (guest commands) started.
+/// Defines and starts domain `name` at site a on the sites' shared segment (address
+/// 10.77.0.`host`); returns its serial link once the guest's agent answers, with `workload`
+/// (guest commands) started.
 pub fn start_domain(
     t: &TestLab,
     rt: &tokio::runtime::Runtime,
     (name, host, disk, extra): (&str, u8, bool, &str),
     workload: &[&str],
 ) -> GuestLink {
+    start_domain_on(t, rt, name, &GuestNic::lab(host), (disk, extra), workload)
+}
+
+/// [`start_domain`] with its NIC on any bridge.
+pub fn start_domain_on(
+    t: &TestLab,
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    nic: &GuestNic,
+    (disk, extra): (bool, &str),
+    workload: &[&str],
+) -> GuestLink {
     let xml = t.lab.host_dir(Site::A).join(format!("{name}.xml"));
-    std::fs::write(&xml, domain_xml(name, host, disk, extra)).unwrap();
+    std::fs::write(&xml, domain_xml(name, nic, disk, extra)).unwrap();
     super::succeeded(
         "virsh",
         &t.virsh(Site::A, &["define", &format!("/run/ferry-host/{name}.xml")]),

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a part of the harness
 
 pub mod domains;
+pub mod fleet;
 
 use std::process::{Command, Output};
 
