@@ -26,7 +26,7 @@ use crate::config::ControllerLink;
 use crate::libvirt::Libvirt;
 use crate::server::{self, Agent};
 
-/// Until the controller says otherwise.
+/// Until the controller says otherwise; also how often the VMs are listed.
 const FIRST_HEARTBEAT: Duration = Duration::from_secs(2);
 /// A heartbeat that takes longer failed (the controller answers from its store at once).
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -38,7 +38,10 @@ const REFUSAL_KEPT: Duration = Duration::from_secs(600);
 pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Result<()> {
     let tls = agent.config.identity.client_config()?;
     let mut refused: HashMap<String, (ApiError, tokio::time::Instant)> = HashMap::new();
-    let mut vms = Vec::new();
+    // libvirt can take seconds to answer while a migration comes in: the VMs are listed
+    // beside the heartbeats, which carry the latest list and never wait for it.
+    let vms = Arc::new(std::sync::Mutex::new(Vec::new()));
+    tokio::spawn(list_vms(agent.clone(), vms.clone()));
     let mut pace = FIRST_HEARTBEAT;
     let mut failing = false;
     // The controller that answered last: tried first next time.
@@ -47,10 +50,8 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
     let mut track: Vec<String> = Vec::new();
     loop {
         refused.retain(|_, (_, at)| at.elapsed() < REFUSAL_KEPT);
-        if let Some(now) = running_vms(&agent).await {
-            vms = now;
-        }
-        let beat = heartbeat(&agent, vms.clone(), &refused, &track);
+        let listed = vms.lock().expect("vms lock").clone();
+        let beat = heartbeat(&agent, listed, &refused, &track);
         let mut started = false;
         match send_to_any(&links, &mut current, &tls, &beat).await {
             Ok(answer) => {
@@ -93,6 +94,17 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
         if !started {
             tokio::time::sleep(pace).await;
         }
+    }
+}
+
+/// Keeps `vms` the host's VMs, listed every [`FIRST_HEARTBEAT`] (a list that fails leaves
+/// the last one standing rather than telling the controller they all left).
+async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Vec<VmReport>>>) {
+    loop {
+        if let Some(now) = running_vms(&agent).await {
+            *vms.lock().expect("vms lock") = now;
+        }
+        tokio::time::sleep(FIRST_HEARTBEAT).await;
     }
 }
 

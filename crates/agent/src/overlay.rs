@@ -146,14 +146,22 @@ impl Overlay {
         let changes: Vec<(String, String, Repointed)> = {
             let mut state = self.state.lock().expect("overlay lock");
             let mut changes = Vec::new();
-            for endpoint in state.plan.endpoints.iter().filter(|e| !e.learning) {
+            for endpoint in state.plan.endpoints.iter().filter(|e| e.repoint) {
                 for m in endpoint.moving.iter().filter(|m| this_move(&m.from, &m.to)) {
                     let to_address = if m.to == self.own_name {
                         None
                     } else {
                         match endpoint.remotes.iter().find(|r| r.host == m.to) {
                             Some(r) => Some(r.address.clone()),
-                            None => continue,
+                            None => {
+                                tracing::warn!(
+                                    "pool {}: {} moves to {}, which has no endpoint in the plan",
+                                    endpoint.pool,
+                                    m.mac,
+                                    m.to
+                                );
+                                continue;
+                            }
                         }
                     };
                     let r = Repointed {
@@ -166,6 +174,12 @@ impl Overlay {
             }
             for (_, mac, r) in &changes {
                 state.repointed.insert(mac.clone(), r.clone());
+            }
+            if changes.is_empty() {
+                tracing::debug!(
+                    "a switchover with no pool MAC to re-point (plan: {:?})",
+                    state.plan
+                );
             }
             changes
         };
@@ -278,6 +292,7 @@ impl Overlay {
             .collect();
         for (mac, address) in &want {
             if tunnel.get(mac) != Some(address) {
+                tracing::info!("pool {}: {mac} is at {address}", e.pool);
                 point_remote(&dev, mac, address).await?;
             }
         }
@@ -290,6 +305,7 @@ impl Overlay {
             bridge(&["fdb", "del", mac, "dev", &dev, "master"]).await?;
         }
         for mac in tunnel.keys().filter(|m| !want.contains_key(*m)) {
+            tracing::info!("pool {}: {mac} is no longer remote", e.pool);
             bridge(&["fdb", "del", mac, "dev", &dev, "self"]).await?;
         }
         for mac in want.keys().filter(|m| !steered.contains(*m)) {

@@ -123,6 +123,10 @@ pub struct EndpointPlan {
     /// announcements after a move); otherwise the controller's directory (`macs`) says, and
     /// the endpoints re-point a moving VM at its switchover.
     pub learning: bool,
+    /// With the directory: the agents re-point a moving VM's MACs at its switchover (else
+    /// the directory follows when the controller learns of the commit).
+    #[serde(default)]
+    pub repoint: bool,
     /// The pool's other endpoints: broadcast and unknown frames go to each.
     pub remotes: Vec<OverlayRemote>,
     /// Where the pool's VMs on other hosts are (empty when learning).
@@ -352,6 +356,8 @@ pub struct Pool {
     pub bridge: String,
     /// ARP-only (a plain learning VXLAN), without the controller's MAC directory.
     pub learning: bool,
+    /// With the directory: re-pointed at each switchover by the agents (VirtualWire).
+    pub repoint: bool,
     /// Hosts where an operator keeps its endpoint up whether or not VMs run there (to start
     /// VMs in the pool there).
     pub held: Vec<String>,
@@ -381,6 +387,10 @@ pub struct PoolRequest {
     pub bridge: Option<String>,
     #[serde(default)]
     pub learning: bool,
+    /// Without the re-pointing at switchover (the directory follows the controller): for
+    /// comparison. Default: re-pointed.
+    #[serde(default)]
+    pub no_repoint: bool,
     #[serde(default)]
     pub hold: Vec<String>,
 }

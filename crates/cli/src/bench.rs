@@ -67,6 +67,11 @@ pub struct BenchArgs {
     /// virsh-parallel-zstd, virsh-sync-writes; default the first three).
     #[arg(long)]
     libvirt: bool,
+    /// Virtual cloud pools: a pool VM's client (TCP stall, pings lost) across moves to site b
+    /// and back through the fleet, the overlay re-pointed at the switchover against a learning
+    /// VXLAN (ARP-only); --runs round trips, the modes interleaved.
+    #[arg(long, conflicts_with = "libvirt")]
+    pools: bool,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -77,6 +82,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     link.validate()?;
     if a.libvirt {
         return run_libvirt(a).await;
+    }
+    if a.pools {
+        return run_pools(a).await;
     }
     let base = a.migration.options()?;
     let systems: Vec<System> = if a.modes.is_empty() {
@@ -115,7 +123,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     })
     .await??;
     eprintln!("bench: accelerator {} ({why})", accel.as_str());
-    let (lab, _) = fresh_lab(&a.lab, link, false).await?;
+    let (lab, _) = fresh_lab(&a.lab, link, ferry_lab::Services::default()).await?;
     let mut failures = 0;
     for w in &workloads {
         for run in 1..=a.runs {
@@ -174,7 +182,15 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
     let workloads = workloads(&a)?;
     ferry_lab::topology::require_root()?;
     let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
-    let (lab, exe) = fresh_lab(&a.lab, link, true).await?;
+    let (lab, exe) = fresh_lab(
+        &a.lab,
+        link,
+        ferry_lab::Services {
+            libvirt: true,
+            ..ferry_lab::Services::default()
+        },
+    )
+    .await?;
     let mut failures = 0;
     for w in &workloads {
         for run in 1..=a.runs {
@@ -198,6 +214,46 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
     finish(lab, failures).await
 }
 
+/// `ferry bench --pools`: the lab with libvirt and a controller, [`ferry_lab::pool_bench`].
+async fn run_pools(a: BenchArgs) -> Result<ExitCode> {
+    let link = a.link.config();
+    let workload = match workloads(&a)?.as_slice() {
+        [w] => w.clone(),
+        _ => bail!("--pools runs one workload; give one to --workloads"),
+    };
+    ferry_lab::topology::require_root()?;
+    let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
+    let (lab, exe) = fresh_lab(
+        &a.lab,
+        link,
+        ferry_lab::Services {
+            libvirt: true,
+            controller: true,
+            ..ferry_lab::Services::default()
+        },
+    )
+    .await?;
+    let bench = ferry_lab::pool_bench::PoolBench {
+        runs: a.runs,
+        mem_mib: a.shape.mem_mib,
+        workload,
+        ferry_exe: exe,
+    };
+    let failures = ferry_lab::pool_bench::run(&lab, &img, &bench, |r| {
+        println!("{}", serde_json::to_string(r)?);
+        Ok(())
+    })
+    .await;
+    let failures = match failures {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("bench: pools: {}", report::error_chain(&e));
+            1
+        }
+    };
+    finish(lab, failures).await
+}
+
 /// The workloads asked for, checked against the guest's memory.
 fn workloads(a: &BenchArgs) -> Result<Vec<Workload>> {
     let workloads: Vec<Workload> = a
@@ -215,12 +271,12 @@ fn workloads(a: &BenchArgs) -> Result<Vec<Workload>> {
     Ok(workloads)
 }
 
-/// The bench's own lab, brought up afresh (with a libvirtd per site if asked); returns it and
-/// the ferry binary the lab's agents run.
+/// The bench's own lab, brought up afresh with `services`; returns it and the ferry binary the
+/// lab's agents run.
 async fn fresh_lab(
     name: &str,
     link: ferry_lab::link::LinkConfig,
-    libvirt: bool,
+    services: ferry_lab::Services,
 ) -> Result<(Lab, std::path::PathBuf)> {
     let lab = Lab {
         name: name.to_owned(),
@@ -229,14 +285,7 @@ async fn fresh_lab(
     let (l, e) = (lab.clone(), exe.clone());
     tokio::task::spawn_blocking(move || {
         l.down(true)?;
-        l.up(
-            link,
-            &e,
-            ferry_lab::Services {
-                libvirt,
-                ..ferry_lab::Services::default()
-            },
-        )
+        l.up(link, &e, services)
     })
     .await??;
     Ok((lab, exe))
@@ -260,7 +309,11 @@ fn print_records<T: serde::Serialize>(records: Result<Vec<T>>, what: &str) -> Re
 
 /// Takes the bench's lab down; the exit code says whether every scenario ran.
 async fn finish(lab: Lab, failures: usize) -> Result<ExitCode> {
-    let _ = tokio::task::spawn_blocking(move || lab.down(true)).await?;
+    if std::env::var_os("FERRY_BENCH_KEEP_LAB").is_some() {
+        eprintln!("bench: FERRY_BENCH_KEEP_LAB: lab {} left up", lab.name);
+    } else {
+        let _ = tokio::task::spawn_blocking(move || lab.down(true)).await?;
+    }
     Ok(if failures == 0 {
         ExitCode::SUCCESS
     } else {

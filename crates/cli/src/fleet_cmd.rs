@@ -87,6 +87,10 @@ enum PoolCmd {
         /// switchover (what a moved VM's ARP announcement alone achieves).
         #[arg(long)]
         learning: bool,
+        /// The controller's directory without the agents' re-pointing at switchover (it follows
+        /// when the controller learns of the commit): for comparison.
+        #[arg(long, conflicts_with = "learning")]
+        no_repoint: bool,
         /// Keep its endpoint up on these hosts (to start its first VMs there).
         #[arg(long, value_delimiter = ',')]
         hold: Vec<String>,
@@ -222,6 +226,7 @@ pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
                     vni,
                     bridge,
                     learning,
+                    no_repoint,
                     hold,
                 } => {
                     let req = ferry_api::fleet::PoolRequest {
@@ -229,6 +234,7 @@ pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
                         vni,
                         bridge,
                         learning,
+                        no_repoint,
                         hold,
                     };
                     client.create_pool(&req).await?
@@ -302,7 +308,11 @@ fn pool_line(p: &ferry_api::fleet::Pool) -> String {
         p.name,
         p.vni,
         p.bridge,
-        if p.learning { "learning" } else { "directory" },
+        match (p.learning, p.repoint) {
+            (true, _) => "learning",
+            (false, true) => "repointed",
+            (false, false) => "directory",
+        },
         if endpoints.is_empty() {
             "no endpoints".into()
         } else {

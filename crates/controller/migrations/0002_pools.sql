@@ -6,6 +6,7 @@ CREATE TABLE pools (
     vni BIGINT NOT NULL UNIQUE,
     bridge TEXT NOT NULL UNIQUE,
     learning BIGINT NOT NULL,
+    repoint BIGINT NOT NULL,
     created_ms BIGINT NOT NULL
 );
 

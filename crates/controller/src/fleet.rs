@@ -600,6 +600,7 @@ impl Controller {
             vni: req.vni,
             bridge,
             learning: req.learning,
+            repoint: !req.learning && !req.no_repoint,
             held: Vec::new(),
         };
         if !self.store.insert_pool(&record, now_ms()).await? {

@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ferry_api::fleet::{
-    EndpointPlan, FleetMigration, FleetMigrationState, Host, HostState, MovingMac, OverlayPlan,
-    OverlayRemote, Pool, PoolEndpoint, RemoteMac, Vm, VmNic,
+    EndpointPlan, FleetMigration, FleetMigrationState, Host, MovingMac, OverlayPlan, OverlayRemote,
+    Pool, PoolEndpoint, RemoteMac, Vm, VmNic,
 };
 
 use crate::store::PoolRecord;
@@ -40,10 +40,11 @@ impl<'a> Snapshot<'a> {
         self.hosts.iter().find(|h| h.name == name)
     }
 
-    /// Hosts that can hold an endpoint: up, with an overlay.
+    /// Where a host's endpoints are reached, if it has an overlay. A host marked down keeps
+    /// its place in the pools: its agent may only be slow (its tunnels do not depend on it),
+    /// and frames sent to a dead host are lost either way.
     fn overlay_address(&self, name: &str) -> Option<&'a str> {
         self.host(name)
-            .filter(|h| h.state == HostState::Up)
             .and_then(|h| h.overlay.as_ref())
             .map(|o| o.address.as_str())
     }
@@ -201,7 +202,7 @@ impl<'a> Snapshot<'a> {
                             })
                             .collect()
                     };
-                    let moving = if pool.learning {
+                    let moving = if pool.learning || !pool.repoint {
                         Vec::new()
                     } else {
                         self.moving(pool)
@@ -211,6 +212,7 @@ impl<'a> Snapshot<'a> {
                         vni: pool.vni,
                         bridge: pool.bridge.clone(),
                         learning: pool.learning,
+                        repoint: pool.repoint,
                         remotes,
                         macs,
                         moving,
@@ -230,6 +232,7 @@ impl<'a> Snapshot<'a> {
                 vni: pool.vni,
                 bridge: pool.bridge.clone(),
                 learning: pool.learning,
+                repoint: pool.repoint,
                 held: pool.held.clone(),
                 endpoints: self
                     .endpoints(pool)
@@ -287,7 +290,7 @@ impl<'a> Snapshot<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_api::fleet::{OverlayReport, VmKind, VmNic};
+    use ferry_api::fleet::{HostState, OverlayReport, VmKind, VmNic};
 
     fn host(name: &str, site: &str, overlay: Option<(&str, &[&str])>) -> Host {
         Host {
@@ -331,6 +334,7 @@ mod tests {
             vni,
             bridge: format!("fp{vni}"),
             learning,
+            repoint: !learning,
             held: held.iter().map(|h| (*h).to_string()).collect(),
         }
     }
@@ -480,6 +484,27 @@ mod tests {
         assert_eq!(b1.endpoints[0].macs[0].host, "a1");
         assert_eq!(b1.endpoints[0].moving.len(), 1);
         assert_eq!(s.plan_for("a1").unwrap().endpoints.len(), 1);
+    }
+
+    #[test]
+    fn a_host_marked_down_keeps_its_place_in_the_pools() {
+        let pools = [pool("red", 1001, false, &[])];
+        let mut b1 = host("b1", "b", Some(("10.0.0.2", &["red"])));
+        b1.state = HostState::Down;
+        let hosts = [host("a1", "a", Some(("10.0.0.1", &["red"]))), b1];
+        let vms = [
+            vm("web", "a1", &[("52:54:00:00:00:01", "fp1001")]),
+            vm("db", "b1", &[("52:54:00:00:00:02", "fp1001")]),
+        ];
+        let s = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &[],
+        };
+        let a1 = s.plan_for("a1").unwrap();
+        assert_eq!(a1.endpoints[0].remotes[0].host, "b1");
+        assert_eq!(a1.endpoints[0].macs[0].mac, "52:54:00:00:00:02");
     }
 
     #[test]

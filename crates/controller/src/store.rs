@@ -56,6 +56,7 @@ pub struct PoolRecord {
     pub vni: u32,
     pub bridge: String,
     pub learning: bool,
+    pub repoint: bool,
     pub held: Vec<String>,
 }
 
@@ -242,13 +243,14 @@ impl Store {
     /// Stores a new pool; false when its name, VNI or bridge is taken.
     pub async fn insert_pool(&self, pool: &PoolRecord, now: u64) -> Result<bool, StoreError> {
         let written = sqlx::query(
-            "INSERT INTO pools (name, vni, bridge, learning, created_ms) VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT DO NOTHING",
+            "INSERT INTO pools (name, vni, bridge, learning, repoint, created_ms)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
         )
         .bind(&pool.name)
         .bind(i64::from(pool.vni))
         .bind(&pool.bridge)
         .bind(i64::from(pool.learning))
+        .bind(i64::from(pool.repoint))
         .bind(db_i64(now))
         .execute(&self.pool)
         .await?;
@@ -271,9 +273,10 @@ impl Store {
 
     /// Every pool with its holds, by name.
     pub async fn pools(&self) -> Result<Vec<PoolRecord>, StoreError> {
-        let rows = sqlx::query("SELECT name, vni, bridge, learning FROM pools ORDER BY name")
-            .fetch_all(&self.pool)
-            .await?;
+        let rows =
+            sqlx::query("SELECT name, vni, bridge, learning, repoint FROM pools ORDER BY name")
+                .fetch_all(&self.pool)
+                .await?;
         let holds = sqlx::query("SELECT pool, host FROM pool_holds ORDER BY host")
             .fetch_all(&self.pool)
             .await?;
@@ -290,6 +293,7 @@ impl Store {
                     vni: u32::try_from(vni).map_err(|e| corrupt("pool vni", e))?,
                     bridge: row.try_get(2)?,
                     learning: row.try_get::<i64, _>(3)? != 0,
+                    repoint: row.try_get::<i64, _>(4)? != 0,
                     name,
                     held,
                 })

@@ -142,6 +142,7 @@ fn pool_request(name: &str, vni: u32, hold: &[&str]) -> PoolRequest {
         vni,
         bridge: None,
         learning: false,
+        no_repoint: false,
         hold: hold.iter().map(|h| (*h).to_string()).collect(),
     }
 }

@@ -27,6 +27,7 @@ pub mod libvirt;
 pub mod libvirt_bench;
 pub mod link;
 pub mod pki;
+pub mod pool_bench;
 pub mod pools;
 pub mod postgres;
 pub mod sh;

@@ -215,3 +215,23 @@ pub fn stop_libvirtd(lab: &Lab, site: Site) -> Result<()> {
     })
     .with_context(|| format!("libvirtd {pid} at site {} did not stop", site.name()))
 }
+
+/// `virsh` as a process of `site`'s host, talking to its own daemon.
+pub(crate) fn virsh_command(lab: &Lab, site: Site) -> Command {
+    let mut c = lab.host_command(site, "virsh");
+    c.args(["-q", "-c", "qemu:///system"]);
+    c
+}
+
+/// `virsh ARGS` at `site`; its stdout, or its error in its words.
+pub(crate) fn virsh(lab: &Lab, site: Site, args: &[&str]) -> Result<String> {
+    let out = virsh_command(lab, site).args(args).output()?;
+    if !out.status.success() {
+        bail!(
+            "virsh {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::bench::{DiskWriter, Workload};
 use crate::guest::{GuestLink, Heartbeats};
 use crate::image::Image;
-use crate::libvirt;
+use crate::libvirt::{self, virsh, virsh_command};
 use crate::topology::{Lab, Site};
 
 /// Who migrates the domain.
@@ -327,22 +327,4 @@ fn finish_within(
         std::thread::sleep(Duration::from_millis(200));
     }
     Ok(child.wait_with_output()?)
-}
-
-fn virsh_command(lab: &Lab, site: Site) -> Command {
-    let mut c = lab.host_command(site, "virsh");
-    c.args(["-q", "-c", "qemu:///system"]);
-    c
-}
-
-fn virsh(lab: &Lab, site: Site, args: &[&str]) -> Result<String> {
-    let out = virsh_command(lab, site).args(args).output()?;
-    if !out.status.success() {
-        bail!(
-            "virsh {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
