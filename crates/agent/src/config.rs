@@ -443,6 +443,35 @@ rate_mbit = 100
         assert_eq!(c.peer("dc2-host3").unwrap().rate_mbit, Some(1000.0));
         assert_eq!(c.controllers.len(), 1);
         assert_eq!(c.controllers[0].name, "ctl1");
+        let overlay = c.overlay.unwrap();
+        assert_eq!(overlay.address.to_string(), "198.51.100.17");
+        assert_eq!(
+            (overlay.device.as_deref(), overlay.port),
+            (Some("eth1"), 4789)
+        );
+    }
+
+    #[test]
+    fn a_bad_overlay_names_its_key() {
+        let err = parse(&format!("{GOOD}\n[overlay]\naddress = \"not-an-ip\"\n")).unwrap_err();
+        assert!(
+            err.to_string().contains("address = \"not-an-ip\"")
+                && err.to_string().contains("invalid IP address"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "{GOOD}\n[overlay]\naddress = \"10.0.0.1\"\nport = 0\n"
+        ))
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "/etc/ferry/agent.toml: overlay.port: 0 is not a UDP port"
+        );
+        let err = parse(&format!(
+            "{GOOD}\n[overlay]\naddress = \"10.0.0.1\"\ndevice = \"a-device-name-too-long\"\n"
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("overlay.device"), "{err}");
     }
 
     #[test]
