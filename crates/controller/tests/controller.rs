@@ -938,6 +938,22 @@ async fn the_dashboard_shows_the_fleet_in_a_real_browser() {
         .await
         .unwrap();
     b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+    // A pool held on a1, where it has a VM.
+    a1.heartbeat(&overlay_beat(
+        "a",
+        &["b1"],
+        "172.31.0.1",
+        &["red"],
+        &[("red-web", "52:54:00:00:10:01", "fp1001")],
+    ))
+    .await
+    .unwrap();
+    ops.create_pool(&pool_request("red", 1001, &["a1"]))
+        .await
+        .unwrap();
+    a1.heartbeat(&beat("a", &["b1"], &["web-1", "db-1"]))
+        .await
+        .unwrap();
     // One migration committed with a 250 ms pause, one in its memory phase, 75% done.
     let done = ops
         .migrate(&request("web-1", Some("b1"), None))
@@ -948,6 +964,10 @@ async fn the_dashboard_shows_the_fleet_in_a_real_browser() {
     committed.source_stop_unix_us = Some(10_000_000);
     committed.destination_resume_unix_us = Some(10_250_000);
     let mut report = beat("a", &["b1"], &["db-1"]);
+    report.overlay = Some(OverlayReport {
+        address: "172.31.0.1".into(),
+        ready: vec!["red".into()],
+    });
     report.migrations = vec![FleetMigrationReport {
         fleet_id: done.id.clone(),
         status: Some(committed),
@@ -978,7 +998,8 @@ async fn the_dashboard_shows_the_fleet_in_a_real_browser() {
     for expected in [
         // The status line drawn from /v1/health, not the error the page shows without it.
         "<div id=\"status\" class=\"\">controller ctl1 · store sqlite · leader ctl1",
-        "<td>a</td><td>1 of 1 up</td>",
+        "<td>a</td><td>1 of 1 up</td><td>1</td><td>red</td>",
+        "<td>red</td><td>1001</td><td>fp1001</td><td>re-pointed</td><td>a1 (a): held</td>",
         "<td>b1</td><td>b</td><td><span class=\"up\">up</span></td>",
         "<td>db-1</td><td>libvirt</td><td>a1</td>",
         &format!(
