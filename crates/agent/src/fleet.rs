@@ -40,7 +40,7 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
     let mut refused: HashMap<String, (ApiError, tokio::time::Instant)> = HashMap::new();
     // libvirt can take seconds to answer while a migration comes in: the VMs are listed
     // beside the heartbeats, which carry the latest list and never wait for it.
-    let vms = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let vms = Arc::new(std::sync::Mutex::new(Listed::default()));
     tokio::spawn(list_vms(agent.clone(), vms.clone()));
     let mut pace = FIRST_HEARTBEAT;
     let mut failing = false;
@@ -51,7 +51,8 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
     loop {
         refused.retain(|_, (_, at)| at.elapsed() < REFUSAL_KEPT);
         let listed = vms.lock().expect("vms lock").clone();
-        let beat = heartbeat(&agent, listed, &refused, &track);
+        let mut beat = heartbeat(&agent, listed.vms, &refused, &track);
+        beat.vms_listed_unix_ms = listed.at_unix_ms;
         let mut started = false;
         match send_to_any(&links, &mut current, &tls, &beat).await {
             Ok(answer) => {
@@ -99,13 +100,25 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
 
 /// Keeps `vms` the host's VMs, listed every [`FIRST_HEARTBEAT`] (a list that fails leaves
 /// the last one standing rather than telling the controller they all left).
-async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Vec<VmReport>>>) {
+async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Listed>>) {
     loop {
+        // Stamped with when the listing began: whatever changed after may be missing.
+        let at = crate::engine::status::now_ms();
         if let Some(now) = running_vms(&agent).await {
-            *vms.lock().expect("vms lock") = now;
+            *vms.lock().expect("vms lock") = Listed {
+                vms: now,
+                at_unix_ms: Some(at),
+            };
         }
         tokio::time::sleep(FIRST_HEARTBEAT).await;
     }
+}
+
+/// The host's VMs as last listed, and when.
+#[derive(Debug, Clone, Default)]
+struct Listed {
+    vms: Vec<VmReport>,
+    at_unix_ms: Option<u64>,
 }
 
 /// The VMs this host runs (libvirt's active domains), or None when they cannot be listed now
@@ -174,6 +187,7 @@ fn heartbeat(
         vms,
         migrations,
         overlay: agent.overlay.as_ref().map(|o| o.report()),
+        vms_listed_unix_ms: None,
     }
 }
 

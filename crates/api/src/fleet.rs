@@ -21,6 +21,9 @@ pub struct Heartbeat {
     pub max_outgoing: u32,
     /// The VMs running on the host now.
     pub vms: Vec<VmReport>,
+    /// When `vms` was listed (it may be older than the heartbeat: libvirt can be slow).
+    #[serde(default)]
+    pub vms_listed_unix_ms: Option<u64>,
     /// The controller's migrations this agent runs, those the controller's last answer asked
     /// it to track, and its refusals.
     pub migrations: Vec<FleetMigrationReport>,
@@ -333,6 +336,9 @@ pub struct Host {
     /// Its tunnel endpoint and the pools up on it (absent: no `[overlay]` in its config).
     #[serde(default)]
     pub overlay: Option<OverlayReport>,
+    /// When its last list of VMs was taken (absent: at its last heartbeat).
+    #[serde(default)]
+    pub vms_listed_unix_ms: Option<u64>,
 }
 
 /// A VM of the fleet, where it runs now.

@@ -259,7 +259,7 @@ async fn hosts(State(c): State<Arc<Controller>>) -> Response {
     (status = 200, description = "the VMs and where they run", body = [Vm]),
     (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn vms(State(c): State<Arc<Controller>>) -> Response {
-    answer(c.store.vms().await.map_err(FleetError::from))
+    answer(c.vms().await)
 }
 
 #[utoipa::path(get, path = "/v1/pools", responses(

@@ -73,15 +73,11 @@ impl Controller {
         req.settings
             .validate()
             .map_err(|e| FleetError::bad(e.to_string()))?;
-        let vms: Vec<_> = self
-            .store
-            .vms()
-            .await?
-            .into_iter()
-            .filter(|vm| vm.name == req.vm)
-            .collect();
-        let vm = match vms.as_slice() {
-            [] => {
+        let fleet = self.load().await?;
+        let view = fleet.view();
+        let vm = match view.vm(&req.vm) {
+            Ok(Some(vm)) => vm,
+            Ok(None) => {
                 return Err(FleetError::Refused(
                     ErrorKind::NotFound,
                     format!(
@@ -90,18 +86,13 @@ impl Controller {
                     ),
                 ))
             }
-            [vm] => vm.clone(),
-            several => {
+            Err(hosts) => {
                 return Err(FleetError::Refused(
                     ErrorKind::Conflict,
                     format!(
                         "VM {:?} is reported by several hosts ({}); move it by hand",
                         req.vm,
-                        several
-                            .iter()
-                            .map(|v| v.host.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                        hosts.join(", ")
                     ),
                 ))
             }
@@ -117,8 +108,6 @@ impl Controller {
             ));
         }
         let destination = choose_destination(&req, source, &hosts)?;
-        let fleet = self.load().await?;
-        let view = fleet.view();
         let pools = view.pools_of(&vm);
         if !pools.is_empty() {
             let overlay = hosts
@@ -548,6 +537,24 @@ impl Controller {
             vms: self.store.vms().await?,
             migrations: self.store.migrations().await?,
         })
+    }
+
+    /// The VMs and where they run now: each once, at the host whose report still holds or
+    /// where its last migration took it; a VM two hosts report is listed at both.
+    pub async fn vms(&self) -> Result<Vec<Vm>, FleetError> {
+        let fleet = self.load().await?;
+        let view = fleet.view();
+        let mut names: Vec<&str> = fleet.vms.iter().map(|v| v.name.as_str()).collect();
+        names.dedup();
+        let mut vms = Vec::new();
+        for name in names {
+            match view.vm(name) {
+                Ok(Some(vm)) => vms.push(vm),
+                Ok(None) => {}
+                Err(_) => vms.extend(view.reports(name).into_iter().cloned()),
+            }
+        }
+        Ok(vms)
     }
 
     /// The pools, with where their endpoints are now.

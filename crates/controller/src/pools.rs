@@ -53,34 +53,86 @@ impl<'a> Snapshot<'a> {
         self.migrations.iter().filter(|m| !m.state.finished())
     }
 
+    /// When `host`'s list of VMs was taken.
+    fn listed_at(&self, host: &str) -> u64 {
+        self.host(host)
+            .map_or(0, |h| h.vms_listed_unix_ms.unwrap_or(h.last_seen_unix_ms))
+    }
+
+    /// The latest committed migration of `name` from `from` (any host when None) that ended
+    /// after the list of VMs of `from` (or of its destination) was taken.
+    fn committed_since_listed(&self, name: &str, from: Option<&str>) -> Option<&'a FleetMigration> {
+        self.migrations
+            .iter()
+            .filter(|m| m.vm == name && m.state == FleetMigrationState::Committed)
+            .filter(|m| from.is_none_or(|h| m.source_host == h))
+            .filter(|m| {
+                let listed = self.listed_at(from.unwrap_or(&m.destination_host));
+                m.finished_unix_ms.is_some_and(|t| t > listed)
+            })
+            .max_by_key(|m| m.finished_unix_ms)
+    }
+
+    /// The hosts' reports of the VM named `name` that still hold: not those listed by the
+    /// source of a migration that committed after they were taken.
+    pub fn reports(&self, name: &str) -> Vec<&'a Vm> {
+        self.vms
+            .iter()
+            .filter(|vm| vm.name == name)
+            .filter(|vm| self.committed_since_listed(name, Some(&vm.host)).is_none())
+            .collect()
+    }
+
     /// Where the VM named `name` runs: at the source while it migrates (whoever reports it:
     /// the destination lists the incoming domain, the source may already have dropped it);
-    /// else where it is reported, or at the destination of a migration that committed after
-    /// that host's last report (or after the destination's, when nobody reports it).
+    /// else where a report that still holds says, or at the destination of a migration that
+    /// committed after every report (its destination has not listed it yet).
     fn location(&self, name: &str) -> Option<&'a str> {
         if let Some(m) = self.unfinished().find(|m| m.vm == name) {
             return Some(m.source_host.as_str());
         }
-        let committed_after = |from: Option<&str>| {
-            self.migrations
-                .iter()
-                .filter(|m| m.vm == name && m.state == FleetMigrationState::Committed)
-                .filter(|m| from.is_none_or(|h| m.source_host == h))
-                .filter(|m| {
-                    let seen = self
-                        .host(from.unwrap_or(&m.destination_host))
-                        .map_or(0, |h| h.last_seen_unix_ms);
-                    m.finished_unix_ms.is_some_and(|t| t > seen)
+        match self.reports(name).first() {
+            Some(vm) => Some(vm.host.as_str()),
+            None => self
+                .committed_since_listed(name, None)
+                .or_else(|| {
+                    // Every report was the source's, listed before the commit.
+                    self.vms
+                        .iter()
+                        .find(|vm| vm.name == name)
+                        .and_then(|vm| self.committed_since_listed(name, Some(&vm.host)))
                 })
-                .max_by_key(|m| m.finished_unix_ms)
-        };
-        match self.vms.iter().find(|vm| vm.name == name) {
-            Some(vm) => Some(
-                committed_after(Some(&vm.host))
-                    .map_or(vm.host.as_str(), |m| m.destination_host.as_str()),
-            ),
-            None => committed_after(None).map(|m| m.destination_host.as_str()),
+                .map(|m| m.destination_host.as_str()),
         }
+    }
+
+    /// The VM named `name` as the fleet knows it now: one host's report that still holds, or
+    /// the record of the migration that just moved it; `Err` with the hosts when several hold
+    /// (two copies: the controller will not choose).
+    pub fn vm(&self, name: &str) -> Result<Option<Vm>, Vec<String>> {
+        let reports = self.reports(name);
+        let mut hosts: Vec<String> = reports.iter().map(|v| v.host.clone()).collect();
+        hosts.dedup();
+        if hosts.len() > 1 {
+            return Err(hosts);
+        }
+        if let Some(vm) = reports.first() {
+            return Ok(Some((*vm).clone()));
+        }
+        let Some(host) = self.location(name) else {
+            return Ok(None);
+        };
+        let Some(m) = self.migrations.iter().rev().find(|m| m.vm == name) else {
+            return Ok(None);
+        };
+        Ok(Some(Vm {
+            name: name.to_owned(),
+            kind: m.kind,
+            host: host.to_owned(),
+            site: self.host(host).map(|h| h.site.clone()).unwrap_or_default(),
+            state: "running".into(),
+            nics: self.nics(name).into_iter().cloned().collect(),
+        }))
     }
 
     /// The NICs of the VM named `name`: as reported (by any host), else as its latest
@@ -308,6 +360,7 @@ mod tests {
                 address: address.into(),
                 ready: ready.iter().map(|r| (*r).to_string()).collect(),
             }),
+            vms_listed_unix_ms: None,
         }
     }
 
@@ -505,6 +558,39 @@ mod tests {
         let a1 = s.plan_for("a1").unwrap();
         assert_eq!(a1.endpoints[0].remotes[0].host, "b1");
         assert_eq!(a1.endpoints[0].macs[0].mac, "52:54:00:00:00:02");
+    }
+
+    #[test]
+    fn a_report_listed_before_the_vm_left_does_not_hold() {
+        let pools: [PoolRecord; 0] = [];
+        let mut a1 = host("a1", "a", None);
+        a1.vms_listed_unix_ms = Some(1500);
+        let mut b1 = host("b1", "b", None);
+        b1.vms_listed_unix_ms = Some(900);
+        let hosts = [a1, b1];
+        let mut done = migration("web", "a1", "b1", FleetMigrationState::Committed);
+        done.finished_unix_ms = Some(2000);
+        let done = [done];
+        // a1 listed web before the commit; b1 has not listed it yet.
+        let vms = [vm("web", "a1", &[])];
+        let s = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &done,
+        };
+        let web = s.vm("web").unwrap().unwrap();
+        assert_eq!(web.host, "b1");
+        // Both list it: b1's report holds, a1's does not.
+        let vms = [vm("web", "a1", &[]), vm("web", "b1", &[])];
+        let s = Snapshot { vms: &vms, ..s };
+        assert_eq!(s.vm("web").unwrap().unwrap().host, "b1");
+        // a1 lists it again after the commit: two copies, the controller will not choose.
+        let mut hosts = hosts.clone();
+        hosts[0].vms_listed_unix_ms = Some(2500);
+        let s = Snapshot { hosts: &hosts, ..s };
+        assert_eq!(s.vm("web"), Err(vec!["a1".to_string(), "b1".to_string()]));
+        assert_eq!(s.vm("nope"), Ok(None));
     }
 
     #[test]

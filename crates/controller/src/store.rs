@@ -155,6 +155,7 @@ impl Store {
             first_seen_unix_ms: first_seen,
             last_seen_unix_ms: now,
             overlay: beat.overlay.clone(),
+            vms_listed_unix_ms: beat.vms_listed_unix_ms,
         };
         let record = serde_json::to_string(&host).map_err(|e| corrupt("host", e))?;
         sqlx::query(
@@ -546,6 +547,7 @@ pub(crate) mod tests {
                 .collect(),
             migrations: vec![],
             overlay: None,
+            vms_listed_unix_ms: None,
         }
     }
 

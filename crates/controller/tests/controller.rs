@@ -104,6 +104,7 @@ fn beat(site: &str, peers: &[&str], vms: &[&str]) -> Heartbeat {
             .collect(),
         migrations: vec![],
         overlay: None,
+        vms_listed_unix_ms: None,
     }
 }
 
