@@ -245,7 +245,11 @@ async fn health(State(c): State<Arc<Controller>>) -> Response {
     (status = 200, description = "the sites, from their hosts", body = [Site]),
     (status = 503, description = "the store does not answer", body = ApiError)))]
 async fn sites(State(c): State<Arc<Controller>>) -> Response {
-    answer(c.store.sites().await.map_err(FleetError::from))
+    let sites = async {
+        let vms = c.vms().await?;
+        Ok(c.store.sites(vms).await?)
+    };
+    answer(sites.await)
 }
 
 #[utoipa::path(get, path = "/v1/hosts", responses(

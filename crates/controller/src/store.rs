@@ -317,9 +317,9 @@ impl Store {
         Ok(())
     }
 
-    /// The sites, from their hosts.
-    pub async fn sites(&self) -> Result<Vec<Site>, StoreError> {
-        let (hosts, vms) = (self.hosts().await?, self.vms().await?);
+    /// The sites, from their hosts, counting `vms` (each VM where it runs).
+    pub async fn sites(&self, vms: Vec<Vm>) -> Result<Vec<Site>, StoreError> {
+        let hosts = self.hosts().await?;
         let mut sites: Vec<Site> = Vec::new();
         for host in hosts {
             let site = match sites.iter_mut().find(|s| s.name == host.site) {
@@ -608,7 +608,7 @@ pub(crate) mod tests {
             store.mark_hosts_down(1800).await.unwrap(),
             Vec::<String>::new()
         );
-        let sites = store.sites().await.unwrap();
+        let sites = store.sites(store.vms().await.unwrap()).await.unwrap();
         assert_eq!(
             sites
                 .iter()
