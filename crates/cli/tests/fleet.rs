@@ -10,18 +10,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::domains::{start_domain, verify};
-use common::fleet::{fleet, fleet_json, host_of, wait_for};
+use common::fleet::{fleet, fleet_json, host_of, wait_for, LAB};
 use common::TestLab;
 use ferry_lab::Site;
-
-const LAB: &[&str] = &[
-    "--libvirt",
-    "--controller",
-    "--rate-mbit",
-    "1000",
-    "--rtt-ms",
-    "10",
-];
 
 #[test]
 fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {

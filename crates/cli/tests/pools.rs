@@ -10,21 +10,12 @@ mod common;
 use std::time::Duration;
 
 use common::domains::{start_domain_on, verify};
-use common::fleet::{fleet, fleet_json, host_of, wait_for};
+use common::fleet::{fleet, fleet_json, host_of, wait_for, LAB};
 use common::TestLab;
 use ferry_lab::libvirt::GuestNic;
 use ferry_lab::pools::{bridge_macs, has_interface, PoolPort};
 use ferry_lab::tcpseq::TcpSeqClient;
 use ferry_lab::Site;
-
-const LAB: &[&str] = &[
-    "--libvirt",
-    "--controller",
-    "--rate-mbit",
-    "1000",
-    "--rtt-ms",
-    "10",
-];
 
 /// A tenant: its pool, its VM and its client port.
 struct Tenant {

@@ -6,6 +6,17 @@ use ferry_lab::Site;
 
 use super::TestLab;
 
+/// `lab up` flags of the fleet's tests: libvirt at each site, a controller at site a, a fast
+/// link (the slow links' figures are `ferry bench`'s).
+pub const LAB: &[&str] = &[
+    "--libvirt",
+    "--controller",
+    "--rate-mbit",
+    "1000",
+    "--rtt-ms",
+    "10",
+];
+
 /// `ferry fleet ARGS` against the lab's controller, through its local socket.
 pub fn fleet(t: &TestLab, args: &[&str]) -> std::process::Output {
     let socket = ferry_lab::controller::socket(&t.lab, Site::A);
