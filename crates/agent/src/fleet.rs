@@ -32,6 +32,12 @@ const FIRST_HEARTBEAT: Duration = Duration::from_secs(2);
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a refusal is repeated in heartbeats (the controller takes the first).
 const REFUSAL_KEPT: Duration = Duration::from_secs(600);
+/// While a group member holds, each heartbeat asks the controller to answer as soon as the
+/// group is decided, or within this: every held member learns the release within a few
+/// milliseconds of the others.
+const GROUP_WAIT: Duration = Duration::from_secs(2);
+/// ... and the next goes at least this long after the last answer.
+const GROUP_PACE: Duration = Duration::from_millis(20);
 
 /// Heartbeats until the agent stops; a controller that does not answer is retried at the
 /// same pace (the agent's own migrations go on regardless).
@@ -53,6 +59,14 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
         let listed = vms.lock().expect("vms lock").clone();
         let mut beat = heartbeat(&agent, listed.vms, &refused, &track);
         beat.vms_listed_unix_ms = listed.at_unix_ms;
+        let holding = beat.migrations.iter().any(|m| {
+            m.status
+                .as_ref()
+                .is_some_and(|s| s.phase == ferry_api::agent::Phase::Held)
+        });
+        if holding {
+            beat.wait_ms = Some(u64::try_from(GROUP_WAIT.as_millis()).unwrap_or(u64::MAX));
+        }
         let mut started = false;
         match send_to_any(&links, &mut current, &tls, &beat).await {
             Ok(answer) => {
@@ -62,6 +76,7 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
                 }
                 pace = Duration::from_millis(answer.heartbeat_ms.clamp(100, 60_000));
                 track = answer.track;
+                agent.groups.take(answer.groups);
                 if let (Some(overlay), Some(plan)) = (&agent.overlay, answer.overlay) {
                     overlay.apply(plan).await;
                 }
@@ -91,9 +106,15 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
                 failing = true;
             }
         }
-        // What was just started or refused goes to the controller at once.
-        if !started {
-            tokio::time::sleep(pace).await;
+        // What was just started or refused goes to the controller at once, and so does a
+        // member that starts to hold; a holding one waits at the controller.
+        if holding {
+            tokio::time::sleep(GROUP_PACE).await;
+        } else if !started {
+            tokio::select! {
+                _ = tokio::time::sleep(pace) => {}
+                _ = agent.groups.wake.notified() => {}
+            }
         }
     }
 }
@@ -188,6 +209,7 @@ fn heartbeat(
         migrations,
         overlay: agent.overlay.as_ref().map(|o| o.report()),
         vms_listed_unix_ms: None,
+        wait_ms: None,
     }
 }
 
@@ -225,7 +247,7 @@ async fn start(
                 link_rate_mbit: None,
                 settings: work.settings,
             };
-            server::start_libvirt_migration(agent, req, Some(work.fleet_id)).await
+            server::start_libvirt_migration(agent, req, Some(work.fleet_id), work.group).await
         }
     }
 }

@@ -9,6 +9,8 @@
 //! - [`pki`]: the fleet's CA and host certificates (`ferry pki`).
 //! - [`libvirt`]: this host's libvirt, through virsh (domains, job figures, `virsh migrate`).
 //! - [`libvirt_migration`]: libvirt's migration driven and steered by ferry (`--libvirt`).
+//! - [`fleet`]: heartbeats to the fleet's controller, and the migrations it hands over;
+//!   [`group`]: a group member's link to its group (synchronized arrival).
 //! - [`overlay`]: this host's endpoints of the fleet's virtual cloud pools (VXLAN, bridges).
 //! - [`tunnel`]: unix sockets carried between hosts (libvirt's migration over UNIX sockets).
 //! - [`client`]: the CLI's client for the local API; [`follow`]: watching a migration
@@ -19,6 +21,7 @@ pub mod config;
 pub mod engine;
 pub mod fleet;
 pub mod follow;
+pub mod group;
 pub mod interrupt;
 pub mod libvirt;
 pub mod libvirt_migration;

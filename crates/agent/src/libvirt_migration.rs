@@ -20,6 +20,7 @@ use tokio::io::AsyncReadExt;
 
 use crate::engine::control::TunnelKind;
 use crate::engine::status::{now_ms, Events, Shared};
+use crate::group::GroupLink;
 use crate::libvirt::{virsh_error, JobStats, Libvirt};
 use crate::refusal::Refusal;
 use crate::tunnel::{self, Claim, Tunnels};
@@ -68,15 +69,26 @@ pub async fn run(
     claim: Claim,
     req: LibvirtMigrationRequest,
     link_rate_mbit: Option<f64>,
+    group: Option<GroupLink>,
     status: Shared,
 ) {
-    let result = drive(&libvirt, &tunnels, &req, link_rate_mbit, &status).await;
+    let result = drive(
+        &libvirt,
+        &tunnels,
+        claim.slot,
+        &req,
+        link_rate_mbit,
+        group,
+        &status,
+    )
+    .await;
     drop(claim);
     match result {
         Ok(()) => {
             let there = Libvirt::through(tunnel::socket_path(
                 &tunnels.config,
                 &req.to,
+                0,
                 TunnelKind::LibvirtRpc,
             ));
             let job = there.job(&req.domain, true).await;
@@ -108,16 +120,28 @@ pub async fn run(
 async fn drive(
     libvirt: &Libvirt,
     tunnels: &Tunnels,
+    slot: u32,
     req: &LibvirtMigrationRequest,
     link_rate_mbit: Option<f64>,
+    mut group: Option<GroupLink>,
     status: &Shared,
 ) -> Result<()> {
     let settings = &req.settings;
-    libvirt
-        .set_max_downtime(&req.domain, settings.downtime_ms)
-        .await?;
+    // QEMU's downtime target: the one asked for, less the disks' share once the round trip
+    // is known; a group member's stays tiny until its group says go.
+    let downtime = |group: &Option<GroupLink>| {
+        if group.as_ref().is_some_and(|g| !g.now().go) {
+            return crate::group::HOLD_DOWNTIME_MS;
+        }
+        match (req.copy_storage, status.get().wire.rtt_ms) {
+            (true, Some(rtt_ms)) => memory_downtime_ms(settings.downtime_ms, rtt_ms),
+            _ => settings.downtime_ms,
+        }
+    };
+    let mut applied = downtime(&group);
+    libvirt.set_max_downtime(&req.domain, applied).await?;
     let persistent = libvirt.is_persistent(&req.domain).await?;
-    let args = migrate_args(tunnels, req, link_rate_mbit, persistent);
+    let args = migrate_args(tunnels, slot, req, link_rate_mbit, persistent);
     status.enter(
         Phase::PreparingDestination,
         format!("libvirt prepares {} at {}", req.domain, req.to),
@@ -132,32 +156,48 @@ async fn drive(
     let deadline = tokio::time::sleep(Duration::from_secs(settings.timeout_s.max(1)));
     tokio::pin!(deadline);
     let mut poll = tokio::time::interval(POLL);
-    let mut stopped_by: Option<&str> = None;
-    // With disks, once the link's round trip is known: QEMU's share of the pause.
-    let mut disk_allowed = false;
+    let mut stopped_by: Option<String> = None;
+    let mut aborted = false;
+    let held = || status.get().phase == Phase::Held;
     let exit = loop {
         tokio::select! {
             exit = child.wait() => break exit?,
             _ = status.cancelled(), if stopped_by.is_none() => {
-                stopped_by = Some("cancelled by the user");
-                libvirt.abort_job(&req.domain).await?;
+                stopped_by = Some("cancelled by the user".into());
             }
-            _ = &mut deadline, if stopped_by.is_none() && settings.timeout_s > 0 => {
-                stopped_by = Some("the migration's deadline passed");
-                libvirt.abort_job(&req.domain).await?;
+            // A held member's fate is its group's.
+            _ = &mut deadline, if stopped_by.is_none() && settings.timeout_s > 0 && !held() => {
+                stopped_by = Some("the migration's deadline passed".into());
+            }
+            _ = group_changed(&mut group) => {
+                if let (Some(reason), None) = (group.as_ref().and_then(|g| g.now().abort), &stopped_by) {
+                    stopped_by = Some(format!("the group was aborted: {reason}"));
+                }
             }
             _ = poll.tick() => {
                 if let Ok(job) = libvirt.job(&req.domain, false).await {
                     record_job(status, &job);
                 }
-                if let (Some(rtt_ms), false) = (status.get().wire.rtt_ms, disk_allowed) {
-                    if req.copy_storage {
-                        let memory_ms = memory_downtime_ms(settings.downtime_ms, rtt_ms);
-                        libvirt.set_max_downtime(&req.domain, memory_ms).await?;
-                        status.update(|s| s.qemu_downtime_limit_ms = Some(memory_ms));
-                    }
-                    disk_allowed = true;
-                }
+            }
+        }
+        // libvirt's job is aborted until it takes (it may not have begun yet); once the
+        // stream ended, the tunnel tells the destination instead.
+        let stoppable = matches!(
+            status.get().phase,
+            Phase::Starting | Phase::PreparingDestination | Phase::DiskCopy | Phase::Memory
+        );
+        if let (Some(why), false, true) = (&stopped_by, aborted, stoppable) {
+            match libvirt.abort_job(&req.domain).await {
+                Ok(()) => aborted = true,
+                Err(e) => tracing::debug!("aborting {}'s job ({why}): {e:#}", req.domain),
+            }
+        }
+        let wanted = downtime(&group);
+        if wanted != applied && !held() {
+            libvirt.set_max_downtime(&req.domain, wanted).await?;
+            applied = wanted;
+            if req.copy_storage || group.is_some() {
+                status.update(|s| s.qemu_downtime_limit_ms = Some(wanted));
             }
         }
     };
@@ -180,6 +220,14 @@ async fn drive(
     }
 }
 
+/// Returns when a group member's signal changed; never without a group.
+async fn group_changed(group: &mut Option<GroupLink>) {
+    match group {
+        Some(g) => g.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// QEMU's share of a pause of `downtime_ms` when disks are copied: after QEMU's switchover
 /// libvirt completes the mirrors, whose last flush waits for the disk relay's buffer to cross
 /// (a sixth of the target, [`crate::tunnel::RELAY_DRAIN_SHARE`]) and for the destination's
@@ -190,14 +238,16 @@ pub fn memory_downtime_ms(downtime_ms: u64, rtt_ms: f64) -> u64 {
     downtime_ms.saturating_sub(disk_ms).max(downtime_ms / 3)
 }
 
-/// `virsh migrate`'s options for this request: peer to peer through the tunnels to `to`.
+/// `virsh migrate`'s options for this request: peer to peer through the tunnels of directory
+/// `slot` to `to`.
 fn migrate_args(
     tunnels: &Tunnels,
+    slot: u32,
     req: &LibvirtMigrationRequest,
     link_rate_mbit: Option<f64>,
     persistent: bool,
 ) -> Vec<String> {
-    let socket = |kind| tunnel::socket_path(&tunnels.config, &req.to, kind);
+    let socket = |kind| tunnel::socket_path(&tunnels.config, &req.to, slot, kind);
     let mut args: Vec<String> = vec![
         "--live".into(),
         "--p2p".into(),

@@ -37,14 +37,8 @@ pub enum Refusal {
     LibvirtUnavailable(String, String),
     #[error("the libvirt of {peer} does not answer through ferry's tunnel: {why}")]
     PeerLibvirtUnavailable { peer: String, why: String },
-    #[error(
-        "a libvirt migration to {peer} is already running ({vm}, {id}); one at a time per peer"
-    )]
-    PeerBusy {
-        peer: String,
-        vm: String,
-        id: String,
-    },
+    #[error("{running} libvirt migrations to {peer} are running, as many as run at once")]
+    PeerBusy { peer: String, running: u32 },
     #[error(
         "migration {0} can no longer be cancelled (its stream has ended; the destination decides)"
     )]

@@ -40,6 +40,8 @@ pub(crate) struct Agent {
     pub(crate) tunnels: Option<Arc<tunnel::Tunnels>>,
     /// This host's pool endpoints, when the config has `[overlay]`.
     pub(crate) overlay: Option<Arc<crate::overlay::Overlay>>,
+    /// The group members this agent runs, and what the controller says of their groups.
+    pub(crate) groups: crate::group::Groups,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
@@ -84,6 +86,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         migrations,
         tunnels: tunnels.clone(),
         overlay,
+        groups: crate::group::Groups::default(),
         sessions: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashSet::new()),
     });
@@ -208,6 +211,7 @@ impl Agent {
                     kind,
                     coded,
                     from,
+                    slot,
                 })) => {
                     tunnel::serve_destination(
                         s,
@@ -216,6 +220,7 @@ impl Agent {
                             kind,
                             coded,
                             from,
+                            slot,
                         },
                         agent.config.libvirt.clone(),
                         &agent.config.name,
@@ -353,7 +358,7 @@ fn check_limits(
 
 async fn start_libvirt(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
     let started = match serde_json::from_slice(&body) {
-        Ok(req) => start_libvirt_migration(&agent, req, None).await,
+        Ok(req) => start_libvirt_migration(&agent, req, None, None).await,
         Err(e) => Err(Refusal::Malformed(e.to_string())),
     };
     match started {
@@ -369,6 +374,7 @@ pub(crate) async fn start_libvirt_migration(
     agent: &Arc<Agent>,
     mut req: LibvirtMigrationRequest,
     fleet_id: Option<String>,
+    group: Option<String>,
 ) -> Result<MigrationStatus, Refusal> {
     req.settings.validate()?;
     libvirt_migration::check_settings(&req)?;
@@ -379,6 +385,10 @@ pub(crate) async fn start_libvirt_migration(
     libvirt_migration::check_domain(&libvirt, &req.domain).await?;
     tunnels.check_peer_libvirt(&req.to).await?;
     let id = format!("{:016x}", SessionId::random().0 >> 64);
+    let group = match (&fleet_id, group) {
+        (Some(fleet_id), Some(group)) => Some(agent.groups.join(fleet_id, &group)),
+        _ => None,
+    };
     let status = Shared::new(MigrationStatus {
         fleet_id,
         ..MigrationStatus::starting(id.clone(), req.domain.clone(), now_ms())
@@ -391,6 +401,7 @@ pub(crate) async fn start_libvirt_migration(
             tunnel::Claimed {
                 status: status.clone(),
                 settings: req.settings.clone(),
+                group: group.clone(),
             },
         )?;
         drop(migrations);
@@ -406,6 +417,7 @@ pub(crate) async fn start_libvirt_migration(
             claim,
             req,
             rate,
+            group,
             status.clone(),
         ));
     }

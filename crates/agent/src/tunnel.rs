@@ -15,7 +15,9 @@
 //!
 //! libvirt requires the same paths on both hosts: the source agent listens on them, and at the
 //! destination libvirt has QEMU listen on them (the destination agent makes its own directory,
-//! `<dir>/<its name>/`, and only connects there). Each accepted connection is one session to
+//! `<dir>/<its name>/`, and only connects there). Migrations the agent drives each take a
+//! directory of their own, `<dir>/<peer>/<N>/` ([`DRIVEN_SLOTS`]), since QEMU's stream does not
+//! say which domain it carries; `<dir>/<peer>/` is for users' own `virsh migrate`. Each accepted connection is one session to
 //! the peer (on a warm connection when there is one), opened by a [`Control::Tunnel`]; its
 //! bytes go source to destination on the stream channel and back on the return-path channel,
 //! and a side's end of input is a barrier there. The session reconnects and replays across
@@ -50,6 +52,7 @@ use crate::engine::disk::mirror::memory_phase_buffer;
 use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
 use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::tunnel_stream;
+use crate::group::GroupLink;
 use crate::libvirt::Libvirt;
 use crate::libvirt_migration::record_completed;
 use crate::overlay::Overlay;
@@ -73,10 +76,26 @@ const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// Prepare step, just before the source connects).
 const TARGET_WAIT: Duration = Duration::from_secs(5);
 
-/// The socket of `kind` for migrations to `peer` on this host.
-pub fn socket_path(config: &LibvirtConfig, peer: &str, kind: TunnelKind) -> PathBuf {
-    config.tunnel_dir.join(peer).join(kind.socket_name())
+/// Tunnel directories per peer for the migrations this agent drives, each to one migration
+/// at a time: QEMU's stream does not say which domain it is, the directory it came to does.
+pub const DRIVEN_SLOTS: u32 = 8;
+
+/// The socket of `kind` in tunnel directory `slot` for migrations to `peer` on this host: slot
+/// 0 is `<tunnel dir>/<peer>/` (users' own `virsh migrate`), slot N `<tunnel dir>/<peer>/N/`.
+pub fn socket_path(config: &LibvirtConfig, peer: &str, slot: u32, kind: TunnelKind) -> PathBuf {
+    slot_dir(config, peer, slot).join(kind.socket_name())
 }
+
+fn slot_dir(config: &LibvirtConfig, peer: &str, slot: u32) -> PathBuf {
+    let dir = config.tunnel_dir.join(peer);
+    match slot {
+        0 => dir,
+        n => dir.join(n.to_string()),
+    }
+}
+
+/// A peer's name and one of its tunnel directories.
+type SlotKey = (String, u32);
 
 /// What every tunnel of this agent shares.
 pub struct Tunnels {
@@ -88,12 +107,12 @@ pub struct Tunnels {
     pub pool: Arc<Pool>,
     /// Where a carried migration stream is listed.
     pub registry: Registry,
-    /// Migrations this agent drives through libvirt, by peer: the next migration stream to
-    /// that peer is theirs ([`Tunnels::claim`]).
-    pub claims: Mutex<HashMap<String, Claimed>>,
-    /// The transmit buffers of the disk relays to each peer: when QEMU's memory stream
-    /// starts, their bound tightens to what crosses within the pause.
-    pub relays: Mutex<HashMap<String, Vec<Weak<TransmitBuffer>>>>,
+    /// Migrations this agent drives through libvirt, by peer and tunnel directory: what comes
+    /// to that directory is theirs ([`Tunnels::claim`]).
+    pub claims: Mutex<HashMap<SlotKey, Claimed>>,
+    /// The transmit buffers of the disk relays by peer and directory: when QEMU's memory
+    /// stream starts there, their bound tightens to what crosses within the pause.
+    pub relays: Mutex<HashMap<SlotKey, Vec<Weak<TransmitBuffer>>>>,
     /// Why the last tunnel to each peer failed (the destination's own words, which libvirt
     /// only sees as a closed connection).
     pub failures: Mutex<HashMap<String, String>>,
@@ -107,6 +126,8 @@ pub struct Tunnels {
 pub struct Claimed {
     pub status: Shared,
     pub settings: MigrationSettings,
+    /// A group member's link to its group.
+    pub group: Option<GroupLink>,
 }
 
 /// What a tunnel session carries, as its first control message says.
@@ -117,12 +138,15 @@ pub struct Carried {
     pub coded: bool,
     /// The source agent's name.
     pub from: Option<String>,
+    /// The tunnel directory the connection came to at the source.
+    pub slot: u32,
 }
 
-/// The claim on a peer's next migration stream, given back when dropped.
+/// A migration's own tunnel directory to a peer, given back when dropped.
 pub struct Claim {
     tunnels: Arc<Tunnels>,
     peer: String,
+    pub slot: u32,
 }
 
 impl Drop for Claim {
@@ -131,7 +155,7 @@ impl Drop for Claim {
             .claims
             .lock()
             .expect("claims lock")
-            .remove(&self.peer);
+            .remove(&(self.peer.clone(), self.slot));
     }
 }
 
@@ -140,35 +164,41 @@ impl Drop for Claim {
 /// a listener fails.
 pub async fn serve_sources(tunnels: Arc<Tunnels>) -> Result<()> {
     let dir = &tunnels.config.tunnel_dir;
-    let own = dir.join(&tunnels.own_name);
-    std::fs::create_dir_all(&own).with_context(|| format!("create {}", own.display()))?;
+    let config = &tunnels.config;
+    let make = |dir: PathBuf| {
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))
+    };
+    for slot in 0..=DRIVEN_SLOTS {
+        make(slot_dir(config, &tunnels.own_name, slot))?;
+    }
     let mut tasks = tokio::task::JoinSet::new();
     for (index, (name, _)) in tunnels.peers.iter().enumerate() {
-        std::fs::create_dir_all(dir.join(name))
-            .with_context(|| format!("create {}", dir.join(name).display()))?;
-        for kind in TunnelKind::ALL {
-            let path = socket_path(&tunnels.config, name, kind);
-            let _ = std::fs::remove_file(&path);
-            let listener = UnixListener::bind(&path)
-                .with_context(|| format!("listen on {}", path.display()))?;
-            let tunnels = tunnels.clone();
-            tasks.spawn(async move {
-                loop {
-                    let (conn, _) = listener
-                        .accept()
-                        .await
-                        .with_context(|| format!("accept on {}", path.display()))?;
-                    let tunnels = tunnels.clone();
-                    tokio::spawn(async move {
-                        let name = &tunnels.peers[index].0;
-                        if let Err(e) = tunnels.carry(conn, index, kind).await {
-                            tracing::warn!("tunnel to {name} ({kind:?}): {e:#}");
-                        }
-                    });
-                }
-                #[allow(unreachable_code)]
-                Ok::<(), anyhow::Error>(())
-            });
+        for slot in 0..=DRIVEN_SLOTS {
+            make(slot_dir(config, name, slot))?;
+            for kind in TunnelKind::ALL {
+                let path = socket_path(config, name, slot, kind);
+                let _ = std::fs::remove_file(&path);
+                let listener = UnixListener::bind(&path)
+                    .with_context(|| format!("listen on {}", path.display()))?;
+                let tunnels = tunnels.clone();
+                tasks.spawn(async move {
+                    loop {
+                        let (conn, _) = listener
+                            .accept()
+                            .await
+                            .with_context(|| format!("accept on {}", path.display()))?;
+                        let tunnels = tunnels.clone();
+                        tokio::spawn(async move {
+                            let name = &tunnels.peers[index].0;
+                            if let Err(e) = tunnels.carry(conn, index, slot, kind).await {
+                                tracing::warn!("tunnel to {name} ({kind:?}): {e:#}");
+                            }
+                        });
+                    }
+                    #[allow(unreachable_code)]
+                    Ok::<(), anyhow::Error>(())
+                });
+            }
         }
     }
     tracing::info!("libvirt tunnels listening in {}", dir.display());
@@ -179,27 +209,35 @@ pub async fn serve_sources(tunnels: Arc<Tunnels>) -> Result<()> {
 }
 
 impl Tunnels {
-    /// Claims the next migration stream to `peer` for a migration this agent drives: one at a
-    /// time per peer, since nothing in QEMU's stream says which domain it belongs to.
+    /// Claims a tunnel directory to `peer` for a migration this agent drives: whatever
+    /// connects there is that migration's, since nothing in QEMU's stream says which domain it
+    /// belongs to.
     pub fn claim(self: &Arc<Self>, peer: &str, claimed: Claimed) -> Result<Claim, Refusal> {
         let mut claims = self.claims.lock().expect("claims lock");
-        if let Some(other) = claims.get(peer) {
-            let other = other.status.get();
+        let Some(slot) = (1..=DRIVEN_SLOTS).find(|n| !claims.contains_key(&(peer.to_owned(), *n)))
+        else {
             return Err(Refusal::PeerBusy {
                 peer: peer.to_owned(),
-                vm: other.vm,
-                id: other.id,
+                running: DRIVEN_SLOTS,
             });
-        }
-        claims.insert(peer.to_owned(), claimed);
+        };
+        claims.insert((peer.to_owned(), slot), claimed);
         Ok(Claim {
             tunnels: self.clone(),
             peer: peer.to_owned(),
+            slot,
         })
     }
 
-    /// One accepted connection, carried to the socket of `kind` at peer number `peer`.
-    async fn carry(&self, mut conn: UnixStream, peer: usize, kind: TunnelKind) -> Result<()> {
+    /// One accepted connection to tunnel directory `slot`, carried to the socket of `kind`
+    /// at peer number `peer`.
+    async fn carry(
+        &self,
+        mut conn: UnixStream,
+        peer: usize,
+        slot: u32,
+        kind: TunnelKind,
+    ) -> Result<()> {
         let (peer_name, peer) = &self.peers[peer];
         // QEMU's main stream starts with its header; multifd channels and the rest do not.
         let mut first = Vec::new();
@@ -239,6 +277,7 @@ impl Tunnels {
                 kind,
                 coded,
                 from: Some(self.own_name.clone()),
+                slot,
             },
         )
         .await?;
@@ -247,7 +286,7 @@ impl Tunnels {
             .claims
             .lock()
             .expect("claims lock")
-            .get(peer_name)
+            .get(&(peer_name.clone(), slot))
             .cloned();
         let link = peer.rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
         let result = if kind == TunnelKind::Nbd {
@@ -277,22 +316,28 @@ impl Tunnels {
             self.relays
                 .lock()
                 .expect("relays lock")
-                .entry(peer_name.clone())
+                .entry((peer_name.clone(), slot))
                 .or_default()
                 .push(relay.buffer());
             let carried = relay.run(conn, &session, settings.codec, status);
             within_wan_timeout(&session, carried).await
         } else if coded {
             let driven = claimed.is_some();
-            let (status, corrupt_at, downtime_ms) = match claimed {
-                Some(c) => (c.status, c.settings.test_corrupt_at, c.settings.downtime_ms),
+            let (status, corrupt_at, downtime_ms, group) = match claimed {
+                Some(c) => (
+                    c.status,
+                    c.settings.test_corrupt_at,
+                    c.settings.downtime_ms,
+                    c.group,
+                ),
                 None => (
                     self.register_unclaimed(peer_name, &session),
                     None,
                     MigrationSettings::default().downtime_ms,
+                    None,
                 ),
             };
-            self.memory_phase(peer_name, link, downtime_ms);
+            self.memory_phase(peer_name, slot, link, downtime_ms);
             size_window(&session, link_events, peer.rate_mbit, Some(status.clone()));
             let (read, write) = conn.into_split();
             let carried = tunnel_stream::source(
@@ -302,6 +347,7 @@ impl Tunnels {
                     to_qemu: write,
                     link_rate_mbit: link,
                     corrupt_at,
+                    group,
                 },
                 &session,
                 &status,
@@ -313,8 +359,12 @@ impl Tunnels {
             }
             tunnel_stream::conclude(&status, &session, &result, !driven);
             if !driven && result.is_ok() {
-                let there =
-                    Libvirt::through(socket_path(&self.config, peer_name, TunnelKind::LibvirtRpc));
+                let there = Libvirt::through(socket_path(
+                    &self.config,
+                    peer_name,
+                    0,
+                    TunnelKind::LibvirtRpc,
+                ));
                 tokio::spawn(completed_job(there, status));
             }
             result
@@ -338,7 +388,7 @@ impl Tunnels {
     /// failure when there was one).
     pub async fn check_peer_libvirt(&self, peer: &str) -> Result<(), Refusal> {
         self.failures.lock().expect("failures lock").remove(peer);
-        let there = Libvirt::through(socket_path(&self.config, peer, TunnelKind::LibvirtRpc));
+        let there = Libvirt::through(socket_path(&self.config, peer, 0, TunnelKind::LibvirtRpc));
         there.answers().await.map_err(|e| {
             let tunnel = self.failures.lock().expect("failures lock").remove(peer);
             Refusal::PeerLibvirtUnavailable {
@@ -350,11 +400,11 @@ impl Tunnels {
 }
 
 impl Tunnels {
-    /// QEMU's memory stream to `peer` began: what the disk relays to it buffer must now cross
-    /// within the pause.
-    fn memory_phase(&self, peer: &str, link_rate_mbit: f64, downtime_ms: u64) {
+    /// QEMU's memory stream to `peer` began in tunnel directory `slot`: what the disk relays
+    /// there buffer must now cross within the pause.
+    fn memory_phase(&self, peer: &str, slot: u32, link_rate_mbit: f64, downtime_ms: u64) {
         let mut relays = self.relays.lock().expect("relays lock");
-        let Some(buffers) = relays.get_mut(peer) else {
+        let Some(buffers) = relays.get_mut(&(peer.to_owned(), slot)) else {
             return;
         };
         buffers.retain(|b| b.strong_count() > 0);
@@ -462,6 +512,7 @@ pub async fn serve_destination(
         kind,
         coded,
         from,
+        slot,
     } = carried;
     let result = async {
         if version != CONTROL_VERSION {
@@ -475,7 +526,7 @@ pub async fn serve_destination(
         })?;
         let target = match kind {
             TunnelKind::LibvirtRpc => config.socket.clone(),
-            TunnelKind::Migration | TunnelKind::Nbd => socket_path(&config, own_name, kind),
+            TunnelKind::Migration | TunnelKind::Nbd => socket_path(&config, own_name, slot, kind),
         };
         if kind == TunnelKind::Nbd && coded {
             return within_wan_timeout(&session, relay::destination(&session, &target)).await;

@@ -292,6 +292,9 @@ pub enum Phase {
     Switchover,
     /// The stream's end went out; the destination decides (the source stays paused).
     AwaitingCommit,
+    /// A group member: the destination has the whole verified stream and holds its last
+    /// bytes until the controller releases the group (the source stays paused).
+    Held,
     /// The source is paused and no verdict has come within the WAN timeout: the destination
     /// may run. Nobody resumes the source until the verdict is known.
     InDoubt,
@@ -312,6 +315,7 @@ impl Phase {
             Phase::Memory => "memory",
             Phase::Switchover => "switchover",
             Phase::AwaitingCommit => "awaiting the commit",
+            Phase::Held => "held for its group",
             Phase::InDoubt => "in doubt",
             Phase::Committed => "committed",
             Phase::Failed => "failed",

@@ -30,6 +30,10 @@ pub struct Heartbeat {
     /// The host's part in the virtual cloud pools, when its config has `[overlay]`.
     #[serde(default)]
     pub overlay: Option<OverlayReport>,
+    /// The agent holds group members waiting for their group's release or abort: answer as
+    /// soon as either is decided, or within this many milliseconds.
+    #[serde(default)]
+    pub wait_ms: Option<u64>,
 }
 
 /// A host's overlay: where other hosts reach its tunnel endpoint, and which pools' endpoints
@@ -106,6 +110,9 @@ pub struct HeartbeatAnswer {
     /// The pools' endpoints this host must have now (absent: the host has no overlay).
     #[serde(default)]
     pub overlay: Option<OverlayPlan>,
+    /// The groups of the group members this host runs.
+    #[serde(default)]
+    pub groups: Vec<GroupSignal>,
 }
 
 /// What a host's overlay must be: one endpoint per pool that has VMs here, VMs arriving here,
@@ -170,6 +177,9 @@ pub struct FleetWork {
     pub to: String,
     #[serde(default)]
     pub copy_storage: bool,
+    /// The group it arrives with ([`GroupSignal`] in later answers).
+    #[serde(default)]
+    pub group: Option<String>,
     #[serde(flatten)]
     pub settings: MigrationSettings,
 }
@@ -193,27 +203,132 @@ pub struct FleetMigrationRequest {
 }
 
 impl FleetMigrationRequest {
-    /// Parses a request, refusing a field it does not know (a typo must not silently become
-    /// a default: serde cannot refuse unknown fields of a flattened struct by itself).
+    /// Parses a request, refusing a field it does not know.
     pub fn parse(body: &[u8]) -> Result<FleetMigrationRequest, String> {
-        let value: serde_json::Value =
-            serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))?;
-        let every_setting = MigrationSettings {
-            seed_from: Some(String::new()),
-            test_corrupt_at: Some(0),
-            ..MigrationSettings::default()
-        };
-        let settings = serde_json::to_value(every_setting).map_err(|e| e.to_string())?;
-        let known = |key: &str| {
-            ["vm", "to", "to_site", "copy_storage"].contains(&key) || settings.get(key).is_some()
-        };
-        if let Some(fields) = value.as_object() {
-            if let Some(unknown) = fields.keys().find(|k| !known(k)) {
-                return Err(format!("unknown field {unknown:?} in the request"));
-            }
-        }
-        serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))
+        parse_with_settings(body, &["vm", "to", "to_site", "copy_storage"])
     }
+}
+
+/// `POST /v1/groups`: move related VMs (a web tier and its database) to another host or
+/// site together: their memory passes end together, and all resume at the destination
+/// within a short window, or none does.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FleetGroupRequest {
+    pub vms: Vec<String>,
+    /// The destination host of every member.
+    #[serde(default)]
+    pub to: Option<String>,
+    /// The destination site, when no host is named (the controller chooses a host per VM).
+    #[serde(default)]
+    pub to_site: Option<String>,
+    #[serde(default)]
+    pub copy_storage: bool,
+    #[serde(flatten)]
+    pub settings: MigrationSettings,
+}
+
+impl FleetGroupRequest {
+    /// Parses a request, refusing a field it does not know.
+    pub fn parse(body: &[u8]) -> Result<FleetGroupRequest, String> {
+        parse_with_settings(body, &["vms", "to", "to_site", "copy_storage"])
+    }
+
+    /// One member's migration request.
+    pub fn member(&self, vm: &str) -> FleetMigrationRequest {
+        FleetMigrationRequest {
+            vm: vm.to_owned(),
+            to: self.to.clone(),
+            to_site: self.to_site.clone(),
+            copy_storage: self.copy_storage,
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+/// Parses a request of `fields` and migration settings, refusing a field it does not know (a
+/// typo must not silently become a default: serde cannot refuse unknown fields of a flattened
+/// struct by itself).
+fn parse_with_settings<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    fields: &[&str],
+) -> Result<T, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))?;
+    let every_setting = MigrationSettings {
+        seed_from: Some(String::new()),
+        test_corrupt_at: Some(0),
+        ..MigrationSettings::default()
+    };
+    let settings = serde_json::to_value(every_setting).map_err(|e| e.to_string())?;
+    let known = |key: &str| fields.contains(&key) || settings.get(key).is_some();
+    if let Some(object) = value.as_object() {
+        if let Some(unknown) = object.keys().find(|k| !known(k)) {
+            return Err(format!("unknown field {unknown:?} in the request"));
+        }
+    }
+    serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))
+}
+
+/// Where a group is: its members copy, then hold; all are released to resume, or all are
+/// aborted (each resumes at its source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum GroupState {
+    /// Its members migrate; none has resumed at its destination.
+    Open,
+    /// Every member's destination had its whole verified stream: all resume there.
+    Released,
+    /// A member failed or was cancelled before that: every member stays at its source.
+    Aborted,
+}
+
+impl GroupState {
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupState::Open => "open",
+            GroupState::Released => "released",
+            GroupState::Aborted => "aborted",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<GroupState> {
+        [GroupState::Open, GroupState::Released, GroupState::Aborted]
+            .into_iter()
+            .find(|state| state.name() == s)
+    }
+}
+
+/// A group of migrations that arrive together.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FleetGroup {
+    pub id: String,
+    pub state: GroupState,
+    /// Why it was aborted.
+    pub reason: Option<String>,
+    pub requested_by: String,
+    pub created_unix_ms: u64,
+    /// When it was released or aborted.
+    pub decided_unix_ms: Option<u64>,
+    /// Its members' migrations, in the order asked.
+    pub members: Vec<FleetMigration>,
+    /// From the first member's resume at its destination to the last's, as the source agents
+    /// report them (once all have).
+    pub resume_window_ms: Option<u64>,
+}
+
+/// What the controller tells a source agent about a group member it runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GroupSignal {
+    pub fleet_id: String,
+    pub group: String,
+    /// Every member has done its first memory pass: end the passes (the downtime target
+    /// applies from now; until then the member keeps copying).
+    pub go: bool,
+    /// Every member's destination has its whole verified stream: let it resume.
+    pub release: bool,
+    /// The group was aborted, for this reason: stop (the VM stays at the source).
+    #[serde(default)]
+    pub abort: Option<String>,
 }
 
 /// Where a fleet migration is.
@@ -286,6 +401,13 @@ pub struct FleetMigration {
     /// The VM's network interfaces when it was requested (its pools follow them).
     #[serde(default)]
     pub nics: Vec<VmNic>,
+    /// The group it arrives with, if any.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// When its source agent first reported it held (a group member whose destination has
+    /// the whole verified stream).
+    #[serde(default)]
+    pub held_unix_ms: Option<u64>,
     /// The source agent's view, as of its last heartbeat.
     pub agent: Option<MigrationStatus>,
     /// The controller's own events (requested, scheduled, started, ...), oldest first.

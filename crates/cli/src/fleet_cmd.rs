@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use ferry_api::fleet::{FleetMigration, FleetMigrationRequest, FleetMigrationState};
+use ferry_api::fleet::{
+    FleetGroup, FleetGroupRequest, FleetMigration, FleetMigrationRequest, FleetMigrationState,
+    GroupState,
+};
 use ferry_controller::client::{ControllerClient, Endpoint};
 
 use crate::report;
@@ -63,8 +66,11 @@ enum FleetCmd {
     Pool(PoolCmd),
     /// Every migration the controller knows.
     Migrations(ListArgs),
-    /// Move a VM of the fleet to a host, or to a site (the controller picks the host).
+    /// Move a VM of the fleet to a host, or to a site (the controller picks the host); with
+    /// --group, several VMs that arrive together.
     Migrate(Box<MigrateArgs>),
+    /// The groups of migrations that arrive together.
+    Groups(ListArgs),
     /// Follow a migration until it ends (exit 0 committed, 3 failed).
     Watch { id: String },
     /// Cancel a migration (one not yet started ends at once; a running one is cancelled by
@@ -112,7 +118,13 @@ struct ListArgs {
 
 #[derive(Args)]
 struct MigrateArgs {
-    vm: String,
+    /// The VM, or with --group the group's VMs.
+    #[arg(required = true)]
+    vms: Vec<String>,
+    /// Move the VMs together (a web tier and its database): their memory passes end together
+    /// and all resume at the destination within a short window, or none does.
+    #[arg(long)]
+    group: bool,
     /// The destination host.
     #[arg(long, conflicts_with = "to_site", required_unless_present = "to_site")]
     to: Option<String>,
@@ -257,9 +269,41 @@ pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
                 }
             })
         }
+        FleetCmd::Groups(l) => {
+            let all = client.groups().await?;
+            print(l.json, &all, || {
+                if all.is_empty() {
+                    println!("no groups");
+                }
+                for g in &all {
+                    println!("{}", group_line(g));
+                }
+            })
+        }
+        FleetCmd::Migrate(m) if m.group => {
+            let req = FleetGroupRequest {
+                vms: m.vms.clone(),
+                to: m.to.clone(),
+                to_site: m.to_site.clone(),
+                copy_storage: m.copy_storage,
+                settings: m.settings.settings()?,
+            };
+            let created = client.migrate_group(&req).await?;
+            println!("{}", group_line(&created));
+            if m.no_wait {
+                return Ok(ExitCode::SUCCESS);
+            }
+            watch_group(&client, &created.id).await
+        }
         FleetCmd::Migrate(m) => {
+            let [vm] = &m.vms[..] else {
+                bail!(
+                    "{} VMs named: give --group to move them together, or one VM",
+                    m.vms.len()
+                );
+            };
             let req = FleetMigrationRequest {
-                vm: m.vm.clone(),
+                vm: vm.clone(),
                 to: m.to.clone(),
                 to_site: m.to_site.clone(),
                 copy_storage: m.copy_storage,
@@ -341,6 +385,55 @@ fn line(m: &FleetMigration) -> String {
             .as_ref()
             .map_or_else(String::new, |e| format!(": {e}"))
     )
+}
+
+/// One group in a line: id, state, its VMs, the resume window once known, why it aborted.
+fn group_line(g: &FleetGroup) -> String {
+    let vms: Vec<&str> = g.members.iter().map(|m| m.vm.as_str()).collect();
+    format!(
+        "{}  {:<9} {}{}{}",
+        g.id,
+        g.state.name(),
+        vms.join(", "),
+        g.resume_window_ms
+            .map_or_else(String::new, |ms| format!(" | resumed within {ms} ms")),
+        g.reason
+            .as_ref()
+            .filter(|_| g.state == GroupState::Aborted)
+            .map_or_else(String::new, |r| format!(": {r}"))
+    )
+}
+
+/// Prints each member's line whenever it changes, until every member ended; then the
+/// group's line. Exit 0 when all committed, 3 otherwise.
+async fn watch_group(client: &ControllerClient, id: &str) -> Result<ExitCode> {
+    let mut last: Vec<String> = Vec::new();
+    loop {
+        let g = client
+            .group(id)
+            .await
+            .with_context(|| format!("following group {id}"))?;
+        let now: Vec<String> = g.members.iter().map(line).collect();
+        for (i, l) in now.iter().enumerate() {
+            if last.get(i) != Some(l) {
+                println!("{l}");
+            }
+        }
+        last = now;
+        if g.state != GroupState::Open && g.members.iter().all(|m| m.state.finished()) {
+            println!("{}", group_line(&g));
+            let all = g
+                .members
+                .iter()
+                .all(|m| m.state == FleetMigrationState::Committed);
+            return Ok(if all {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(crate::EXIT_MIGRATION_FAILED)
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Prints the migration's line whenever it changes, until it ends.

@@ -12,8 +12,8 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
-    ControllerHealth, FleetMigration, FleetMigrationRequest, Heartbeat, HeartbeatAnswer, Host,
-    Pool, PoolRequest, Site, Vm,
+    ControllerHealth, FleetGroup, FleetGroupRequest, FleetMigration, FleetMigrationRequest,
+    Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
 };
 use utoipa::OpenApi;
 
@@ -65,6 +65,9 @@ impl Caller {
         migration,
         migrate,
         cancel,
+        groups,
+        group,
+        migrate_group,
         heartbeat
     )
 )]
@@ -89,6 +92,8 @@ pub fn router(controller: Arc<Controller>) -> Router {
         .route("/v1/migrations", get(migrations).post(migrate))
         .route("/v1/migrations/{id}", get(migration))
         .route("/v1/migrations/{id}/cancel", post(cancel))
+        .route("/v1/groups", get(groups).post(migrate_group))
+        .route("/v1/groups/{id}", get(group))
         .route("/v1/agent/heartbeat", post(heartbeat))
         .with_state(controller)
 }
@@ -413,6 +418,43 @@ async fn cancel(
         c.cancel(&id, &caller.name()).await
     };
     answer(result.await)
+}
+
+#[utoipa::path(get, path = "/v1/groups", responses(
+    (status = 200, description = "every group with its members, oldest first", body = [FleetGroup]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
+async fn groups(State(c): State<Arc<Controller>>) -> Response {
+    answer(c.groups().await)
+}
+
+#[utoipa::path(get, path = "/v1/groups/{id}", params(("id" = String, Path, description = "the group's id")), responses(
+    (status = 200, description = "the group and its members", body = FleetGroup),
+    (status = 404, description = "no such group", body = ApiError)))]
+async fn group(State(c): State<Arc<Controller>>, Path(id): Path<String>) -> Response {
+    answer(c.group(&id).await)
+}
+
+#[utoipa::path(post, path = "/v1/groups", request_body = FleetGroupRequest, responses(
+    (status = 201, description = "accepted: every member requested", body = FleetGroup),
+    (status = 400, description = "a bad request, or a group over the limits: what was wrong", body = ApiError),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 404, description = "an unknown VM, host or site", body = ApiError),
+    (status = 409, description = "a VM is already there, or already migrating", body = ApiError),
+    (status = 503, description = "a host is down, or the store does not answer", body = ApiError)))]
+async fn migrate_group(
+    State(c): State<Arc<Controller>>,
+    Extension(caller): Extension<Caller>,
+    body: axum::body::Bytes,
+) -> Response {
+    let result = async {
+        operator(&c, &caller)?;
+        let req = FleetGroupRequest::parse(&body).map_err(FleetError::bad)?;
+        c.request_group(req, &caller.name()).await
+    };
+    match result.await {
+        Ok(g) => (StatusCode::CREATED, Json(g)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 #[utoipa::path(post, path = "/v1/agent/heartbeat", request_body = Heartbeat, responses(

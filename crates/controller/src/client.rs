@@ -7,8 +7,8 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context, Result};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
-    ControllerHealth, FleetMigration, FleetMigrationRequest, Heartbeat, HeartbeatAnswer, Host,
-    Pool, PoolRequest, Site, Vm,
+    ControllerHealth, FleetGroup, FleetGroupRequest, FleetMigration, FleetMigrationRequest,
+    Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
 };
 use ferry_wire::tls::ClientConfig;
 use http_body_util::{BodyExt, Full};
@@ -153,6 +153,19 @@ impl ControllerClient {
     pub async fn migrate(&self, req: &FleetMigrationRequest) -> Result<FleetMigration> {
         self.call("POST", "/v1/migrations", Some(serde_json::to_vec(req)?))
             .await
+    }
+
+    pub async fn migrate_group(&self, req: &FleetGroupRequest) -> Result<FleetGroup> {
+        self.call("POST", "/v1/groups", Some(serde_json::to_vec(req)?))
+            .await
+    }
+
+    pub async fn groups(&self) -> Result<Vec<FleetGroup>> {
+        self.call("GET", "/v1/groups", None).await
+    }
+
+    pub async fn group(&self, id: &str) -> Result<FleetGroup> {
+        self.call("GET", &format!("/v1/groups/{id}"), None).await
     }
 
     pub async fn cancel(&self, id: &str) -> Result<FleetMigration> {

@@ -8,7 +8,7 @@
 //! reports). Each step is one conditional write of the store ([`Store::update_migration`]), so
 //! whichever controller makes it, it is made once.
 
-use ferry_api::agent::{ErrorKind, MigrationState};
+use ferry_api::agent::{ErrorKind, MigrationState, Phase};
 use ferry_api::fleet::{
     FleetEvent, FleetMigration, FleetMigrationReport, FleetMigrationRequest, FleetMigrationState,
     FleetWork, Heartbeat, HeartbeatAnswer, Host, HostState, Pool, PoolRequest, Vm,
@@ -70,10 +70,30 @@ impl Controller {
         req: FleetMigrationRequest,
         requested_by: &str,
     ) -> Result<FleetMigration, FleetError> {
+        let fleet = self.load().await?;
+        let migration = self.check_request(req, &fleet, requested_by, None)?;
+        self.store.insert_migration(&migration).await?;
+        tracing::info!(
+            "migration {} of {} from {} to {} requested by {requested_by}",
+            migration.id,
+            migration.vm,
+            migration.source_host,
+            migration.destination_host
+        );
+        Ok(migration)
+    }
+
+    /// A migration request checked against the fleet: the migration to store, or why not.
+    pub(crate) fn check_request(
+        &self,
+        req: FleetMigrationRequest,
+        fleet: &Loaded,
+        requested_by: &str,
+        group: Option<&str>,
+    ) -> Result<FleetMigration, FleetError> {
         req.settings
             .validate()
             .map_err(|e| FleetError::bad(e.to_string()))?;
-        let fleet = self.load().await?;
         let view = fleet.view();
         let vm = match view.vm(&req.vm) {
             Ok(Some(vm)) => vm,
@@ -97,7 +117,7 @@ impl Controller {
                 ))
             }
         };
-        let hosts = self.store.hosts().await?;
+        let hosts = &fleet.hosts;
         let source = hosts.iter().find(|h| h.name == vm.host).ok_or_else(|| {
             FleetError::Refused(ErrorKind::Internal, "the VM's host is unknown".into())
         })?;
@@ -107,7 +127,7 @@ impl Controller {
                 format!("{}'s host {} is down (no heartbeat)", vm.name, source.name),
             ));
         }
-        let destination = choose_destination(&req, source, &hosts)?;
+        let destination = choose_destination(&req, source, hosts)?;
         let pools = view.pools_of(&vm);
         if !pools.is_empty() {
             let overlay = hosts
@@ -125,11 +145,9 @@ impl Controller {
                 ));
             }
         }
-        let unfinished = self
-            .store
-            .migrations()
-            .await?
-            .into_iter()
+        let unfinished = fleet
+            .migrations
+            .iter()
             .find(|m| m.vm == vm.name && !m.state.finished());
         if let Some(m) = unfinished {
             return Err(FleetError::Refused(
@@ -159,20 +177,20 @@ impl Controller {
             finished_unix_ms: None,
             cancel_requested: false,
             nics: vm.nics.clone(),
+            group: group.map(str::to_owned),
+            held_unix_ms: None,
             agent: None,
             timeline: vec![self.event(
                 FleetMigrationState::Requested,
-                format!("{} -> {} asked by {requested_by}", source.name, destination),
+                match group {
+                    Some(group) => format!(
+                        "{} -> {} asked by {requested_by}, with group {group}",
+                        source.name, destination
+                    ),
+                    None => format!("{} -> {} asked by {requested_by}", source.name, destination),
+                },
             )],
         };
-        self.store.insert_migration(&migration).await?;
-        tracing::info!(
-            "migration {} of {} from {} to {} requested by {requested_by}",
-            migration.id,
-            migration.vm,
-            migration.source_host,
-            migration.destination_host
-        );
         Ok(migration)
     }
 
@@ -207,6 +225,10 @@ impl Controller {
             ));
         }
         Ok(m)
+    }
+
+    pub(crate) fn fail(&self, m: &mut FleetMigration, detail: String) {
+        self.finish(m, FleetMigrationState::Failed, detail);
     }
 
     fn finish(&self, m: &mut FleetMigration, state: FleetMigrationState, detail: String) {
@@ -261,21 +283,26 @@ impl Controller {
                     .await?;
             }
         }
-        let start = self
+        self.decide_groups().await?;
+        let mut start = Vec::new();
+        for m in self
             .store
             .migrations_in(FleetMigrationState::Scheduled, Some(host))
             .await?
-            .into_iter()
-            .filter(|m| !reported.contains(&m.id.as_str()))
-            .map(|m| FleetWork {
+        {
+            if reported.contains(&m.id.as_str()) || self.aborted_group(&m).await? {
+                continue;
+            }
+            start.push(FleetWork {
                 fleet_id: m.id,
                 vm: m.vm,
                 kind: m.kind,
                 to: m.destination_host,
                 copy_storage: m.copy_storage,
+                group: m.group,
                 settings: m.settings,
-            })
-            .collect();
+            });
+        }
         let running = self
             .store
             .migrations_in(FleetMigrationState::Running, Some(host))
@@ -285,18 +312,35 @@ impl Controller {
             .filter(|m| m.cancel_requested)
             .map(|m| m.id.clone())
             .collect();
-        let track = running.into_iter().map(|m| m.id).collect();
+        // Handed over or running: the agent reports each until its end is known here, even
+        // one that failed before the agent's first report of it.
+        let track = running
+            .into_iter()
+            .map(|m| m.id)
+            .chain(start.iter().map(|w| w.fleet_id.clone()))
+            .collect();
         let overlay = if beat.overlay.is_some() {
             self.load().await?.view().plan_for(host)
         } else {
             None
         };
+        let mut groups = self.group_signals(host).await?;
+        if let Some(wait_ms) = beat.wait_ms {
+            let held: Vec<String> = beat
+                .migrations
+                .iter()
+                .filter(|r| r.status.as_ref().is_some_and(|s| s.phase == Phase::Held))
+                .map(|r| r.fleet_id.clone())
+                .collect();
+            groups = self.wait_for_groups(host, &held, wait_ms, groups).await?;
+        }
         Ok(HeartbeatAnswer {
             start,
             cancel,
             track,
             heartbeat_ms: self.config.timing.heartbeat_ms,
             overlay,
+            groups,
         })
     }
 
@@ -328,6 +372,17 @@ impl Controller {
                     m.timeline.push(self.event(
                         FleetMigrationState::Running,
                         format!("{host}'s agent started it as {}", status.id),
+                    ));
+                    changed = true;
+                }
+                if status.phase == Phase::Held && m.held_unix_ms.is_none() {
+                    m.held_unix_ms = Some(now_ms());
+                    m.timeline.push(self.event(
+                        FleetMigrationState::Running,
+                        format!(
+                            "held: {}'s whole stream is verified at {}",
+                            m.vm, m.destination_host
+                        ),
                     ));
                     changed = true;
                 }
@@ -390,12 +445,6 @@ impl Controller {
                 .find(|h| h.name == name)
                 .filter(|h| h.state == HostState::Up)
         };
-        let site_of = |name: &str| {
-            hosts
-                .iter()
-                .find(|h| h.name == name)
-                .map(|h| h.site.clone())
-        };
         for m in self
             .store
             .migrations_in(FleetMigrationState::Scheduled, None)
@@ -428,85 +477,137 @@ impl Controller {
                 .migrations_in(FleetMigrationState::Running, None)
                 .await?,
         );
+        // An aborted group's members waiting here fail first.
+        self.decide_groups().await?;
         let fleet = self.load().await?;
         let view = fleet.view();
-        for m in self
+        // A group is scheduled whole or not at all: its members copy side by side.
+        let requested = self
             .store
             .migrations_in(FleetMigrationState::Requested, None)
-            .await?
-        {
-            let (Some(source), Some(_)) = (up(&m.source_host), up(&m.destination_host)) else {
-                if now.saturating_sub(m.created_unix_ms) > timing.queue_timeout_ms {
-                    let down = [&m.source_host, &m.destination_host]
-                        .into_iter()
-                        .filter(|h| up(h).is_none())
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(" and ");
-                    self.store
-                        .update_migration(&m.id, |m| {
-                            m.state == FleetMigrationState::Requested && {
-                                self.finish(
-                                    m,
-                                    FleetMigrationState::Failed,
-                                    format!(
-                                        "{down} stayed down for {} s",
-                                        timing.queue_timeout_ms / 1000
-                                    ),
-                                );
-                                true
-                            }
-                        })
-                        .await?;
+            .await?;
+        let mut units: Vec<Vec<FleetMigration>> = Vec::new();
+        for m in requested {
+            match units
+                .iter_mut()
+                .find(|u| m.group.is_some() && u[0].group == m.group)
+            {
+                Some(unit) => unit.push(m),
+                None => units.push(vec![m]),
+            }
+        }
+        for unit in units {
+            let mut admitted: Vec<FleetMigration> = Vec::new();
+            for m in &unit {
+                let room: Vec<&FleetMigration> = busy.iter().chain(&admitted).collect();
+                if !self.admissible(m, &room, &hosts, &view, now).await? {
+                    break;
                 }
-                continue;
-            };
-            let from_host = busy
-                .iter()
-                .filter(|b| b.source_host == m.source_host)
-                .count();
-            let pair = |b: &FleetMigration| {
-                let (a, z) = (site_of(&b.source_host), site_of(&b.destination_host));
-                let (ma, mz) = (site_of(&m.source_host), site_of(&m.destination_host));
-                (a == ma && z == mz) || (a == mz && z == ma)
-            };
-            let on_link = busy.iter().filter(|b| pair(b)).count();
-            if from_host >= source.max_outgoing as usize
-                || on_link >= self.config.per_site_pair as usize
-            {
+                admitted.push(m.clone());
+            }
+            if admitted.len() < unit.len() {
                 continue;
             }
-            // libvirt plugs the arriving VM into its pools' bridges: they must be up there.
-            let vm = fleet
-                .vms
-                .iter()
-                .find(|vm| vm.name == m.vm && vm.host == m.source_host);
-            if let Some(why) =
-                vm.and_then(|vm| view.not_ready(&m.destination_host, &view.pools_of(vm)))
-            {
-                tracing::debug!("migration {} waits: {why}", m.id);
-                continue;
-            }
-            if let Some(m) = self
-                .store
-                .update_migration(&m.id, |m| {
-                    m.state == FleetMigrationState::Requested && {
-                        m.state = FleetMigrationState::Scheduled;
-                        m.timeline.push(self.event(
-                            FleetMigrationState::Scheduled,
-                            format!("for {}'s next heartbeat", m.source_host),
-                        ));
-                        true
+            for m in unit {
+                if let Some(m) = self
+                    .store
+                    .update_migration(&m.id, |m| {
+                        m.state == FleetMigrationState::Requested && {
+                            m.state = FleetMigrationState::Scheduled;
+                            m.timeline.push(self.event(
+                                FleetMigrationState::Scheduled,
+                                format!("for {}'s next heartbeat", m.source_host),
+                            ));
+                            true
+                        }
+                    })
+                    .await?
+                {
+                    if m.state == FleetMigrationState::Scheduled {
+                        busy.push(m);
                     }
-                })
-                .await?
-            {
-                if m.state == FleetMigrationState::Scheduled {
-                    busy.push(m);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Whether requested migration `m` may be scheduled now beside `busy`: both hosts up
+    /// (one down too long fails it), room under the limits, its pools ready at the
+    /// destination.
+    async fn admissible(
+        &self,
+        m: &FleetMigration,
+        busy: &[&FleetMigration],
+        hosts: &[Host],
+        view: &Snapshot<'_>,
+        now: u64,
+    ) -> Result<bool, FleetError> {
+        let timing = self.config.timing;
+        let up = |name: &str| {
+            hosts
+                .iter()
+                .find(|h| h.name == name)
+                .filter(|h| h.state == HostState::Up)
+        };
+        let site_of = |name: &str| {
+            hosts
+                .iter()
+                .find(|h| h.name == name)
+                .map(|h| h.site.clone())
+        };
+        let (Some(source), Some(_)) = (up(&m.source_host), up(&m.destination_host)) else {
+            if now.saturating_sub(m.created_unix_ms) > timing.queue_timeout_ms {
+                let down = [&m.source_host, &m.destination_host]
+                    .into_iter()
+                    .filter(|h| up(h).is_none())
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(" and ");
+                self.store
+                    .update_migration(&m.id, |m| {
+                        m.state == FleetMigrationState::Requested && {
+                            self.finish(
+                                m,
+                                FleetMigrationState::Failed,
+                                format!(
+                                    "{down} stayed down for {} s",
+                                    timing.queue_timeout_ms / 1000
+                                ),
+                            );
+                            true
+                        }
+                    })
+                    .await?;
+            }
+            return Ok(false);
+        };
+        let from_host = busy
+            .iter()
+            .filter(|b| b.source_host == m.source_host)
+            .count();
+        let pair = |b: &FleetMigration| {
+            let (a, z) = (site_of(&b.source_host), site_of(&b.destination_host));
+            let (ma, mz) = (site_of(&m.source_host), site_of(&m.destination_host));
+            (a == ma && z == mz) || (a == mz && z == ma)
+        };
+        let on_link = busy.iter().filter(|b| pair(b)).count();
+        if from_host >= source.max_outgoing as usize
+            || on_link >= self.config.per_site_pair as usize
+        {
+            return Ok(false);
+        }
+        // libvirt plugs the arriving VM into its pools' bridges: they must be up there.
+        let vm = view
+            .vms
+            .iter()
+            .find(|vm| vm.name == m.vm && vm.host == m.source_host);
+        if let Some(why) = vm.and_then(|vm| view.not_ready(&m.destination_host, &view.pools_of(vm)))
+        {
+            tracing::debug!("migration {} waits: {why}", m.id);
+            return Ok(false);
+        }
+        Ok(true)
     }
 }
 

@@ -6,6 +6,7 @@ pub mod api;
 pub mod client;
 pub mod config;
 pub mod fleet;
+pub mod groups;
 pub mod pools;
 pub mod serve;
 pub mod store;

@@ -74,13 +74,27 @@ impl<'a> Snapshot<'a> {
     }
 
     /// The hosts' reports of the VM named `name` that still hold: not those listed by the
-    /// source of a migration that committed after they were taken.
+    /// source of a migration that committed after they were taken, nor those listed by the
+    /// destination of one that failed after (libvirt lists the incoming domain until the
+    /// failure removes it).
     pub fn reports(&self, name: &str) -> Vec<&'a Vm> {
         self.vms
             .iter()
             .filter(|vm| vm.name == name)
             .filter(|vm| self.committed_since_listed(name, Some(&vm.host)).is_none())
+            .filter(|vm| !self.failed_since_listed(name, &vm.host))
             .collect()
+    }
+
+    /// Whether a migration of `name` to `host` failed after `host`'s list was taken.
+    fn failed_since_listed(&self, name: &str, host: &str) -> bool {
+        let listed = self.listed_at(host);
+        self.migrations.iter().any(|m| {
+            m.vm == name
+                && m.destination_host == host
+                && m.state == FleetMigrationState::Failed
+                && m.finished_unix_ms.is_some_and(|t| t > listed)
+        })
     }
 
     /// Where the VM named `name` runs: at the source while it migrates (whoever reports it:
@@ -591,6 +605,31 @@ mod tests {
         let s = Snapshot { hosts: &hosts, ..s };
         assert_eq!(s.vm("web"), Err(vec!["a1".to_string(), "b1".to_string()]));
         assert_eq!(s.vm("nope"), Ok(None));
+    }
+
+    #[test]
+    fn an_incoming_domain_listed_before_its_migration_failed_does_not_hold() {
+        let pools: [PoolRecord; 0] = [];
+        let (mut a1, mut b1) = (host("a1", "a", None), host("b1", "b", None));
+        a1.vms_listed_unix_ms = Some(2500);
+        b1.vms_listed_unix_ms = Some(1500);
+        let hosts = [a1, b1];
+        let mut failed = migration("web", "a1", "b1", FleetMigrationState::Failed);
+        failed.finished_unix_ms = Some(2000);
+        let failed = [failed];
+        let vms = [vm("web", "a1", &[]), vm("web", "b1", &[])];
+        let s = Snapshot {
+            pools: &pools,
+            hosts: &hosts,
+            vms: &vms,
+            migrations: &failed,
+        };
+        assert_eq!(s.vm("web").unwrap().unwrap().host, "a1");
+        // b1 lists it after the failure: two copies.
+        let mut hosts = hosts.clone();
+        hosts[1].vms_listed_unix_ms = Some(2600);
+        let s = Snapshot { hosts: &hosts, ..s };
+        assert!(s.vm("web").is_err());
     }
 
     #[test]

@@ -10,7 +10,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ferry_api::fleet::{
-    FleetMigration, FleetMigrationState, Heartbeat, Host, HostState, Site, Vm, VmKind,
+    FleetMigration, FleetMigrationState, GroupState, Heartbeat, Host, HostState, Site, Vm, VmKind,
 };
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
@@ -58,6 +58,18 @@ pub struct PoolRecord {
     pub learning: bool,
     pub repoint: bool,
     pub held: Vec<String>,
+}
+
+/// A group as stored: its members (migration ids, in the order asked) and its decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupRecord {
+    pub id: String,
+    pub state: GroupState,
+    pub reason: Option<String>,
+    pub requested_by: String,
+    pub created_unix_ms: u64,
+    pub decided_unix_ms: Option<u64>,
+    pub members: Vec<String>,
 }
 
 /// The fleet's store.
@@ -347,20 +359,85 @@ impl Store {
     }
 
     pub async fn insert_migration(&self, m: &FleetMigration) -> Result<(), StoreError> {
+        insert_migration(m)?.execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Stores a new group and its member migrations, all or nothing.
+    pub async fn insert_group(
+        &self,
+        group: &GroupRecord,
+        members: &[FleetMigration],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
         sqlx::query(
-            "INSERT INTO migrations (id, state, vm, source_host, destination_host, created_ms, revision, record)
-             VALUES ($1, $2, $3, $4, $5, $6, 0, $7)",
+            "INSERT INTO migration_groups (id, state, created_ms, requested_by, members)
+             VALUES ($1, $2, $3, $4, $5)",
         )
-        .bind(&m.id)
-        .bind(m.state.name())
-        .bind(&m.vm)
-        .bind(&m.source_host)
-        .bind(&m.destination_host)
-        .bind(db_i64(m.created_unix_ms))
-        .bind(serde_json::to_string(m).map_err(|e| corrupt("migration", e))?)
+        .bind(&group.id)
+        .bind(group.state.name())
+        .bind(db_i64(group.created_unix_ms))
+        .bind(&group.requested_by)
+        .bind(serde_json::to_string(&group.members).map_err(|e| corrupt("group", e))?)
+        .execute(&mut *tx)
+        .await?;
+        for m in members {
+            insert_migration(m)?.execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Every group, oldest first.
+    pub async fn groups(&self) -> Result<Vec<GroupRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, state, created_ms, decided_ms, reason, requested_by, members
+             FROM migration_groups ORDER BY created_ms, id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get(1)?;
+                let decided: i64 = row.try_get(3)?;
+                let reason: String = row.try_get(4)?;
+                let members: String = row.try_get(6)?;
+                Ok(GroupRecord {
+                    id: row.try_get(0)?,
+                    state: GroupState::parse(&state)
+                        .ok_or_else(|| corrupt("group state", &state))?,
+                    created_unix_ms: db_u64(row.try_get(2)?),
+                    decided_unix_ms: (decided > 0).then(|| db_u64(decided)),
+                    reason: (!reason.is_empty()).then_some(reason),
+                    requested_by: row.try_get(5)?,
+                    members: serde_json::from_str(&members)
+                        .map_err(|e| corrupt("group members", e))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Decides open group `id` (released or aborted, for `reason`); false when it was decided
+    /// already (by this controller or another).
+    pub async fn decide_group(
+        &self,
+        id: &str,
+        state: GroupState,
+        reason: &str,
+        now: u64,
+    ) -> Result<bool, StoreError> {
+        let written = sqlx::query(
+            "UPDATE migration_groups SET state = $1, decided_ms = $2, reason = $3
+             WHERE id = $4 AND state = $5",
+        )
+        .bind(state.name())
+        .bind(db_i64(now))
+        .bind(reason)
+        .bind(id)
+        .bind(GroupState::Open.name())
         .execute(&self.pool)
         .await?;
-        Ok(())
+        Ok(written.rows_affected() == 1)
     }
 
     pub async fn migration(&self, id: &str) -> Result<Option<FleetMigration>, StoreError> {
@@ -490,6 +567,23 @@ impl Store {
     }
 }
 
+/// The statement that stores a new migration.
+fn insert_migration(
+    m: &FleetMigration,
+) -> Result<sqlx::query::Query<'_, sqlx::Any, sqlx::any::AnyArguments<'_>>, StoreError> {
+    Ok(sqlx::query(
+        "INSERT INTO migrations (id, state, vm, source_host, destination_host, created_ms, revision, record)
+         VALUES ($1, $2, $3, $4, $5, $6, 0, $7)",
+    )
+    .bind(&m.id)
+    .bind(m.state.name())
+    .bind(&m.vm)
+    .bind(&m.source_host)
+    .bind(&m.destination_host)
+    .bind(db_i64(m.created_unix_ms))
+    .bind(serde_json::to_string(m).map_err(|e| corrupt("migration", e))?))
+}
+
 fn host_from(row: &AnyRow) -> Result<Host, StoreError> {
     let record: String = row.try_get(0)?;
     let mut host: Host = serde_json::from_str(&record).map_err(|e| corrupt("host", e))?;
@@ -548,6 +642,7 @@ pub(crate) mod tests {
             migrations: vec![],
             overlay: None,
             vms_listed_unix_ms: None,
+            wait_ms: None,
         }
     }
 
@@ -568,6 +663,8 @@ pub(crate) mod tests {
             finished_unix_ms: None,
             cancel_requested: false,
             nics: vec![],
+            group: None,
+            held_unix_ms: None,
             agent: None,
             timeline: vec![],
         }

@@ -6,10 +6,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_api::agent::{ApiError, ErrorKind, MigrationState, MigrationStatus};
+use ferry_api::agent::{ApiError, ErrorKind, MigrationState, MigrationStatus, Phase};
 use ferry_api::fleet::{
-    FleetMigrationReport, FleetMigrationRequest, FleetMigrationState, Heartbeat, HostState,
-    OverlayReport, PoolRequest, VmKind, VmNic, VmReport,
+    FleetMigrationReport, FleetMigrationRequest, FleetMigrationState, GroupState, Heartbeat,
+    HostState, OverlayReport, PoolRequest, VmKind, VmNic, VmReport,
 };
 use ferry_api::settings::MigrationSettings;
 use ferry_controller::client::{ControllerClient, ControllerRefused, Endpoint};
@@ -105,6 +105,7 @@ fn beat(site: &str, peers: &[&str], vms: &[&str]) -> Heartbeat {
         migrations: vec![],
         overlay: None,
         vms_listed_unix_ms: None,
+        wait_ms: None,
     }
 }
 
@@ -234,6 +235,9 @@ async fn a_migration_goes_from_request_to_commit_through_heartbeats() {
         ("vm1", "b1")
     );
     assert_eq!(answer.start[0].fleet_id, m.id);
+    // Handed over, it is tracked: the agent reports it even if it fails before it reported it
+    // running.
+    assert_eq!(answer.track, vec![m.id.clone()]);
 
     // The host's limit is one outgoing migration: vm2's waits while vm1's runs.
     let m2 = ops
@@ -313,6 +317,195 @@ async fn a_migration_goes_from_request_to_commit_through_heartbeats() {
             .contains("a1's agent refused it: libvirt: domain vm2 is not running"),
         "{m2:?}"
     );
+}
+
+fn group_request(vms: &[&str]) -> ferry_api::fleet::FleetGroupRequest {
+    ferry_api::fleet::FleetGroupRequest {
+        vms: vms.iter().map(|v| (*v).into()).collect(),
+        to: None,
+        to_site: Some("b".into()),
+        copy_storage: false,
+        settings: MigrationSettings::default(),
+    }
+}
+
+/// Host a1's heartbeat (two outgoing at most) reporting its group members at `phase` and
+/// QEMU's pass `iteration`, or failed.
+fn members_beat(reports: &[(&str, Phase, u64)]) -> Heartbeat {
+    let mut b = beat("a", &["b1"], &["web", "db", "cache"]);
+    b.max_outgoing = 2;
+    b.migrations = reports
+        .iter()
+        .map(|(id, phase, iteration)| {
+            let state = if *phase == Phase::Failed {
+                MigrationState::Failed
+            } else {
+                MigrationState::Running
+            };
+            let mut status = agent_status(id, "vm", state);
+            status.phase = *phase;
+            status.qemu.iteration = *iteration;
+            FleetMigrationReport {
+                fleet_id: (*id).into(),
+                status: Some(status),
+                refused: None,
+            }
+        })
+        .collect();
+    b
+}
+
+#[tokio::test]
+async fn a_group_ends_its_passes_together_and_is_released_when_every_member_holds() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    a1.heartbeat(&members_beat(&[])).await.unwrap();
+    b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+
+    // Over the limits, or not a group: refused before anything is stored.
+    for (vms, why) in [
+        (&["web", "db", "cache"][..], "limits.per_site_pair"),
+        (&["web"][..], "2 to 16 VMs"),
+        (&["web", "web"][..], "web is named twice"),
+        (&["web", "nope"][..], "no VM \"nope\""),
+    ] {
+        let (_, message) = refusal(ops.migrate_group(&group_request(vms)).await.unwrap_err());
+        assert!(message.contains(why), "{vms:?}: {message}");
+    }
+    assert!(ops.groups().await.unwrap().is_empty());
+    assert!(ops.migrations().await.unwrap().is_empty());
+
+    let group = ops
+        .migrate_group(&group_request(&["web", "db"]))
+        .await
+        .unwrap();
+    assert_eq!(group.state, GroupState::Open);
+    let ids: Vec<String> = group.members.iter().map(|m| m.id.clone()).collect();
+    let (web, db) = (ids[0].as_str(), ids[1].as_str());
+    // Scheduled together, handed over with their group.
+    fleet.controller.lead().await.unwrap();
+    let answer = a1.heartbeat(&members_beat(&[])).await.unwrap();
+    assert_eq!(answer.start.len(), 2, "{answer:?}");
+    assert!(answer
+        .start
+        .iter()
+        .all(|w| w.group.as_ref() == Some(&group.id)));
+
+    // No go until both did a first pass.
+    let answer = a1
+        .heartbeat(&members_beat(&[
+            (web, Phase::Memory, 2),
+            (db, Phase::DiskCopy, 0),
+        ]))
+        .await
+        .unwrap();
+    assert_eq!(answer.groups.len(), 2);
+    assert!(
+        answer.groups.iter().all(|g| !g.go && !g.release),
+        "{answer:?}"
+    );
+    let answer = a1
+        .heartbeat(&members_beat(&[
+            (web, Phase::Memory, 3),
+            (db, Phase::Memory, 2),
+        ]))
+        .await
+        .unwrap();
+    assert!(
+        answer.groups.iter().all(|g| g.go && !g.release),
+        "{answer:?}"
+    );
+
+    // web holds: its long-polled heartbeat comes back undecided after its wait...
+    let mut held = members_beat(&[(web, Phase::Held, 4), (db, Phase::Memory, 3)]);
+    held.wait_ms = Some(200);
+    let asked = std::time::Instant::now();
+    let answer = a1.heartbeat(&held).await.unwrap();
+    assert!(asked.elapsed() >= Duration::from_millis(200));
+    assert!(answer
+        .groups
+        .iter()
+        .all(|g| !g.release && g.abort.is_none()));
+    assert!(ops.migration(web).await.unwrap().held_unix_ms.is_some());
+    // ... and, waiting again, learns the release as soon as db holds too.
+    held.wait_ms = Some(5_000);
+    let waiting = tokio::spawn({
+        let a1 = fleet.as_("a1");
+        async move { a1.heartbeat(&held).await.unwrap() }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished());
+    let both = members_beat(&[(web, Phase::Held, 4), (db, Phase::Held, 4)]);
+    let answer = a1.heartbeat(&both).await.unwrap();
+    assert!(answer.groups.iter().all(|g| g.release), "{answer:?}");
+    let answer = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("the waiting heartbeat answers once the group is released")
+        .unwrap();
+    assert!(answer.groups.iter().all(|g| g.release), "{answer:?}");
+    let group = ops.group(&group.id).await.unwrap();
+    assert_eq!(group.state, GroupState::Released);
+    assert!(group.decided_unix_ms.is_some());
+}
+
+#[tokio::test]
+async fn a_member_that_fails_aborts_its_group_and_no_member_is_left_to_go() {
+    let fleet = Fleet::start("").await;
+    let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
+    a1.heartbeat(&members_beat(&[])).await.unwrap();
+    b1.heartbeat(&beat("b", &["a1"], &[])).await.unwrap();
+    let group = ops
+        .migrate_group(&group_request(&["web", "db"]))
+        .await
+        .unwrap();
+    let (web, db) = (group.members[0].id.clone(), group.members[1].id.clone());
+    fleet.controller.lead().await.unwrap();
+    a1.heartbeat(&members_beat(&[])).await.unwrap();
+    // web holds; db fails (its agent says why): the group is aborted, web told so.
+    let answer = a1
+        .heartbeat(&members_beat(&[
+            (&web, Phase::Held, 3),
+            (&db, Phase::Failed, 1),
+        ]))
+        .await
+        .unwrap();
+    let web_signal = answer.groups.iter().find(|g| g.fleet_id == web).unwrap();
+    let reason = web_signal.abort.as_deref().expect("aborted");
+    assert!(reason.contains("db failed: libvirt: it broke"), "{reason}");
+    assert!(!web_signal.release);
+    let group = ops.group(&group.id).await.unwrap();
+    assert_eq!(group.state, GroupState::Aborted);
+
+    // A group whose member is cancelled before it was handed over: the others fail too,
+    // and none starts.
+    let group = ops
+        .migrate_group(&group_request(&["db", "cache"]))
+        .await
+        .unwrap();
+    ops.cancel(&group.members[0].id).await.unwrap();
+    fleet.controller.lead().await.unwrap();
+    let group = ops.group(&group.id).await.unwrap();
+    assert_eq!(group.state, GroupState::Aborted);
+    assert!(
+        group
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("cancelled by ops1"),
+        "{group:?}"
+    );
+    let cache = &group.members[1];
+    assert_eq!(cache.state, FleetMigrationState::Failed);
+    assert!(
+        cache.error.as_deref().unwrap().contains("was aborted"),
+        "{cache:?}"
+    );
+    assert!(a1
+        .heartbeat(&members_beat(&[]))
+        .await
+        .unwrap()
+        .start
+        .is_empty());
 }
 
 #[tokio::test]
@@ -660,6 +853,40 @@ async fn every_answer_matches_the_openapi_document() {
     assert_eq!(status, 200);
     conforms(&doc, "/v1/migrations/{id}/cancel", "post", 200, &body);
 
+    // Groups: refused (400, 404), created (201), listed, one shown, an unknown one (404).
+    for (vms, code) in [(&["vm2"][..], 400), (&["vm2", "nope"][..], 404)] {
+        let (status, body) = ops
+            .raw("POST", "/v1/groups", Some(body_of(&group_request(vms))))
+            .await
+            .unwrap();
+        assert_eq!(status, code, "{}", String::from_utf8_lossy(&body));
+        conforms(&doc, "/v1/groups", "post", code, &body);
+    }
+    let mut two = beat("a", &["b1"], &["vm2", "vm3"]);
+    two.max_outgoing = 2;
+    a1.heartbeat(&two).await.unwrap();
+    let (status, body) = ops
+        .raw(
+            "POST",
+            "/v1/groups",
+            Some(body_of(&group_request(&["vm2", "vm3"]))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    conforms(&doc, "/v1/groups", "post", 201, &body);
+    let g: ferry_api::fleet::FleetGroup = serde_json::from_slice(&body).unwrap();
+    let (_, body) = ops.raw("GET", "/v1/groups", None).await.unwrap();
+    conforms(&doc, "/v1/groups", "get", 200, &body);
+    let (_, body) = ops
+        .raw("GET", &format!("/v1/groups/{}", g.id), None)
+        .await
+        .unwrap();
+    conforms(&doc, "/v1/groups/{id}", "get", 200, &body);
+    let (status, body) = ops.raw("GET", "/v1/groups/g-none", None).await.unwrap();
+    assert_eq!(status, 404);
+    conforms(&doc, "/v1/groups/{id}", "get", 404, &body);
+
     // Every API route is in the document (all but the document itself), and nothing else.
     let mut documented: Vec<&str> = doc["paths"]
         .as_object()
@@ -672,6 +899,8 @@ async fn every_answer_matches_the_openapi_document() {
         documented,
         [
             "/v1/agent/heartbeat",
+            "/v1/groups",
+            "/v1/groups/{id}",
             "/v1/health",
             "/v1/hosts",
             "/v1/migrations",

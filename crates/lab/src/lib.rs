@@ -25,6 +25,7 @@ pub mod guest;
 pub mod image;
 pub mod libvirt;
 pub mod libvirt_bench;
+pub mod libvirt_events;
 pub mod link;
 pub mod pki;
 pub mod pool_bench;

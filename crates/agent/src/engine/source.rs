@@ -681,6 +681,7 @@ async fn stream(
         &Control::End {
             bytes,
             sha256: sha256.clone(),
+            hold: false,
         },
     )
     .await?;

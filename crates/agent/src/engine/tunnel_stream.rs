@@ -40,6 +40,7 @@ use crate::engine::control::{self, Control, RETURN_PATH, STREAM};
 use crate::engine::feeder::{self, Feeder};
 use crate::engine::status::{now_ms, Events, Shared};
 use crate::engine::stream_codec::{StreamDecoder, StreamEncoder, BATCH_BYTES, HISTORY_CAP};
+use crate::group::GroupLink;
 
 /// The codec's techniques on a tunnelled stream.
 pub const CODEC: CodecSettings = CodecSettings::ALL;
@@ -68,6 +69,7 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         to_qemu,
         link_rate_mbit,
         corrupt_at,
+        group,
     } = source;
     let pump = pump(
         first,
@@ -76,6 +78,7 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         status,
         link_rate_mbit,
         corrupt_at,
+        group.is_some(),
     );
     let return_path = return_path_into(to_qemu, session, status);
     let (total, sha256) = tokio::select! {
@@ -108,9 +111,13 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         &Control::End {
             bytes: total,
             sha256,
+            hold: group.is_some(),
         },
     )
     .await?;
+    if let Some(group) = group {
+        hold_for_group(group, session, status).await?;
+    }
     match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
         .await
         .context("no word from the destination within 60s of the stream's end")??
@@ -126,6 +133,41 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         }
         Control::Abort { reason } => bail!("the destination aborted: {reason}"),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
+    }
+}
+
+/// A group member's stream, ended: once the destination says it verified the whole stream
+/// (and holds its last bytes), waits for the group's decision and passes it on. Returns once
+/// the destination was told to release; an abort (the group's, or the destination's) is an
+/// error.
+async fn hold_for_group(mut group: GroupLink, session: &Session, status: &Shared) -> Result<()> {
+    match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
+        .await
+        .context("no word from the destination within 60s of the stream's end")??
+    {
+        Control::Verified => {}
+        Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+        other => bail!("unexpected message from the destination after the stream: {other:?}"),
+    }
+    status.update(|s| {
+        s.phase = Phase::Held;
+        s.detail =
+            "the destination verified the whole stream; held until the group is released".into();
+    });
+    group.holding();
+    tokio::select! {
+        decision = group.decision() => match decision {
+            Ok(()) => control::send(session, &Control::Release).await,
+            Err(reason) => {
+                let reason = format!("the group was aborted: {reason}");
+                control::send(session, &Control::Abort { reason: reason.clone() }).await?;
+                bail!("{reason}")
+            }
+        },
+        msg = control::recv(session) => match msg? {
+            Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+            other => bail!("unexpected message from the destination while held: {other:?}"),
+        },
     }
 }
 
@@ -162,10 +204,14 @@ pub struct Source {
     pub link_rate_mbit: f64,
     /// Test hook: flip a bit of the stream at this offset after hashing it.
     pub corrupt_at: Option<u64>,
+    /// A group member's: its destination holds the verified stream's last bytes until the
+    /// group is released.
+    pub group: Option<GroupLink>,
 }
 
 /// Reads, parses, hashes and codes QEMU's stream until its end; returns its length and
-/// digest.
+/// digest. `hold`: no checkpoint covers the tail (device state), so that the destination
+/// can hold the stream's end by holding what only the end's digest covers.
 async fn pump(
     first: Vec<u8>,
     from_qemu: OwnedReadHalf,
@@ -173,6 +219,7 @@ async fn pump(
     status: &Shared,
     link_rate_mbit: f64,
     corrupt_at: Option<u64>,
+    hold: bool,
 ) -> Result<(u64, String)> {
     let mut parser = StreamParser::new();
     let mut encoder = StreamEncoder::new(CODEC, HISTORY_CAP, link_rate_mbit);
@@ -205,6 +252,7 @@ async fn pump(
         let unchecked = total - checkpointed;
         let checkpoint = !eof
             && unchecked > 0
+            && !(hold && parser.in_tail())
             && ((drained && (parser.in_tail() || unchecked >= CHECKPOINT_BYTES))
                 || unchecked >= MAX_UNCHECKED_BYTES);
         if drained || checkpoint {
@@ -286,6 +334,8 @@ pub async fn destination(
         let mut decoded = BytesMut::new();
         let mut gate = Gate::default();
         let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
+        let mut hold = false;
+        let mut last = Bytes::new();
         while !gate.finished() {
             tokio::select! {
                 r = session.recv(STREAM), if gate.has_room() => match r? {
@@ -297,12 +347,20 @@ pub async fn destination(
                 },
                 msg = control::recv(session) => match msg? {
                     Control::Checkpoint { bytes, sha256 } => gate.expect(bytes, sha256, false)?,
-                    Control::End { bytes, sha256 } => gate.expect(bytes, sha256, true)?,
+                    Control::End { bytes, sha256, hold: held } => {
+                        hold = held;
+                        gate.expect(bytes, sha256, true)?;
+                    }
                     Control::Abort { reason } => bail!("the source aborted: {reason}"),
                     other => bail!("unexpected control message during the stream: {other:?}"),
                 },
             }
             let verified = gate.release()?;
+            if hold && gate.finished() {
+                // What only the end's digest covers: QEMU cannot finish loading without it.
+                last = verified;
+                break;
+            }
             let weight = verified.len();
             feeder.push(verified, weight).await?;
         }
@@ -310,6 +368,17 @@ pub async fn destination(
             decoder.is_idle(),
             "codec bytes left over after the stream's last byte"
         );
+        if hold {
+            ensure!(!last.is_empty(), "a held stream's end covers no bytes");
+            control::send(session, &Control::Verified).await?;
+            match control::recv(session).await? {
+                Control::Release => {}
+                Control::Abort { reason } => bail!("the source aborted: {reason}"),
+                other => bail!("unexpected control message while held: {other:?}"),
+            }
+            let weight = last.len();
+            feeder.push(last, weight).await?;
+        }
         // QEMU's input ends once it has read everything.
         feeder.finish().await?;
         control::send(
