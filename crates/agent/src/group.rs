@@ -5,10 +5,10 @@
 //! ```text
 //!  member's source agent                       controller
 //!  memory passes, downtime target 1 ms  ...... every member did its first pass: go
-//!  downtime target as asked; QEMU stops the VM, the stream ends
-//!  destination: whole stream verified, last bytes held -> Held  ==heartbeat (long poll)==>
-//!                                              every member held: released (once, in the store)
-//!  Release -> the destination QEMU gets its last bytes, libvirt resumes it there
+//!  downtime target as asked; QEMU stops the VM, its device state goes out
+//!  the destination QEMU loaded it all; its word back (return path) kept -> Held
+//!                                  ==heartbeat (long poll)==> every member held: released
+//!  QEMU gets the word, completes; libvirt resumes the VM at the destination
 //!  (a member that fails before: aborted, and every member's source resumes)
 //! ```
 

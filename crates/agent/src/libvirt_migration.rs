@@ -180,8 +180,9 @@ async fn drive(
                 }
             }
         }
-        // libvirt's job is aborted until it takes (it may not have begun yet); once the
-        // stream ended, the tunnel tells the destination instead.
+        // libvirt's job is aborted until it takes (it may not have begun yet), and steered
+        // while it copies; once the stream ended, the tunnel tells the destination instead,
+        // and libvirt alone finishes it.
         let stoppable = matches!(
             status.get().phase,
             Phase::Starting | Phase::PreparingDestination | Phase::DiskCopy | Phase::Memory
@@ -193,11 +194,17 @@ async fn drive(
             }
         }
         let wanted = downtime(&group);
-        if wanted != applied && !held() {
-            libvirt.set_max_downtime(&req.domain, wanted).await?;
-            applied = wanted;
-            if req.copy_storage || group.is_some() {
-                status.update(|s| s.qemu_downtime_limit_ms = Some(wanted));
+        if wanted != applied && stoppable {
+            match libvirt.set_max_downtime(&req.domain, wanted).await {
+                Ok(()) => {
+                    tracing::debug!("{}: downtime target {wanted} ms", req.domain);
+                    applied = wanted;
+                    if req.copy_storage || group.is_some() {
+                        status.update(|s| s.qemu_downtime_limit_ms = Some(wanted));
+                    }
+                }
+                // The job may be between steps; the next round tries again.
+                Err(e) => tracing::debug!("{}: downtime target {wanted} ms: {e:#}", req.domain),
             }
         }
     };

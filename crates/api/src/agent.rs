@@ -292,8 +292,8 @@ pub enum Phase {
     Switchover,
     /// The stream's end went out; the destination decides (the source stays paused).
     AwaitingCommit,
-    /// A group member: the destination has the whole verified stream and holds its last
-    /// bytes until the controller releases the group (the source stays paused).
+    /// A group member: the destination QEMU loaded the whole verified stream; its word back
+    /// waits at the source until the controller releases the group (the source stays paused).
     Held,
     /// The source is paused and no verdict has come within the WAN timeout: the destination
     /// may run. Nobody resumes the source until the verdict is known.

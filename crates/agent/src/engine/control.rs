@@ -45,8 +45,7 @@ pub struct DiskPlan {
 /// as raw bytes).
 /// 4: a coded NBD tunnel is a disk relay (`NbdExport`, `NbdExportOpened`); the destination
 /// refuses a tunnel of another version.
-/// 5: tunnels name their slot (concurrent driven migrations to one peer); a group member's
-/// stream is held at the destination once verified (`Verified`, `Release`).
+/// 5: tunnels name their slot (concurrent driven migrations to one peer).
 pub const CONTROL_VERSION: u32 = 5;
 
 /// The QEMU that receives the stream, as the source asks for it.
@@ -111,19 +110,8 @@ pub enum Control {
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
     /// disk channel, and their operations hash to this SHA-256.
     DiskEnd { snapshots: u64, sha256: String },
-    /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256. `hold` (a
-    /// group member's tunnelled stream): once it matches, the destination keeps the stream's
-    /// last bytes from QEMU, says `Verified` and waits for `Release` (or `Abort`).
-    End {
-        bytes: u64,
-        sha256: String,
-        #[serde(default)]
-        hold: bool,
-    },
-    /// Destination, on a held stream: every digest matched; QEMU has all but the last bytes.
-    Verified,
-    /// Source, on a held stream: the group is released: QEMU gets its last bytes.
-    Release,
+    /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
+    End { bytes: u64, sha256: String },
     /// Source, on a tunnelled stream: the stream's first `bytes` have this SHA-256 (the
     /// destination QEMU may read them once they match: [`crate::engine::tunnel_stream`]).
     Checkpoint { bytes: u64, sha256: String },

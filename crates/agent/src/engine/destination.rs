@@ -317,7 +317,7 @@ async fn serve(
                 disk_applied = Some(r.context("applying the disk writes")?);
             }
             msg = control::recv(session) => match msg? {
-                Control::End { bytes, sha256, .. } => end = Some((bytes, sha256)),
+                Control::End { bytes, sha256 } => end = Some((bytes, sha256)),
                 Control::DiskEnd { snapshots, sha256 } => disk_end = Some((snapshots, sha256)),
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
                 other => bail!("unexpected control message during the stream: {other:?}"),

@@ -681,7 +681,6 @@ async fn stream(
         &Control::End {
             bytes,
             sha256: sha256.clone(),
-            hold: false,
         },
     )
     .await?;

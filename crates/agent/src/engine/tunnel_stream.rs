@@ -24,6 +24,7 @@
 //! configured rate.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -71,6 +72,7 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         corrupt_at,
         group,
     } = source;
+    let tail = AtomicBool::new(false);
     let pump = pump(
         first,
         from_qemu,
@@ -78,9 +80,10 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         status,
         link_rate_mbit,
         corrupt_at,
-        group.is_some(),
+        &tail,
     );
-    let return_path = return_path_into(to_qemu, session, status);
+    let hold = group.map(|group| Hold { group, tail: &tail });
+    let return_path = return_path_into(to_qemu, session, status, hold);
     let (total, sha256) = tokio::select! {
         r = pump => r?,
         r = return_path => {
@@ -111,13 +114,9 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         &Control::End {
             bytes: total,
             sha256,
-            hold: group.is_some(),
         },
     )
     .await?;
-    if let Some(group) = group {
-        hold_for_group(group, session, status).await?;
-    }
     match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
         .await
         .context("no word from the destination within 60s of the stream's end")??
@@ -133,41 +132,6 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         }
         Control::Abort { reason } => bail!("the destination aborted: {reason}"),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
-    }
-}
-
-/// A group member's stream, ended: once the destination says it verified the whole stream
-/// (and holds its last bytes), waits for the group's decision and passes it on. Returns once
-/// the destination was told to release; an abort (the group's, or the destination's) is an
-/// error.
-async fn hold_for_group(mut group: GroupLink, session: &Session, status: &Shared) -> Result<()> {
-    match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
-        .await
-        .context("no word from the destination within 60s of the stream's end")??
-    {
-        Control::Verified => {}
-        Control::Abort { reason } => bail!("the destination aborted: {reason}"),
-        other => bail!("unexpected message from the destination after the stream: {other:?}"),
-    }
-    status.update(|s| {
-        s.phase = Phase::Held;
-        s.detail =
-            "the destination verified the whole stream; held until the group is released".into();
-    });
-    group.holding();
-    tokio::select! {
-        decision = group.decision() => match decision {
-            Ok(()) => control::send(session, &Control::Release).await,
-            Err(reason) => {
-                let reason = format!("the group was aborted: {reason}");
-                control::send(session, &Control::Abort { reason: reason.clone() }).await?;
-                bail!("{reason}")
-            }
-        },
-        msg = control::recv(session) => match msg? {
-            Control::Abort { reason } => bail!("the destination aborted: {reason}"),
-            other => bail!("unexpected message from the destination while held: {other:?}"),
-        },
     }
 }
 
@@ -204,14 +168,20 @@ pub struct Source {
     pub link_rate_mbit: f64,
     /// Test hook: flip a bit of the stream at this offset after hashing it.
     pub corrupt_at: Option<u64>,
-    /// A group member's: its destination holds the verified stream's last bytes until the
-    /// group is released.
+    /// A group member's: QEMU's switchover waits for its group ([`return_path_into`]).
     pub group: Option<GroupLink>,
 }
 
+/// A group member's hold on its switchover: once QEMU's stream is in its tail (the VM is
+/// paused, its device state going out), what the destination QEMU says back waits here.
+struct Hold<'a> {
+    group: GroupLink,
+    /// Set by the pump once the stream is in its tail.
+    tail: &'a AtomicBool,
+}
+
 /// Reads, parses, hashes and codes QEMU's stream until its end; returns its length and
-/// digest. `hold`: no checkpoint covers the tail (device state), so that the destination
-/// can hold the stream's end by holding what only the end's digest covers.
+/// digest.
 async fn pump(
     first: Vec<u8>,
     from_qemu: OwnedReadHalf,
@@ -219,7 +189,7 @@ async fn pump(
     status: &Shared,
     link_rate_mbit: f64,
     corrupt_at: Option<u64>,
-    hold: bool,
+    tail: &AtomicBool,
 ) -> Result<(u64, String)> {
     let mut parser = StreamParser::new();
     let mut encoder = StreamEncoder::new(CODEC, HISTORY_CAP, link_rate_mbit);
@@ -249,10 +219,12 @@ async fn pump(
         if eof {
             parser.finish(input.len()).context("QEMU's stream")?;
         }
+        if parser.in_tail() {
+            tail.store(true, Ordering::Release);
+        }
         let unchecked = total - checkpointed;
         let checkpoint = !eof
             && unchecked > 0
-            && !(hold && parser.in_tail())
             && ((drained && (parser.in_tail() || unchecked >= CHECKPOINT_BYTES))
                 || unchecked >= MAX_UNCHECKED_BYTES);
         if drained || checkpoint {
@@ -293,21 +265,59 @@ async fn pump(
 }
 
 /// Writes what arrives on the return path into `to_qemu` until the destination's end of it.
+///
+/// With a `hold` (a group member), what arrives once the stream is in its tail is kept back:
+/// QEMU's switchover waits for the destination QEMU's word that it loaded the whole stream
+/// (the return path's `SHUT`, then its end), and the destination resumes only after that (libvirt's
+/// Finish). When the destination QEMU has loaded everything (its return path ended) the member
+/// holds; the group's release lets QEMU have the words, its abort fails the stream (QEMU's
+/// migration fails: libvirt resumes the source and removes the destination's copy).
 async fn return_path_into(
     mut to_qemu: OwnedWriteHalf,
     session: &Session,
     status: &Shared,
+    mut hold: Option<Hold<'_>>,
 ) -> Result<()> {
+    let mut held: Vec<Bytes> = Vec::new();
     loop {
         match session.recv(RETURN_PATH).await? {
             Received::Data(bytes) => {
+                status.update(|s| s.return_path_bytes += bytes.len() as u64);
+                if hold
+                    .as_ref()
+                    .is_some_and(|h| h.tail.load(Ordering::Acquire))
+                {
+                    held.push(bytes);
+                    continue;
+                }
                 to_qemu
                     .write_all(&bytes)
                     .await
                     .context("writing QEMU's return path")?;
-                status.update(|s| s.return_path_bytes += bytes.len() as u64);
             }
             Received::Barrier => {
+                if let Some(Hold { group, .. }) = hold.as_mut() {
+                    status.update(|s| {
+                        s.phase = Phase::Held;
+                        s.detail = "the destination QEMU loaded the whole verified stream; \
+                                    held until the group is released"
+                            .into();
+                    });
+                    group.holding();
+                    if let Err(reason) = group.decision().await {
+                        bail!("the group was aborted: {reason}");
+                    }
+                    status.update(|s| {
+                        s.phase = Phase::AwaitingCommit;
+                        s.detail = "released with the group".into();
+                    });
+                    for bytes in held.drain(..) {
+                        to_qemu
+                            .write_all(&bytes)
+                            .await
+                            .context("writing QEMU's return path")?;
+                    }
+                }
                 let _ = to_qemu.shutdown().await;
                 // Its end is not the stream's: keep waiting for the stream.
                 return std::future::pending().await;
@@ -334,8 +344,6 @@ pub async fn destination(
         let mut decoded = BytesMut::new();
         let mut gate = Gate::default();
         let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
-        let mut hold = false;
-        let mut last = Bytes::new();
         while !gate.finished() {
             tokio::select! {
                 r = session.recv(STREAM), if gate.has_room() => match r? {
@@ -347,20 +355,12 @@ pub async fn destination(
                 },
                 msg = control::recv(session) => match msg? {
                     Control::Checkpoint { bytes, sha256 } => gate.expect(bytes, sha256, false)?,
-                    Control::End { bytes, sha256, hold: held } => {
-                        hold = held;
-                        gate.expect(bytes, sha256, true)?;
-                    }
+                    Control::End { bytes, sha256 } => gate.expect(bytes, sha256, true)?,
                     Control::Abort { reason } => bail!("the source aborted: {reason}"),
                     other => bail!("unexpected control message during the stream: {other:?}"),
                 },
             }
             let verified = gate.release()?;
-            if hold && gate.finished() {
-                // What only the end's digest covers: QEMU cannot finish loading without it.
-                last = verified;
-                break;
-            }
             let weight = verified.len();
             feeder.push(verified, weight).await?;
         }
@@ -368,17 +368,6 @@ pub async fn destination(
             decoder.is_idle(),
             "codec bytes left over after the stream's last byte"
         );
-        if hold {
-            ensure!(!last.is_empty(), "a held stream's end covers no bytes");
-            control::send(session, &Control::Verified).await?;
-            match control::recv(session).await? {
-                Control::Release => {}
-                Control::Abort { reason } => bail!("the source aborted: {reason}"),
-                other => bail!("unexpected control message while held: {other:?}"),
-            }
-            let weight = last.len();
-            feeder.push(last, weight).await?;
-        }
         // QEMU's input ends once it has read everything.
         feeder.finish().await?;
         control::send(
