@@ -19,7 +19,8 @@ use ferry_api::fleet::GroupSignal;
 use tokio::sync::{watch, Notify};
 
 /// The downtime target a member's QEMU gets until the group says go: QEMU keeps copying
-/// (unless the guest dirties almost nothing) instead of stopping the VM ahead of the others.
+/// instead of stopping the VM ahead of the others, unless a sync of its dirty pages finds
+/// none (QEMU then stops it whatever the target).
 pub const HOLD_DOWNTIME_MS: u64 = 1;
 
 /// The signals of the group members this agent runs, by fleet id.

@@ -199,8 +199,19 @@ async fn drive(
                 Ok(()) => {
                     tracing::debug!("{}: downtime target {wanted} ms", req.domain);
                     applied = wanted;
+                    let go = group.as_ref().is_some_and(|g| g.now().go);
                     if req.copy_storage || group.is_some() {
-                        status.update(|s| s.qemu_downtime_limit_ms = Some(wanted));
+                        status.update(|s| {
+                            s.qemu_downtime_limit_ms = Some(wanted);
+                            if go && !s.events.iter().any(|e| e.kind == EventKind::GroupGo) {
+                                let detail = format!(
+                                    "downtime target {wanted} ms; {} bytes left, a stop now would take {} ms",
+                                    s.qemu.remaining,
+                                    s.qemu.expected_downtime_ms.map_or("?".into(), |ms| ms.to_string())
+                                );
+                                s.event(EventKind::GroupGo, detail);
+                            }
+                        });
                     }
                 }
                 // The job may be between steps; the next round tries again.
@@ -329,6 +340,7 @@ fn record_job(status: &Shared, job: &JobStats) {
         s.qemu.remaining = job.memory_remaining;
         s.qemu.total = job.memory_total + job.disk_total;
         s.qemu.iteration = job.memory_iteration;
+        s.qemu.expected_downtime_ms = job.expected_downtime_ms();
         if s.phase == Phase::PreparingDestination && job.disk_total > 0 {
             s.phase = Phase::DiskCopy;
             s.detail = "libvirt copies the disks".into();

@@ -468,13 +468,17 @@ pub struct WireStats {
 }
 
 /// QEMU's view (query-migrate on the source).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct QemuProgress {
     pub status: String,
     pub transferred: u64,
     pub remaining: u64,
     pub total: u64,
     pub iteration: u64,
+    /// The pause QEMU would take if it stopped the VM now: what remains to send at the rate
+    /// it sends (absent until QEMU has measured a rate).
+    #[serde(default)]
+    pub expected_downtime_ms: Option<u64>,
 }
 
 /// Something that happened, with the wall-clock time it happened.

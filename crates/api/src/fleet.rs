@@ -321,8 +321,8 @@ pub struct FleetGroup {
 pub struct GroupSignal {
     pub fleet_id: String,
     pub group: String,
-    /// Every member has done its first memory pass: end the passes (the downtime target
-    /// applies from now; until then the member keeps copying).
+    /// Every member could now stop within its downtime target (or has done 10 passes): end
+    /// the passes (the target applies from now; until then the member keeps copying).
     pub go: bool,
     /// Every member's destination has its whole verified stream: let it resume.
     pub release: bool,

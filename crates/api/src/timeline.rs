@@ -125,6 +125,9 @@ pub enum EventKind {
     /// Smart stop (CloudNet) told QEMU to switch over now: past the crossover, the remaining
     /// pages reached a new minimum of the recent passes.
     SmartStop,
+    /// A group member's group said go: every member could stop now, the downtime target
+    /// asked for applies.
+    GroupGo,
 }
 
 impl EventKind {
@@ -146,6 +149,7 @@ impl EventKind {
             EventKind::StreamEnded => "stream end",
             EventKind::Committed => "commit",
             EventKind::SmartStop => "smart stop",
+            EventKind::GroupGo => "group go",
         }
     }
 }

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferry_lab::baseline::System;
 use ferry_lab::bench::{run_scenario, DiskWriter, Scenario, Workload};
@@ -22,7 +22,8 @@ pub struct BenchArgs {
     shape: VmShape,
     #[command(flatten)]
     migration: MigrationFlags,
-    /// QEMU modes to compare (comma-separated); overrides --mode.
+    /// QEMU modes to compare (comma-separated); overrides --mode. With --groups: group,
+    /// at-once, one-by-one (default all).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Workloads (comma-separated): zero, delta, ws, hot, idle.
@@ -72,6 +73,11 @@ pub struct BenchArgs {
     /// VXLAN (ARP-only); --runs round trips, the modes interleaved.
     #[arg(long, conflicts_with = "libvirt")]
     pools: bool,
+    /// Groups that arrive together: three libvirt domains (working sets of a third, two thirds
+    /// and all of --dirty-mib) moved to site b and back through the fleet as a group, all at
+    /// once on their own, and one by one; --runs rounds, the modes interleaved.
+    #[arg(long, conflicts_with_all = ["libvirt", "pools"])]
+    groups: bool,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -85,6 +91,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     }
     if a.pools {
         return run_pools(a).await;
+    }
+    if a.groups {
+        return run_groups(a).await;
     }
     let base = a.migration.options()?;
     let systems: Vec<System> = if a.modes.is_empty() {
@@ -216,42 +225,79 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
 
 /// `ferry bench --pools`: the lab with libvirt and a controller, [`ferry_lab::pool_bench`].
 async fn run_pools(a: BenchArgs) -> Result<ExitCode> {
-    let link = a.link.config();
-    let workload = match workloads(&a)?.as_slice() {
-        [w] => w.clone(),
-        _ => bail!("--pools runs one workload; give one to --workloads"),
-    };
-    ferry_lab::topology::require_root()?;
-    let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
-    let (lab, exe) = fresh_lab(
-        &a.lab,
-        link,
-        ferry_lab::Services {
-            libvirt: true,
-            controller: true,
-            ..ferry_lab::Services::default()
-        },
-    )
-    .await?;
+    let workload = one_workload(&a, "--pools")?;
+    let (lab, img, exe) = fleet_lab(&a).await?;
     let bench = ferry_lab::pool_bench::PoolBench {
         runs: a.runs,
         mem_mib: a.shape.mem_mib,
         workload,
         ferry_exe: exe,
     };
-    let failures = ferry_lab::pool_bench::run(&lab, &img, &bench, |r| {
-        println!("{}", serde_json::to_string(r)?);
-        Ok(())
-    })
-    .await;
-    let failures = match failures {
-        Ok(n) => n,
-        Err(e) => {
-            eprintln!("bench: pools: {}", report::error_chain(&e));
-            1
-        }
+    let failures = ferry_lab::pool_bench::run(&lab, &img, &bench, print_record).await;
+    finish(lab, counted_failures(failures, "pools")).await
+}
+
+/// `ferry bench --groups`: the lab with libvirt and a controller, [`ferry_lab::group_bench`].
+async fn run_groups(a: BenchArgs) -> Result<ExitCode> {
+    use ferry_lab::group_bench::Arrival;
+    let workload = one_workload(&a, "--groups")?;
+    let arrivals = if a.modes.is_empty() {
+        Arrival::ALL.to_vec()
+    } else {
+        a.modes
+            .iter()
+            .map(|m| {
+                Arrival::parse(m).with_context(|| {
+                    format!("--modes {m}: with --groups, one of group, at-once, one-by-one")
+                })
+            })
+            .collect::<Result<_>>()?
     };
-    finish(lab, failures).await
+    let (lab, img, exe) = fleet_lab(&a).await?;
+    let bench = ferry_lab::group_bench::GroupBench {
+        arrivals,
+        runs: a.runs,
+        mem_mib: a.shape.mem_mib,
+        workload,
+        ferry_exe: exe,
+    };
+    let failures = ferry_lab::group_bench::run(&lab, &img, &bench, print_record).await;
+    finish(lab, counted_failures(failures, "groups")).await
+}
+
+/// The one workload a fleet bench runs.
+fn one_workload(a: &BenchArgs, flag: &str) -> Result<Workload> {
+    match workloads(a)?.as_slice() {
+        [w] => Ok(w.clone()),
+        _ => bail!("{flag} runs one workload; give one to --workloads"),
+    }
+}
+
+/// A fresh lab with libvirt at both sites and a controller, and the guest image.
+async fn fleet_lab(a: &BenchArgs) -> Result<(Lab, image::Image, std::path::PathBuf)> {
+    let link = a.link.config();
+    ferry_lab::topology::require_root()?;
+    let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
+    let services = ferry_lab::Services {
+        libvirt: true,
+        controller: true,
+        ..ferry_lab::Services::default()
+    };
+    let (lab, exe) = fresh_lab(&a.lab, link, services).await?;
+    Ok((lab, img, exe))
+}
+
+fn print_record<T: serde::Serialize>(record: &T) -> Result<()> {
+    println!("{}", serde_json::to_string(record)?);
+    Ok(())
+}
+
+/// A fleet bench's failed moves, or 1 for the error that stopped it (printed).
+fn counted_failures(failures: Result<usize>, what: &str) -> usize {
+    failures.unwrap_or_else(|e| {
+        eprintln!("bench: {what}: {}", report::error_chain(&e));
+        1
+    })
 }
 
 /// The workloads asked for, checked against the guest's memory.

@@ -409,6 +409,7 @@ impl Controller {
                 // Progress alone is worth a write only when it moved.
                 let moved = m.agent.as_ref().is_none_or(|a| {
                     a.phase != status.phase
+                        || a.qemu != status.qemu
                         || a.stream_bytes != status.stream_bytes
                         || a.wire.bytes_out != status.wire.bytes_out
                         || a.events.len() != status.events.len()

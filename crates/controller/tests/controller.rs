@@ -355,6 +355,16 @@ fn members_beat(reports: &[(&str, Phase, u64)]) -> Heartbeat {
     b
 }
 
+/// `b` with QEMU's expected pause (ms) of each member named.
+fn expecting(mut b: Heartbeat, pauses: &[(&str, u64)]) -> Heartbeat {
+    for report in &mut b.migrations {
+        if let Some((_, ms)) = pauses.iter().find(|(id, _)| *id == report.fleet_id) {
+            report.status.as_mut().unwrap().qemu.expected_downtime_ms = Some(*ms);
+        }
+    }
+    b
+}
+
 #[tokio::test]
 async fn a_group_ends_its_passes_together_and_is_released_when_every_member_holds() {
     let fleet = Fleet::start("").await;
@@ -391,12 +401,12 @@ async fn a_group_ends_its_passes_together_and_is_released_when_every_member_hold
         .iter()
         .all(|w| w.group.as_ref() == Some(&group.id)));
 
-    // No go until both did a first pass.
+    // No go until both did a first pass and could stop within their target (300 ms).
     let answer = a1
-        .heartbeat(&members_beat(&[
-            (web, Phase::Memory, 2),
-            (db, Phase::DiskCopy, 0),
-        ]))
+        .heartbeat(&expecting(
+            members_beat(&[(web, Phase::Memory, 2), (db, Phase::DiskCopy, 0)]),
+            &[(web, 100)],
+        ))
         .await
         .unwrap();
     assert_eq!(answer.groups.len(), 2);
@@ -405,10 +415,18 @@ async fn a_group_ends_its_passes_together_and_is_released_when_every_member_hold
         "{answer:?}"
     );
     let answer = a1
-        .heartbeat(&members_beat(&[
-            (web, Phase::Memory, 3),
-            (db, Phase::Memory, 2),
-        ]))
+        .heartbeat(&expecting(
+            members_beat(&[(web, Phase::Memory, 3), (db, Phase::Memory, 2)]),
+            &[(web, 100), (db, 2_000)],
+        ))
+        .await
+        .unwrap();
+    assert!(answer.groups.iter().all(|g| !g.go), "{answer:?}");
+    let answer = a1
+        .heartbeat(&expecting(
+            members_beat(&[(web, Phase::Memory, 3), (db, Phase::Memory, 3)]),
+            &[(web, 100), (db, 250)],
+        ))
         .await
         .unwrap();
     assert!(

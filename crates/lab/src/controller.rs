@@ -135,3 +135,32 @@ pub fn kill(lab: &Lab, site: Site) -> Result<()> {
     let _ = fs::remove_file(pid_path(lab, site));
     Ok(())
 }
+
+/// `ferry fleet ARGS` against the lab's controller at site a, as the `ferry` at `exe`; its
+/// stdout, or its stderr as the error.
+pub fn fleet(lab: &Lab, exe: &Path, args: &[String]) -> Result<String> {
+    let out = std::process::Command::new(exe)
+        .args(["fleet", "--controller"])
+        .arg(socket(lab, Site::A))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("run ferry fleet")?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "ferry fleet {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `ferry fleet WHAT --json` (hosts, vms, pools, migrations, groups): its list.
+pub fn fleet_json(lab: &Lab, exe: &Path, what: &str) -> Result<Vec<serde_json::Value>> {
+    let out = fleet(lab, exe, &[what.to_owned(), "--json".into()])?;
+    Ok(serde_json::from_str::<serde_json::Value>(&out)?
+        .as_array()
+        .cloned()
+        .unwrap_or_default())
+}

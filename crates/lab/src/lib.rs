@@ -21,6 +21,7 @@ pub mod bench;
 pub mod controller;
 pub mod ferry_path;
 pub mod floor;
+pub mod group_bench;
 pub mod guest;
 pub mod image;
 pub mod libvirt;

@@ -161,6 +161,33 @@ pub fn tiny_domain_xml(
     )
 }
 
+/// Defines and starts the tiny guest as domain `name` at site a ([`tiny_domain_xml`]);
+/// returns its serial link once the guest's agent answered and ran `command` (its workload).
+pub async fn start_tiny_domain(
+    lab: &Lab,
+    img: &crate::image::Image,
+    (name, mem_mib, nic): (&str, u32, &GuestNic),
+    command: &str,
+) -> Result<crate::guest::GuestLink> {
+    let xml = lab.host_dir(Site::A).join(format!("{name}.xml"));
+    fs::write(&xml, tiny_domain_xml(img, name, mem_mib, nic, false))?;
+    virsh(
+        lab,
+        Site::A,
+        &[
+            "define",
+            &format!("{}/{name}.xml", crate::topology::HOST_DIR),
+        ],
+    )?;
+    virsh(lab, Site::A, &["start", name])?;
+    let serial = lab.host_dir(Site::A).join(format!("{name}.serial"));
+    let heartbeats = std::sync::Arc::new(crate::guest::Heartbeats::default());
+    let link = crate::guest::GuestLink::connect(&serial, heartbeats).await?;
+    link.wait_ready(Duration::from_secs(120)).await?;
+    link.call(command, Duration::from_secs(180)).await?;
+    Ok(link)
+}
+
 /// Starts `site`'s daemons ([`prepare`]d); returns once `virsh` reaches them.
 pub fn start(lab: &Lab, site: Site) -> Result<()> {
     let log = fs::File::create(lab.dir().join(format!("libvirtd-{}.log", site.name())))?;

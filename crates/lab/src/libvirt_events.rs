@@ -100,6 +100,17 @@ impl LifecycleEvents {
             .find(|l| l.contains(&tag))
             .and_then(|l| parse_timestamp(l))
     }
+
+    /// When `domain` first had `event` (`Resumed Migrated`, `Suspended Migrated`, ...) at or
+    /// after `since_unix_ms`, in milliseconds since the epoch.
+    pub fn first_since(&self, domain: &str, event: &str, since_unix_ms: u64) -> Option<u64> {
+        let tag = format!("for domain '{domain}': {event}");
+        self.lines()
+            .iter()
+            .filter(|l| l.contains(&tag))
+            .filter_map(|l| parse_timestamp(l))
+            .find(|&at| at >= since_unix_ms)
+    }
 }
 
 impl Drop for LifecycleEvents {

@@ -13,16 +13,16 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::bench::Workload;
-use crate::guest::{GuestLink, Heartbeats};
+use crate::controller::{fleet, fleet_json};
+use crate::guest::GuestLink;
 use crate::image::Image;
-use crate::libvirt::{self, virsh, GuestNic};
+use crate::libvirt::{self, GuestNic};
 use crate::pools::PoolPort;
 use crate::tcpseq::TcpSeqClient;
 use crate::topology::{wait_until, Lab, Site};
@@ -189,24 +189,13 @@ pub async fn run(
 
 /// Defines and starts the mode's VM at site a with the workload running.
 async fn start_vm(lab: &Lab, img: &Image, bench: &PoolBench, mode: PoolMode) -> Result<GuestLink> {
-    let name = mode.vm();
-    let xml = lab.host_dir(Site::A).join(format!("{name}.xml"));
-    std::fs::write(
-        &xml,
-        libvirt::tiny_domain_xml(img, &name, bench.mem_mib, &mode.nic(), false),
-    )?;
-    virsh(
+    libvirt::start_tiny_domain(
         lab,
-        Site::A,
-        &["define", &format!("/run/ferry-host/{name}.xml")],
-    )?;
-    virsh(lab, Site::A, &["start", &name])?;
-    let serial = lab.host_dir(Site::A).join(format!("{name}.serial"));
-    let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default())).await?;
-    link.wait_ready(Duration::from_secs(120)).await?;
-    link.call(&bench.workload.start_command(), Duration::from_secs(180))
-        .await?;
-    Ok(link)
+        img,
+        (&mode.vm(), bench.mem_mib, &mode.nic()),
+        &bench.workload.start_command(),
+    )
+    .await
 }
 
 async fn move_once(
@@ -325,34 +314,6 @@ fn parse_ping_summary(text: &str) -> Option<(u64, u64)> {
         .filter(|w| !w.is_empty())
         .map(|w| w.parse::<u64>());
     Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
-}
-
-/// `ferry fleet ARGS` against the lab's controller at site a; its stdout.
-fn fleet(lab: &Lab, exe: &Path, args: &[String]) -> Result<String> {
-    let socket = crate::controller::socket(lab, Site::A);
-    let out = Command::new(exe)
-        .args(["fleet", "--controller"])
-        .arg(&socket)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .context("run ferry fleet")?;
-    if !out.status.success() {
-        bail!(
-            "ferry fleet {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn fleet_json(lab: &Lab, exe: &Path, what: &str) -> Result<Vec<serde_json::Value>> {
-    let out = fleet(lab, exe, &[what.to_owned(), "--json".into()])?;
-    Ok(serde_json::from_str::<serde_json::Value>(&out)?
-        .as_array()
-        .cloned()
-        .unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -1003,6 +1003,7 @@ async fn track_progress(
                     s.qemu.total = ram.total;
                     s.qemu.iteration = ram.dirty_sync_count;
                 }
+                s.qemu.expected_downtime_ms = info.expected_downtime;
             }
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
