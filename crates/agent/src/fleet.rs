@@ -68,7 +68,20 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
             beat.wait_ms = Some(u64::try_from(GROUP_WAIT.as_millis()).unwrap_or(u64::MAX));
         }
         let mut started = false;
-        match send_to_any(&links, &mut current, &tls, &beat).await {
+        let sent = if holding {
+            // A long poll carries the reports of when it left: a member that starts to hold
+            // while it waits is reported at once by a new heartbeat, not after the wait (the
+            // group's release waits for that report). An answer dropped this way is given
+            // again: the controller's answers are its whole current view.
+            tokio::select! {
+                answer = send_to_any(&links, &mut current, &tls, &beat) => Some(answer),
+                () = agent.groups.wake.notified() => None,
+            }
+        } else {
+            Some(send_to_any(&links, &mut current, &tls, &beat).await)
+        };
+        let Some(sent) = sent else { continue };
+        match sent {
             Ok(answer) => {
                 if failing {
                     tracing::info!("the controller {} answers", links[current].name);

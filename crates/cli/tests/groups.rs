@@ -38,20 +38,7 @@ fn a_group_resumes_at_its_destination_only_once_every_member_is_there() {
 
     // A member whose NIC is on a bridge only site a has: libvirt refuses it at site b, and
     // the whole group stays at site a.
-    for args in [
-        &["link", "add", "br-only-a", "type", "bridge"][..],
-        &["link", "set", "br-only-a", "up"],
-    ] {
-        let out = t
-            .lab
-            .host_command(Site::A, "ip")
-            .args(args)
-            .output()
-            .unwrap();
-        common::succeeded("ip", &out);
-    }
-    let nic =
-        "<interface type='bridge'><source bridge='br-only-a'/><model type='virtio'/></interface>";
+    let nic = common::domains::nic_only_at_site_a(&t);
     links.push(start_domain(&t, &rt, ("grp-odd", 34, false, nic), &[]));
     wait_for(&t, "vms", |v| {
         MEMBERS
@@ -138,4 +125,71 @@ fn a_group_resumes_at_its_destination_only_once_every_member_is_there() {
     }
     let window = resumed.iter().max().unwrap() - resumed.iter().min().unwrap();
     println!("the group's members resumed at site b within {window} ms of each other");
+}
+
+#[test]
+fn a_group_copies_its_members_disks_and_resumes_them_together() {
+    let t = TestLab::up("groupsd", LAB);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    wait_for(&t, "hosts", |h| {
+        h.len() == 2 && h.iter().all(|h| h["state"] == "up")
+    });
+    // Two members on storage of their own, each writing its disk all along: libvirt copies
+    // the disks through the agents' tunnels, then the memory; neither resumes at site b
+    // before both hold.
+    let members = ["grpd1", "grpd2"];
+    let links: Vec<_> = members
+        .iter()
+        .zip(41..)
+        .map(|(name, host)| {
+            common::domains::make_disk(&t, name, true);
+            start_domain(
+                &t,
+                &rt,
+                (name, host, true, ""),
+                &[
+                    "mem start pattern=ws mib=16 rate=1",
+                    "disk start mib=8 rate=0.5",
+                ],
+            )
+        })
+        .collect();
+    wait_for(&t, "vms", |v| {
+        members
+            .iter()
+            .all(|m| host_of(v, m).as_deref() == Some("site-a"))
+    });
+    // (The serial sockets at site a take one client: the links that started them.)
+    drop(links);
+    let events = LifecycleEvents::watch(&t.lab, Site::B).unwrap();
+    let mut args = vec!["migrate"];
+    args.extend(members);
+    args.extend(["--group", "--copy-storage", "--to-site", "b"]);
+    let out = common::succeeded(
+        "ferry fleet migrate --group --copy-storage",
+        &fleet(&t, &args),
+    );
+    assert!(out.lines().last().unwrap().contains("released"), "{out}");
+    let groups = fleet_json(&t, "groups");
+    let group = groups.last().unwrap();
+    let released = group["decided_unix_ms"].as_u64().unwrap();
+    for (name, member) in members.iter().zip(group["members"].as_array().unwrap()) {
+        assert_eq!(member["state"], "committed", "{member}");
+        assert_eq!(member["copy_storage"], true, "{member}");
+        assert_eq!(
+            t.domstate(Site::B, name).as_deref(),
+            Some("running"),
+            "{name}"
+        );
+        assert_eq!(t.domstate(Site::A, name), None, "{name} left at site a");
+        // Memory and the disk writer's file, as the guest itself checks them.
+        assert_eq!(verify(&t, &rt, Site::B, name, true), 0, "{name}");
+        let at = events
+            .resumed_unix_ms(name)
+            .unwrap_or_else(|| panic!("libvirt at site b saw {name} resume: {:?}", events.lines()));
+        assert!(
+            at >= released,
+            "{name} resumed at {at}, the group was released at {released}"
+        );
+    }
 }

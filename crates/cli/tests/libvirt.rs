@@ -128,19 +128,8 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let t = TestLab::up("lvf", FAST_LINK);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let name = "lv2";
-    // The domain's disk: its owner's image at site a, an empty one of the same size at site b
-    // (libvirt copies into an image that exists; it creates one only in a storage pool).
-    let img = ferry_lab::vm::ensure_image().unwrap();
-    let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
-    let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
-    common::qemu_img(&[
-        "convert",
-        "-O",
-        "qcow2",
-        &img.data_disk.to_string_lossy(),
-        &disk_a.to_string_lossy(),
-    ]);
-    let size = std::fs::metadata(&img.data_disk).unwrap().len().to_string();
+    // The domain's disk at site a; site b's comes after the attempt without it.
+    let size = common::domains::make_disk(&t, name, false);
     let link = start_domain(
         &t,
         &rt,
@@ -191,7 +180,7 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains(&format!("{name}.qcow2")), "{err}");
     stayed_at_a(&t, name, &err);
-    common::qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
+    common::domains::empty_disk_at_b(&t, name, size);
 
     // A destination whose libvirt is down: refused before anything starts, naming it.
     ferry_lab::libvirt::stop_libvirtd(&t.lab, Site::B).unwrap();
@@ -284,20 +273,7 @@ fn a_domain_with_a_device_the_destination_lacks_stays_at_the_source() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let name = "lv3";
     // A second NIC on a bridge only site a has.
-    for args in [
-        &["link", "add", "br-only-a", "type", "bridge"][..],
-        &["link", "set", "br-only-a", "up"],
-    ] {
-        let out = t
-            .lab
-            .host_command(Site::A, "ip")
-            .args(args)
-            .output()
-            .unwrap();
-        common::succeeded("ip", &out);
-    }
-    let nic =
-        "<interface type='bridge'><source bridge='br-only-a'/><model type='virtio'/></interface>";
+    let nic = common::domains::nic_only_at_site_a(&t);
     let link = start_domain(&t, &rt, (name, 94, false, nic), &[]);
     let out = t
         .lab

@@ -58,6 +58,56 @@ pub fn start_domain_on(
     })
 }
 
+/// Domain `name`'s disk: the guest's data disk as its image at site a, and (with
+/// `at_destination`) an empty image of the same size at site b (libvirt copies into an image
+/// that exists; it creates one only in a storage pool). Returns the disk's size in bytes.
+pub fn make_disk(t: &TestLab, name: &str, at_destination: bool) -> u64 {
+    let img = ferry_lab::vm::ensure_image().unwrap();
+    let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
+    super::qemu_img(&[
+        "convert",
+        "-O",
+        "qcow2",
+        &img.data_disk.to_string_lossy(),
+        &disk_a.to_string_lossy(),
+    ]);
+    let size = std::fs::metadata(&img.data_disk).unwrap().len();
+    if at_destination {
+        empty_disk_at_b(t, name, size);
+    }
+    size
+}
+
+/// An empty image of `size` bytes for domain `name` at site b.
+pub fn empty_disk_at_b(t: &TestLab, name: &str, size: u64) {
+    let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
+    super::qemu_img(&[
+        "create",
+        "-f",
+        "qcow2",
+        &disk_b.to_string_lossy(),
+        &size.to_string(),
+    ]);
+}
+
+/// A NIC (domain XML) on a bridge that only site a has, made here: libvirt at site b refuses
+/// a domain with it, which is how the tests make a migration fail at the destination.
+pub fn nic_only_at_site_a(t: &TestLab) -> &'static str {
+    for args in [
+        &["link", "add", "br-only-a", "type", "bridge"][..],
+        &["link", "set", "br-only-a", "up"],
+    ] {
+        let out = t
+            .lab
+            .host_command(Site::A, "ip")
+            .args(args)
+            .output()
+            .unwrap();
+        super::succeeded("ip", &out);
+    }
+    "<interface type='bridge'><source bridge='br-only-a'/><model type='virtio'/></interface>"
+}
+
 /// The errors the guest's verifiers find in domain `name` at `site` (memory, and the disk).
 pub fn verify(
     t: &TestLab,
