@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  member's source agent                       controller
-//!  memory passes, downtime target 1 ms  ...... every member did its first pass: go
+//!  memory passes, downtime target 1 ms  ...... every member could stop within its target: go
 //!  downtime target as asked; QEMU stops the VM, its device state goes out
 //!  the destination QEMU loaded it all; its word back (return path) kept -> Held
 //!                                  ==heartbeat (long poll)==> every member held: released

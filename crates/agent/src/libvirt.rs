@@ -26,12 +26,12 @@ pub struct JobStats {
     pub memory_remaining: u64,
     pub memory_total: u64,
     pub memory_iteration: u64,
-    /// QEMU's sending rate in the last period, bytes per second (0 until measured).
-    pub memory_bps: u64,
     pub disk_processed: u64,
     pub disk_total: u64,
     /// Set once the job completed, at the destination: the VM's real pause, from its stop at
     /// the source to its resume at the destination (libvirt carries the stop's time over).
+    /// While the job runs: QEMU's expected pause (`expected-downtime`: the dirty set at its
+    /// last sync over its rate).
     pub downtime_ms: Option<u64>,
 }
 
@@ -213,14 +213,6 @@ pub fn virsh_error(stderr: &[u8]) -> String {
 }
 
 impl JobStats {
-    /// The pause a stop now would take: what remains over the rate QEMU sends at.
-    pub fn expected_downtime_ms(&self) -> Option<u64> {
-        (self.memory_bps > 0).then(|| {
-            u64::try_from(u128::from(self.memory_remaining) * 1000 / u128::from(self.memory_bps))
-                .unwrap_or(u64::MAX)
-        })
-    }
-
     /// From `domjobinfo --rawstats` (`name: value` or `name=value` per line).
     pub fn parse(text: &str) -> JobStats {
         let fields: HashMap<&str, u64> = text
@@ -234,7 +226,6 @@ impl JobStats {
             memory_remaining: get("memory_remaining"),
             memory_total: get("memory_total"),
             memory_iteration: get("memory_iteration"),
-            memory_bps: get("memory_bps"),
             disk_processed: get("disk_processed"),
             disk_total: get("disk_total"),
             downtime_ms: fields.get("downtime").copied(),
@@ -260,16 +251,6 @@ mod tests {
         );
         let eq = JobStats::parse("downtime=123\nmemory_total=5\n");
         assert_eq!((eq.downtime_ms, eq.memory_total), (Some(123), 5));
-    }
-
-    #[test]
-    fn the_expected_pause_is_what_remains_over_the_rate() {
-        assert_eq!(
-            JobStats::parse("memory_remaining: 20\n").expected_downtime_ms(),
-            None
-        );
-        let s = JobStats::parse("memory_remaining: 2500000\nmemory_bps: 12500000\n");
-        assert_eq!(s.expected_downtime_ms(), Some(200));
     }
 
     #[test]

@@ -128,9 +128,12 @@ async fn drive(
 ) -> Result<()> {
     let settings = &req.settings;
     // QEMU's downtime target: the one asked for, less the disks' share once the round trip
-    // is known; a group member's stays tiny until its group says go.
-    let downtime = |group: &Option<GroupLink>| {
-        if group.as_ref().is_some_and(|g| !g.now().go) {
+    // is known; a group member's stays tiny until its group says go. A go, once heard, holds
+    // (the controller works it out afresh from every report).
+    let mut went = false;
+    let mut downtime = |group: &Option<GroupLink>| {
+        went |= group.as_ref().is_some_and(|g| g.now().go);
+        if group.is_some() && !went {
             return crate::group::HOLD_DOWNTIME_MS;
         }
         match (req.copy_storage, status.get().wire.rtt_ms) {
@@ -177,6 +180,7 @@ async fn drive(
             _ = poll.tick() => {
                 if let Ok(job) = libvirt.job(&req.domain, false).await {
                     record_job(status, &job);
+                    status.update(|s| s.qemu.expected_downtime_ms = job.downtime_ms);
                 }
             }
         }
@@ -199,7 +203,7 @@ async fn drive(
                 Ok(()) => {
                     tracing::debug!("{}: downtime target {wanted} ms", req.domain);
                     applied = wanted;
-                    let go = group.as_ref().is_some_and(|g| g.now().go);
+                    let go = group.is_some() && wanted != crate::group::HOLD_DOWNTIME_MS;
                     if req.copy_storage || group.is_some() {
                         status.update(|s| {
                             s.qemu_downtime_limit_ms = Some(wanted);
@@ -340,7 +344,6 @@ fn record_job(status: &Shared, job: &JobStats) {
         s.qemu.remaining = job.memory_remaining;
         s.qemu.total = job.memory_total + job.disk_total;
         s.qemu.iteration = job.memory_iteration;
-        s.qemu.expected_downtime_ms = job.expected_downtime_ms();
         if s.phase == Phase::PreparingDestination && job.disk_total > 0 {
             s.phase = Phase::DiskCopy;
             s.detail = "libvirt copies the disks".into();

@@ -475,8 +475,8 @@ pub struct QemuProgress {
     pub remaining: u64,
     pub total: u64,
     pub iteration: u64,
-    /// The pause QEMU would take if it stopped the VM now: what remains to send at the rate
-    /// it sends (absent until QEMU has measured a rate).
+    /// The pause QEMU expects of a stop (its `expected-downtime`: the pages dirty at its last
+    /// sync over the rate it sends at; absent until QEMU has measured one).
     #[serde(default)]
     pub expected_downtime_ms: Option<u64>,
 }

@@ -321,7 +321,7 @@ pub struct FleetGroup {
 pub struct GroupSignal {
     pub fleet_id: String,
     pub group: String,
-    /// Every member could now stop within its downtime target (or has done 10 passes): end
+    /// Every member could now stop within its downtime target (or is in its 10th pass): end
     /// the passes (the target applies from now; until then the member keeps copying).
     pub go: bool,
     /// Every member's destination has its whole verified stream: let it resume.

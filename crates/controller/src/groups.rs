@@ -31,7 +31,8 @@ pub const HOLD_TIMEOUT_MS: u64 = 60_000;
 const DECISION_POLL: Duration = Duration::from_millis(20);
 /// The longest a heartbeat is held for a decision, whatever the agent asks.
 const MAX_WAIT_MS: u64 = 5_000;
-/// Memory passes after which a member that would not stop within its target is ready anyway
+/// QEMU's pass counter (1 in the first pass) at which a member that would not stop within
+/// its target is ready anyway
 /// (it dirties faster than its share of the link carries; QEMU's own rules take it from
 /// there).
 pub const GO_PASSES: u64 = 10;
@@ -279,8 +280,11 @@ fn members_of(group: &GroupRecord, migrations: &[FleetMigration]) -> Vec<FleetMi
 
 /// A member ready for its group's go: QEMU, past its first pass, would now stop it within the
 /// downtime target asked for (or it is stopping already). CloudNet's synchronized arrival:
-/// no member's last pass starts before every member could take its own, so the members that
-/// converge first wait iterating, not paused.
+/// no member's last pass starts before every member could take its own. (QEMU may still stop
+/// a member early, when a sync finds no dirty page: it then waits paused, docs/fleet.md.)
+/// The expected pause is QEMU's (`expected-downtime`: the dirty set at the last sync over the
+/// rate), so it does not fall and rise within a pass; a copy-storage member's target for QEMU
+/// is somewhat less than the one asked for, which this leaves aside.
 fn ready(m: &FleetMigration) -> bool {
     m.state == FleetMigrationState::Running
         && m.agent.as_ref().is_some_and(|a| {
