@@ -95,34 +95,7 @@ fn a_group_resumes_at_its_destination_only_once_every_member_is_there() {
     let out = common::succeeded("ferry fleet migrate --group", &fleet(&t, &args));
     let last = out.lines().last().unwrap();
     assert!(last.contains("released"), "{out}");
-    let groups = fleet_json(&t, "groups");
-    let group = groups.last().unwrap();
-    assert_eq!(group["state"], "released", "{group}");
-    let released = group["decided_unix_ms"].as_u64().unwrap();
-    let mut resumed = Vec::new();
-    for (name, member) in MEMBERS.iter().zip(group["members"].as_array().unwrap()) {
-        assert_eq!(member["state"], "committed", "{member}");
-        assert!(
-            member["held_unix_ms"].as_u64().unwrap() <= released,
-            "{member}"
-        );
-        assert_eq!(
-            t.domstate(Site::B, name).as_deref(),
-            Some("running"),
-            "{name}"
-        );
-        assert_eq!(t.domstate(Site::A, name), None, "{name} left at site a");
-        assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "{name}");
-        let at = events
-            .resumed_unix_ms(name)
-            .unwrap_or_else(|| panic!("libvirt at site b saw {name} resume: {:?}", events.lines()));
-        // The commit point: no member ran at site b before every member held.
-        assert!(
-            at >= released,
-            "{name} resumed at {at}, the group was released at {released}"
-        );
-        resumed.push(at);
-    }
+    let resumed = arrived_together(&t, &rt, &events, &MEMBERS, false);
     let window = resumed.iter().max().unwrap() - resumed.iter().min().unwrap();
     println!("the group's members resumed at site b within {window} ms of each other");
 }
@@ -170,26 +143,50 @@ fn a_group_copies_its_members_disks_and_resumes_them_together() {
         &fleet(&t, &args),
     );
     assert!(out.lines().last().unwrap().contains("released"), "{out}");
+    arrived_together(&t, &rt, &events, &members, true);
     let groups = fleet_json(&t, "groups");
+    for member in groups.last().unwrap()["members"].as_array().unwrap() {
+        assert_eq!(member["copy_storage"], true, "{member}");
+    }
+}
+
+/// Checks the last group: released, every member committed after it held, running at site b
+/// only, intact by the guest's own verifiers (`disk`: its disk too), and resumed there (by
+/// libvirt's `events`) no earlier than the release. Returns the resumes' times.
+fn arrived_together(
+    t: &TestLab,
+    rt: &tokio::runtime::Runtime,
+    events: &LifecycleEvents,
+    members: &[&str],
+    disk: bool,
+) -> Vec<u64> {
+    let groups = fleet_json(t, "groups");
     let group = groups.last().unwrap();
+    assert_eq!(group["state"], "released", "{group}");
     let released = group["decided_unix_ms"].as_u64().unwrap();
+    let mut resumed = Vec::new();
     for (name, member) in members.iter().zip(group["members"].as_array().unwrap()) {
         assert_eq!(member["state"], "committed", "{member}");
-        assert_eq!(member["copy_storage"], true, "{member}");
+        assert!(
+            member["held_unix_ms"].as_u64().unwrap() <= released,
+            "{member}"
+        );
         assert_eq!(
             t.domstate(Site::B, name).as_deref(),
             Some("running"),
             "{name}"
         );
         assert_eq!(t.domstate(Site::A, name), None, "{name} left at site a");
-        // Memory and the disk writer's file, as the guest itself checks them.
-        assert_eq!(verify(&t, &rt, Site::B, name, true), 0, "{name}");
+        assert_eq!(verify(t, rt, Site::B, name, disk), 0, "{name}");
         let at = events
             .resumed_unix_ms(name)
             .unwrap_or_else(|| panic!("libvirt at site b saw {name} resume: {:?}", events.lines()));
+        // The commit point: no member ran at site b before every member held.
         assert!(
             at >= released,
             "{name} resumed at {at}, the group was released at {released}"
         );
+        resumed.push(at);
     }
+    resumed
 }
