@@ -24,6 +24,10 @@
 //! socket = "/run/libvirt/libvirt-sock"
 //! tunnel_dir = "/run/ferry/libvirt"      # <dir>/<peer>/{rpc,mig,nbd}.sock
 //!
+//! [qemu]                                 # optional: QEMU VMs its owner's tooling runs
+//! qmp_dir = "/run/ferry/vms"             # <dir>/<name>.qmp is VM <name>'s monitor
+//!                                        # (default: <work_dir>/vms)
+//!
 //! [overlay]                              # optional: this host's part in virtual cloud pools
 //! address = "192.0.2.11"                 # its VXLAN endpoint, reached by the other hosts
 //! device = "eth1"                        # optional: the interface to send tunnels out of
@@ -86,6 +90,17 @@ pub struct AgentConfig {
     pub controllers: Vec<ControllerLink>,
     /// This host's tunnel endpoint for the fleet's pools (none: it takes no part in them).
     pub overlay: Option<OverlayConfig>,
+    /// The bare QEMU VMs' monitors: `<dir>/<name>.qmp` is VM `<name>`, reported to the
+    /// controller and movable by it; VMs this agent receives and starts get theirs here
+    /// ([`crate::qemu_vms`]).
+    pub qmp_dir: PathBuf,
+}
+
+/// `[qemu]`: the host's QEMU VMs that libvirt does not run.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QemuSection {
+    qmp_dir: Option<PathBuf>,
 }
 
 /// This host's VXLAN tunnel endpoint ([`crate::overlay`]).
@@ -190,6 +205,8 @@ struct File {
     metrics_listen: Option<String>,
     #[serde(default)]
     overlay: Option<OverlayConfig>,
+    #[serde(default)]
+    qemu: QemuSection,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -300,8 +317,13 @@ impl AgentConfig {
                 }
             }
         }
+        let qmp_dir = file
+            .qemu
+            .qmp_dir
+            .unwrap_or_else(|| file.work_dir.join("vms"));
         for (key, p) in [
             ("work_dir", &file.work_dir),
+            ("qemu.qmp_dir", &qmp_dir),
             ("tls.ca", &file.tls.ca),
             ("tls.cert", &file.tls.cert),
             ("tls.key", &file.tls.key),
@@ -341,6 +363,7 @@ impl AgentConfig {
             controllers: file.controllers,
             metrics_listen: file.metrics_listen,
             overlay: file.overlay,
+            qmp_dir,
             name: file.name,
         })
     }
@@ -391,6 +414,7 @@ rate_mbit = 100
         assert_eq!(c.name, "site-a");
         assert_eq!(c.api_socket, Path::new(DEFAULT_API_SOCKET));
         assert_eq!(c.seed_dir, Path::new("/var/lib/ferry/work/seeds"));
+        assert_eq!(c.qmp_dir, Path::new("/var/lib/ferry/work/vms"));
         assert_eq!(c.seed_budget_bytes, 8 << 30);
         assert_eq!(c.max_outgoing, 4);
         assert_eq!(c.peer("site-b").unwrap().rate_mbit, Some(100.0));
@@ -429,6 +453,10 @@ rate_mbit = 100
                 .unwrap_err(),
             "/etc/ferry/agent.toml: controllers.address: \"ctl\" is not host:port (e.g. 192.0.2.10:7070)"
         );
+        assert_eq!(
+            parse(&format!("{GOOD}\n[qemu]\nqmp_dir = \"vms\"\n")).unwrap_err(),
+            "/etc/ferry/agent.toml: qemu.qmp_dir: vms is not an absolute path"
+        );
         let missing = parse(&GOOD.replace("name = \"site-a\"\n", "")).unwrap_err();
         assert!(missing.contains("missing field `name`"), "{missing}");
     }
@@ -443,6 +471,7 @@ rate_mbit = 100
         assert_eq!(c.peer("dc2-host3").unwrap().rate_mbit, Some(1000.0));
         assert_eq!(c.controllers.len(), 1);
         assert_eq!(c.controllers[0].name, "ctl1");
+        assert_eq!(c.qmp_dir, Path::new("/run/ferry/vms"));
         let overlay = c.overlay.unwrap();
         assert_eq!(overlay.address.to_string(), "198.51.100.17");
         assert_eq!(

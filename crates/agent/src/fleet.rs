@@ -14,16 +14,23 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
-use ferry_api::agent::{ApiError, LibvirtMigrationRequest, MigrationState, MigrationStatus};
+use ferry_api::agent::{
+    ApiError, Destination, LibvirtMigrationRequest, MigrationRequest, MigrationState,
+    MigrationStatus,
+};
 use ferry_api::fleet::{
     FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, VmKind, VmNic, VmReport,
 };
+use ferry_qemu::commands::QueryBlock;
+use ferry_qemu::Qmp;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::config::ControllerLink;
+use crate::engine::monitor_dir::{self, Asked};
 use crate::libvirt::Libvirt;
+use crate::refusal::Refusal;
 use crate::server::{self, Agent};
 
 /// Until the controller says otherwise; also how often the VMs are listed.
@@ -155,11 +162,78 @@ struct Listed {
     at_unix_ms: Option<u64>,
 }
 
-/// The VMs this host runs (libvirt's active domains), or None when they cannot be listed now
-/// (the last list stands rather than telling the controller they all left).
+/// The VMs this host runs (libvirt's active domains and the QEMU VMs of its monitor
+/// directory), or None when they cannot be listed now (the last list stands rather than
+/// telling the controller they all left).
 async fn running_vms(agent: &Agent) -> Option<Vec<VmReport>> {
-    let tunnels = agent.tunnels.as_ref()?;
-    let libvirt = Libvirt::new(&tunnels.config.socket);
+    let mut vms = match &agent.tunnels {
+        Some(tunnels) => libvirt_domains(&Libvirt::new(&tunnels.config.socket)).await?,
+        None => Vec::new(),
+    };
+    vms.extend(qemu_vms(agent).await?);
+    Some(vms)
+}
+
+/// The QEMU VMs whose monitors are in the host's directory, each with the state its monitor
+/// gives (one this agent is migrating is not asked: the migration has its monitor).
+async fn qemu_vms(agent: &Agent) -> Option<Vec<VmReport>> {
+    let names = match agent.monitors.names() {
+        Ok(names) => names,
+        Err(e) => {
+            tracing::warn!(
+                "listing the QEMU VMs' monitors in {}: {e}",
+                agent.monitors.dir().display()
+            );
+            return None;
+        }
+    };
+    let migrating: std::collections::HashSet<String> = agent
+        .migrations
+        .lock()
+        .expect("lock")
+        .values()
+        .map(|m| m.get())
+        .filter(|s| s.state == MigrationState::Running)
+        .map(|s| s.vm)
+        .collect();
+    let mut asking = tokio::task::JoinSet::new();
+    for name in names {
+        let Ok(socket) = agent.monitors.socket(&name) else {
+            continue;
+        };
+        let ours = migrating.contains(&name);
+        asking.spawn(async move {
+            let asked = if ours {
+                Asked::State("migrating".into())
+            } else {
+                monitor_dir::ask(&socket).await
+            };
+            (name, asked)
+        });
+    }
+    let mut vms = Vec::new();
+    while let Some(Ok((name, asked))) = asking.join_next().await {
+        let state = match asked {
+            Asked::State(state) => state,
+            // Another client holds the monitor (its owner's tooling): it runs, state unknown.
+            Asked::Busy => "busy".into(),
+            Asked::Gone => continue,
+        };
+        vms.push(VmReport {
+            name,
+            kind: VmKind::Qemu,
+            state,
+            // Not known from the monitor: such VMs join no pool yet.
+            nics: Vec::new(),
+        });
+    }
+    vms.sort_by(|a, b| a.name.cmp(&b.name));
+    Some(vms)
+}
+
+/// libvirt's active domains with their bridged interfaces, or None when libvirt does not
+/// answer.
+async fn libvirt_domains(libvirt: &Libvirt) -> Option<Vec<VmReport>> {
     let domains = match libvirt.active_domains().await {
         Ok(domains) => domains,
         Err(e) => {
@@ -247,10 +321,7 @@ fn known(agent: &Agent, fleet_id: &str) -> bool {
         .any(|m| m.update(|s| s.fleet_id.as_deref() == Some(fleet_id)))
 }
 
-async fn start(
-    agent: &Arc<Agent>,
-    work: FleetWork,
-) -> Result<MigrationStatus, crate::refusal::Refusal> {
+async fn start(agent: &Arc<Agent>, work: FleetWork) -> Result<MigrationStatus, Refusal> {
     match work.kind {
         VmKind::Libvirt => {
             let req = LibvirtMigrationRequest {
@@ -262,7 +333,55 @@ async fn start(
             };
             server::start_libvirt_migration(agent, req, Some(work.fleet_id), work.group).await
         }
+        VmKind::Qemu => {
+            if work.group.is_some() {
+                return Err(Refusal::QemuVmInGroup);
+            }
+            let source_qmp = agent.monitors.socket(&work.vm)?;
+            if !source_qmp.exists() {
+                return Err(Refusal::UnknownQemuVm {
+                    name: work.vm,
+                    socket: source_qmp.display().to_string(),
+                });
+            }
+            let disks = if work.copy_storage {
+                writable_disks(&source_qmp)
+                    .await
+                    .map_err(|e| Refusal::QemuVmUnavailable {
+                        name: work.vm.clone(),
+                        why: format!("{e:#}"),
+                    })?
+            } else {
+                Vec::new()
+            };
+            let req = MigrationRequest {
+                vm: work.vm,
+                source_qmp,
+                to: work.to,
+                // On another host, the same command line names the same images and kernel.
+                destination: Destination::SourceConfig,
+                link_rate_mbit: None,
+                disks,
+                settings: work.settings,
+            };
+            server::start_migration(agent, req, Some(work.fleet_id))
+        }
     }
+}
+
+/// The block nodes a VM writes to (what `--copy-storage` copies): every drive with an image
+/// in it that is not read-only.
+async fn writable_disks(socket: &std::path::Path) -> Result<Vec<String>> {
+    let qmp = tokio::time::timeout(Duration::from_secs(5), Qmp::connect(socket))
+        .await
+        .map_err(|_| anyhow!("no answer within 5 s (another client has it)"))??;
+    let devices = qmp.execute(&QueryBlock).await?;
+    Ok(devices
+        .into_iter()
+        .filter_map(|d| d.inserted)
+        .filter(|image| !image.ro && !image.node_name.is_empty())
+        .map(|image| image.node_name)
+        .collect())
 }
 
 fn cancel(agent: &Agent, fleet_id: &str) {

@@ -39,6 +39,14 @@ pub enum Refusal {
     PeerLibvirtUnavailable { peer: String, why: String },
     #[error("{running} libvirt migrations to {peer} are running, as many as run at once")]
     PeerBusy { peer: String, running: u32 },
+    #[error("no QEMU VM {name:?} on this host (its monitor {socket} is not there)")]
+    UnknownQemuVm { name: String, socket: String },
+    #[error(transparent)]
+    Monitor(#[from] crate::engine::monitor_dir::MonitorError),
+    #[error("VM {name:?}'s monitor does not answer: {why}")]
+    QemuVmUnavailable { name: String, why: String },
+    #[error("QEMU VMs do not move in groups (only libvirt domains do)")]
+    QemuVmInGroup,
     #[error(
         "migration {0} can no longer be cancelled (its stream has ended; the destination decides)"
     )]
@@ -54,7 +62,9 @@ impl Refusal {
             | Refusal::SeedName(_)
             | Refusal::NoLibvirt
             | Refusal::NotWithLibvirt(_) => ErrorKind::BadRequest,
-            Refusal::UnknownDomain(..) => ErrorKind::NotFound,
+            Refusal::UnknownDomain(..) | Refusal::UnknownQemuVm { .. } => ErrorKind::NotFound,
+            Refusal::Monitor(_) | Refusal::QemuVmInGroup => ErrorKind::BadRequest,
+            Refusal::QemuVmUnavailable { .. } => ErrorKind::Unavailable,
             Refusal::DomainNotRunning { .. } | Refusal::PeerBusy { .. } => ErrorKind::Conflict,
             Refusal::LibvirtUnavailable(..) | Refusal::PeerLibvirtUnavailable { .. } => {
                 ErrorKind::Unavailable

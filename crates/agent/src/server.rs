@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, UnixListener};
 
 use crate::config::AgentConfig;
 use crate::engine::control::{self, Control};
+use crate::engine::monitor_dir::MonitorDir;
 use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::{destination, source};
 use crate::libvirt::Libvirt;
@@ -42,6 +43,8 @@ pub(crate) struct Agent {
     pub(crate) overlay: Option<Arc<crate::overlay::Overlay>>,
     /// The group members this agent runs, and what the controller says of their groups.
     pub(crate) groups: crate::group::Groups,
+    /// The host's bare QEMU VMs, by their monitors (`[qemu] qmp_dir`).
+    pub(crate) monitors: Arc<MonitorDir>,
     /// Incoming sessions, by id; ids of finished ones are remembered so that a late
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
@@ -52,8 +55,9 @@ pub(crate) struct Agent {
 pub async fn run(config: AgentConfig) -> Result<()> {
     let server_tls = config.identity.server_config()?;
     let client_tls = config.identity.client_config()?;
-    std::fs::create_dir_all(&config.work_dir)
-        .with_context(|| format!("create {}", config.work_dir.display()))?;
+    for dir in [&config.work_dir, &config.qmp_dir] {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
     let peers = TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("listen for peers on {}", config.listen))?;
@@ -80,6 +84,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         })
     });
     let agent = Arc::new(Agent {
+        monitors: MonitorDir::new(config.qmp_dir.clone()),
         config,
         client_tls,
         pool,
@@ -229,13 +234,12 @@ impl Agent {
                     .await;
                 }
                 Ok(Ok(first)) => {
-                    destination::run(
-                        s,
-                        agent.config.work_dir.clone(),
-                        agent.config.seed_dir.clone(),
-                        first,
-                    )
-                    .await;
+                    let dirs = destination::Dirs {
+                        work: agent.config.work_dir.clone(),
+                        seeds: agent.config.seed_dir.clone(),
+                        monitors: agent.monitors.clone(),
+                    };
+                    destination::run(s, dirs, first).await;
                 }
                 Ok(Err(e)) => {
                     tracing::warn!("session {id}: {e:#}");
@@ -305,17 +309,30 @@ async fn cancel(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Resp
 }
 
 async fn start(State(agent): State<Arc<Agent>>, body: axum::body::Bytes) -> Response {
-    match admit(&agent, &body) {
-        Ok((req, peer_address)) => launch(&agent, req, peer_address),
+    let started = match serde_json::from_slice(&body) {
+        Ok(req) => start_migration(&agent, req, None),
+        Err(e) => Err(Refusal::Malformed(e.to_string())),
+    };
+    match started {
+        Ok(status) => (StatusCode::CREATED, Json(status)).into_response(),
         Err(refusal) => refusal.into_response(),
     }
 }
 
+/// Checks a migration request and starts it, for the fleet controller's migration `fleet_id`
+/// if given; returns its first status.
+pub(crate) fn start_migration(
+    agent: &Arc<Agent>,
+    req: MigrationRequest,
+    fleet_id: Option<String>,
+) -> Result<MigrationStatus, Refusal> {
+    let (req, peer_address) = admit(agent, req)?;
+    Ok(launch(agent, req, peer_address, fleet_id))
+}
+
 /// Checks a migration request whole before anything happens: its settings, its peer, its
 /// names, the agent's limits. Returns it with the peer's address and link rate filled in.
-fn admit(agent: &Agent, body: &[u8]) -> Result<(MigrationRequest, String), Refusal> {
-    let mut req: MigrationRequest =
-        serde_json::from_slice(body).map_err(|e| Refusal::Malformed(e.to_string()))?;
+fn admit(agent: &Agent, mut req: MigrationRequest) -> Result<(MigrationRequest, String), Refusal> {
     req.settings.validate()?;
     let peer = agent.config.peer(&req.to)?.clone();
     req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
@@ -424,8 +441,13 @@ pub(crate) async fn start_libvirt_migration(
     Ok(status.get())
 }
 
-/// Starts an admitted migration's task; answers 201 with its first status.
-fn launch(agent: &Arc<Agent>, req: MigrationRequest, peer_address: String) -> Response {
+/// Starts an admitted migration's task; returns its first status.
+fn launch(
+    agent: &Arc<Agent>,
+    req: MigrationRequest,
+    peer_address: String,
+    fleet_id: Option<String>,
+) -> MigrationStatus {
     // 64 random bits are plenty for ids on one agent.
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let status = Shared::new(MigrationStatus {
@@ -433,6 +455,7 @@ fn launch(agent: &Arc<Agent>, req: MigrationRequest, peer_address: String) -> Re
         // from the other side: the last bytes and the digest travel together, one way. With
         // QEMU's return path the source QEMU also waits for the destination's confirmation.
         switchover_round_trips: Some(if req.settings.return_path { 1.5 } else { 0.5 }),
+        fleet_id,
         ..MigrationStatus::starting(id.clone(), req.vm.clone(), now_ms())
     });
     agent
@@ -450,5 +473,5 @@ fn launch(agent: &Arc<Agent>, req: MigrationRequest, peer_address: String) -> Re
         agent.config.seed_dir.clone(),
         agent.config.seed_budget_bytes,
     ));
-    (StatusCode::CREATED, Json(status.get())).into_response()
+    status.get()
 }

@@ -70,17 +70,23 @@ pub struct VmReport {
 pub enum VmKind {
     /// A libvirt domain: libvirt's own migration, carried by the agents.
     Libvirt,
+    /// A QEMU its owner's tooling runs, found by its QMP socket in the agent's `[qemu]
+    /// qmp_dir`: ferry's own migration, the destination started from the source's command line.
+    Qemu,
 }
 
 impl VmKind {
     pub fn name(self) -> &'static str {
         match self {
             VmKind::Libvirt => "libvirt",
+            VmKind::Qemu => "qemu",
         }
     }
 
     pub fn parse(s: &str) -> Option<VmKind> {
-        [VmKind::Libvirt].into_iter().find(|k| k.name() == s)
+        [VmKind::Libvirt, VmKind::Qemu]
+            .into_iter()
+            .find(|k| k.name() == s)
     }
 }
 

@@ -8,82 +8,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestLab;
-use ferry_lab::guest::{GuestLink, Heartbeats};
+use common::{bare, text, TestLab};
 use ferry_lab::topology::{wait_until, HOST_DIR};
 use ferry_lab::Site;
-use ferry_qemu::{Accel, Boot, DiskSpec, NicSpec, VmSpec};
 
 const FAST_LINK: &[&str] = &["--rate-mbit", "1000", "--rtt-ms", "10"];
-
-/// The tiny guest as its owner would start it: a command line of their own, a QMP socket, a
-/// NIC on a tap of the site's bridge.
-fn bare_spec(name: &str) -> VmSpec {
-    let img = ferry_lab::vm::ensure_image().expect("guest image (ferry image build)");
-    let host = Path::new(HOST_DIR);
-    VmSpec {
-        name: name.to_owned(),
-        mem_mib: 128,
-        vcpus: 1,
-        accel: if std::env::var("FERRY_ACCEL").as_deref() == Ok("kvm") {
-            Accel::Kvm
-        } else {
-            Accel::Tcg
-        },
-        boot: Boot::Kernel {
-            kernel: img.kernel.clone(),
-            initrd: img.initrd.clone(),
-            append: "console=ttyS0 quiet loglevel=1 panic=1 ferry_ip=10.77.0.90".into(),
-        },
-        disks: vec![DiskSpec {
-            id: "disk0".into(),
-            path: host.join(format!("{name}.qcow2")),
-            format: "qcow2".into(),
-        }],
-        nics: vec![NicSpec {
-            id: "net0".into(),
-            tap: format!("{name}t"),
-            mac: "52:54:00:77:00:5a".into(),
-        }],
-        qmp_socket: host.join(format!("{name}.qmp")),
-        serial_socket: host.join(format!("{name}.serial")),
-        serial_log: None,
-        mem_file: None,
-        incoming: None,
-        paused: false,
-        extra_args: vec![
-            "-no-reboot".into(),
-            "-daemonize".into(),
-            "-pidfile".into(),
-            host.join(format!("{name}.pid")).display().to_string(),
-        ],
-    }
-}
-
-fn qemu_img(args: &[&str]) {
-    let out = std::process::Command::new("qemu-img")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "qemu-img {args:?}: {}", text(&out));
-}
-
-/// The tap the VM's NIC needs, at `site` (a host's network setup, done by its owner).
-fn make_tap(t: &TestLab, site: Site, tap: &str) {
-    let ns = t.lab.site_ns(site);
-    ferry_lab::sh::run_in(&ns, "ip", &["tuntap", "add", tap, "mode", "tap"]).unwrap();
-    ferry_lab::sh::run_in(
-        &ns,
-        "ip",
-        &["link", "set", "dev", tap, "master", "br0", "up"],
-    )
-    .unwrap();
-}
 
 /// `ferry ARGS` as a process of site a's host.
 fn ferry_at_a(t: &TestLab, args: &[&str]) -> Output {
@@ -95,73 +28,27 @@ fn ferry_at_a(t: &TestLab, args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "status {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn pid_of(t: &TestLab, site: Site, name: &str) -> u32 {
-    let path = t.lab.host_dir(site).join(format!("{name}.pid"));
-    std::fs::read_to_string(path)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-/// The guest's memory and disk verifiers through its serial socket, seen from outside the site.
-fn verify(rt: &tokio::runtime::Runtime, serial: PathBuf) -> (GuestLink, u64) {
-    rt.block_on(async {
-        let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        let v = ferry_lab::guest::verify(&link, true).await.unwrap();
-        (link, v.errors())
-    })
-}
-
 #[test]
 fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
     let t = TestLab::up("anyq", FAST_LINK);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let name = "bare1";
-    let spec = bare_spec(name);
-    for site in Site::ALL {
-        make_tap(&t, site, &spec.nics[0].tap);
-    }
+    // Its monitor outside the agent's `[qemu] qmp_dir`: `--qmp` names it.
+    let spec = bare::spec(name, Path::new(HOST_DIR).join(format!("{name}.qmp")), 90);
     // The VM's disk: its owner's image at site a; at site b an empty one of the same size at
     // the same path, made after a first attempt without it.
-    let img = ferry_lab::vm::ensure_image().unwrap();
-    let disk_a = t.lab.host_dir(Site::A).join(format!("{name}.qcow2"));
-    let disk_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
-    let data = img.data_disk.to_string_lossy().into_owned();
-    qemu_img(&["convert", "-O", "qcow2", &data, &disk_a.to_string_lossy()]);
-    let started = t
-        .lab
-        .host_command(Site::A, ferry_qemu::qemu_program())
-        .args(spec.argv())
-        .output()
-        .unwrap();
-    assert!(started.status.success(), "{}", text(&started));
-    let source_pid = pid_of(&t, Site::A, name);
-    let serial_a = t.lab.host_dir(Site::A).join(format!("{name}.serial"));
-    let link = rt.block_on(async {
-        let link = GuestLink::connect(&serial_a, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        link.wait_ready(Duration::from_secs(120)).await.unwrap();
-        for cmd in [
+    let size = bare::prepare(&t, &spec);
+    let source_pid = bare::start_at_a(&t, &spec);
+    let link = bare::guest_at(
+        &rt,
+        &t,
+        Site::A,
+        name,
+        &[
             "mem start pattern=ws mib=32 rate=1",
             "disk start mib=8 rate=0.5",
-        ] {
-            link.call(cmd, Duration::from_secs(60)).await.unwrap();
-        }
-        link
-    });
+        ],
+    );
     let agent_a = t.lab.agent_socket(Site::A).display().to_string();
     let qmp = spec.qmp_socket.display().to_string();
     let migrate = |extra: &[&str]| {
@@ -197,12 +84,12 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         "{}",
         text(&out)
     );
-    let size = std::fs::metadata(&img.data_disk).unwrap().len().to_string();
-    qemu_img(&["create", "-f", "qcow2", &disk_b.to_string_lossy(), &size]);
+    bare::empty_disk(&t, Site::B, name, size);
 
     // A destination that cannot have the VM (its kernel is not on that host): QEMU's own
     // words come back, the source keeps running, nothing is left at the destination.
     let mut argv = vec![ferry_qemu::qemu_program()];
+    let img = ferry_lab::vm::ensure_image().unwrap();
     let kernel = img.kernel.to_string_lossy().into_owned();
     argv.extend(
         spec.argv()
@@ -220,12 +107,12 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         "{}",
         text(&out)
     );
-    let agent_b_dir = t.lab.dir().join("agent-b");
-    let left: Vec<_> = std::fs::read_dir(&agent_b_dir)
+    // The destination QEMUs' monitors and pid files go in site b's monitor directory.
+    let monitors_b = t.lab.host_dir(Site::B).join("vms");
+    let left: Vec<_> = std::fs::read_dir(&monitors_b)
         .unwrap()
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|f| f.starts_with("in-"))
         .collect();
     assert!(left.is_empty(), "left at the destination: {left:?}");
     let v = rt.block_on(ferry_lab::guest::verify(&link, true)).unwrap();
@@ -258,8 +145,19 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         !Path::new(&format!("/proc/{source_pid}")).exists()
     })
     .expect("the source QEMU is gone");
-    let (_link_b, errors) = verify(&rt, t.lab.host_dir(Site::B).join(format!("{name}.serial")));
+    let (_link_b, errors) = bare::verify(&rt, &t, Site::B, name);
     assert_eq!(errors, 0, "the guest's memory and disk at the destination");
+    // Its monitor there is named after it, in the agent's monitor directory.
+    let status = rt.block_on(async {
+        let qmp = ferry_qemu::Qmp::connect(&monitors_b.join(format!("{name}.qmp")))
+            .await
+            .unwrap();
+        qmp.execute(&ferry_qemu::commands::QueryStatus)
+            .await
+            .unwrap()
+    });
+    assert_eq!(status.status, "running");
+    assert!(monitors_b.join(format!("{name}.pid")).exists());
 
     // The agent shows every attempt.
     let out = ferry_at_a(&t, &["migrations", "--agent", &agent_a]);

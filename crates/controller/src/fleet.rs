@@ -11,7 +11,7 @@
 use ferry_api::agent::{ErrorKind, MigrationState, Phase};
 use ferry_api::fleet::{
     FleetEvent, FleetMigration, FleetMigrationReport, FleetMigrationRequest, FleetMigrationState,
-    FleetWork, Heartbeat, HeartbeatAnswer, Host, HostState, Pool, PoolRequest, Vm,
+    FleetWork, Heartbeat, HeartbeatAnswer, Host, HostState, Pool, PoolRequest, Vm, VmKind,
 };
 
 use crate::config::ControllerConfig;
@@ -117,6 +117,13 @@ impl Controller {
                 ))
             }
         };
+        if group.is_some() && vm.kind != VmKind::Libvirt {
+            return Err(FleetError::bad(format!(
+                "{} is a {} VM: only libvirt domains move in groups",
+                vm.name,
+                vm.kind.name()
+            )));
+        }
         let hosts = &fleet.hosts;
         let source = hosts.iter().find(|h| h.name == vm.host).ok_or_else(|| {
             FleetError::Refused(ErrorKind::Internal, "the VM's host is unknown".into())

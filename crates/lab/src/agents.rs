@@ -18,6 +18,12 @@ pub fn seed_dir(lab: &Lab, site: Site) -> std::path::PathBuf {
         .join("seeds")
 }
 
+/// Where each site's agent finds the QEMU VMs' monitors (`[qemu] qmp_dir`), as the site's
+/// processes see it ([`Lab::host_dir`] from outside).
+pub fn qmp_dir() -> String {
+    format!("{}/vms", crate::topology::HOST_DIR)
+}
+
 /// Where `site`'s agent's config file is.
 pub fn config_path(lab: &Lab, site: Site) -> std::path::PathBuf {
     lab.dir().join(format!("agent-{}.toml", site.name()))
@@ -45,6 +51,8 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controllers: &[Sit
         "\n[overlay]\naddress = {:?}\ndevice = \"wan0\"\n",
         site.underlay_ip()
     ));
+    // QEMU VMs started by hand at a site have their monitors in the site's host directory.
+    text.push_str(&format!("\n[qemu]\nqmp_dir = {:?}\n", qmp_dir()));
     // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in
     // the site's own host directory, the same path at every site, as libvirt wants.
     text.push_str(&format!(

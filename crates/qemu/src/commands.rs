@@ -266,6 +266,31 @@ pub struct BlockImage {
     pub full_backing_filename: Option<String>,
 }
 
+/// `query-block`: the VM's block devices and what is inserted in each.
+#[derive(Debug, Serialize)]
+pub struct QueryBlock;
+command!(QueryBlock, "query-block", Vec<BlockDevice>);
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockDevice {
+    /// The legacy drive name (empty for `-blockdev` devices).
+    #[serde(default)]
+    pub device: String,
+    /// The image it has (none: an empty drive, such as a CD-ROM without a disc).
+    #[serde(default)]
+    pub inserted: Option<InsertedImage>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct InsertedImage {
+    /// The top node the device reads and writes.
+    #[serde(default)]
+    pub node_name: String,
+    /// Read-only: nothing the guest does changes it.
+    pub ro: bool,
+}
+
 /// `query-kvm`.
 #[derive(Debug, Serialize)]
 pub struct QueryKvm;

@@ -4,6 +4,7 @@
 //! loaded. Any failure before that quits the destination QEMU; the source resumes its VM.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -23,6 +24,7 @@ use crate::engine::feeder::{self, Feeder};
 use crate::engine::known_zero::{self, ZeroPages};
 use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
+use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::seed_store;
 use crate::engine::stream_codec::{self, StreamDecoder};
 
@@ -30,17 +32,9 @@ use crate::engine::stream_codec::{self, StreamDecoder};
 const SEED_PIECE: usize = 256 << 10;
 
 /// Serves one incoming migration (its session's first message was `prepare`) to its end.
-pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf, prepare: Control) {
-    let (mut qmp, mut launched_pid) = (None, None);
-    let result = serve(
-        &session,
-        prepare,
-        &work_dir,
-        &seed_dir,
-        &mut qmp,
-        &mut launched_pid,
-    )
-    .await;
+pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
+    let (mut qmp, mut launched) = (None, None);
+    let result = serve(&session, prepare, &dirs, &mut qmp, &mut launched).await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
         // Not committed: the destination VM goes; one this agent started, whether or not its
@@ -48,9 +42,11 @@ pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf, prepare
         if let Some(qmp) = &qmp {
             let _ = qmp.execute(&Quit).await;
         }
-        if let Some(pid) = launched_pid {
-            launcher::kill(pid);
-            launcher::clean_up(&work_dir, &launch_tag(&session));
+        if let Some((arrival, pid)) = launched {
+            if let Some(pid) = pid {
+                launcher::kill(pid);
+            }
+            launcher::clean_up(&arrival.socket, &arrival.pidfile);
         }
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
@@ -68,19 +64,28 @@ pub async fn run(session: Session, work_dir: PathBuf, seed_dir: PathBuf, prepare
     }
 }
 
-/// The name of what the agent starts for `session` (sockets, pid file).
-fn launch_tag(session: &Session) -> String {
-    format!("{:016x}", session.id().0 >> 64)
+/// Where a destination keeps its files.
+#[derive(Debug, Clone)]
+pub struct Dirs {
+    /// Sockets to QEMU, the disks' exports.
+    pub work: PathBuf,
+    /// Memory images of VMs that left, for seeding.
+    pub seeds: PathBuf,
+    /// The VMs' monitors: where a QEMU this agent starts gets its own.
+    pub monitors: Arc<MonitorDir>,
 }
+
+/// A QEMU this agent started for the VM arriving (its monitor's place, its pid).
+type Launched = Option<(Arrival, Option<u32>)>;
 
 async fn serve(
     session: &Session,
     prepare: Control,
-    work_dir: &Path,
-    seed_dir: &Path,
+    dirs: &Dirs,
     qmp_slot: &mut Option<Qmp>,
-    launched_pid: &mut Option<u32>,
+    launched: &mut Launched,
 ) -> Result<()> {
+    let (work_dir, seed_dir) = (dirs.work.as_path(), dirs.seeds.as_path());
     let Control::Prepare {
         version: _,
         vm,
@@ -111,9 +116,15 @@ async fn serve(
     let destination_qmp = match destination {
         Incoming::Qmp(path) => path,
         Incoming::Launch(argv) => {
-            let started = launcher::start(work_dir, &launch_tag(session), &argv).await?;
-            *launched_pid = started.pid;
-            started.qmp_socket
+            // The VM gets its monitor where the host's VMs have theirs, named after it; until
+            // the commit it is not listed as this host's.
+            let arrival = dirs.monitors.claim(&vm).await?;
+            let socket = arrival.socket.clone();
+            let (arrival, pid) = launched.insert((arrival, None));
+            *pid = launcher::start(&argv, &arrival.socket, &arrival.pidfile)
+                .await?
+                .pid;
+            socket
         }
     };
     let qmp = Qmp::connect(&destination_qmp)
@@ -400,6 +411,10 @@ async fn serve(
         .await
         .map_or(0, |e| e.timestamp.as_micros());
     return_path.abort();
+    // The VM is this host's now: its monitor is free for others (QEMU serves one client at a
+    // time), and one this agent started is listed from here on.
+    drop(qmp_slot.take());
+    drop(launched.take());
     // Nothing after the commit point may fail the migration: errors only get logged.
     if let Err(e) = control::send(
         session,

@@ -1,11 +1,11 @@
 //! The destination QEMU, when the agent starts it: from a command line (the source QEMU's own,
-//! or one the user gave), made a destination by [`ferry_qemu::incoming::incoming_argv`] (the
-//! agent's QMP socket, `-S -incoming defer`), daemonized so that the VM outlives the agent and
-//! is nobody's child once it runs. QEMU daemonizes only after it has set everything up, so a
+//! or one the user gave), made a destination by [`ferry_qemu::incoming::incoming_argv`] (its
+//! QMP socket and pid file in the host's monitor directory, `-S -incoming defer`), daemonized
+//! so that the VM outlives the agent and is nobody's child once it runs. QEMU daemonizes only after it has set everything up, so a
 //! command line this host cannot honour (a missing image, an unknown device, a tap that is not
 //! there) fails here, with QEMU's own words, before the source has sent anything.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -20,17 +20,14 @@ const STDERR_SHOWN_BYTES: usize = 2000;
 /// A destination QEMU the agent started.
 #[derive(Debug)]
 pub struct Started {
-    pub qmp_socket: PathBuf,
     pub pid: Option<u32>,
 }
 
-/// Starts the destination for session `tag` from `argv` (program first); its sockets and pid
-/// file go in `work_dir`.
-pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Started> {
-    let qmp_socket = work_dir.join(format!("in-{tag}.qmp"));
-    let pidfile = work_dir.join(format!("in-{tag}.pid"));
-    let _ = std::fs::remove_file(&qmp_socket);
-    let argv = incoming_argv(argv, &qmp_socket, &pidfile)?;
+/// Starts the destination from `argv` (program first), its monitor on `qmp_socket`, its pid in
+/// `pidfile`.
+pub async fn start(argv: &[String], qmp_socket: &Path, pidfile: &Path) -> Result<Started> {
+    let _ = std::fs::remove_file(qmp_socket);
+    let argv = incoming_argv(argv, qmp_socket, pidfile)?;
     let (program, args) = argv.split_first().expect("incoming_argv keeps the program");
     check_program(program)?;
     tracing::info!(program, ?args, "starting the destination QEMU");
@@ -59,7 +56,7 @@ pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Starte
         .context("waiting for the destination QEMU to start")?;
     if !out.status.success() {
         // QEMU may have made its monitor's socket before it gave up.
-        clean_up(work_dir, tag);
+        clean_up(qmp_socket, pidfile);
         let stderr = String::from_utf8_lossy(&out.stderr);
         let stderr = stderr.trim();
         let from = (stderr.len().saturating_sub(STDERR_SHOWN_BYTES)..=stderr.len())
@@ -76,10 +73,10 @@ pub async fn start(work_dir: &Path, tag: &str, argv: &[String]) -> Result<Starte
             }
         );
     }
-    let pid = std::fs::read_to_string(&pidfile)
+    let pid = std::fs::read_to_string(pidfile)
         .ok()
         .and_then(|p| p.trim().parse().ok());
-    Ok(Started { qmp_socket, pid })
+    Ok(Started { pid })
 }
 
 /// The command line comes from a peer (an agent of the fleet, authenticated by the fleet's CA):
@@ -109,10 +106,11 @@ pub fn kill(pid: u32) {
     }
 }
 
-/// Removes what [`start`] left in `work_dir` for session `tag` once its QEMU is gone.
-pub fn clean_up(work_dir: &Path, tag: &str) {
-    for f in [format!("in-{tag}.qmp"), format!("in-{tag}.pid")] {
-        let _ = std::fs::remove_file(work_dir.join(f));
+/// Removes the monitor and pid file of a QEMU [`start`] started, once it is gone (killed, it
+/// left them).
+pub fn clean_up(qmp_socket: &Path, pidfile: &Path) {
+    for f in [qmp_socket, pidfile] {
+        let _ = std::fs::remove_file(f);
     }
 }
 

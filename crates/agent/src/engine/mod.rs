@@ -5,6 +5,8 @@
 //! - [`source`]: the sending side (QEMU -> parser -> session), its windows and deadlines.
 //! - [`destination`]: the receiving side and the commit decision (session -> QEMU).
 //! - [`launcher`]: the destination QEMU, when the agent starts it from a command line.
+//! - [`monitor_dir`]: the host's directory of VMs' monitors (`[qemu] qmp_dir`): the bare QEMU
+//!   VMs it runs, and where one the agent starts gets its monitor.
 //! - [`feeder`]: the destination QEMU's stream, written from a bounded queue.
 //! - [`known_zero`]: the destination's pages that are zero before the stream arrives.
 //! - [`load_sieve`]: the stream as the destination QEMU gets it: no-op zero pages left out,
@@ -26,6 +28,7 @@ pub mod feeder;
 pub mod known_zero;
 pub mod launcher;
 pub mod load_sieve;
+pub mod monitor_dir;
 pub mod page_ledger;
 pub mod seed_store;
 pub mod source;

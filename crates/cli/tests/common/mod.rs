@@ -3,6 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses a part of the harness
 
+pub mod bare;
 pub mod domains;
 pub mod fleet;
 
@@ -181,4 +182,14 @@ pub fn qemu_img(args: &[&str]) -> String {
         .output()
         .expect("run qemu-img");
     succeeded(&format!("qemu-img {args:?}"), &out)
+}
+
+/// A process's status and output, for an assertion's message.
+pub fn text(out: &Output) -> String {
+    format!(
+        "status {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
