@@ -92,7 +92,7 @@ pub struct AgentConfig {
     pub overlay: Option<OverlayConfig>,
     /// The bare QEMU VMs' monitors: `<dir>/<name>.qmp` is VM `<name>`, reported to the
     /// controller and movable by it; VMs this agent receives and starts get theirs here
-    /// ([`crate::qemu_vms`]).
+    /// ([`crate::engine::monitor_dir`]).
     pub qmp_dir: PathBuf,
 }
 
@@ -321,6 +321,16 @@ impl AgentConfig {
             .qemu
             .qmp_dir
             .unwrap_or_else(|| file.work_dir.join("vms"));
+        // QEMU's `-qmp unix:PATH,server=on` would split a path at its commas.
+        if qmp_dir.to_string_lossy().contains(',') {
+            return Err(invalid(
+                "qemu.qmp_dir",
+                format!(
+                    "{} has a comma, which QEMU's options cannot take",
+                    qmp_dir.display()
+                ),
+            ));
+        }
         for (key, p) in [
             ("work_dir", &file.work_dir),
             ("qemu.qmp_dir", &qmp_dir),
@@ -457,6 +467,9 @@ rate_mbit = 100
             parse(&format!("{GOOD}\n[qemu]\nqmp_dir = \"vms\"\n")).unwrap_err(),
             "/etc/ferry/agent.toml: qemu.qmp_dir: vms is not an absolute path"
         );
+        assert!(parse(&format!("{GOOD}\n[qemu]\nqmp_dir = \"/run/a,b\"\n"))
+            .unwrap_err()
+            .contains("qemu.qmp_dir: /run/a,b has a comma"));
         let missing = parse(&GOOD.replace("name = \"site-a\"\n", "")).unwrap_err();
         assert!(missing.contains("missing field `name`"), "{missing}");
     }

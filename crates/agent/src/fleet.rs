@@ -198,22 +198,27 @@ async fn qemu_vms(agent: &Agent) -> Option<Vec<VmReport>> {
         .collect();
     let mut asking = tokio::task::JoinSet::new();
     for name in names {
-        let Ok(socket) = agent.monitors.socket(&name) else {
-            continue;
-        };
         let ours = migrating.contains(&name);
+        let monitors = agent.monitors.clone();
         asking.spawn(async move {
             let asked = if ours {
                 Asked::State("migrating".into())
             } else {
-                monitor_dir::ask(&socket).await
+                monitors.state_of(&name).await
             };
             (name, asked)
         });
     }
     let mut vms = Vec::new();
-    while let Some(Ok((name, asked))) = asking.join_next().await {
+    while let Some(joined) = asking.join_next().await {
+        let Ok((name, asked)) = joined else {
+            continue;
+        };
         let state = match asked {
+            // A QEMU waiting for a migration is no VM yet; one that arrived while it was
+            // asked is listed next time.
+            Asked::State(state) if state == "inmigrate" => continue,
+            _ if agent.monitors.is_arriving(&name) => continue,
             Asked::State(state) => state,
             // Another client holds the monitor (its owner's tooling): it runs, state unknown.
             Asked::Busy => "busy".into(),
@@ -338,7 +343,7 @@ async fn start(agent: &Arc<Agent>, work: FleetWork) -> Result<MigrationStatus, R
                 return Err(Refusal::QemuVmInGroup);
             }
             let source_qmp = agent.monitors.socket(&work.vm)?;
-            if !source_qmp.exists() {
+            if monitor_dir::ask(&source_qmp).await == Asked::Gone {
                 return Err(Refusal::UnknownQemuVm {
                     name: work.vm,
                     socket: source_qmp.display().to_string(),
@@ -372,10 +377,12 @@ async fn start(agent: &Arc<Agent>, work: FleetWork) -> Result<MigrationStatus, R
 /// The block nodes a VM writes to (what `--copy-storage` copies): every drive with an image
 /// in it that is not read-only.
 async fn writable_disks(socket: &std::path::Path) -> Result<Vec<String>> {
-    let qmp = tokio::time::timeout(Duration::from_secs(5), Qmp::connect(socket))
-        .await
-        .map_err(|_| anyhow!("no answer within 5 s (another client has it)"))??;
-    let devices = qmp.execute(&QueryBlock).await?;
+    // The heartbeats wait for this.
+    let devices = tokio::time::timeout(Duration::from_secs(5), async {
+        Qmp::connect(socket).await?.execute(&QueryBlock).await
+    })
+    .await
+    .map_err(|_| anyhow!("no answer within 5 s (another client has it)"))??;
     Ok(devices
         .into_iter()
         .filter_map(|d| d.inserted)

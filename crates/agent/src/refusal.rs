@@ -43,6 +43,8 @@ pub enum Refusal {
     UnknownQemuVm { name: String, socket: String },
     #[error(transparent)]
     Monitor(#[from] crate::engine::monitor_dir::MonitorError),
+    #[error("{0}: the destination names the VM's monitor after it; give it another name (`ferry migrate NAME --qmp ...`)")]
+    VmName(String),
     #[error("VM {name:?}'s monitor does not answer: {why}")]
     QemuVmUnavailable { name: String, why: String },
     #[error("QEMU VMs do not move in groups (only libvirt domains do)")]
@@ -63,7 +65,9 @@ impl Refusal {
             | Refusal::NoLibvirt
             | Refusal::NotWithLibvirt(_) => ErrorKind::BadRequest,
             Refusal::UnknownDomain(..) | Refusal::UnknownQemuVm { .. } => ErrorKind::NotFound,
-            Refusal::Monitor(_) | Refusal::QemuVmInGroup => ErrorKind::BadRequest,
+            Refusal::Monitor(_) | Refusal::VmName(_) | Refusal::QemuVmInGroup => {
+                ErrorKind::BadRequest
+            }
             Refusal::QemuVmUnavailable { .. } => ErrorKind::Unavailable,
             Refusal::DomainNotRunning { .. } | Refusal::PeerBusy { .. } => ErrorKind::Conflict,
             Refusal::LibvirtUnavailable(..) | Refusal::PeerLibvirtUnavailable { .. } => {

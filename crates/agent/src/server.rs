@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use ferry_api::agent::{
-    Health, LibvirtMigrationRequest, MigrationRequest, MigrationState, MigrationStatus,
+    Destination, Health, LibvirtMigrationRequest, MigrationRequest, MigrationState, MigrationStatus,
 };
 use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, ServerConfig};
@@ -336,6 +336,10 @@ fn admit(agent: &Agent, mut req: MigrationRequest) -> Result<(MigrationRequest, 
     req.settings.validate()?;
     let peer = agent.config.peer(&req.to)?.clone();
     req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
+    // A QEMU the destination agent starts gets its monitor there under the VM's name.
+    if !matches!(req.destination, Destination::Qmp(_)) {
+        MonitorDir::check_name(&req.vm).map_err(|e| Refusal::VmName(e.to_string()))?;
+    }
     // The seed image names become file names at both ends: refuse what cannot be one now,
     // rather than after the destination QEMU was prepared.
     if req.settings.codec.seed {

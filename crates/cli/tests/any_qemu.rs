@@ -76,6 +76,20 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         text(&out)
     );
 
+    // A name the destination cannot name its monitor after: refused before anything happens.
+    let out = ferry_at_a(
+        &t,
+        &[
+            "migrate", "../x", "--qmp", &qmp, "--to", "site-b", "--agent", &agent_a,
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("\"../x\" cannot name a VM's monitor"),
+        "{}",
+        text(&out)
+    );
+
     // A destination without the disk's storage: QEMU there names the image it lacks.
     let out = migrate(&[]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));

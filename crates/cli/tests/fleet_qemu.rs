@@ -102,6 +102,10 @@ fn the_controller_moves_a_qemu_vm_started_by_hand_there_and_back() {
     assert!(out.lines().last().unwrap().contains("committed"), "{out}");
     let (_link, errors) = bare::verify(&rt, &t, Site::A, name);
     assert_eq!(errors, 0, "the guest's memory and disk back at site a");
+    let monitors_b = t.lab.host_dir(Site::B).join("vms");
+    wait_until("site b's QEMU is gone with its monitor", || {
+        !monitors_b.join(format!("{name}.qmp")).exists()
+    });
     wait_for(&t, "vms", |v| runs_at(v, name, "site-a"));
     let states: Vec<String> = fleet_json(&t, "migrations")
         .iter()

@@ -3,7 +3,8 @@
 //! QEMU requires both ends of a migration to have the same machine and devices, and the
 //! simplest true description of them is the command line the source QEMU was started with
 //! (`/proc/<pid>/cmdline`). [`incoming_argv`] keeps it, drops what belongs to the source
-//! process alone (its monitors, `-incoming`, `-S`, a pid file, daemonizing, `-loadvm`) and
+//! process alone (its monitors, with the chardevs they were on, `-incoming`, `-S`, a pid
+//! file, daemonizing, `-loadvm`) and
 //! adds what a destination needs: a QMP socket of the destination agent's own, `-S`,
 //! `-incoming defer`, `-daemonize` with a pid file (the agent is not the VM's parent for long:
 //! the VM outlives it).
@@ -75,37 +76,44 @@ pub fn incoming_argv(
     pidfile: &Path,
 ) -> Result<Vec<String>, IncomingArgvError> {
     let (program, args) = argv.split_first().ok_or(IncomingArgvError::Empty)?;
+    let parsed = parse(args)?;
+    // A monitor on a chardev (`-chardev socket,id=m,path=X -mon chardev=m`) goes with its
+    // chardev: the destination would otherwise bind X, which is the source VM's monitor on
+    // the same host and another VM's, or nobody's, on another.
+    let monitor_chardevs: Vec<&str> = parsed
+        .iter()
+        .filter_map(|p| match p {
+            Parsed::Option {
+                name,
+                value: Some(v),
+                ..
+            } => monitor_chardev(name, v),
+            _ => None,
+        })
+        .collect();
     let mut out = vec![program.clone()];
-    let mut i = 0;
-    while i < args.len() {
-        let token = &args[i];
-        let Some(name) = option_name(token) else {
-            out.push(token.clone());
-            i += 1;
-            continue;
-        };
-        let takes_argument = !NO_ARGUMENT.contains(&name);
-        let value = if takes_argument {
-            Some(
-                args.get(i + 1)
-                    .ok_or_else(|| IncomingArgvError::MissingArgument(name.to_owned()))?,
-            )
-        } else {
-            None
-        };
-        if name == "nographic" {
-            return Err(IncomingArgvError::Terminal("-nographic".into()));
-        }
-        if let Some(v) = value {
-            if uses_stdio(name, v) {
-                return Err(IncomingArgvError::Terminal(format!("-{name} {v}")));
+    for p in parsed {
+        match p {
+            Parsed::Argument(token) => out.push(token.clone()),
+            Parsed::Option { name, token, value } => {
+                if name == "nographic" {
+                    return Err(IncomingArgvError::Terminal("-nographic".into()));
+                }
+                if let Some(v) = value {
+                    if uses_stdio(name, v) {
+                        return Err(IncomingArgvError::Terminal(format!("-{name} {v}")));
+                    }
+                }
+                let a_monitors_chardev = name == "chardev"
+                    && value
+                        .and_then(|v| key_value(v, "id"))
+                        .is_some_and(|id| monitor_chardevs.contains(&id));
+                if !SOURCE_ONLY.contains(&name) && !a_monitors_chardev {
+                    out.push(token.clone());
+                    out.extend(value.cloned());
+                }
             }
         }
-        if !SOURCE_ONLY.contains(&name) {
-            out.push(token.clone());
-            out.extend(value.cloned());
-        }
-        i += if takes_argument { 2 } else { 1 };
     }
     out.extend([
         "-qmp".to_owned(),
@@ -118,6 +126,57 @@ pub fn incoming_argv(
         pidfile.display().to_string(),
     ]);
     Ok(out)
+}
+
+/// One token of a command line, or an option with its argument.
+enum Parsed<'a> {
+    Argument(&'a String),
+    Option {
+        name: &'a str,
+        token: &'a String,
+        value: Option<&'a String>,
+    },
+}
+
+fn parse(args: &[String]) -> Result<Vec<Parsed<'_>>, IncomingArgvError> {
+    let mut parsed = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let token = &args[i];
+        let Some(name) = option_name(token) else {
+            parsed.push(Parsed::Argument(token));
+            i += 1;
+            continue;
+        };
+        let value = if NO_ARGUMENT.contains(&name) {
+            None
+        } else {
+            Some(
+                args.get(i + 1)
+                    .ok_or_else(|| IncomingArgvError::MissingArgument(name.to_owned()))?,
+            )
+        };
+        parsed.push(Parsed::Option { name, token, value });
+        i += if value.is_some() { 2 } else { 1 };
+    }
+    Ok(parsed)
+}
+
+/// The chardev a monitor option puts its monitor on: `-mon chardev=ID,...`, `-monitor
+/// chardev:ID`, `-qmp chardev:ID`.
+fn monitor_chardev<'a>(name: &str, value: &'a str) -> Option<&'a str> {
+    match name {
+        "mon" => key_value(value, "chardev"),
+        "monitor" | "qmp" | "qmp-pretty" => value.strip_prefix("chardev:"),
+        _ => None,
+    }
+}
+
+/// `KEY`'s value among an option's comma-separated `key=value` parts.
+fn key_value<'a>(value: &'a str, key: &str) -> Option<&'a str> {
+    value
+        .split(',')
+        .find_map(|part| part.strip_prefix(key)?.strip_prefix('='))
 }
 
 /// `-name` or `--name` -> `name`; anything else is an argument.
@@ -164,6 +223,22 @@ mod tests {
              -blockdev driver=file,filename=/img/vm1.qcow2,node-name=f0 \
              -chardev socket,id=ser0,path=/run/vm1.serial,server=on,wait=off -serial chardev:ser0 \
              -qmp unix:/w/in.qmp,server=on,wait=off -S -incoming defer -daemonize -pidfile /w/in.pid"
+        );
+    }
+
+    #[test]
+    fn a_monitor_goes_with_its_chardev() {
+        let src = argv(
+            "qemu -chardev socket,id=mon0,path=/run/vm1.qmp,server=on,wait=off \
+             -mon chardev=mon0,mode=control \
+             -chardev socket,id=hmp,path=/run/vm1.hmp,server=on,wait=off -monitor chardev:hmp \
+             -chardev socket,id=ser0,path=/run/vm1.serial,server=on,wait=off -serial chardev:ser0",
+        );
+        let out = incoming_argv(&src, Path::new("/q"), Path::new("/p")).unwrap();
+        assert_eq!(
+            out.join(" "),
+            "qemu -chardev socket,id=ser0,path=/run/vm1.serial,server=on,wait=off -serial chardev:ser0 \
+             -qmp unix:/q,server=on,wait=off -S -incoming defer -daemonize -pidfile /p"
         );
     }
 

@@ -45,15 +45,18 @@ pub async fn start(argv: &[String], qmp_socket: &Path, pidfile: &Path) -> Result
         }
         Err(e) => return Err(e).with_context(|| format!("cannot run {program:?}")),
     };
-    let out = tokio::time::timeout(START_TIMEOUT, child.wait_with_output())
-        .await
-        .with_context(|| {
-            format!(
-                "the destination QEMU did not finish starting within {}s",
-                START_TIMEOUT.as_secs()
-            )
-        })?
-        .context("waiting for the destination QEMU to start")?;
+    let Ok(out) = tokio::time::timeout(START_TIMEOUT, child.wait_with_output()).await else {
+        // The parent goes with the future; the daemon it forked may have written its pid.
+        if let Some(pid) = read_pid(pidfile) {
+            kill(pid);
+        }
+        clean_up(qmp_socket, pidfile);
+        bail!(
+            "the destination QEMU did not finish starting within {}s",
+            START_TIMEOUT.as_secs()
+        );
+    };
+    let out = out.context("waiting for the destination QEMU to start")?;
     if !out.status.success() {
         // QEMU may have made its monitor's socket before it gave up.
         clean_up(qmp_socket, pidfile);
@@ -73,10 +76,15 @@ pub async fn start(argv: &[String], qmp_socket: &Path, pidfile: &Path) -> Result
             }
         );
     }
-    let pid = std::fs::read_to_string(pidfile)
+    Ok(Started {
+        pid: read_pid(pidfile),
+    })
+}
+
+fn read_pid(pidfile: &Path) -> Option<u32> {
+    std::fs::read_to_string(pidfile)
         .ok()
-        .and_then(|p| p.trim().parse().ok());
-    Ok(Started { pid })
+        .and_then(|p| p.trim().parse().ok())
 }
 
 /// The command line comes from a peer (an agent of the fleet, authenticated by the fleet's CA):

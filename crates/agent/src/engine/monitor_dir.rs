@@ -7,17 +7,22 @@
 //! The agent never cleans the directory: a socket nobody listens on is a VM that ended, or one
 //! whose QEMU is still starting, and is replaced only when a VM of that name arrives here.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use ferry_qemu::commands::QueryStatus;
+use ferry_qemu::commands::{QueryStatus, Quit};
 use ferry_qemu::{Qmp, QmpError};
 
 /// A monitor that does not answer within this is held by another client (QEMU serves one at
 /// a time).
 const ASK_TIMEOUT: Duration = Duration::from_secs(1);
+/// ... and is not asked again for this long: each unanswered connection waits in QEMU's
+/// short listen queue until the other client lets go, ahead of the owner's next one.
+const BUSY_QUIET: Duration = Duration::from_secs(30);
+/// How long a stale destination QEMU, told to quit, may take to go.
+const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The file name's ending that makes a socket a VM's monitor.
 const SUFFIX: &str = ".qmp";
 /// A unix socket's path is at most this many bytes (`sun_path`, less its terminating NUL).
@@ -62,6 +67,8 @@ pub enum MonitorError {
 pub struct MonitorDir {
     dir: PathBuf,
     arriving: Mutex<HashSet<String>>,
+    /// Monitors that did not answer, and when.
+    busy_since: Mutex<HashMap<String, Instant>>,
 }
 
 impl MonitorDir {
@@ -69,6 +76,7 @@ impl MonitorDir {
         Arc::new(MonitorDir {
             dir,
             arriving: Mutex::default(),
+            busy_since: Mutex::default(),
         })
     }
 
@@ -76,11 +84,18 @@ impl MonitorDir {
         &self.dir
     }
 
+    /// Whether `name` can name a VM's monitor (a file name of the directory).
+    pub fn check_name(name: &str) -> Result<(), MonitorError> {
+        if valid_vm_name(name) {
+            Ok(())
+        } else {
+            Err(MonitorError::BadName(name.to_owned()))
+        }
+    }
+
     /// VM `name`'s monitor (whether or not it is there).
     pub fn socket(&self, name: &str) -> Result<PathBuf, MonitorError> {
-        if !valid_vm_name(name) {
-            return Err(MonitorError::BadName(name.to_owned()));
-        }
+        MonitorDir::check_name(name)?;
         let path = self.dir.join(format!("{name}{SUFFIX}"));
         let len = path.as_os_str().len();
         if len > MAX_SOCKET_PATH {
@@ -95,7 +110,6 @@ impl MonitorDir {
 
     /// The names of the VMs whose monitors are in the directory, less those arriving; sorted.
     pub fn names(&self) -> std::io::Result<Vec<String>> {
-        let arriving = self.arriving.lock().expect("arriving lock").clone();
         let mut names: Vec<String> = std::fs::read_dir(&self.dir)?
             .filter_map(Result::ok)
             .filter_map(|e| {
@@ -103,15 +117,50 @@ impl MonitorDir {
                 let name = file.strip_suffix(SUFFIX)?;
                 valid_vm_name(name).then(|| name.to_owned())
             })
-            .filter(|name| !arriving.contains(name))
+            .filter(|name| !self.is_arriving(name))
             .collect();
         names.sort();
         Ok(names)
     }
 
+    /// Whether VM `name` is arriving here (its QEMU started, not committed yet).
+    pub fn is_arriving(&self, name: &str) -> bool {
+        self.arriving.lock().expect("arriving lock").contains(name)
+    }
+
+    /// What VM `name`'s monitor says, for a listing: one that did not answer lately is taken
+    /// to be busy still rather than asked again.
+    pub async fn state_of(&self, name: &str) -> Asked {
+        let socket = match self.socket(name) {
+            Ok(socket) => socket,
+            Err(e) => {
+                tracing::warn!("{e}");
+                return Asked::Gone;
+            }
+        };
+        let quiet = self
+            .busy_since
+            .lock()
+            .expect("busy lock")
+            .get(name)
+            .is_some_and(|since| since.elapsed() < BUSY_QUIET);
+        if quiet {
+            return Asked::Busy;
+        }
+        let asked = ask(&socket).await;
+        let mut busy = self.busy_since.lock().expect("busy lock");
+        if asked == Asked::Busy {
+            busy.insert(name.to_owned(), Instant::now());
+        } else {
+            busy.remove(name);
+        }
+        asked
+    }
+
     /// Makes room for VM `name` arriving here: refused while a VM of that name runs here or is
-    /// arriving; an old socket nobody listens on goes. The VM is not listed until the
-    /// [`Arrival`] is dropped.
+    /// arriving; an old socket nobody listens on goes, and so does a QEMU still waiting there
+    /// for an arrival that is not coming (one an agent started before it was restarted). The
+    /// VM is not listed until the [`Arrival`] is dropped.
     pub async fn claim(self: &Arc<Self>, name: &str) -> Result<Arrival, MonitorError> {
         let socket = self.socket(name)?;
         let pidfile = socket.with_extension("pid");
@@ -136,17 +185,36 @@ impl MonitorDir {
             if !kind.is_socket() && !kind.is_symlink() {
                 return Err(MonitorError::InTheWay(path));
             }
-            if ask(&arrival.socket).await != Asked::Gone {
-                return Err(MonitorError::Taken {
-                    name: name.to_owned(),
-                    path,
-                });
+            match ask(&arrival.socket).await {
+                Asked::Gone => {}
+                Asked::State(state) if state == "inmigrate" => {
+                    tracing::warn!(
+                        "{path}: a QEMU waits there for an arrival that is not coming; quitting it"
+                    );
+                    quit(&arrival.socket)
+                        .await
+                        .map_err(|why| MonitorError::Clear {
+                            path: path.clone(),
+                            why,
+                        })?;
+                }
+                _ => {
+                    return Err(MonitorError::Taken {
+                        name: name.to_owned(),
+                        path,
+                    })
+                }
             }
-            std::fs::remove_file(&arrival.socket).map_err(|e| MonitorError::Clear {
-                path,
-                why: e.to_string(),
-            })?;
-            let _ = std::fs::remove_file(&arrival.pidfile);
+            match std::fs::remove_file(&arrival.socket) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(MonitorError::Clear {
+                        path,
+                        why: e.to_string(),
+                    })
+                }
+            }
         }
         Ok(arrival)
     }
@@ -175,6 +243,30 @@ impl Drop for Arrival {
 /// leading dot.
 fn valid_vm_name(name: &str) -> bool {
     ferry_api::names::valid_name(name) && !name.starts_with('.') && name.len() <= 64
+}
+
+/// Quits the QEMU serving `socket` and waits until its process is gone (it removes its
+/// socket as it ends: a new QEMU's must not be removed by the old one's exit).
+async fn quit(socket: &Path) -> Result<(), String> {
+    let qmp = tokio::time::timeout(ASK_TIMEOUT, Qmp::connect(socket))
+        .await
+        .map_err(|_| "its monitor stopped answering".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let pid = qmp
+        .peer_pid()
+        .ok_or("the kernel does not say which process it is")?;
+    let _ = qmp.execute(&Quit).await;
+    drop(qmp);
+    let deadline = Instant::now() + QUIT_TIMEOUT;
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "its QEMU (pid {pid}) did not quit within {QUIT_TIMEOUT:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 /// Asks the monitor at `socket` for its VM's run state.
@@ -243,6 +335,7 @@ mod tests {
         let arrival = monitors.claim("old").await.unwrap();
         assert!(!arrival.socket.exists());
         assert_eq!(arrival.pidfile, dir.join("old.pid"));
+        assert!(monitors.is_arriving("old"));
         // Not listed, and not claimed twice, while it arrives.
         drop(std::os::unix::net::UnixListener::bind(&arrival.socket).unwrap());
         assert!(monitors.names().unwrap().is_empty());
@@ -255,6 +348,11 @@ mod tests {
         // A monitor that accepts (another client holds it) is a VM that runs.
         let _live = std::os::unix::net::UnixListener::bind(dir.join("live.qmp")).unwrap();
         assert_eq!(ask(&dir.join("live.qmp")).await, Asked::Busy);
+        // ... and is left alone for a while.
+        assert_eq!(monitors.state_of("live").await, Asked::Busy);
+        let t0 = Instant::now();
+        assert_eq!(monitors.state_of("live").await, Asked::Busy);
+        assert!(t0.elapsed() < ASK_TIMEOUT);
         assert!(matches!(
             monitors.claim("live").await.unwrap_err(),
             MonitorError::Taken { .. }
