@@ -5,6 +5,7 @@
 
 #[cfg(feature = "lab")]
 mod bench;
+mod cost_cmd;
 #[cfg(feature = "lab")]
 mod demo;
 mod fleet_cmd;
@@ -103,6 +104,9 @@ enum Cmd {
     /// Run benchmark scenarios in the lab and print one JSON object per migration.
     #[cfg(feature = "lab")]
     Bench(bench::BenchArgs),
+    /// Fit the migration cost model to `ferry bench` records and report its error on the
+    /// migrations each fit did not see.
+    CostModel(cost_cmd::CostModelArgs),
     /// Draw a migration timeline (JSON from `migrate`, `demo --timeline` or `bench --timelines`) as SVG.
     Report {
         /// The timeline JSON file.
@@ -210,6 +214,7 @@ fn main() -> ExitCode {
             Cmd::Guest(a) => vm_cmd::guest(a).await,
             #[cfg(feature = "lab")]
             Cmd::Bench(a) => bench::run(a).await,
+            Cmd::CostModel(a) => cost_cmd::run(&a),
         }
     });
     match result {
