@@ -1,6 +1,6 @@
 //! `ferry`: live migration of QEMU VMs across wide-area links.
 //!
-//! Exit codes (stable, see docs/cli.md): 0 success; 1 the command failed (the message says
+//! Exit codes (stable, see README.md): 0 success; 1 the command failed (the message says
 //! why); 2 bad usage; 3 a migration did not complete or the guest's verifier found errors.
 
 #[cfg(feature = "lab")]
