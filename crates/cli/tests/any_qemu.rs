@@ -39,7 +39,7 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
     // the same path, made after a first attempt without it.
     let size = bare::prepare(&t, &spec);
     let source_pid = bare::start_at_a(&t, &spec);
-    let link = bare::guest_at(
+    let link = common::guest_at(
         &rt,
         &t,
         Site::A,

@@ -32,7 +32,7 @@ fn the_controller_moves_a_qemu_vm_started_by_hand_there_and_back() {
     let spec = bare::spec(name, monitor, 91);
     let size = bare::prepare(&t, &spec);
     let source_pid = bare::start_at_a(&t, &spec);
-    let link = bare::guest_at(
+    let link = common::guest_at(
         &rt,
         &t,
         Site::A,

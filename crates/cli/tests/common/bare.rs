@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use ferry_lab::guest::{GuestLink, Heartbeats};
 use ferry_lab::topology::HOST_DIR;
@@ -121,28 +120,6 @@ pub fn pid_of(t: &TestLab, site: Site, name: &str) -> u32 {
         .trim()
         .parse()
         .unwrap()
-}
-
-/// The guest's link through its serial socket at `site`, once it is up, with `commands`
-/// (its workloads) started.
-pub fn guest_at(
-    rt: &tokio::runtime::Runtime,
-    t: &TestLab,
-    site: Site,
-    name: &str,
-    commands: &[&str],
-) -> GuestLink {
-    let serial = t.lab.host_dir(site).join(format!("{name}.serial"));
-    rt.block_on(async {
-        let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        link.wait_ready(Duration::from_secs(120)).await.unwrap();
-        for cmd in commands {
-            link.call(cmd, Duration::from_secs(60)).await.unwrap();
-        }
-        link
-    })
 }
 
 /// The guest's memory and disk verifiers through its serial socket at `site`: its link and

@@ -2,7 +2,6 @@
 //! the guest's own verifiers wherever they run.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use ferry_lab::guest::{GuestLink, Heartbeats};
 use ferry_lab::libvirt::GuestNic;
@@ -45,17 +44,7 @@ pub fn start_domain_on(
         &t.virsh(Site::A, &["define", &format!("/run/ferry-host/{name}.xml")]),
     );
     super::succeeded("virsh", &t.virsh(Site::A, &["start", name]));
-    let serial_a = t.lab.host_dir(Site::A).join(format!("{name}.serial"));
-    rt.block_on(async {
-        let link = GuestLink::connect(&serial_a, Arc::new(Heartbeats::default()))
-            .await
-            .unwrap();
-        link.wait_ready(Duration::from_secs(120)).await.unwrap();
-        for command in workload {
-            link.call(command, Duration::from_secs(60)).await.unwrap();
-        }
-        link
-    })
+    super::guest_at(rt, t, Site::A, name, workload)
 }
 
 /// Domain `name`'s disk: the guest's data disk as its image at site a, and (with

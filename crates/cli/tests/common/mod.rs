@@ -193,3 +193,32 @@ pub fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     )
 }
+
+/// VM `name`'s guest through its serial socket at `site` (`HOST_DIR/<name>.serial` there),
+/// once it is up, with `commands` (its workloads) started.
+pub fn guest_at(
+    rt: &tokio::runtime::Runtime,
+    t: &TestLab,
+    site: Site,
+    name: &str,
+    commands: &[&str],
+) -> ferry_lab::guest::GuestLink {
+    let serial = t.lab.host_dir(site).join(format!("{name}.serial"));
+    rt.block_on(async {
+        let link = ferry_lab::guest::GuestLink::connect(
+            &serial,
+            std::sync::Arc::new(ferry_lab::guest::Heartbeats::default()),
+        )
+        .await
+        .unwrap();
+        link.wait_ready(std::time::Duration::from_secs(120))
+            .await
+            .unwrap();
+        for cmd in commands {
+            link.call(cmd, std::time::Duration::from_secs(60))
+                .await
+                .unwrap();
+        }
+        link
+    })
+}
