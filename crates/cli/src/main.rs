@@ -19,6 +19,7 @@ mod pki_cmd;
 mod plot;
 mod report;
 mod settings_flags;
+mod sim_cmd;
 #[cfg(feature = "lab")]
 mod vm_cmd;
 
@@ -107,6 +108,8 @@ enum Cmd {
     /// Fit the migration cost model to `ferry bench` records and report its error on the
     /// migrations each fit did not see.
     CostModel(cost_cmd::CostModelArgs),
+    /// The fleet simulator: ferry's policies on a simulated clock (docs/policies.md).
+    Simulate(sim_cmd::SimulateArgs),
     /// Draw a migration timeline (JSON from `migrate`, `demo --timeline` or `bench --timelines`) as SVG.
     Report {
         /// The timeline JSON file.
@@ -215,6 +218,7 @@ fn main() -> ExitCode {
             #[cfg(feature = "lab")]
             Cmd::Bench(a) => bench::run(a).await,
             Cmd::CostModel(a) => cost_cmd::run(&a),
+            Cmd::Simulate(a) => sim_cmd::run(&a),
         }
     });
     match result {

@@ -126,7 +126,10 @@ pub struct Plan {
     pub moves: Vec<PlannedMove>,
     /// Hosts to start (moves to them wait for them).
     pub power_on: Vec<usize>,
-    /// Hosts to stop once the moves off them are done.
+    /// Hosts to empty: the moves off them are in the plan; they take no VMs from now on
+    /// ([`crate::fleet::Host::draining`]).
+    pub drain: Vec<usize>,
+    /// Hosts to stop: empty, nothing arriving (emptied by an earlier plan, or idle).
     pub power_off: Vec<usize>,
     /// Why nothing moves, when nothing does.
     pub quiet: Option<Quiet>,
@@ -177,11 +180,13 @@ impl Planner {
             plan: Plan {
                 moves: Vec::new(),
                 power_on: Vec::new(),
+                drain: Vec::new(),
                 power_off: Vec::new(),
                 quiet: None,
             },
         };
         let over = work.relieve(&loads);
+        work.finish_draining();
         if over > 0 || !work.plan.moves.is_empty() {
             // Spreading first; emptying hosts waits for a fleet that fits.
             self.surplus_since_s = None;
@@ -206,7 +211,7 @@ impl Planner {
             return Ok(work.plan);
         }
         work.consolidate(surplus);
-        if work.plan.power_off.is_empty() {
+        if work.plan.drain.is_empty() && work.plan.power_off.is_empty() {
             work.plan.quiet = Some(Quiet::Stuck { surplus });
         } else {
             self.surplus_since_s = None;
@@ -219,7 +224,7 @@ impl Planner {
 /// whose usable capacity covers the demand in CPU and memory.
 fn surplus(fleet: &Fleet, loads: &[Resources], room: &Room) -> usize {
     let running: Vec<usize> = (0..fleet.hosts.len())
-        .filter(|&h| fleet.hosts[h].powered)
+        .filter(|&h| fleet.hosts[h].powered && !fleet.hosts[h].draining)
         .collect();
     let demand = running
         .iter()
@@ -311,10 +316,10 @@ impl Work<'_> {
     }
 
     /// Where `unit` on `from` goes: beside its group's other members if they have room,
-    /// else the best fit at its own site, else the cheapest best fit at another site.
-    fn destination(&self, unit: &Unit, from: usize, avoid: &[usize]) -> Option<(usize, Cost)> {
-        let mut except = avoid.to_vec();
-        except.push(from);
+    /// else a host at its own site, else the cheapest at another site. Emptying a host
+    /// packs (the fullest host that takes it); spreading spreads (the emptiest).
+    fn destination(&self, unit: &Unit, from: usize, reason: Reason) -> Option<(usize, Cost)> {
+        let except = [from];
         let group = self.fleet.vms[unit.vms[0]].group.as_deref();
         let peers = group.and_then(|g| self.group_hosts.get(g));
         let beside = peers
@@ -324,13 +329,17 @@ impl Work<'_> {
         if let Some(&h) = beside {
             return Some((h, self.unit_cost(unit, h)));
         }
+        let pick = |site| match reason {
+            Reason::Consolidate => self.room.best_fit(site, unit.demand, &except),
+            Reason::Relieve => self.room.most_room(site, unit.demand, &except),
+        };
         let home = self.room.site_of(from);
-        if let Some(h) = self.room.best_fit(home, unit.demand, &except) {
+        if let Some(h) = pick(home) {
             return Some((h, self.unit_cost(unit, h)));
         }
         (0..self.room.site_count())
             .filter(|&s| s != home)
-            .filter_map(|s| self.room.best_fit(s, unit.demand, &except))
+            .filter_map(pick)
             .map(|h| (h, self.unit_cost(unit, h)))
             .min_by(|a, b| a.1.total_s.total_cmp(&b.1.total_s))
     }
@@ -351,7 +360,10 @@ impl Work<'_> {
     /// hosts that are off when no running one has room. Returns the hosts still over.
     fn relieve(&mut self, loads: &[Resources]) -> usize {
         let mut over: Vec<usize> = (0..self.fleet.hosts.len())
-            .filter(|&h| self.fleet.hosts[h].powered && !loads[h].fits_in(self.room.usable(h)))
+            .filter(|&h| {
+                let host = &self.fleet.hosts[h];
+                host.powered && !host.draining && !loads[h].fits_in(self.room.usable(h))
+            })
             .collect();
         over.sort_by(|&a, &b| {
             let share = |h: usize| loads[h].share_of(self.room.usable(h));
@@ -362,14 +374,21 @@ impl Work<'_> {
             let mut options: Vec<(Unit, usize, Cost)> = Vec::new();
             for unit in self.units_on(host) {
                 if unit.vms.iter().all(|&vm| self.movable(vm)) {
-                    let to = self.destination(&unit, host, &[]);
+                    let to = self.destination(&unit, host, Reason::Relieve);
                     let to = to.or_else(|| self.start_host_for(&unit, host));
                     if let Some((to, c)) = to {
                         options.push((unit, to, c));
                     }
                 }
             }
-            options.sort_by(|a, b| a.2.total_s.total_cmp(&b.2.total_s));
+            // The cheapest move that relieves the host alone comes first (one move, not
+            // several small ones); then the cheapest.
+            let excess = self.room.free(host).scaled(-1.0);
+            let key = |o: &(Unit, usize, Cost)| (!excess.fits_in(o.0.demand), o.2.total_s);
+            options.sort_by(|a, b| {
+                let (a, b) = (key(a), key(b));
+                a.0.cmp(&b.0).then(a.1.total_cmp(&b.1))
+            });
             for (unit, to, c) in options {
                 if self.room.free(host).cpus >= -1e-9 && self.room.free(host).mem_bytes >= -0.5 {
                     break;
@@ -381,7 +400,7 @@ impl Work<'_> {
                 let to = if self.room.fits(to, unit.demand) {
                     Some((to, c))
                 } else {
-                    self.destination(&unit, host, &[])
+                    self.destination(&unit, host, Reason::Relieve)
                         .or_else(|| self.start_host_for(&unit, host))
                 };
                 if let Some((to, c)) = to {
@@ -415,6 +434,31 @@ impl Work<'_> {
         Some(chosen)
     }
 
+    /// Moves what is still on hosts an earlier plan began to empty (its moves may not have
+    /// started yet, or failed), and stops those that are empty.
+    fn finish_draining(&mut self) {
+        let fleet = self.fleet;
+        let mut arriving = vec![false; fleet.hosts.len()];
+        for vm in &fleet.vms {
+            if let Some(to) = vm.moving_to {
+                arriving[to] = true;
+            }
+        }
+        for h in (0..fleet.hosts.len()).filter(|&h| fleet.hosts[h].draining) {
+            if self.on_host[h].is_empty() && !arriving[h] {
+                self.plan.power_off.push(h);
+                continue;
+            }
+            for unit in self.units_on(h) {
+                if unit.vms.iter().all(|&vm| self.movable(vm)) {
+                    if let Some((to, c)) = self.destination(&unit, h, Reason::Consolidate) {
+                        self.record(unit, h, to, c, Reason::Consolidate);
+                    }
+                }
+            }
+        }
+    }
+
     /// Empties up to `surplus` hosts: the cheapest to empty first, each only if all it runs
     /// fits elsewhere.
     fn consolidate(&mut self, surplus: usize) {
@@ -432,6 +476,7 @@ impl Work<'_> {
             .filter(|&h| {
                 let host = &fleet.hosts[h];
                 host.powered
+                    && !host.draining
                     && !blocked[h]
                     && self.now_s - host.powered_since_s >= self.settings.min_on_s
             })
@@ -447,7 +492,7 @@ impl Work<'_> {
                     .units_on(h)
                     .iter()
                     .map(|u| {
-                        self.destination(u, h, &[])
+                        self.destination(u, h, Reason::Consolidate)
                             .map_or(f64::INFINITY, |(_, c)| c.total_s)
                     })
                     .sum();
@@ -457,7 +502,7 @@ impl Work<'_> {
             .collect();
         priced.sort_by(|a, b| a.1.total_cmp(&b.1));
         for (host, _) in priced {
-            if self.plan.power_off.len() >= surplus {
+            if self.plan.drain.len() + self.plan.power_off.len() >= surplus {
                 break;
             }
             if self.plan.moves.iter().any(|m| m.to == host) {
@@ -472,7 +517,7 @@ impl Work<'_> {
             let mut placed: Vec<(Unit, usize, Cost)> = Vec::new();
             let mut all = true;
             for unit in units {
-                match self.destination(&unit, host, &self.plan.power_off) {
+                match self.destination(&unit, host, Reason::Consolidate) {
                     Some((to, c)) => {
                         self.room.take(to, unit.demand);
                         placed.push((unit, to, c));
@@ -491,10 +536,14 @@ impl Work<'_> {
                 self.room.open(host);
                 continue;
             }
+            if placed.is_empty() {
+                self.plan.power_off.push(host);
+                continue;
+            }
             for (unit, to, c) in placed {
                 self.record(unit, host, to, c, Reason::Consolidate);
             }
-            self.plan.power_off.push(host);
+            self.plan.drain.push(host);
         }
         self.plan
             .moves
@@ -533,6 +582,7 @@ mod tests {
             capacity: Resources::new(10.0, 100.0 * GIB),
             powered: true,
             powered_since_s: -1e6,
+            draining: false,
         }
     }
 
@@ -641,7 +691,8 @@ mod tests {
         let plan = planner.plan(300.0, &fleet, &ByMemory).unwrap();
         // a2's one small VM is the cheapest to empty (to a1, at its site); a1 then takes
         // what it is given, and b1's VM too.
-        assert_eq!(plan.power_off, [1, 2], "{plan:?}");
+        assert_eq!(plan.drain, [1, 2], "{plan:?}");
+        assert!(plan.power_off.is_empty());
         assert!(plan.moves.iter().all(|m| m.reason == Reason::Consolidate));
         assert!(plan.moves.iter().all(|m| m.to == 0));
         let costs: Vec<f64> = plan.moves.iter().map(|m| m.cost.total_s).collect();
@@ -706,10 +757,27 @@ mod tests {
         });
         let plan = planner.plan(0.0, &fleet, &ByMemory).unwrap();
         // Only b1 may go: a1 started 10 s ago, a2's VM moved 10 s ago.
-        assert_eq!(plan.power_off, [2], "{plan:?}");
+        assert_eq!(plan.drain, [2], "{plan:?}");
         fleet.vms[3].moving_to = Some(0);
         let plan = planner.plan(0.0, &fleet, &ByMemory).unwrap();
         assert_eq!(plan.quiet, Some(Quiet::Stuck { surplus: 1 }), "{plan:?}");
+    }
+
+    #[test]
+    fn a_host_being_emptied_keeps_being_emptied_and_is_stopped_once_empty() {
+        let mut fleet = three_light_hosts();
+        fleet.hosts[1].draining = true;
+        fleet.vms[3].moving_to = Some(1);
+        let mut planner = Planner::new(settings());
+        let plan = planner.plan(0.0, &fleet, &ByMemory).unwrap();
+        // a2's VM goes (to a1, its site's other host); a VM arriving keeps a2 on.
+        assert_eq!(plan.moves.len(), 1, "{plan:?}");
+        assert_eq!((plan.moves[0].vms[0], plan.moves[0].to), (2, 0));
+        assert!(plan.power_off.is_empty());
+        fleet.vms[3].moving_to = None;
+        fleet.vms[2].host = 0;
+        let plan = planner.plan(10.0, &fleet, &ByMemory).unwrap();
+        assert_eq!(plan.power_off, [1], "{plan:?}");
     }
 
     #[test]

@@ -60,6 +60,10 @@ pub struct Host {
     /// Since when it runs (seconds on the caller's clock): a host is kept on for a minimum
     /// time once started (Isci's "minimum time to run").
     pub powered_since_s: f64,
+    /// Being emptied by an earlier plan: it takes no VMs, is not counted among the hosts
+    /// the fleet needs, and each plan moves what is still on it.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// A VM: where it runs and what it needs now.

@@ -58,7 +58,7 @@ impl Room {
             open: vec![false; fleet.hosts.len()],
         };
         for (h, host) in fleet.hosts.iter().enumerate() {
-            if host.powered {
+            if host.powered && !host.draining {
                 room.open(h);
             }
         }
@@ -99,6 +99,17 @@ impl Room {
     pub fn best_fit(&self, site: usize, need: Resources, except: &[usize]) -> Option<usize> {
         self.by_site[site]
             .range((key(need.cpus), 0)..)
+            .take(SCAN)
+            .map(|&(_, h)| h)
+            .find(|&h| !except.contains(&h) && need.fits_in(self.free[h]))
+    }
+
+    /// The open host of `site` with the most room that takes `need`, other than `except`
+    /// (spreading: the host least likely to be over next).
+    pub fn most_room(&self, site: usize, need: Resources, except: &[usize]) -> Option<usize> {
+        self.by_site[site]
+            .iter()
+            .rev()
             .take(SCAN)
             .map(|&(_, h)| h)
             .find(|&h| !except.contains(&h) && need.fits_in(self.free[h]))
@@ -149,6 +160,7 @@ mod tests {
             capacity: Resources::new(cpus, 64e9),
             powered: true,
             powered_since_s: 0.0,
+            draining: false,
         }
     }
 
@@ -173,6 +185,8 @@ mod tests {
         assert_eq!(room.best_fit(0, Resources::new(3.0, 1e9), &[]), Some(0));
         assert_eq!(room.best_fit(0, Resources::new(9.0, 1e9), &[]), None);
         assert_eq!(room.best_fit(0, Resources::new(1.0, 1e9), &[1]), Some(0));
+        assert_eq!(room.most_room(0, Resources::new(1.0, 1e9), &[]), Some(0));
+        assert_eq!(room.most_room(0, Resources::new(1.0, 1e9), &[0]), Some(1));
         // Memory counts too.
         assert_eq!(room.best_fit(0, Resources::new(1.0, 50e9), &[]), None);
         room.take(0, Resources::new(7.0, 1e9));
