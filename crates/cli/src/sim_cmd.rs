@@ -174,24 +174,37 @@ fn overload_study(a: &SimulateArgs) -> Result<()> {
             outcomes.push((coded, o));
         }
     }
-    let mib = 1048576.0;
-    let withheld = (base.requested_mib - base.allocated_mib) * mib;
+    let gib = 1073741824.0;
+    let withheld = (base.requested_mib - base.allocated_mib) * 1048576.0;
+    // The pool's own shares of time in each kind of overload (the same for every run).
+    let shares = &outcomes[0].1;
     let s = spare(
-        150,
-        base.requested_mib * mib,
+        base.vms as u64,
+        base.requested_mib * 1048576.0,
         withheld,
-        0.16 * 0.96,
-        0.16 * 0.04,
+        shares.transient_share,
+        shares.sustained_share,
         0.97,
     );
     println!(
-        "Spare memory for 150 such VMs at 97%: {:.1} GiB with Overdriver ({} sustained, {} \
-         transient at once), {:.1} GiB migrating on every overload",
-        s.overdriver_bytes / mib / 1024.0,
+        "Spare memory at 97% by the capacity planner (time in transient overload {:.1}%, \
+         sustained {:.1}%): {:.1} GiB with Overdriver ({} sustained, {} transient at once), \
+         {:.1} GiB migrating on every overload",
+        shares.transient_share * 100.0,
+        shares.sustained_share * 100.0,
+        s.overdriver_bytes / gib,
         s.sustained,
         s.transient,
-        s.migration_only_bytes / mib / 1024.0
+        s.migration_only_bytes / gib
     );
+    for (coded, o) in &outcomes {
+        println!(
+            "  peak spare memory in use, {} migrations, {:?}: {:.2} GiB",
+            if *coded { "ferry" } else { "raw" },
+            o.strategy,
+            o.peak_spare_bytes / gib
+        );
+    }
     if let Some(dir) = &a.out {
         write(
             dir,

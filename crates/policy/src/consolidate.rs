@@ -131,10 +131,14 @@ pub struct Plan {
     pub drain: Vec<usize>,
     /// Hosts to stop: empty, nothing arriving (emptied by an earlier plan, or idle).
     pub power_off: Vec<usize>,
+    /// Hosts an earlier plan began to empty that stay on: what is left on them fits nowhere
+    /// else now (they take VMs again).
+    pub keep: Vec<usize>,
     /// Why nothing moves, when nothing does.
     pub quiet: Option<Quiet>,
 }
 
+#[derive(Clone)]
 pub struct Planner {
     pub settings: Settings,
     surplus_since_s: Option<f64>,
@@ -176,29 +180,38 @@ impl Planner {
             cost,
             settings: &self.settings,
             now_s,
-            room: Room::new(fleet, &loads, self.settings.headroom),
+            // Placing keeps a slack below the limit, so that a host filled by a plan is not
+            // over again at the next small rise.
+            room: Room::new(
+                fleet,
+                &loads,
+                self.settings.headroom + (1.0 - self.settings.headroom) * PLACING_SLACK,
+            ),
+            loads: loads.clone(),
             plan: Plan {
                 moves: Vec::new(),
                 power_on: Vec::new(),
                 drain: Vec::new(),
                 power_off: Vec::new(),
+                keep: Vec::new(),
                 quiet: None,
             },
         };
-        let over = work.relieve(&loads);
+        let over = work.relieve();
         work.finish_draining();
-        if over > 0 || !work.plan.moves.is_empty() {
+        if !work.plan.moves.is_empty() || !work.plan.power_on.is_empty() {
             // Spreading first; emptying hosts waits for a fleet that fits.
             self.surplus_since_s = None;
-            if work.plan.moves.is_empty() {
-                work.plan.quiet = Some(Quiet::Overloaded { hosts: over });
-            }
             return Ok(work.plan);
         }
         let surplus = surplus(fleet, &loads, &work.room);
         if surplus < self.settings.margin_hosts.max(1) {
             self.surplus_since_s = None;
-            work.plan.quiet = Some(Quiet::Balanced);
+            work.plan.quiet = Some(if over > 0 {
+                Quiet::Overloaded { hosts: over }
+            } else {
+                Quiet::Balanced
+            });
             return Ok(work.plan);
         }
         let since = *self.surplus_since_s.get_or_insert(now_s);
@@ -210,8 +223,7 @@ impl Planner {
             });
             return Ok(work.plan);
         }
-        work.consolidate(surplus);
-        if work.plan.drain.is_empty() && work.plan.power_off.is_empty() {
+        if work.consolidate(surplus) == 0 {
             work.plan.quiet = Some(Quiet::Stuck { surplus });
         } else {
             self.surplus_since_s = None;
@@ -226,9 +238,10 @@ fn surplus(fleet: &Fleet, loads: &[Resources], room: &Room) -> usize {
     let running: Vec<usize> = (0..fleet.hosts.len())
         .filter(|&h| fleet.hosts[h].powered && !fleet.hosts[h].draining)
         .collect();
-    let demand = running
-        .iter()
-        .fold(Resources::default(), |d, &h| d.plus(loads[h]));
+    // What hosts being emptied still carry needs room among the others too.
+    let demand = (0..fleet.hosts.len())
+        .filter(|&h| fleet.hosts[h].powered)
+        .fold(Resources::default(), |d, h| d.plus(loads[h]));
     let mut usable: Vec<Resources> = running.iter().map(|&h| room.usable(h)).collect();
     usable.sort_by(|a, b| b.cpus.total_cmp(&a.cpus));
     let mut covered = Resources::default();
@@ -240,8 +253,12 @@ fn surplus(fleet: &Fleet, loads: &[Resources], room: &Room) -> usize {
         covered = covered.plus(u);
         needed += 1;
     }
-    running.len() - needed.max(1)
+    running.len().saturating_sub(needed.max(1))
 }
+
+/// The share of a host's usable capacity that placing leaves free (hysteresis between
+/// emptying hosts and spreading VMs).
+const PLACING_SLACK: f64 = 0.1;
 
 /// One decision's state.
 struct Work<'a> {
@@ -252,7 +269,10 @@ struct Work<'a> {
     cost: &'a dyn MoveCost,
     settings: &'a Settings,
     now_s: f64,
+    /// Where VMs may go (each host's capacity less the headroom and the placing slack).
     room: Room,
+    /// What each host carries, as the plan so far leaves it.
+    loads: Vec<Resources>,
     plan: Plan,
 }
 
@@ -265,7 +285,8 @@ struct Unit {
 impl Work<'_> {
     fn movable(&self, vm: usize) -> bool {
         let v = &self.fleet.vms[vm];
-        v.moving_to.is_none()
+        !v.pinned
+            && v.moving_to.is_none()
             && v.last_moved_s
                 .map_or(true, |t| self.now_s - t >= self.settings.cooldown_s)
     }
@@ -316,9 +337,8 @@ impl Work<'_> {
     }
 
     /// Where `unit` on `from` goes: beside its group's other members if they have room,
-    /// else a host at its own site, else the cheapest at another site. Emptying a host
-    /// packs (the fullest host that takes it); spreading spreads (the emptiest).
-    fn destination(&self, unit: &Unit, from: usize, reason: Reason) -> Option<(usize, Cost)> {
+    /// else a host at its own site, else the cheapest at another site.
+    fn destination(&self, unit: &Unit, from: usize) -> Option<(usize, Cost)> {
         let except = [from];
         let group = self.fleet.vms[unit.vms[0]].group.as_deref();
         let peers = group.and_then(|g| self.group_hosts.get(g));
@@ -329,10 +349,9 @@ impl Work<'_> {
         if let Some(&h) = beside {
             return Some((h, self.unit_cost(unit, h)));
         }
-        let pick = |site| match reason {
-            Reason::Consolidate => self.room.best_fit(site, unit.demand, &except),
-            Reason::Relieve => self.room.most_room(site, unit.demand, &except),
-        };
+        // Emptying packs (the fullest host that takes it, within the placing slack);
+        // spreading does too, so that the lightest hosts stay free to be emptied.
+        let pick = |site| self.room.best_fit(site, unit.demand, &except);
         let home = self.room.site_of(from);
         if let Some(h) = pick(home) {
             return Some((h, self.unit_cost(unit, h)));
@@ -347,6 +366,8 @@ impl Work<'_> {
     fn record(&mut self, unit: Unit, from: usize, to: usize, cost: Cost, reason: Reason) {
         self.room.take(to, unit.demand);
         self.room.give(from, unit.demand);
+        self.loads[to] = self.loads[to].plus(unit.demand);
+        self.loads[from] = self.loads[from].minus(unit.demand);
         self.plan.moves.push(PlannedMove {
             vms: unit.vms,
             from,
@@ -356,58 +377,78 @@ impl Work<'_> {
         });
     }
 
-    /// Spreads the VMs of hosts over their usable capacity, cheapest moves first, starting
-    /// hosts that are off when no running one has room. Returns the hosts still over.
-    fn relieve(&mut self, loads: &[Resources]) -> usize {
+    /// Each host's limit: its capacity less the headroom.
+    fn limit(&self, host: usize) -> Resources {
+        self.fleet.hosts[host]
+            .capacity
+            .scaled(1.0 - self.settings.headroom)
+    }
+
+    fn is_over(&self, host: usize) -> bool {
+        !self.loads[host].fits_in(self.limit(host))
+    }
+
+    /// Spreads the VMs of hosts over their limit onto running hosts: the cheapest move that
+    /// relieves a host alone first, else the cheapest moves until it fits; only when the
+    /// running hosts cannot take enough does it start hosts that are off. Returns the hosts
+    /// still over.
+    fn relieve(&mut self) -> usize {
         let mut over: Vec<usize> = (0..self.fleet.hosts.len())
             .filter(|&h| {
                 let host = &self.fleet.hosts[h];
-                host.powered && !host.draining && !loads[h].fits_in(self.room.usable(h))
+                host.powered && !host.draining && self.is_over(h)
             })
             .collect();
         over.sort_by(|&a, &b| {
-            let share = |h: usize| loads[h].share_of(self.room.usable(h));
+            let share = |h: usize| self.loads[h].share_of(self.limit(h));
             share(b).total_cmp(&share(a))
         });
         let mut still_over = 0;
         for host in over {
+            let units: Vec<Unit> = self
+                .units_on(host)
+                .into_iter()
+                .filter(|u| u.vms.iter().all(|&vm| self.movable(vm)))
+                .collect();
+            let mut left = Vec::new();
             let mut options: Vec<(Unit, usize, Cost)> = Vec::new();
-            for unit in self.units_on(host) {
-                if unit.vms.iter().all(|&vm| self.movable(vm)) {
-                    let to = self.destination(&unit, host, Reason::Relieve);
-                    let to = to.or_else(|| self.start_host_for(&unit, host));
-                    if let Some((to, c)) = to {
-                        options.push((unit, to, c));
-                    }
+            for unit in units {
+                match self.destination(&unit, host) {
+                    Some((to, c)) => options.push((unit, to, c)),
+                    None => left.push(unit),
                 }
             }
-            // The cheapest move that relieves the host alone comes first (one move, not
-            // several small ones); then the cheapest.
-            let excess = self.room.free(host).scaled(-1.0);
+            let excess = self.loads[host].minus(self.limit(host));
             let key = |o: &(Unit, usize, Cost)| (!excess.fits_in(o.0.demand), o.2.total_s);
             options.sort_by(|a, b| {
                 let (a, b) = (key(a), key(b));
                 a.0.cmp(&b.0).then(a.1.total_cmp(&b.1))
             });
             for (unit, to, c) in options {
-                if self.room.free(host).cpus >= -1e-9 && self.room.free(host).mem_bytes >= -0.5 {
-                    break;
-                }
-                if self.plan.moves.len() >= self.settings.max_moves {
+                if !self.is_over(host) || self.plan.moves.len() >= self.settings.max_moves {
                     break;
                 }
                 // An earlier move may have filled the chosen host.
                 let to = if self.room.fits(to, unit.demand) {
                     Some((to, c))
                 } else {
-                    self.destination(&unit, host, Reason::Relieve)
-                        .or_else(|| self.start_host_for(&unit, host))
+                    self.destination(&unit, host)
                 };
-                if let Some((to, c)) = to {
+                match to {
+                    Some((to, c)) => self.record(unit, host, to, c, Reason::Relieve),
+                    None => left.push(unit),
+                }
+            }
+            // Only now a host that is off: none running could take enough.
+            for unit in left {
+                if !self.is_over(host) || self.plan.moves.len() >= self.settings.max_moves {
+                    break;
+                }
+                if let Some((to, c)) = self.start_host_for(&unit, host) {
                     self.record(unit, host, to, c, Reason::Relieve);
                 }
             }
-            if !Resources::default().fits_in(self.room.free(host)) {
+            if self.is_over(host) {
                 still_over += 1;
             }
         }
@@ -449,19 +490,27 @@ impl Work<'_> {
                 self.plan.power_off.push(h);
                 continue;
             }
+            let mut stuck = false;
             for unit in self.units_on(h) {
-                if unit.vms.iter().all(|&vm| self.movable(vm)) {
-                    if let Some((to, c)) = self.destination(&unit, h, Reason::Consolidate) {
-                        self.record(unit, h, to, c, Reason::Consolidate);
-                    }
+                if !unit.vms.iter().all(|&vm| self.movable(vm)) {
+                    // Cooling down or moving: it goes at a later plan.
+                    continue;
                 }
+                match self.destination(&unit, h) {
+                    Some((to, c)) => self.record(unit, h, to, c, Reason::Consolidate),
+                    None => stuck = true,
+                }
+            }
+            if stuck {
+                self.plan.keep.push(h);
+                self.room.open(h);
             }
         }
     }
 
     /// Empties up to `surplus` hosts: the cheapest to empty first, each only if all it runs
-    /// fits elsewhere.
-    fn consolidate(&mut self, surplus: usize) {
+    /// fits elsewhere. Returns how many it empties.
+    fn consolidate(&mut self, surplus: usize) -> usize {
         let fleet = self.fleet;
         let mut mem_on = vec![0.0; fleet.hosts.len()];
         let mut blocked = vec![false; fleet.hosts.len()];
@@ -492,7 +541,7 @@ impl Work<'_> {
                     .units_on(h)
                     .iter()
                     .map(|u| {
-                        self.destination(u, h, Reason::Consolidate)
+                        self.destination(u, h)
                             .map_or(f64::INFINITY, |(_, c)| c.total_s)
                     })
                     .sum();
@@ -501,11 +550,13 @@ impl Work<'_> {
             .filter(|(_, total)| total.is_finite())
             .collect();
         priced.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let mut receiving = vec![false; fleet.hosts.len()];
+        let mut emptied = 0;
         for (host, _) in priced {
-            if self.plan.drain.len() + self.plan.power_off.len() >= surplus {
+            if emptied >= surplus {
                 break;
             }
-            if self.plan.moves.iter().any(|m| m.to == host) {
+            if receiving[host] {
                 // It takes VMs in this plan.
                 continue;
             }
@@ -517,7 +568,7 @@ impl Work<'_> {
             let mut placed: Vec<(Unit, usize, Cost)> = Vec::new();
             let mut all = true;
             for unit in units {
-                match self.destination(&unit, host, Reason::Consolidate) {
+                match self.destination(&unit, host) {
                     Some((to, c)) => {
                         self.room.take(to, unit.demand);
                         placed.push((unit, to, c));
@@ -536,11 +587,13 @@ impl Work<'_> {
                 self.room.open(host);
                 continue;
             }
+            emptied += 1;
             if placed.is_empty() {
                 self.plan.power_off.push(host);
                 continue;
             }
             for (unit, to, c) in placed {
+                receiving[to] = true;
                 self.record(unit, host, to, c, Reason::Consolidate);
             }
             self.plan.drain.push(host);
@@ -548,6 +601,7 @@ impl Work<'_> {
         self.plan
             .moves
             .sort_by(|a, b| a.cost.total_s.total_cmp(&b.cost.total_s));
+        emptied
     }
 }
 
@@ -594,6 +648,7 @@ mod tests {
             group: None,
             last_moved_s: None,
             moving_to: None,
+            pinned: false,
         }
     }
 
@@ -778,6 +833,76 @@ mod tests {
         fleet.vms[2].host = 0;
         let plan = planner.plan(10.0, &fleet, &ByMemory).unwrap();
         assert_eq!(plan.power_off, [1], "{plan:?}");
+    }
+
+    #[test]
+    fn a_host_nothing_can_relieve_does_not_stop_emptying_the_others() {
+        let mut fleet = three_light_hosts();
+        fleet.hosts.push(host("c1", "c"));
+        fleet.vms.push(vm("huge", 3, 9.0, 10.0));
+        let mut planner = Planner::new(Settings {
+            hold_s: 0.0,
+            ..settings()
+        });
+        let plan = planner.plan(0.0, &fleet, &ByMemory).unwrap();
+        assert!(!plan.drain.is_empty(), "{plan:?}");
+        assert!(plan.moves.iter().all(|m| m.from != 3 && m.to != 3));
+    }
+
+    #[test]
+    fn relief_starts_no_host_when_a_running_one_takes_enough() {
+        let mut off = host("a3", "a");
+        off.powered = false;
+        let fleet = Fleet {
+            hosts: vec![host("a1", "a"), host("a2", "a"), off],
+            vms: vec![
+                vm("x", 0, 6.0, 10.0),
+                vm("y", 0, 2.5, 10.0),
+                vm("z", 1, 4.0, 10.0),
+            ],
+        };
+        let plan = Planner::new(settings())
+            .plan(0.0, &fleet, &ByMemory)
+            .unwrap();
+        assert!(plan.power_on.is_empty(), "{plan:?}");
+        assert_eq!(plan.moves.len(), 1);
+        assert_eq!(
+            (names(&fleet, &plan.moves[0]), plan.moves[0].to),
+            (vec!["y".to_owned()], 1)
+        );
+    }
+
+    #[test]
+    fn what_a_host_being_emptied_cannot_shed_keeps_it_on() {
+        let mut fleet = three_light_hosts();
+        fleet.hosts[2].draining = true;
+        fleet.vms[3].demand.cpus = 7.9;
+        fleet.vms[0].demand.cpus = 6.0;
+        fleet.vms[2].demand.cpus = 6.0;
+        let plan = Planner::new(settings())
+            .plan(0.0, &fleet, &ByMemory)
+            .unwrap();
+        assert_eq!(plan.keep, [2], "{plan:?}");
+        assert!(plan.moves.is_empty());
+    }
+
+    #[test]
+    fn pinned_vms_stay_and_an_empty_fleet_is_balanced() {
+        let mut fleet = Fleet {
+            hosts: vec![host("a1", "a"), host("a2", "a")],
+            vms: vec![vm("x", 0, 5.0, 10.0), vm("y", 0, 5.0, 10.0)],
+        };
+        fleet.vms[0].pinned = true;
+        let plan = Planner::new(settings())
+            .plan(0.0, &fleet, &ByMemory)
+            .unwrap();
+        assert_eq!(plan.moves.len(), 1);
+        assert_eq!(names(&fleet, &plan.moves[0]), ["y"]);
+        let empty = Fleet::default();
+        let plan = Planner::new(settings())
+            .plan(0.0, &empty, &ByMemory)
+            .unwrap();
+        assert_eq!(plan.quiet, Some(Quiet::Balanced));
     }
 
     #[test]

@@ -98,6 +98,13 @@ impl Params {
         }
     }
 
+    /// ferry's figures fitted to the lab's migrations since 2026-11-24 (`ferry cost-model
+    /// --systems ferry --params`; BENCHMARKS.md, "The cost model"): what a fleet without
+    /// records of its own starts from.
+    pub fn ferry_fitted() -> Params {
+        serde_json::from_str(include_str!("ferry_params.json")).expect("the built-in figures parse")
+    }
+
     pub fn coding_of(&self, mix: &str) -> Coding {
         self.coding
             .iter()

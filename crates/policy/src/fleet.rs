@@ -82,6 +82,9 @@ pub struct Vm {
     /// A move of it under way, to this host: it counts on both until it ends, and no plan
     /// moves it again meanwhile.
     pub moving_to: Option<usize>,
+    /// Never moved by a plan (what it uses is not known): it counts on its host, nothing more.
+    #[serde(default)]
+    pub pinned: bool,
 }
 
 /// Hosts and VMs.

@@ -4,11 +4,13 @@
 //! intervals were overloaded (8 of 12 there: sustained overload oscillates). Until then it is
 //! transient, and met by cooperative swap; sustained, it is met by a migration.
 //!
-//! The window adapts to the VM: the durations of its transient overloads are kept, and once
-//! there are `profile_min` of them, their mean plus three standard deviations becomes the
-//! window when that is shorter (the window only tightens: a VM whose bursts are short is
-//! migrated sooner when one does not end). After a migration the profile no longer holds (the
-//! VM's allocation changed) and learning starts again ([`Detector::forget`]).
+//! An overload is one episode while it pauses for at most two quiet intervals. Where
+//! transients end adapts to the VM: the lengths of its transient episodes are kept, and once
+//! there are `profile_min` of them, their mean plus three standard deviations becomes its
+//! threshold when that is shorter than the window (it only tightens): an episode longer than
+//! that is sustained, so a VM whose bursts are short is migrated sooner when one does not
+//! end, and one as long as its usual bursts is not. After a migration the profile no longer
+//! holds (the VM's allocation changed) and learning starts again ([`Detector::forget`]).
 
 use std::collections::VecDeque;
 
@@ -23,7 +25,7 @@ pub struct DetectorSettings {
     pub needed_share: f64,
     /// Transient overloads seen before the window adapts.
     pub profile_min: usize,
-    /// The window never shrinks below this many intervals.
+    /// The learned threshold never goes below this many intervals.
     pub min_window: usize,
 }
 
@@ -48,63 +50,91 @@ pub enum Pressure {
     Sustained,
 }
 
+/// Quiet intervals an overload may pause for and still be the same overload (sustained
+/// overload oscillates).
+const MAX_GAP: usize = 2;
+
 #[derive(Debug, Clone)]
 pub struct Detector {
     settings: DetectorSettings,
-    window: usize,
+    /// Where transients end, as learned (intervals); `settings.window` until learned.
+    threshold: usize,
     recent: VecDeque<bool>,
-    /// Intervals the current overload has lasted (0 when there is none).
-    run: usize,
-    /// The current overload already counted as sustained.
+    /// The overload under way: intervals since it began (gaps included), the quiet ones at
+    /// its end, and whether it already counts as sustained.
+    episode: Option<Episode>,
+    /// The transients seen: how many, and the sum of their lengths and of their squares.
+    transients: (usize, f64, f64),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Episode {
+    length: usize,
+    quiet: usize,
     sustained: bool,
-    transients: Vec<usize>,
 }
 
 impl Detector {
     pub fn new(settings: DetectorSettings) -> Detector {
         Detector {
-            window: settings.window,
+            threshold: settings.window,
             settings,
             recent: VecDeque::new(),
-            run: 0,
-            sustained: false,
-            transients: Vec::new(),
+            episode: None,
+            transients: (0, 0.0, 0.0),
         }
     }
 
-    /// The window now, in intervals.
-    pub fn window(&self) -> usize {
-        self.window
+    /// Where transients end now, in intervals.
+    pub fn threshold(&self) -> usize {
+        self.threshold
     }
 
     fn needed(&self) -> usize {
-        let needed = (self.window as f64 * self.settings.needed_share).ceil();
+        let window = self.settings.window;
+        let needed = (window as f64 * self.settings.needed_share).ceil();
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let needed = needed as usize;
-        needed.clamp(1, self.window)
+        needed.clamp(1, window)
     }
 
     /// One interval's sample.
     pub fn observe(&mut self, overloaded: bool) -> Pressure {
         self.recent.push_back(overloaded);
-        while self.recent.len() > self.window {
+        while self.recent.len() > self.settings.window {
             self.recent.pop_front();
         }
-        if !overloaded {
-            if self.run > 0 && !self.sustained {
-                self.learn(self.run);
-            }
-            self.run = 0;
-            self.sustained = false;
-            return Pressure::Normal;
-        }
-        self.run += 1;
-        let count = self.recent.iter().filter(|&&o| o).count();
-        if self.sustained || count >= self.needed() {
-            self.sustained = true;
-            Pressure::Sustained
+        let mut e = match self.episode {
+            Some(e) => e,
+            None if overloaded => Episode {
+                length: 0,
+                quiet: 0,
+                sustained: false,
+            },
+            None => return Pressure::Normal,
+        };
+        e.length += 1;
+        if overloaded {
+            e.quiet = 0;
         } else {
-            Pressure::Transient
+            e.quiet += 1;
+            if e.quiet > MAX_GAP {
+                // It ended: a transient is learned (without its quiet tail).
+                if !e.sustained {
+                    self.learn(e.length - e.quiet);
+                }
+                self.episode = None;
+                return Pressure::Normal;
+            }
+        }
+        let in_window = self.recent.iter().filter(|&&o| o).count();
+        e.sustained |= in_window >= self.needed()
+            || (self.threshold < self.settings.window && e.length > self.threshold);
+        self.episode = Some(e);
+        match (overloaded, e.sustained) {
+            (false, _) => Pressure::Normal,
+            (true, true) => Pressure::Sustained,
+            (true, false) => Pressure::Transient,
         }
     }
 
@@ -113,24 +143,21 @@ impl Detector {
         *self = Detector::new(self.settings.clone());
     }
 
-    fn learn(&mut self, duration: usize) {
-        self.transients.push(duration);
-        let n = self.transients.len();
-        if n < self.settings.profile_min {
+    fn learn(&mut self, length: usize) {
+        let (n, sum, squares) = &mut self.transients;
+        *n += 1;
+        *sum += length as f64;
+        *squares += (length as f64).powi(2);
+        if *n < self.settings.profile_min {
             return;
         }
-        let mean = self.transients.iter().sum::<usize>() as f64 / n as f64;
-        let var = self
-            .transients
-            .iter()
-            .map(|&d| (d as f64 - mean).powi(2))
-            .sum::<f64>()
-            / n as f64;
-        let bound = (mean + 3.0 * var.sqrt()).ceil();
+        let mean = *sum / *n as f64;
+        let var = (*squares / *n as f64 - mean * mean).max(0.0);
+        let bound = (mean + 3.0 * var.sqrt() - 1e-9).ceil();
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let bound = (bound as usize).max(self.settings.min_window);
-        if bound < self.window {
-            self.window = bound;
+        if bound < self.threshold {
+            self.threshold = bound;
         }
     }
 }
@@ -163,23 +190,24 @@ mod tests {
     }
 
     #[test]
-    fn short_transients_tighten_the_window_and_it_never_widens() {
+    fn short_transients_tighten_the_threshold_and_it_never_widens() {
         let mut d = Detector::new(DetectorSettings::default());
         for _ in 0..9 {
             feed(&mut d, "##....");
         }
-        assert_eq!(d.window(), 12, "not before the profile has 10 overloads");
+        assert_eq!(d.threshold(), 12, "not before the profile has 10 overloads");
         feed(&mut d, "###....");
         // Nine of 2 and one of 3: mean 2.1, sd 0.3, so mean + 3 sd = 3.
-        assert_eq!(d.window(), 3);
-        // Now 2 of 3 intervals make it sustained.
-        assert_eq!(feed(&mut d, "##"), "tS");
-        feed(&mut d, "..");
+        assert_eq!(d.threshold(), 3);
+        // As long as its usual bursts: transient. Longer (quiet intervals count): sustained.
+        assert_eq!(feed(&mut d, "###...."), "ttt....");
+        assert_eq!(feed(&mut d, "#.##...."), "t.tS....");
+        // Sustained overloads are not learned: the threshold stays.
         for _ in 0..20 {
-            feed(&mut d, "#######.");
+            feed(&mut d, "#######....");
         }
-        assert_eq!(d.window(), 3);
+        assert_eq!(d.threshold(), 3);
         d.forget();
-        assert_eq!(d.window(), 12);
+        assert_eq!(d.threshold(), 12);
     }
 }

@@ -104,17 +104,6 @@ impl Room {
             .find(|&h| !except.contains(&h) && need.fits_in(self.free[h]))
     }
 
-    /// The open host of `site` with the most room that takes `need`, other than `except`
-    /// (spreading: the host least likely to be over next).
-    pub fn most_room(&self, site: usize, need: Resources, except: &[usize]) -> Option<usize> {
-        self.by_site[site]
-            .iter()
-            .rev()
-            .take(SCAN)
-            .map(|&(_, h)| h)
-            .find(|&h| !except.contains(&h) && need.fits_in(self.free[h]))
-    }
-
     pub fn take(&mut self, host: usize, need: Resources) {
         self.reindex(host, |free| free.minus(need));
     }
@@ -185,8 +174,6 @@ mod tests {
         assert_eq!(room.best_fit(0, Resources::new(3.0, 1e9), &[]), Some(0));
         assert_eq!(room.best_fit(0, Resources::new(9.0, 1e9), &[]), None);
         assert_eq!(room.best_fit(0, Resources::new(1.0, 1e9), &[1]), Some(0));
-        assert_eq!(room.most_room(0, Resources::new(1.0, 1e9), &[]), Some(0));
-        assert_eq!(room.most_room(0, Resources::new(1.0, 1e9), &[0]), Some(1));
         // Memory counts too.
         assert_eq!(room.best_fit(0, Resources::new(1.0, 50e9), &[]), None);
         room.take(0, Resources::new(7.0, 1e9));
