@@ -28,6 +28,10 @@
 //! qmp_dir = "/run/ferry/vms"             # <dir>/<name>.qmp is VM <name>'s monitor
 //!                                        # (default: <work_dir>/vms)
 //!
+//! [host]                                 # optional: what this host offers VMs, for the
+//! cpus = 32                              # fleet's planner (default: the machine's CPUs
+//! mem_mib = 262144                       # and memory)
+//!
 //! [overlay]                              # optional: this host's part in virtual cloud pools
 //! address = "192.0.2.11"                 # its VXLAN endpoint, reached by the other hosts
 //! device = "eth1"                        # optional: the interface to send tunnels out of
@@ -94,6 +98,16 @@ pub struct AgentConfig {
     /// controller and movable by it; VMs this agent receives and starts get theirs here
     /// ([`crate::engine::monitor_dir`]).
     pub qmp_dir: PathBuf,
+    /// What this host offers VMs, when the config says (else the machine's, [`crate::fleet`]).
+    pub capacity: Option<ferry_api::fleet::HostCapacity>,
+}
+
+/// `[host]`: what this host offers VMs.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostSection {
+    cpus: Option<u32>,
+    mem_mib: Option<u64>,
 }
 
 /// `[qemu]`: the host's QEMU VMs that libvirt does not run.
@@ -207,6 +221,8 @@ struct File {
     overlay: Option<OverlayConfig>,
     #[serde(default)]
     qemu: QemuSection,
+    #[serde(default)]
+    host: HostSection,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -353,6 +369,21 @@ impl AgentConfig {
             ));
         }
         let budget_mib = file.seeds.budget_mib.unwrap_or(DEFAULT_SEED_BUDGET_MIB);
+        let capacity = match (file.host.cpus, file.host.mem_mib) {
+            (None, None) => None,
+            (Some(cpus), Some(mem_mib)) if cpus > 0 && mem_mib > 0 => {
+                Some(ferry_api::fleet::HostCapacity {
+                    cpus,
+                    mem_bytes: mem_mib.saturating_mul(1 << 20),
+                })
+            }
+            _ => {
+                return Err(invalid(
+                    "host",
+                    "give both cpus and mem_mib, above zero (or neither: the machine's)".into(),
+                ))
+            }
+        };
         Ok(AgentConfig {
             listen: file.listen,
             api_socket: file
@@ -374,6 +405,7 @@ impl AgentConfig {
             metrics_listen: file.metrics_listen,
             overlay: file.overlay,
             qmp_dir,
+            capacity,
             name: file.name,
         })
     }
@@ -466,6 +498,15 @@ rate_mbit = 100
         assert_eq!(
             parse(&format!("{GOOD}\n[qemu]\nqmp_dir = \"vms\"\n")).unwrap_err(),
             "/etc/ferry/agent.toml: qemu.qmp_dir: vms is not an absolute path"
+        );
+        assert_eq!(
+            parse(&format!("{GOOD}\n[host]\ncpus = 4\n")).unwrap_err().to_string(),
+            "/etc/ferry/agent.toml: host: give both cpus and mem_mib, above zero (or neither: the machine's)"
+        );
+        let c = parse(&format!("{GOOD}\n[host]\ncpus = 4\nmem_mib = 2048\n")).unwrap();
+        assert_eq!(
+            c.capacity.map(|c| (c.cpus, c.mem_bytes)),
+            Some((4, 2048 << 20))
         );
         assert!(parse(&format!("{GOOD}\n[qemu]\nqmp_dir = \"/run/a,b\"\n"))
             .unwrap_err()

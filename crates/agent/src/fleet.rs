@@ -19,7 +19,8 @@ use ferry_api::agent::{
     MigrationStatus,
 };
 use ferry_api::fleet::{
-    FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, VmKind, VmNic, VmReport,
+    FleetMigrationReport, FleetWork, Heartbeat, HeartbeatAnswer, HostCapacity, VmKind, VmNic,
+    VmReport, VmUsage,
 };
 use ferry_qemu::commands::QueryBlock;
 use ferry_qemu::Qmp;
@@ -142,10 +143,14 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
 /// Keeps `vms` the host's VMs, listed every [`FIRST_HEARTBEAT`] (a list that fails leaves
 /// the last one standing rather than telling the controller they all left).
 async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Listed>>) {
+    let mut cpu = CpuSamples::new();
     loop {
         // Stamped with when the listing began: whatever changed after may be missing.
         let at = crate::engine::status::now_ms();
-        if let Some(now) = running_vms(&agent).await {
+        if let Some(mut now) = running_vms(&agent).await {
+            if let Some(tunnels) = &agent.tunnels {
+                domains_usage(&Libvirt::new(&tunnels.config.socket), &mut now, &mut cpu).await;
+            }
             *vms.lock().expect("vms lock") = Listed {
                 vms: now,
                 at_unix_ms: Some(at),
@@ -153,6 +158,65 @@ async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Listed>>) {
         }
         tokio::time::sleep(FIRST_HEARTBEAT).await;
     }
+}
+
+/// Each domain's CPU time at its last listing, to turn the next into a rate.
+type CpuSamples = HashMap<String, (u64, std::time::Instant)>;
+
+/// Fills in the libvirt domains' usage: memory from this listing, CPU as the time taken
+/// since the last (a domain listed for the first time has none yet). Usage that cannot be
+/// read leaves the VMs without (the planner then leaves them where they are).
+async fn domains_usage(libvirt: &Libvirt, vms: &mut [VmReport], cpu: &mut CpuSamples) {
+    let stats = match libvirt.usage().await {
+        Ok(stats) => stats,
+        Err(e) => {
+            tracing::warn!("reading libvirt's domain statistics for the controller: {e:#}");
+            return;
+        }
+    };
+    let now = std::time::Instant::now();
+    for vm in vms.iter_mut().filter(|v| v.kind == VmKind::Libvirt) {
+        let Some(u) = stats.get(&vm.name) else {
+            continue;
+        };
+        if let Some((before_ns, then)) = cpu.get(&vm.name) {
+            let wall_ns = now.duration_since(*then).as_nanos().max(1);
+            let used_ns = u128::from(u.cpu_time_ns.saturating_sub(*before_ns));
+            vm.usage = Some(VmUsage {
+                cpu_millis: u64::try_from(used_ns * 1000 / wall_ns).unwrap_or(u64::MAX),
+                mem_bytes: u.mem_bytes,
+            });
+        }
+    }
+    cpu.clear();
+    cpu.extend(
+        stats
+            .into_iter()
+            .map(|(name, u)| (name, (u.cpu_time_ns, now))),
+    );
+}
+
+/// What this host offers VMs: its config's `[host]`, else the machine's CPUs and memory.
+fn capacity(agent: &Agent) -> Option<HostCapacity> {
+    static MACHINE: std::sync::OnceLock<Option<HostCapacity>> = std::sync::OnceLock::new();
+    agent.config.capacity.or_else(|| {
+        *MACHINE.get_or_init(|| {
+            let cpus = std::thread::available_parallelism().ok()?.get();
+            let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let kib: u64 = meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()?;
+            Some(HostCapacity {
+                cpus: u32::try_from(cpus).unwrap_or(u32::MAX),
+                mem_bytes: kib.saturating_mul(1024),
+            })
+        })
+    })
 }
 
 /// The host's VMs as last listed, and when.
@@ -230,6 +294,8 @@ async fn qemu_vms(agent: &Agent) -> Option<Vec<VmReport>> {
             state,
             // Not known from the monitor: such VMs join no pool yet.
             nics: Vec::new(),
+            // Nor their usage: the planner leaves them where they are.
+            usage: None,
         });
     }
     vms.sort_by(|a, b| a.name.cmp(&b.name));
@@ -261,6 +327,7 @@ async fn libvirt_domains(libvirt: &Libvirt) -> Option<Vec<VmReport>> {
             kind: VmKind::Libvirt,
             state,
             nics,
+            usage: None,
         });
     }
     Some(vms)
@@ -298,6 +365,7 @@ fn heartbeat(
         peers: agent.config.peers.keys().cloned().collect(),
         max_outgoing: u32::try_from(agent.config.max_outgoing).unwrap_or(u32::MAX),
         vms,
+        capacity: capacity(agent),
         migrations,
         overlay: agent.overlay.as_ref().map(|o| o.report()),
         vms_listed_unix_ms: None,

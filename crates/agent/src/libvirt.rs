@@ -85,6 +85,15 @@ impl Libvirt {
             .collect())
     }
 
+    /// Each active domain's CPU time so far (ns) and memory (what its balloon leaves it, or
+    /// its size), from one `virsh domstats`.
+    pub async fn usage(&self) -> Result<std::collections::HashMap<String, DomainUsage>> {
+        let text = self
+            .virsh(&["domstats", "--cpu-total", "--balloon", "--list-active"])
+            .await?;
+        Ok(parse_domstats(&text))
+    }
+
     /// The domain's network interfaces plugged into a bridge: (MAC, bridge). `virsh
     /// domiflist`: "<interface> <type> <source> <model> <MAC>" per line under a header.
     pub async fn bridged_nics(&self, domain: &str) -> Result<Vec<(String, String)>> {
@@ -277,6 +286,73 @@ mod tests {
         assert_eq!(
             e,
             "Failed to connect socket to '/x': No such file or directory: failed to connect to the hypervisor"
+        );
+    }
+}
+
+/// One domain's counters from `virsh domstats`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DomainUsage {
+    pub cpu_time_ns: u64,
+    pub mem_bytes: u64,
+}
+
+/// `virsh domstats` output: a `Domain: 'name'` line, then `  key=value` lines.
+fn parse_domstats(text: &str) -> std::collections::HashMap<String, DomainUsage> {
+    let mut out = std::collections::HashMap::new();
+    let mut current: Option<(String, DomainUsage)> = None;
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix("Domain: ") {
+            out.extend(current.take());
+            current = Some((
+                name.trim().trim_matches('\'').to_owned(),
+                DomainUsage::default(),
+            ));
+            continue;
+        }
+        let (Some((_, usage)), Some((key, value))) =
+            (current.as_mut(), line.trim().split_once('='))
+        else {
+            continue;
+        };
+        let Ok(value) = value.parse::<u64>() else {
+            continue;
+        };
+        match key {
+            "cpu.time" => usage.cpu_time_ns = value,
+            // KiB; `balloon.current` is what the guest has, `balloon.maximum` its size.
+            "balloon.current" => usage.mem_bytes = value.saturating_mul(1024),
+            "balloon.maximum" if usage.mem_bytes == 0 => {
+                usage.mem_bytes = value.saturating_mul(1024)
+            }
+            _ => {}
+        }
+    }
+    out.extend(current);
+    out
+}
+
+#[cfg(test)]
+mod domstats_tests {
+    use super::*;
+
+    #[test]
+    fn domstats_give_each_domain_its_cpu_time_and_memory() {
+        let text = "Domain: 'web'\n  cpu.time=1500000000\n  cpu.user=1000\n  balloon.current=262144\n  balloon.maximum=524288\n\nDomain: 'db'\n  cpu.time=7\n  balloon.maximum=1024\n";
+        let u = parse_domstats(text);
+        assert_eq!(
+            u["web"],
+            DomainUsage {
+                cpu_time_ns: 1_500_000_000,
+                mem_bytes: 256 << 20
+            }
+        );
+        assert_eq!(
+            u["db"],
+            DomainUsage {
+                cpu_time_ns: 7,
+                mem_bytes: 1 << 20
+            }
         );
     }
 }

@@ -21,6 +21,9 @@ pub struct Heartbeat {
     pub max_outgoing: u32,
     /// The VMs running on the host now.
     pub vms: Vec<VmReport>,
+    /// What the host offers VMs (its config's `[host]`, else the machine's CPUs and memory).
+    #[serde(default)]
+    pub capacity: Option<HostCapacity>,
     /// When `vms` was listed (it may be older than the heartbeat: libvirt can be slow).
     #[serde(default)]
     pub vms_listed_unix_ms: Option<u64>,
@@ -62,6 +65,24 @@ pub struct VmReport {
     pub state: String,
     #[serde(default)]
     pub nics: Vec<VmNic>,
+    /// What it uses, when the agent can tell (libvirt domains, from their second listing on).
+    #[serde(default)]
+    pub usage: Option<VmUsage>,
+}
+
+/// What a host offers VMs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct HostCapacity {
+    pub cpus: u32,
+    pub mem_bytes: u64,
+}
+
+/// What a VM uses: the CPU time it took over the last listing interval (thousandths of a
+/// CPU), and its memory (what its balloon leaves it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VmUsage {
+    pub cpu_millis: u64,
+    pub mem_bytes: u64,
 }
 
 /// Who runs a VM, and so how it migrates.
@@ -467,6 +488,9 @@ pub struct Host {
     /// When its last list of VMs was taken (absent: at its last heartbeat).
     #[serde(default)]
     pub vms_listed_unix_ms: Option<u64>,
+    /// What it offers VMs, as it reports.
+    #[serde(default)]
+    pub capacity: Option<HostCapacity>,
 }
 
 /// A VM of the fleet, where it runs now.
@@ -478,6 +502,9 @@ pub struct Vm {
     pub site: String,
     pub state: String,
     pub nics: Vec<VmNic>,
+    /// What it uses, as its host last reported (absent: not known).
+    #[serde(default)]
+    pub usage: Option<VmUsage>,
 }
 
 /// A virtual cloud pool: one tenant's layer-2 segment across the sites where it has VMs.
@@ -538,4 +565,51 @@ pub struct ControllerHealth {
     pub store: String,
     /// The controller that leads now (schedules migrations, marks hosts down), if any.
     pub leader: Option<String>,
+}
+
+/// `GET /v1/plan`: what the planner would do now (docs/policies.md); `POST /v1/plan` carries
+/// it out, and the answer names the migrations and groups it requested.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FleetPlan {
+    pub computed_unix_ms: u64,
+    /// Cheapest first.
+    pub moves: Vec<PlanMove>,
+    /// Hosts being emptied: they take no VMs from now on.
+    pub drain: Vec<String>,
+    /// Hosts that are empty and may be stopped.
+    pub empty: Vec<String>,
+    /// Hosts being emptied that stay on: what is left on them fits nowhere else.
+    pub keep: Vec<String>,
+    /// Why nothing moves, when nothing does.
+    pub quiet: Option<String>,
+    /// Hosts and VMs the plan leaves out, and why (a host down or without its capacity, a
+    /// VM whose use is not reported, ...).
+    pub unplanned: Vec<Unplanned>,
+    /// When carried out: the migrations and groups requested, by id.
+    #[serde(default)]
+    pub requested: Vec<String>,
+    /// When carried out: the moves the controller refused, and why.
+    #[serde(default)]
+    pub refused: Vec<Unplanned>,
+}
+
+/// VMs that move together from one host to another.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PlanMove {
+    pub vms: Vec<String>,
+    pub from: String,
+    pub to: String,
+    /// `relieve` (off a host over its capacity) or `consolidate` (off a host being emptied).
+    pub reason: String,
+    /// The cost model's prediction.
+    pub predicted_s: f64,
+    pub predicted_wan_bytes: u64,
+    pub predicted_pause_ms: u64,
+}
+
+/// A host or VM a plan leaves out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Unplanned {
+    pub name: String,
+    pub why: String,
 }

@@ -71,6 +71,15 @@ enum FleetCmd {
     Migrate(Box<MigrateArgs>),
     /// The groups of migrations that arrive together.
     Groups(ListArgs),
+    /// What the planner would do now (spread VMs off hosts over capacity, empty hosts the
+    /// fleet does not need; docs/policies.md); --apply carries it out.
+    Plan {
+        #[command(flatten)]
+        list: ListArgs,
+        /// Carry the plan out: its moves become migrations (and groups).
+        #[arg(long)]
+        apply: bool,
+    },
     /// Follow a migration until it ends (exit 0 committed, 3 failed).
     Watch { id: String },
     /// Cancel a migration (one not yet started ends at once; a running one is cancelled by
@@ -316,6 +325,19 @@ pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
             }
             watch(&client, &created.id).await
         }
+        FleetCmd::Plan { list, apply } => {
+            let plan = if apply {
+                client.apply_plan().await?
+            } else {
+                client.plan().await?
+            };
+            if list.json {
+                println!("{}", serde_json::to_string_pretty(&plan)?);
+            } else {
+                print_plan(&plan);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         FleetCmd::Watch { id } => watch(&client, &id).await,
         FleetCmd::Cancel { id } => {
             println!("{}", line(&client.cancel(&id).await?));
@@ -454,5 +476,44 @@ async fn watch(client: &ControllerClient, id: &str) -> Result<ExitCode> {
             FleetMigrationState::Failed => return Ok(ExitCode::from(crate::EXIT_MIGRATION_FAILED)),
             _ => tokio::time::sleep(Duration::from_millis(500)).await,
         }
+    }
+}
+
+fn print_plan(plan: &ferry_api::fleet::FleetPlan) {
+    if let Some(quiet) = &plan.quiet {
+        println!("nothing to move: {quiet}");
+    }
+    if !plan.moves.is_empty() {
+        println!("moves, cheapest first (the cost model's predictions):");
+        for m in &plan.moves {
+            println!(
+                "  {:<24} {} -> {}  {:<11}  ~{:.1} s, {} over the WAN, pause ~{} ms",
+                m.vms.join(","),
+                m.from,
+                m.to,
+                m.reason,
+                m.predicted_s,
+                report::bytes(m.predicted_wan_bytes),
+                m.predicted_pause_ms
+            );
+        }
+    }
+    for (what, hosts) in [
+        ("hosts to empty (they take no VMs)", &plan.drain),
+        ("hosts empty (they may be stopped)", &plan.empty),
+        ("hosts kept on (what is left fits nowhere else)", &plan.keep),
+    ] {
+        if !hosts.is_empty() {
+            println!("{what}: {}", hosts.join(", "));
+        }
+    }
+    for u in &plan.unplanned {
+        println!("left out: {}: {}", u.name, u.why);
+    }
+    if !plan.requested.is_empty() {
+        println!("requested: {}", plan.requested.join(", "));
+    }
+    for u in &plan.refused {
+        println!("refused: {}: {}", u.name, u.why);
     }
 }

@@ -13,7 +13,7 @@ use axum::{Extension, Json, Router};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
     ControllerHealth, FleetGroup, FleetGroupRequest, FleetMigration, FleetMigrationRequest,
-    Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
+    FleetPlan, Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
 };
 use utoipa::OpenApi;
 
@@ -68,6 +68,8 @@ impl Caller {
         groups,
         group,
         migrate_group,
+        plan,
+        apply_plan,
         heartbeat
     )
 )]
@@ -94,6 +96,7 @@ pub fn router(controller: Arc<Controller>) -> Router {
         .route("/v1/migrations/{id}/cancel", post(cancel))
         .route("/v1/groups", get(groups).post(migrate_group))
         .route("/v1/groups/{id}", get(group))
+        .route("/v1/plan", get(plan).post(apply_plan))
         .route("/v1/agent/heartbeat", post(heartbeat))
         .with_state(controller)
 }
@@ -455,6 +458,30 @@ async fn migrate_group(
         Ok(g) => (StatusCode::CREATED, Json(g)).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+#[utoipa::path(get, path = "/v1/plan", responses(
+    (status = 200, description = "what the planner would do now (docs/policies.md)", body = FleetPlan),
+    (status = 400, description = "the fleet cannot be planned: what is wrong", body = ApiError),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
+async fn plan(State(c): State<Arc<Controller>>) -> Response {
+    answer(c.plan().await)
+}
+
+#[utoipa::path(post, path = "/v1/plan", responses(
+    (status = 200, description = "the plan carried out: the migrations and groups requested, the moves refused", body = FleetPlan),
+    (status = 400, description = "the fleet cannot be planned: what is wrong", body = ApiError),
+    (status = 403, description = "the caller may not change the fleet", body = ApiError),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
+async fn apply_plan(
+    State(c): State<Arc<Controller>>,
+    Extension(caller): Extension<Caller>,
+) -> Response {
+    let result = async {
+        operator(&c, &caller)?;
+        c.apply_plan(&caller.name()).await
+    };
+    answer(result.await)
 }
 
 #[utoipa::path(post, path = "/v1/agent/heartbeat", request_body = Heartbeat, responses(

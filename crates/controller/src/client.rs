@@ -8,7 +8,7 @@ use anyhow::{anyhow, Context, Result};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
     ControllerHealth, FleetGroup, FleetGroupRequest, FleetMigration, FleetMigrationRequest,
-    Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
+    FleetPlan, Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
 };
 use ferry_wire::tls::ClientConfig;
 use http_body_util::{BodyExt, Full};
@@ -158,6 +158,16 @@ impl ControllerClient {
     pub async fn migrate_group(&self, req: &FleetGroupRequest) -> Result<FleetGroup> {
         self.call("POST", "/v1/groups", Some(serde_json::to_vec(req)?))
             .await
+    }
+
+    /// What the planner would do now.
+    pub async fn plan(&self) -> Result<FleetPlan> {
+        self.call("GET", "/v1/plan", None).await
+    }
+
+    /// Carries the plan out.
+    pub async fn apply_plan(&self) -> Result<FleetPlan> {
+        self.call("POST", "/v1/plan", None).await
     }
 
     pub async fn groups(&self) -> Result<Vec<FleetGroup>> {

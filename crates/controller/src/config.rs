@@ -22,6 +22,18 @@
 //!
 //! [limits]
 //! per_site_pair = 2      # migrations between two sites at once
+//!
+//! [policy]               # the planner (docs/policies.md): `ferry fleet plan`
+//! auto = false           # carry its plans out without being asked
+//! headroom = 0.2         # share of each host's capacity kept free
+//! hold_s = 600           # a surplus of hosts must last this long before hosts are emptied
+//! margin_hosts = 1       # ... and be at least this many hosts
+//! cooldown_s = 1800      # a VM that moved is left alone this long
+//! min_on_s = 3600        # a host is not emptied within this long of joining
+//! max_moves = 16         # moves per plan
+//! lan_mbit = 10000       # the links the cost model prices moves on: within a site
+//! wan_mbit = 1000        # ... and between sites
+//! wan_rtt_ms = 30
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -48,6 +60,17 @@ pub struct ControllerConfig {
     pub identity: Identity,
     pub timing: Timing,
     pub per_site_pair: u32,
+    pub policy: PolicyConfig,
+}
+
+/// `[policy]`: the planner's settings and the links it prices moves on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    pub auto: bool,
+    pub settings: ferry_policy::consolidate::Settings,
+    pub lan_bits_per_s: f64,
+    pub wan_bits_per_s: f64,
+    pub wan_rtt_s: f64,
 }
 
 /// The controller's clocks, milliseconds.
@@ -94,6 +117,23 @@ struct File {
     timing: TimingFile,
     #[serde(default)]
     limits: LimitsFile,
+    #[serde(default)]
+    policy: PolicyFile,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    auto: Option<bool>,
+    headroom: Option<f64>,
+    hold_s: Option<f64>,
+    margin_hosts: Option<usize>,
+    cooldown_s: Option<f64>,
+    min_on_s: Option<f64>,
+    max_moves: Option<usize>,
+    lan_mbit: Option<f64>,
+    wan_mbit: Option<f64>,
+    wan_rtt_ms: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -207,6 +247,43 @@ impl ControllerConfig {
                 format!("{per_site_pair} is out of range; use 1 to 64"),
             ));
         }
+        let p = &file.policy;
+        let number = |key: &str, v: Option<f64>, default: f64, (lo, hi): (f64, f64)| {
+            let v = v.unwrap_or(default);
+            if v.is_finite() && (lo..=hi).contains(&v) {
+                Ok(v)
+            } else {
+                Err(invalid(
+                    &format!("policy.{key}"),
+                    format!("{v} is out of range; use {lo} to {hi}"),
+                ))
+            }
+        };
+        let count = |key: &str, v: Option<usize>, default: usize, hi: usize| {
+            let v = v.unwrap_or(default);
+            if (1..=hi).contains(&v) {
+                Ok(v)
+            } else {
+                Err(invalid(
+                    &format!("policy.{key}"),
+                    format!("{v} is out of range; use 1 to {hi}"),
+                ))
+            }
+        };
+        let policy = PolicyConfig {
+            auto: p.auto.unwrap_or(false),
+            settings: ferry_policy::consolidate::Settings {
+                headroom: number("headroom", p.headroom, 0.2, (0.0, 0.9))?,
+                hold_s: number("hold_s", p.hold_s, 600.0, (0.0, 604800.0))?,
+                margin_hosts: count("margin_hosts", p.margin_hosts, 1, 10_000)?,
+                cooldown_s: number("cooldown_s", p.cooldown_s, 1800.0, (0.0, 604800.0))?,
+                min_on_s: number("min_on_s", p.min_on_s, 3600.0, (0.0, 604800.0))?,
+                max_moves: count("max_moves", p.max_moves, 16, 100_000)?,
+            },
+            lan_bits_per_s: number("lan_mbit", p.lan_mbit, 10000.0, (0.1, 1e7))? * 1e6,
+            wan_bits_per_s: number("wan_mbit", p.wan_mbit, 1000.0, (0.1, 1e7))? * 1e6,
+            wan_rtt_s: number("wan_rtt_ms", p.wan_rtt_ms, 30.0, (0.0, 10000.0))? / 1000.0,
+        };
         Ok(ControllerConfig {
             name: file.name,
             listen: file.listen,
@@ -219,6 +296,7 @@ impl ControllerConfig {
             identity: file.tls,
             timing,
             per_site_pair,
+            policy,
         })
     }
 }

@@ -52,9 +52,19 @@ impl FleetError {
 pub struct Controller {
     pub config: ControllerConfig,
     pub store: Store,
+    /// The planner's memory and the hosts being emptied (crate::plan).
+    pub plans: crate::plan::PlanState,
 }
 
 impl Controller {
+    pub fn new(config: ControllerConfig, store: Store) -> Controller {
+        Controller {
+            plans: crate::plan::PlanState::new(&config.policy),
+            config,
+            store,
+        }
+    }
+
     fn event(&self, state: FleetMigrationState, detail: impl Into<String>) -> FleetEvent {
         FleetEvent {
             unix_ms: now_ms(),

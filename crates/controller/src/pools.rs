@@ -146,6 +146,7 @@ impl<'a> Snapshot<'a> {
             site: self.host(host).map(|h| h.site.clone()).unwrap_or_default(),
             state: "running".into(),
             nics: self.nics(name).into_iter().cloned().collect(),
+            usage: None,
         }))
     }
 
@@ -375,6 +376,7 @@ mod tests {
                 ready: ready.iter().map(|r| (*r).to_string()).collect(),
             }),
             vms_listed_unix_ms: None,
+            capacity: None,
         }
     }
 
@@ -385,6 +387,7 @@ mod tests {
             host: host.into(),
             site: String::new(),
             state: "running".into(),
+            usage: None,
             nics: nics
                 .iter()
                 .map(|(mac, bridge)| VmNic {

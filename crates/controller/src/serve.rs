@@ -55,7 +55,7 @@ pub async fn run(config: ControllerConfig) -> Result<()> {
         ),
         None => None,
     };
-    serve(Arc::new(Controller { config, store }), tcp, local, http).await
+    serve(Arc::new(Controller::new(config, store)), tcp, local, http).await
 }
 
 /// Serves the API on its listeners (the read-only HTTP one if given) and leads when it can,
@@ -111,6 +111,9 @@ async fn lead(controller: Arc<Controller>) -> Result<()> {
                 if leading {
                     if let Err(e) = controller.lead().await {
                         tracing::warn!("leader's round: {:#}", anyhow::Error::from(e));
+                    }
+                    if let Err(e) = controller.observe().await {
+                        tracing::warn!("planning: {:#}", anyhow::Error::from(e));
                     }
                 }
             }

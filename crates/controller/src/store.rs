@@ -168,6 +168,7 @@ impl Store {
             last_seen_unix_ms: now,
             overlay: beat.overlay.clone(),
             vms_listed_unix_ms: beat.vms_listed_unix_ms,
+            capacity: beat.capacity,
         };
         let record = serde_json::to_string(&host).map_err(|e| corrupt("host", e))?;
         sqlx::query(
@@ -186,14 +187,16 @@ impl Store {
             .await?;
         for vm in &beat.vms {
             let nics = serde_json::to_string(&vm.nics).map_err(|e| corrupt("vm nics", e))?;
+            let usage = serde_json::to_string(&vm.usage).map_err(|e| corrupt("vm usage", e))?;
             sqlx::query(
-                "INSERT INTO vms (host, name, kind, state, nics) VALUES ($1, $2, $3, $4, $5)",
+                "INSERT INTO vms (host, name, kind, state, nics, usage) VALUES ($1, $2, $3, $4, $5, $6)",
             )
             .bind(name)
             .bind(&vm.name)
             .bind(vm.kind.name())
             .bind(&vm.state)
             .bind(&nics)
+            .bind(&usage)
             .execute(&mut *tx)
             .await?;
         }
@@ -232,7 +235,7 @@ impl Store {
 
     pub async fn vms(&self) -> Result<Vec<Vm>, StoreError> {
         let rows = sqlx::query(
-            "SELECT vms.name, vms.kind, vms.host, hosts.site, vms.state, vms.nics FROM vms
+            "SELECT vms.name, vms.kind, vms.host, hosts.site, vms.state, vms.nics, vms.usage FROM vms
              JOIN hosts ON hosts.name = vms.host ORDER BY vms.name, vms.host",
         )
         .fetch_all(&self.pool)
@@ -241,7 +244,9 @@ impl Store {
             .map(|row| {
                 let kind: String = row.try_get(1)?;
                 let nics: String = row.try_get(5)?;
+                let usage: String = row.try_get(6)?;
                 Ok(Vm {
+                    usage: serde_json::from_str(&usage).map_err(|e| corrupt("vm usage", e))?,
                     nics: serde_json::from_str(&nics).map_err(|e| corrupt("vm nics", e))?,
                     name: row.try_get(0)?,
                     kind: VmKind::parse(&kind).ok_or_else(|| corrupt("vm kind", &kind))?,
@@ -636,6 +641,7 @@ pub(crate) mod tests {
                     name: (*n).into(),
                     kind: VmKind::Libvirt,
                     state: "running".into(),
+                    usage: None,
                     nics: vec![],
                 })
                 .collect(),
@@ -643,6 +649,7 @@ pub(crate) mod tests {
             overlay: None,
             vms_listed_unix_ms: None,
             wait_ms: None,
+            capacity: None,
         }
     }
 

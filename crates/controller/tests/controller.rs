@@ -52,7 +52,7 @@ impl Fleet {
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = tcp.local_addr().unwrap().to_string();
         let local = UnixListener::bind(&socket).unwrap();
-        let controller = Arc::new(Controller { config, store });
+        let controller = Arc::new(Controller::new(config, store));
         let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_address = http.local_addr().unwrap().to_string();
         tokio::spawn(ferry_controller::serve::serve(
@@ -99,6 +99,7 @@ fn beat(site: &str, peers: &[&str], vms: &[&str]) -> Heartbeat {
                 name: (*n).into(),
                 kind: VmKind::Libvirt,
                 state: "running".into(),
+                usage: None,
                 nics: vec![],
             })
             .collect(),
@@ -106,6 +107,7 @@ fn beat(site: &str, peers: &[&str], vms: &[&str]) -> Heartbeat {
         overlay: None,
         vms_listed_unix_ms: None,
         wait_ms: None,
+        capacity: None,
     }
 }
 
@@ -125,6 +127,7 @@ fn overlay_beat(
             name: (*name).into(),
             kind: VmKind::Libvirt,
             state: "running".into(),
+            usage: None,
             nics: vec![VmNic {
                 mac: (*mac).into(),
                 bridge: (*bridge).into(),
@@ -924,6 +927,7 @@ async fn every_answer_matches_the_openapi_document() {
             "/v1/migrations",
             "/v1/migrations/{id}",
             "/v1/migrations/{id}/cancel",
+            "/v1/plan",
             "/v1/pools",
             "/v1/pools/{name}",
             "/v1/pools/{name}/holds/{host}",
@@ -1087,6 +1091,7 @@ async fn a_pool_has_endpoints_where_its_vms_are_and_a_migration_waits_for_the_de
         name: "db".into(),
         kind: VmKind::Libvirt,
         state: "running".into(),
+        usage: None,
         nics: vec![VmNic {
             mac: "52:54:00:00:10:02".into(),
             bridge: "fp1001".into(),
@@ -1300,4 +1305,123 @@ async fn the_dashboard_shows_the_fleet_in_a_real_browser() {
     .unwrap();
     assert_eq!(status, 403, "{body:?}");
     assert!(String::from_utf8_lossy(&body).contains("read-only"));
+}
+
+/// A heartbeat whose host offers `cpus` and `gib`, and whose VMs report their use
+/// (name, thousandths of a CPU, MiB; none: not reported).
+fn usage_beat(site: &str, cpus: u32, gib: u64, vms: &[(&str, Option<(u64, u64)>)]) -> Heartbeat {
+    let names: Vec<&str> = vms.iter().map(|(n, _)| *n).collect();
+    let mut b = beat(site, &["a1", "a2", "b1"], &names);
+    b.max_outgoing = 4;
+    b.capacity = Some(ferry_api::fleet::HostCapacity {
+        cpus,
+        mem_bytes: gib << 30,
+    });
+    for (report, (_, usage)) in b.vms.iter_mut().zip(vms) {
+        report.usage = usage.map(|(cpu_millis, mib)| ferry_api::fleet::VmUsage {
+            cpu_millis,
+            mem_bytes: mib << 20,
+        });
+    }
+    b
+}
+
+#[tokio::test]
+async fn the_plan_empties_a_host_the_fleet_does_not_need_and_is_carried_out_as_migrations() {
+    let fleet =
+        Fleet::start("[policy]\nhold_s = 0\nmin_on_s = 0\nwan_mbit = 100\nwan_rtt_ms = 50\n").await;
+    let (a1, a2, b1, ops) = (
+        fleet.as_("a1"),
+        fleet.as_("a2"),
+        fleet.as_("b1"),
+        fleet.as_("ops1"),
+    );
+    let (status, doc) = ops.raw("GET", "/v1/openapi.json", None).await.unwrap();
+    assert_eq!(status, 200);
+    let doc: serde_json::Value = serde_json::from_slice(&doc).unwrap();
+
+    // a1 and b1 are lightly used; b1 also runs a VM whose use is not known yet. a2 is an
+    // agent of an older version: no capacity.
+    a1.heartbeat(&usage_beat(
+        "a",
+        4,
+        4,
+        &[("web", Some((300, 512))), ("db", Some((200, 1024)))],
+    ))
+    .await
+    .unwrap();
+    b1.heartbeat(&usage_beat(
+        "b",
+        4,
+        4,
+        &[("cache", Some((100, 256))), ("new", None)],
+    ))
+    .await
+    .unwrap();
+    let mut old = beat("a", &[], &["legacy"]);
+    old.capacity = None;
+    a2.heartbeat(&old).await.unwrap();
+
+    let vms = ops.vms().await.unwrap();
+    let web = vms.iter().find(|v| v.name == "web").unwrap();
+    assert_eq!(web.usage.map(|u| (u.cpu_millis, u.mem_bytes)), Some((300, 512 << 20)));
+    let (status, body) = ops.raw("GET", "/v1/plan", None).await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    conforms(&doc, "/v1/plan", "get", 200, &body);
+    let plan: ferry_api::fleet::FleetPlan = serde_json::from_slice(&body).unwrap();
+    // b1 cannot be emptied (its unknown VM stays), so a1 is, across to b1.
+    assert_eq!(plan.drain, ["a1"], "{plan:?}");
+    let moved: Vec<(&str, &str, &str)> = plan
+        .moves
+        .iter()
+        .map(|m| (m.vms[0].as_str(), m.to.as_str(), m.reason.as_str()))
+        .collect();
+    assert_eq!(
+        moved,
+        [("web", "b1", "consolidate"), ("db", "b1", "consolidate")]
+    );
+    // Priced by the model over the 100 Mbit/s link: the larger VM takes longer.
+    assert!(plan.moves[1].predicted_s > plan.moves[0].predicted_s);
+    assert!(plan.moves[0].predicted_wan_bytes > 0);
+    let left: Vec<(&str, &str)> = plan
+        .unplanned
+        .iter()
+        .map(|u| (u.name.as_str(), u.why.as_str()))
+        .collect();
+    assert!(
+        left.contains(&(
+            "a2",
+            "reports no capacity (an agent older than the planner)"
+        )),
+        "{left:?}"
+    );
+    assert!(
+        left.iter()
+            .any(|(n, why)| *n == "new" && why.contains("not reported")),
+        "{left:?}"
+    );
+    assert!(left.iter().any(|(n, _)| *n == "legacy"), "{left:?}");
+
+    // A host may not carry it out; an operator may.
+    let (status, _) = b1.raw("POST", "/v1/plan", None).await.unwrap();
+    assert_eq!(status, 403);
+    let (status, body) = ops.raw("POST", "/v1/plan", None).await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    conforms(&doc, "/v1/plan", "post", 200, &body);
+    let done: ferry_api::fleet::FleetPlan = serde_json::from_slice(&body).unwrap();
+    assert_eq!(done.requested.len(), 2, "{done:?}");
+    assert!(done.refused.is_empty(), "{done:?}");
+    let migrations = ops.migrations().await.unwrap();
+    for id in &done.requested {
+        let m = migrations.iter().find(|m| &m.id == id).unwrap();
+        assert_eq!(
+            (m.source_host.as_str(), m.destination_host.as_str()),
+            ("a1", "b1")
+        );
+        assert_eq!(m.requested_by, "ops1");
+    }
+    // Under way, nothing more is planned for those VMs; a1 stays being emptied.
+    let again = ops.plan().await.unwrap();
+    assert!(again.moves.is_empty(), "{again:?}");
+    assert!(again.unplanned.iter().all(|u| u.name != "web"));
 }

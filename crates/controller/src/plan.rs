@@ -1,0 +1,311 @@
+//! The fleet's plan (docs/policies.md): ferry-policy's planner over the hosts and VMs the
+//! store holds, with what the agents report they offer and use, moves priced by the cost
+//! model on the links `[policy]` names. The leader observes the fleet every round (so that a
+//! surplus of hosts is timed from when it began), `GET /v1/plan` shows what it would do now,
+//! and `POST /v1/plan` (or `[policy] auto`) carries it out as ordinary fleet migrations and
+//! groups, which the leader schedules within its limits (`limits.per_site_pair`, each
+//! source's `max_outgoing`).
+//!
+//! What the plan cannot know it leaves out, and says so: hosts down or without a reported
+//! capacity, VMs whose use is not reported (they count on their host as nothing and never
+//! move), VMs two hosts report.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use ferry_api::fleet::{
+    FleetGroupRequest, FleetMigrationRequest, FleetMigrationState, FleetPlan, HostState, PlanMove,
+    Unplanned,
+};
+use ferry_api::settings::MigrationSettings;
+use ferry_policy::consolidate::{MoveCost, Plan, Planner, Reason};
+use ferry_policy::cost::{Cost, Move, Params};
+use ferry_policy::fleet::{Fleet, Host, Resources, Vm};
+
+use crate::config::PolicyConfig;
+use crate::fleet::{Controller, FleetError, Loaded};
+use crate::store::now_ms;
+
+/// The planner's memory across rounds, and the hosts being emptied.
+pub struct PlanState {
+    planner: Mutex<Planner>,
+    draining: Mutex<BTreeSet<String>>,
+    params: Params,
+}
+
+impl PlanState {
+    pub fn new(policy: &PolicyConfig) -> PlanState {
+        PlanState {
+            planner: Mutex::new(Planner::new(policy.settings.clone())),
+            draining: Mutex::new(BTreeSet::new()),
+            params: Params::ferry_fitted(),
+        }
+    }
+}
+
+/// The dirty rate assumed per CPU a VM uses, until agents report QEMU's own.
+const DIRTY_BYTES_PER_CPU_S: f64 = 4.0 * 1048576.0;
+
+/// Moves priced by the fitted model, on the link between the hosts' sites.
+struct LinkCost<'a> {
+    params: &'a Params,
+    policy: &'a PolicyConfig,
+}
+
+impl MoveCost for LinkCost<'_> {
+    fn cost(&self, fleet: &Fleet, vm: usize, to: usize) -> Cost {
+        let v = &fleet.vms[vm];
+        let across = fleet.hosts[v.host].site != fleet.hosts[to].site;
+        let (link_bits_per_s, rtt_s) = if across {
+            (self.policy.wan_bits_per_s, self.policy.wan_rtt_s)
+        } else {
+            (self.policy.lan_bits_per_s, 0.0005)
+        };
+        self.params.predict(&Move {
+            mem_bytes: v.demand.mem_bytes,
+            working_set_bytes: v.demand.mem_bytes / 4.0,
+            dirty_bytes_per_s: v.demand.cpus * DIRTY_BYTES_PER_CPU_S,
+            disk_bytes: 0.0,
+            link_bits_per_s,
+            rtt_s,
+            downtime_target_s: 0.3,
+            page_mix: "ws".into(),
+        })
+    }
+}
+
+/// The fleet as the planner sees it, and what it leaves out.
+struct Snapshot {
+    fleet: Fleet,
+    unplanned: Vec<Unplanned>,
+}
+
+fn snapshot(loaded: &Loaded, draining: &BTreeSet<String>) -> Snapshot {
+    let mut unplanned = Vec::new();
+    let mut fleet = Fleet::default();
+    for h in &loaded.hosts {
+        let why = match (h.state, h.capacity) {
+            (HostState::Down, _) => "down: no heartbeat",
+            (_, None) => "reports no capacity (an agent older than the planner)",
+            (HostState::Up, Some(c)) => {
+                fleet.hosts.push(Host {
+                    name: h.name.clone(),
+                    site: h.site.clone(),
+                    capacity: Resources::new(f64::from(c.cpus), c.mem_bytes as f64),
+                    powered: true,
+                    powered_since_s: h.first_seen_unix_ms as f64 / 1000.0,
+                    draining: draining.contains(&h.name),
+                });
+                continue;
+            }
+        };
+        unplanned.push(Unplanned {
+            name: h.name.clone(),
+            why: why.into(),
+        });
+    }
+    let index = |name: &str| fleet.hosts.iter().position(|h| h.name == name);
+    let view = loaded.view();
+    let mut names: Vec<&str> = loaded.vms.iter().map(|v| v.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    for name in names {
+        let vm = match view.vm(name) {
+            Ok(Some(vm)) => vm,
+            Ok(None) => continue,
+            Err(hosts) => {
+                unplanned.push(Unplanned {
+                    name: name.into(),
+                    why: format!("reported by several hosts ({})", hosts.join(", ")),
+                });
+                continue;
+            }
+        };
+        let Some(host) = index(&vm.host) else {
+            unplanned.push(Unplanned {
+                name: name.into(),
+                why: format!("its host {} is not planned", vm.host),
+            });
+            continue;
+        };
+        let last_moved_s = loaded
+            .migrations
+            .iter()
+            .filter(|m| m.vm == name && m.state == FleetMigrationState::Committed)
+            .filter_map(|m| m.finished_unix_ms)
+            .max()
+            .map(|ms| ms as f64 / 1000.0);
+        let moving_to = loaded
+            .migrations
+            .iter()
+            .find(|m| m.vm == name && !m.state.finished())
+            .and_then(|m| index(&m.destination_host));
+        let pinned = vm.usage.is_none();
+        if pinned {
+            unplanned.push(Unplanned {
+                name: name.into(),
+                why: "its use is not reported yet (it stays where it is)".into(),
+            });
+        }
+        let demand = vm.usage.map_or(Resources::default(), |u| {
+            Resources::new(u.cpu_millis as f64 / 1000.0, u.mem_bytes as f64)
+        });
+        fleet.vms.push(Vm {
+            name: name.into(),
+            host,
+            demand,
+            // VMs in one pool talk to each other.
+            group: view.pools_of(&vm).first().map(|p| p.name.clone()),
+            last_moved_s,
+            moving_to,
+            pinned,
+        });
+    }
+    Snapshot { fleet, unplanned }
+}
+
+fn describe(plan: &Plan, snap: &Snapshot) -> FleetPlan {
+    let host = |h: usize| snap.fleet.hosts[h].name.clone();
+    let hosts = |hs: &[usize]| hs.iter().map(|&h| host(h)).collect::<Vec<_>>();
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let moves = plan
+        .moves
+        .iter()
+        .map(|m| PlanMove {
+            vms: m
+                .vms
+                .iter()
+                .map(|&v| snap.fleet.vms[v].name.clone())
+                .collect(),
+            from: host(m.from),
+            to: host(m.to),
+            reason: match m.reason {
+                Reason::Relieve => "relieve",
+                Reason::Consolidate => "consolidate",
+            }
+            .into(),
+            predicted_s: m.cost.total_s,
+            predicted_wan_bytes: m.cost.wan_bytes.max(0.0) as u64,
+            predicted_pause_ms: (m.cost.downtime_s * 1000.0).max(0.0) as u64,
+        })
+        .collect();
+    FleetPlan {
+        computed_unix_ms: now_ms(),
+        moves,
+        drain: hosts(&plan.drain),
+        empty: hosts(&plan.power_off),
+        keep: hosts(&plan.keep),
+        quiet: plan.quiet.as_ref().map(ToString::to_string),
+        unplanned: snap.unplanned.clone(),
+        requested: Vec::new(),
+        refused: Vec::new(),
+    }
+}
+
+impl Controller {
+    /// Plans over the fleet as the store holds it, with `planner` (the leader's, advancing
+    /// its hold; or a copy, for a preview).
+    fn plan_with(
+        &self,
+        planner: &mut Planner,
+        loaded: &Loaded,
+    ) -> Result<(Plan, Snapshot), FleetError> {
+        let draining = self.plans.draining.lock().expect("draining lock").clone();
+        let snap = snapshot(loaded, &draining);
+        let cost = LinkCost {
+            params: &self.plans.params,
+            policy: &self.config.policy,
+        };
+        let plan = planner
+            .plan(now_ms() as f64 / 1000.0, &snap.fleet, &cost)
+            .map_err(|e| FleetError::bad(format!("the fleet cannot be planned: {e}")))?;
+        Ok((plan, snap))
+    }
+
+    /// What the planner would do now (the leader's hold is not advanced).
+    pub async fn plan(&self) -> Result<FleetPlan, FleetError> {
+        let loaded = self.load().await?;
+        let mut planner = self.plans.planner.lock().expect("planner lock").clone();
+        let (plan, snap) = self.plan_with(&mut planner, &loaded)?;
+        Ok(describe(&plan, &snap))
+    }
+
+    /// The leader's round: the planner observes the fleet (a surplus is timed from when it
+    /// began) and, with `[policy] auto`, its plan is carried out.
+    pub async fn observe(&self) -> Result<(), FleetError> {
+        let loaded = self.load().await?;
+        let (plan, snap) = {
+            let mut planner = self.plans.planner.lock().expect("planner lock");
+            self.plan_with(&mut planner, &loaded)?
+        };
+        if self.config.policy.auto && (!plan.moves.is_empty() || !plan.power_off.is_empty()) {
+            let done = self.carry_out(&plan, &snap, &self.config.name).await;
+            tracing::info!(
+                "plan carried out: {} requested, {} refused",
+                done.requested.len(),
+                done.refused.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// Carries out the plan as it stands now: its moves become migrations (a group's members
+    /// on one host, a group), the hosts it empties take no VMs.
+    pub async fn apply_plan(&self, by: &str) -> Result<FleetPlan, FleetError> {
+        let loaded = self.load().await?;
+        let mut planner = self.plans.planner.lock().expect("planner lock").clone();
+        let (plan, snap) = self.plan_with(&mut planner, &loaded)?;
+        let done = self.carry_out(&plan, &snap, by).await;
+        // What was carried out restarts the leader's hold, as the plan did.
+        *self.plans.planner.lock().expect("planner lock") = planner;
+        Ok(done)
+    }
+
+    async fn carry_out(&self, plan: &Plan, snap: &Snapshot, by: &str) -> FleetPlan {
+        let mut done = describe(plan, snap);
+        {
+            let mut draining = self.plans.draining.lock().expect("draining lock");
+            draining.extend(done.drain.iter().cloned());
+            for h in done.keep.iter().chain(&done.empty) {
+                draining.remove(h);
+            }
+        }
+        for m in &done.moves {
+            let requested = if m.vms.len() == 1 {
+                self.request(
+                    FleetMigrationRequest {
+                        vm: m.vms[0].clone(),
+                        to: Some(m.to.clone()),
+                        to_site: None,
+                        copy_storage: false,
+                        settings: MigrationSettings::default(),
+                    },
+                    by,
+                )
+                .await
+                .map(|migration| migration.id)
+            } else {
+                self.request_group(
+                    FleetGroupRequest {
+                        vms: m.vms.clone(),
+                        to: Some(m.to.clone()),
+                        to_site: None,
+                        copy_storage: false,
+                        settings: MigrationSettings::default(),
+                    },
+                    by,
+                )
+                .await
+                .map(|group| group.id)
+            };
+            match requested {
+                Ok(id) => done.requested.push(id),
+                Err(e) => done.refused.push(Unplanned {
+                    name: m.vms.join(","),
+                    why: e.to_string(),
+                }),
+            }
+        }
+        done
+    }
+}
