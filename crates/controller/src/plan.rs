@@ -10,7 +10,7 @@
 //! capacity, VMs whose use is not reported (they count on their host as nothing and never
 //! move), VMs two hosts report.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use ferry_api::fleet::{
@@ -30,6 +30,10 @@ use crate::store::now_ms;
 pub struct PlanState {
     planner: Mutex<Planner>,
     draining: Mutex<BTreeSet<String>>,
+    /// Each VM's CPU as the planner sees it: it rises with the reports at once and falls by
+    /// a tenth of the gap each leader round (a VM's use is sampled every second: a quiet
+    /// second must not make a busy VM look idle).
+    cpus: Mutex<HashMap<String, f64>>,
     params: Params,
 }
 
@@ -38,6 +42,7 @@ impl PlanState {
         PlanState {
             planner: Mutex::new(Planner::new(policy.settings.clone())),
             draining: Mutex::new(BTreeSet::new()),
+            cpus: Mutex::new(HashMap::new()),
             params: Params::ferry_fitted(),
         }
     }
@@ -80,7 +85,7 @@ struct Snapshot {
     unplanned: Vec<Unplanned>,
 }
 
-fn snapshot(loaded: &Loaded, draining: &BTreeSet<String>) -> Snapshot {
+fn snapshot(loaded: &Loaded, draining: &BTreeSet<String>, cpus: &HashMap<String, f64>) -> Snapshot {
     let mut unplanned = Vec::new();
     let mut fleet = Fleet::default();
     for h in &loaded.hosts {
@@ -148,7 +153,9 @@ fn snapshot(loaded: &Loaded, draining: &BTreeSet<String>) -> Snapshot {
             });
         }
         let demand = vm.usage.map_or(Resources::default(), |u| {
-            Resources::new(u.cpu_millis as f64 / 1000.0, u.mem_bytes as f64)
+            let reported = u.cpu_millis as f64 / 1000.0;
+            let seen = cpus.get(name).copied().unwrap_or(reported).max(reported);
+            Resources::new(seen, u.mem_bytes as f64)
         });
         fleet.vms.push(Vm {
             name: name.into(),
@@ -211,7 +218,8 @@ impl Controller {
         loaded: &Loaded,
     ) -> Result<(Plan, Snapshot), FleetError> {
         let draining = self.plans.draining.lock().expect("draining lock").clone();
-        let snap = snapshot(loaded, &draining);
+        let cpus = self.plans.cpus.lock().expect("cpus lock").clone();
+        let snap = snapshot(loaded, &draining, &cpus);
         let cost = LinkCost {
             params: &self.plans.params,
             policy: &self.config.policy,
@@ -234,10 +242,30 @@ impl Controller {
     /// began) and, with `[policy] auto`, its plan is carried out.
     pub async fn observe(&self) -> Result<(), FleetError> {
         let loaded = self.load().await?;
+        {
+            let mut cpus = self.plans.cpus.lock().expect("cpus lock");
+            let mut seen = HashMap::new();
+            for vm in &loaded.vms {
+                if let Some(u) = vm.usage {
+                    let now = u.cpu_millis as f64 / 1000.0;
+                    let before = cpus.get(&vm.name).copied().unwrap_or(now);
+                    seen.insert(vm.name.clone(), now.max(before * 0.9 + now * 0.1));
+                }
+            }
+            *cpus = seen;
+        }
         let (plan, snap) = {
             let mut planner = self.plans.planner.lock().expect("planner lock");
             self.plan_with(&mut planner, &loaded)?
         };
+        {
+            // A host emptied, or kept on, is no longer being emptied: it takes VMs again
+            // (the controller cannot stop it; its next plan reports it empty while it is).
+            let mut draining = self.plans.draining.lock().expect("draining lock");
+            for &h in plan.power_off.iter().chain(&plan.keep) {
+                draining.remove(&snap.fleet.hosts[h].name);
+            }
+        }
         if self.config.policy.auto && (!plan.moves.is_empty() || !plan.power_off.is_empty()) {
             let done = self.carry_out(&plan, &snap, &self.config.name).await;
             tracing::info!(

@@ -1364,7 +1364,10 @@ async fn the_plan_empties_a_host_the_fleet_does_not_need_and_is_carried_out_as_m
 
     let vms = ops.vms().await.unwrap();
     let web = vms.iter().find(|v| v.name == "web").unwrap();
-    assert_eq!(web.usage.map(|u| (u.cpu_millis, u.mem_bytes)), Some((300, 512 << 20)));
+    assert_eq!(
+        web.usage.map(|u| (u.cpu_millis, u.mem_bytes)),
+        Some((300, 512 << 20))
+    );
     let (status, body) = ops.raw("GET", "/v1/plan", None).await.unwrap();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     conforms(&doc, "/v1/plan", "get", 200, &body);
