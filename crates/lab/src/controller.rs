@@ -68,13 +68,14 @@ pub fn certificate_names() -> Vec<String> {
 }
 
 /// A controller's config: quick heartbeats (the lab's hosts are two), the lab's PKI, and a
-/// planner that acts within seconds (the lab's hosts are new and its days short), carrying
+/// planner that acts at once (the lab's hosts are new, its days short, and its idle guests'
+/// CPU, sampled each second on a shared 2-core machine, too jumpy for a hold), carrying
 /// plans out only when asked (`ferry fleet plan --apply`).
 fn config(lab: &Lab, site: Site, database: &str) -> String {
     let id = pki::identity(&lab.pki_dir(), &name(site));
     let q = |p: &Path| format!("{:?}", p.display().to_string());
     format!(
-        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 3\nmin_on_s = 0\ncooldown_s = 30\n",
+        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 0\nmin_on_s = 0\ncooldown_s = 30\n",
         name(site),
         address(site),
         q(&socket(lab, site)),
