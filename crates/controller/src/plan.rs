@@ -14,8 +14,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use ferry_api::fleet::{
-    FleetGroupRequest, FleetMigrationRequest, FleetMigrationState, FleetPlan, HostState, PlanMove,
-    Unplanned,
+    FleetGroupRequest, FleetMigrationState, FleetPlan, HostState, PlanMove, Unplanned,
 };
 use ferry_api::settings::MigrationSettings;
 use ferry_policy::consolidate::{MoveCost, Plan, Planner, Reason};
@@ -299,32 +298,18 @@ impl Controller {
             }
         }
         for m in &done.moves {
+            let group = FleetGroupRequest {
+                vms: m.vms.clone(),
+                to: Some(m.to.clone()),
+                to_site: None,
+                copy_storage: false,
+                settings: MigrationSettings::default(),
+            };
             let requested = if m.vms.len() == 1 {
-                self.request(
-                    FleetMigrationRequest {
-                        vm: m.vms[0].clone(),
-                        to: Some(m.to.clone()),
-                        to_site: None,
-                        copy_storage: false,
-                        settings: MigrationSettings::default(),
-                    },
-                    by,
-                )
-                .await
-                .map(|migration| migration.id)
+                let one = group.member(&m.vms[0]);
+                self.request(one, by).await.map(|migration| migration.id)
             } else {
-                self.request_group(
-                    FleetGroupRequest {
-                        vms: m.vms.clone(),
-                        to: Some(m.to.clone()),
-                        to_site: None,
-                        copy_storage: false,
-                        settings: MigrationSettings::default(),
-                    },
-                    by,
-                )
-                .await
-                .map(|group| group.id)
+                self.request_group(group, by).await.map(|group| group.id)
             };
             match requested {
                 Ok(id) => done.requested.push(id),
