@@ -39,4 +39,9 @@ long long disk_inject(int stale, char *err, size_t errlen);
 
 int tcpseq_serve(int port, unsigned interval_ms);
 
+/* The QEMU guest agent's protocol (the subset in qga.c) on `dev`, or, when NULL, on the
+ * virtio-serial port named org.qemu.guest_agent.0 (waiting a few seconds for it to appear).
+ * Returns only on failure: 2 when there is no such port, 1 otherwise. */
+int qga_serve(const char *dev);
+
 #endif

@@ -1,7 +1,10 @@
-/* ferry-guest: the control agent, heartbeat and TCP sequence server of ferry's test guests.
+/* ferry-guest: the control agent, heartbeat, TCP sequence server and QEMU guest agent of ferry's
+ * test guests.
  *
  *   ferry-guest agent [TTY]        heartbeat + command loop on the serial console (default /dev/ttyS0)
  *   ferry-guest tcpseq [PORT]      TCP sequence server (default port 7000)
+ *   ferry-guest qga [DEVICE]       QEMU guest agent protocol, see qga.c (default: the virtio-serial
+ *                                  port named org.qemu.guest_agent.0)
  *
  * Serial protocol (one line each, see docs/guest.md):
  *   host -> guest:  "<id> <command> [key=value ...]"
@@ -288,6 +291,8 @@ int main(int argc, char **argv)
         return agent(argc >= 3 ? argv[2] : "/dev/ttyS0");
     if (argc >= 2 && strcmp(argv[1], "tcpseq") == 0)
         return tcpseq_serve(argc >= 3 ? atoi(argv[2]) : 7000, 10);
-    fprintf(stderr, "usage: ferry-guest agent [TTY] | tcpseq [PORT]\n");
+    if (argc >= 2 && strcmp(argv[1], "qga") == 0)
+        return qga_serve(argc >= 3 ? argv[2] : NULL);
+    fprintf(stderr, "usage: ferry-guest agent [TTY] | tcpseq [PORT] | qga [DEVICE]\n");
     return 2;
 }

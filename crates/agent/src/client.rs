@@ -6,6 +6,7 @@ use anyhow::{anyhow, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{
     ApiError, ErrorKind, Health, LibvirtMigrationRequest, MigrationRequest, MigrationStatus,
+    SwapRequest, SwapStatus,
 };
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -111,5 +112,24 @@ impl AgentClient {
 
     pub async fn migrations(&self) -> Result<Vec<MigrationStatus>> {
         self.call("GET", "/v1/migrations", None).await
+    }
+
+    /// The domains with swap on a peer.
+    pub async fn swaps(&self) -> Result<Vec<SwapStatus>> {
+        self.call("GET", "/v1/swap", None).await
+    }
+
+    /// Gives `domain` swap on a peer's memory and squeezes its balloon (returns once the
+    /// guest swaps).
+    pub async fn take_swap(&self, domain: &str, req: &SwapRequest) -> Result<SwapStatus> {
+        let path = format!("/v1/vms/{domain}/swap");
+        self.call("PUT", &path, Some(serde_json::to_vec(req)?))
+            .await
+    }
+
+    /// Gives `domain`'s memory back and its swap up (returns once the guest swapped off).
+    pub async fn give_swap_back(&self, domain: &str) -> Result<SwapStatus> {
+        self.call("DELETE", &format!("/v1/vms/{domain}/swap"), None)
+            .await
     }
 }

@@ -22,7 +22,7 @@
 //!
 //! [libvirt]                              # optional: `virsh migrate` over UNIX sockets
 //! socket = "/run/libvirt/libvirt-sock"
-//! tunnel_dir = "/run/ferry/libvirt"      # <dir>/<peer>/{rpc,mig,nbd}.sock
+//! tunnel_dir = "/run/ferry/libvirt"      # <dir>/<peer>/{rpc,mig,nbd,swap}.sock
 //!
 //! [qemu]                                 # optional: QEMU VMs its owner's tooling runs
 //! qmp_dir = "/run/ferry/vms"             # <dir>/<name>.qmp is VM <name>'s monitor
@@ -31,6 +31,7 @@
 //! [host]                                 # optional: what this host offers VMs, for the
 //! cpus = 32                              # fleet's planner (default: the machine's CPUs
 //! mem_mib = 262144                       # and memory)
+//! lend_mib = 4096                        # spare memory peers' VMs may swap to (default 0)
 //!
 //! [overlay]                              # optional: this host's part in virtual cloud pools
 //! address = "192.0.2.11"                 # its VXLAN endpoint, reached by the other hosts
@@ -100,6 +101,8 @@ pub struct AgentConfig {
     pub qmp_dir: PathBuf,
     /// What this host offers VMs, when the config says (else the machine's, [`crate::fleet`]).
     pub capacity: Option<ferry_api::fleet::HostCapacity>,
+    /// The memory this host lends peers' VMs as swap ([`crate::lend`]), in bytes.
+    pub lend_bytes: u64,
 }
 
 /// `[host]`: what this host offers VMs.
@@ -108,6 +111,8 @@ pub struct AgentConfig {
 struct HostSection {
     cpus: Option<u32>,
     mem_mib: Option<u64>,
+    #[serde(default)]
+    lend_mib: u64,
 }
 
 /// `[qemu]`: the host's QEMU VMs that libvirt does not run.
@@ -151,7 +156,7 @@ pub struct LibvirtConfig {
     /// Its daemon's socket (libvirtd's, or virtqemud's on modular installs).
     #[serde(default = "default_libvirt_socket")]
     pub socket: PathBuf,
-    /// Where the tunnels' sockets are: `<dir>/<peer>/{rpc,mig,nbd}.sock`, the paths `virsh
+    /// Where the tunnels' sockets are: `<dir>/<peer>/{rpc,mig,nbd,swap}.sock`, the paths `virsh
     /// migrate` names; the same on every host of the fleet.
     #[serde(default = "default_tunnel_dir")]
     pub tunnel_dir: PathBuf,
@@ -406,6 +411,7 @@ impl AgentConfig {
             overlay: file.overlay,
             qmp_dir,
             capacity,
+            lend_bytes: file.host.lend_mib.saturating_mul(1 << 20),
             name: file.name,
         })
     }

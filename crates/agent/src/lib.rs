@@ -13,9 +13,11 @@
 //!   [`group`]: a group member's link to its group (synchronized arrival).
 //! - [`overlay`]: this host's endpoints of the fleet's virtual cloud pools (VXLAN, bridges).
 //! - [`tunnel`]: unix sockets carried between hosts (libvirt's migration over UNIX sockets).
+//! - [`lend`], [`borrow`]: swap on peers' spare memory (Overdriver's cooperative swap).
 //! - [`client`]: the CLI's client for the local API; [`follow`]: watching a migration
 //!   through it; [`interrupt`]: Ctrl-C during a migration the CLI watches.
 
+pub mod borrow;
 pub mod client;
 pub mod config;
 pub mod engine;
@@ -23,6 +25,7 @@ pub mod fleet;
 pub mod follow;
 pub mod group;
 pub mod interrupt;
+pub mod lend;
 pub mod libvirt;
 pub mod libvirt_migration;
 pub mod overlay;

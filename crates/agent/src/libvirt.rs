@@ -153,6 +153,59 @@ impl Libvirt {
         self.virsh(&["domjobabort", domain]).await.map(drop)
     }
 
+    /// Every disk target of the domain (`vda`, ...), whatever its source.
+    pub async fn disk_targets(&self, domain: &str) -> Result<Vec<String>> {
+        let list = self.virsh(&["domblklist", domain, "--details"]).await?;
+        Ok(list
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned))
+            .collect())
+    }
+
+    /// Hot-plugs (`attach`) or unplugs the device described in `xml` (a file) in the running
+    /// domain. An unplug completes when the guest lets the device go: see [`Self::disk_targets`].
+    pub async fn hotplug(&self, domain: &str, xml: &Path, attach: bool) -> Result<()> {
+        let verb = if attach {
+            "attach-device"
+        } else {
+            "detach-device"
+        };
+        let file = xml.to_string_lossy();
+        self.virsh(&[verb, domain, &file, "--live"]).await.map(drop)
+    }
+
+    /// The running domain's maximum memory, KiB (`dominfo`'s "Max memory").
+    pub async fn max_memory_kib(&self, domain: &str) -> Result<u64> {
+        let info = self.virsh(&["dominfo", domain]).await?;
+        info.lines()
+            .find_map(|l| {
+                let rest = l.strip_prefix("Max memory:")?;
+                rest.split_whitespace().next()?.parse().ok()
+            })
+            .with_context(|| format!("virsh dominfo {domain} shows no max memory"))
+    }
+
+    /// Sets the running domain's balloon target, KiB.
+    pub async fn set_memory_kib(&self, domain: &str, kib: u64) -> Result<()> {
+        self.virsh(&["setmem", domain, &kib.to_string(), "--live"])
+            .await
+            .map(drop)
+    }
+
+    /// One command to the guest's agent (qemu-guest-agent's JSON protocol); its reply.
+    pub async fn guest_agent(
+        &self,
+        domain: &str,
+        command: &serde_json::Value,
+    ) -> Result<serde_json::Value> {
+        let text = self
+            .virsh(&["qemu-agent-command", domain, &command.to_string()])
+            .await
+            .context("the guest agent")?;
+        serde_json::from_str(text.trim())
+            .with_context(|| format!("the guest agent answered {:?}", text.trim()))
+    }
+
     /// Starts `virsh migrate ARGS DOMAIN` (no time limit: it lasts as long as the migration).
     pub fn start_migrate(&self, domain: &str, args: &[String]) -> Result<Child> {
         Command::new("virsh")

@@ -53,6 +53,16 @@ pub enum Refusal {
         "migration {0} can no longer be cancelled (its stream has ended; the destination decides)"
     )]
     TooLateToCancel(String),
+    #[error("{0}")]
+    SwapRequest(String),
+    #[error("domain {0:?} already swaps to a peer")]
+    SwapExists(String),
+    #[error("domain {0:?} swaps to no peer")]
+    NoSwap(String),
+    #[error("domain {0:?}'s swap is being set up or given back; try again when that ends")]
+    SwapBusy(String),
+    #[error("swap: {0}")]
+    Swap(String),
 }
 
 impl Refusal {
@@ -75,7 +85,10 @@ impl Refusal {
             }
             Refusal::Busy { .. } => ErrorKind::Busy,
             Refusal::AlreadyMigrating { .. } | Refusal::TooLateToCancel(_) => ErrorKind::Conflict,
-            Refusal::NoMigration(_) => ErrorKind::NotFound,
+            Refusal::NoMigration(_) | Refusal::NoSwap(_) => ErrorKind::NotFound,
+            Refusal::SwapRequest(_) => ErrorKind::BadRequest,
+            Refusal::SwapExists(_) | Refusal::SwapBusy(_) => ErrorKind::Conflict,
+            Refusal::Swap(_) => ErrorKind::Unavailable,
         }
     }
 }

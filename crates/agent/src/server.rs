@@ -12,7 +12,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use ferry_api::agent::{
-    Destination, Health, LibvirtMigrationRequest, MigrationRequest, MigrationState, MigrationStatus,
+    Destination, Health, LibvirtMigrationRequest, MigrationRequest, MigrationState,
+    MigrationStatus, SwapRequest, SwapStatus,
 };
 use ferry_wire::net::{accept, answer, next_hello, Pool};
 use ferry_wire::tls::{ClientConfig, ServerConfig};
@@ -49,6 +50,10 @@ pub(crate) struct Agent {
     /// connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
     finished: Mutex<HashSet<SessionId>>,
+    /// This host's memory lent to peers' VMs as swap.
+    pub(crate) lender: Arc<crate::lend::Lender>,
+    /// This host's domains with swap on peers.
+    pub(crate) swaps: crate::borrow::Swaps,
 }
 
 /// Runs the agent until it is killed.
@@ -83,6 +88,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             overlay: overlay.clone(),
         })
     });
+    let lender = crate::lend::Lender::new(config.lend_bytes);
     let agent = Arc::new(Agent {
         monitors: MonitorDir::new(config.qmp_dir.clone()),
         config,
@@ -94,6 +100,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         groups: crate::group::Groups::default(),
         sessions: Mutex::new(HashMap::new()),
         finished: Mutex::new(HashSet::new()),
+        lender,
+        swaps: crate::borrow::Swaps::default(),
     });
     tracing::info!(
         "agent {} listening for peers on {} and for the CLI on {}",
@@ -107,6 +115,11 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .route("/v1/migrations/{id}", get(one))
         .route("/v1/migrations/{id}/cancel", axum::routing::post(cancel))
         .route("/v1/libvirt/migrations", axum::routing::post(start_libvirt))
+        .route("/v1/swap", get(swaps))
+        .route(
+            "/v1/vms/{domain}/swap",
+            axum::routing::put(take_swap).delete(give_swap_back),
+        )
         .route("/metrics", get(metrics))
         .with_state(agent.clone());
     // Prometheus cannot scrape a unix socket: the metrics alone, read-only, on TCP if asked.
@@ -227,9 +240,12 @@ impl Agent {
                             from,
                             slot,
                         },
-                        agent.config.libvirt.clone(),
-                        &agent.config.name,
-                        agent.overlay.clone(),
+                        tunnel::Reachable {
+                            config: agent.config.libvirt.clone(),
+                            own_name: agent.config.name.clone(),
+                            overlay: agent.overlay.clone(),
+                            lender: agent.lender.clone(),
+                        },
                     )
                     .await;
                 }
@@ -273,6 +289,36 @@ async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
         ferry_api::metrics::encode(&registry),
     )
         .into_response()
+}
+
+async fn swaps(State(agent): State<Arc<Agent>>) -> Json<Vec<SwapStatus>> {
+    Json(agent.swaps.list())
+}
+
+async fn take_swap(
+    State(agent): State<Arc<Agent>>,
+    Path(domain): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let taken = match serde_json::from_slice::<SwapRequest>(&body) {
+        Ok(req) => {
+            let tunnels = agent.tunnels.as_deref();
+            crate::borrow::take(&agent.config, tunnels, &agent.swaps, &domain, req).await
+        }
+        Err(e) => Err(Refusal::SwapRequest(format!("malformed swap request: {e}"))),
+    };
+    match taken {
+        Ok(status) => (StatusCode::CREATED, Json(status)).into_response(),
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+async fn give_swap_back(State(agent): State<Arc<Agent>>, Path(domain): Path<String>) -> Response {
+    let tunnels = agent.tunnels.as_deref();
+    match crate::borrow::give_back(tunnels, &agent.swaps, &domain).await {
+        Ok(status) => Json(status).into_response(),
+        Err(refusal) => refusal.into_response(),
+    }
 }
 
 async fn health(State(agent): State<Arc<Agent>>) -> Json<Health> {

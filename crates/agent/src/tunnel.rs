@@ -42,7 +42,7 @@ use ferry_api::settings::MigrationSettings;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
@@ -53,6 +53,7 @@ use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
 use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::tunnel_stream;
 use crate::group::GroupLink;
+use crate::lend::{Lender, Loan};
 use crate::libvirt::Libvirt;
 use crate::libvirt_migration::record_completed;
 use crate::overlay::Overlay;
@@ -175,7 +176,11 @@ pub async fn serve_sources(tunnels: Arc<Tunnels>) -> Result<()> {
     for (index, (name, _)) in tunnels.peers.iter().enumerate() {
         for slot in 0..=DRIVEN_SLOTS {
             make(slot_dir(config, name, slot))?;
-            for kind in TunnelKind::ALL {
+            // Swap is the peer agent's own service, not a migration's: one socket per peer.
+            let kinds = TunnelKind::ALL
+                .into_iter()
+                .filter(|k| slot == 0 || *k != TunnelKind::Swap);
+            for kind in kinds {
                 let path = socket_path(config, name, slot, kind);
                 let _ = std::fs::remove_file(&path);
                 let listener = UnixListener::bind(&path)
@@ -498,15 +503,24 @@ async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
     }
 }
 
+/// What the destination of a tunnel session reaches on this host.
+pub struct Reachable {
+    pub config: Option<LibvirtConfig>,
+    pub own_name: String,
+    pub overlay: Option<Arc<Overlay>>,
+    /// Serves swap tunnels.
+    pub lender: Arc<Lender>,
+}
+
 /// The destination's side of a tunnel session: connects to the socket of `kind` on this host
-/// and carries both ways.
-pub async fn serve_destination(
-    session: Session,
-    carried: Carried,
-    config: Option<LibvirtConfig>,
-    own_name: &str,
-    overlay: Option<Arc<Overlay>>,
-) {
+/// (or serves it, for swap) and carries both ways.
+pub async fn serve_destination(session: Session, carried: Carried, here: Reachable) {
+    let Reachable {
+        config,
+        own_name,
+        overlay,
+        lender,
+    } = here;
     let Carried {
         version,
         kind,
@@ -521,12 +535,18 @@ pub async fn serve_destination(
                  run the same ferry release on both hosts"
             );
         }
+        if kind == TunnelKind::Swap {
+            let from = from.ok_or_else(|| anyhow!("a swap tunnel must name its agent"))?;
+            return lend_swap(&session, from, lender).await;
+        }
         let config = config.ok_or_else(|| {
             anyhow!("this agent carries no libvirt tunnels (no [libvirt] section in its config)")
         })?;
         let target = match kind {
             TunnelKind::LibvirtRpc => config.socket.clone(),
-            TunnelKind::Migration | TunnelKind::Nbd => socket_path(&config, own_name, slot, kind),
+            TunnelKind::Migration | TunnelKind::Nbd | TunnelKind::Swap => {
+                socket_path(&config, &own_name, slot, kind)
+            }
         };
         if kind == TunnelKind::Nbd && coded {
             return within_wan_timeout(&session, relay::destination(&session, &target)).await;
@@ -573,6 +593,37 @@ pub async fn serve_destination(
     finish(&session, &result).await;
 }
 
+/// Serves swap in this host's memory ([`crate::lend`]) to the peer `from` over `session`,
+/// until its QEMU disconnects.
+async fn lend_swap(session: &Session, from: String, lender: Arc<Lender>) -> Result<()> {
+    let (mut near, far) = tokio::io::duplex(1 << 20);
+    let loan = Loan::new(lender, from);
+    let served = async {
+        // Over, the duplex's end closes: the tunnel sees the end of the local stream.
+        let end = ferry_qemu::nbd::serve(far, &*loan, loan.clone()).await;
+        match loan.refusal() {
+            // Said at once, while the borrower still listens (the Abort carries it).
+            Some(why) => Err(anyhow!("{why}")),
+            None => end.context("swap export"),
+        }
+    };
+    let carried = pipe(&mut near, Vec::new(), session, RETURN_PATH, STREAM);
+    tokio::pin!(served, carried);
+    let (served, carried) = tokio::select! {
+        s = &mut served => match s {
+            Err(e) => return Err(e),
+            Ok(end) => (Ok(end), carried.await),
+        },
+        c = &mut carried => (served.await, c),
+    };
+    tracing::info!(
+        "swap loan ended ({:?}); it held {} MiB",
+        served.as_ref().ok(),
+        loan.resident() >> 20
+    );
+    served.map(drop).and(carried)
+}
+
 async fn connect_when_there(path: &Path) -> Result<UnixStream> {
     let deadline = tokio::time::Instant::now() + TARGET_WAIT;
     loop {
@@ -591,13 +642,13 @@ async fn connect_when_there(path: &Path) -> Result<UnixStream> {
 /// when both directions have ended, or fails when the session does or the WAN is down for
 /// longer than [`WAN_TIMEOUT`].
 async fn pipe(
-    conn: &mut UnixStream,
+    conn: &mut (impl AsyncRead + AsyncWrite + Unpin),
     first: Vec<u8>,
     session: &Session,
     out: ferry_wire::ChannelId,
     inn: ferry_wire::ChannelId,
 ) -> Result<()> {
-    let (mut read, mut write) = conn.split();
+    let (mut read, mut write) = tokio::io::split(conn);
     let upstream = async {
         if !first.is_empty() {
             session.send(out, Bytes::from(first)).await?;

@@ -596,3 +596,31 @@ mod tests {
         assert_eq!(adopt.settings.connections, 2);
     }
 }
+
+/// `PUT /v1/vms/{domain}/swap`: lend the libvirt domain swap space on a peer's spare memory
+/// (Overdriver's cooperative swap): the peer serves `bytes` of its RAM as an NBD export, the
+/// domain gets it hot-plugged as a swap disk, and its balloon leaves it `memory_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwapRequest {
+    /// The agent whose memory holds the swap (one of this agent's peers, `[host] lend_mib`
+    /// in its config).
+    pub peer: String,
+    /// The swap disk's size.
+    pub bytes: u64,
+    /// What the balloon leaves the guest while it swaps.
+    pub memory_bytes: u64,
+}
+
+/// A domain's swap on a peer, as `GET /v1/swap` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwapStatus {
+    pub domain: String,
+    pub peer: String,
+    pub bytes: u64,
+    /// What the balloon leaves the guest.
+    pub memory_bytes: u64,
+    /// The guest's full memory, which it gets back when the swap is released.
+    pub max_memory_bytes: u64,
+    /// The swap disk's target in the domain (`vdX`).
+    pub target: String,
+}

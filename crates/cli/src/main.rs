@@ -20,6 +20,7 @@ mod plot;
 mod report;
 mod settings_flags;
 mod sim_cmd;
+mod swap_cmd;
 #[cfg(feature = "lab")]
 mod vm_cmd;
 
@@ -57,7 +58,7 @@ fn exit_code_of(e: &anyhow::Error) -> ExitCode {
 /// same; a test keeps these numbers equal to the constants).
 const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
-    " (wire protocol 1, control messages 5, agent API v1, timeline 1; QEMU >= 10; lab guest serial v1)"
+    " (wire protocol 1, control messages 6, agent API v1, timeline 1; QEMU >= 10; lab guest serial v1)"
 );
 
 #[derive(Parser)]
@@ -74,6 +75,8 @@ enum Cmd {
     Migrate(Box<migrate::MigrateArgs>),
     /// The migrations this host's agent sent: state, figures, errors.
     Migrations(migrations::MigrationsArgs),
+    /// A libvirt domain's swap on a peer's spare memory (for a transient memory overload).
+    Swap(swap_cmd::SwapArgs),
     /// Run this host's agent: the local API for the CLI and the endpoint for peer agents.
     Agent(AgentArgs),
     /// Run the fleet controller: sites, hosts, VMs and migrations in one store; agents
@@ -186,6 +189,7 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Migrate(a) => migrate::run(*a).await,
             Cmd::Migrations(a) => migrations::run(a).await,
+            Cmd::Swap(a) => swap_cmd::run(a).await,
             Cmd::Pki(c) => pki_cmd::run(c),
             Cmd::Agent(a) => ferry_agent::run(ferry_agent::AgentConfig::load(&a.config)?)
                 .await

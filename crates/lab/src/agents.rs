@@ -52,8 +52,9 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controllers: &[Sit
         site.underlay_ip()
     ));
     // The lab's hosts share one machine: each offers the planner a stated share of it (two
-    // CPUs, 1 GiB: four tiny guests fit on one, two busy ones do not).
-    text.push_str("\n[host]\ncpus = 2\nmem_mib = 1024\n");
+    // CPUs, 1 GiB: four tiny guests fit on one, two busy ones do not), and lends the other
+    // site's guests swap in a quarter of it.
+    text.push_str("\n[host]\ncpus = 2\nmem_mib = 1024\nlend_mib = 256\n");
     // QEMU VMs started by hand at a site have their monitors in the site's host directory.
     text.push_str(&format!("\n[qemu]\nqmp_dir = {:?}\n", qmp_dir()));
     // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in

@@ -15,7 +15,8 @@ use sha2::{Digest, Sha256};
 use crate::sh;
 
 /// Bump when the build steps change in a way the inputs do not show.
-const BUILDER_VERSION: u32 = 1;
+/// 2: the virtio_console and virtio_balloon modules.
+const BUILDER_VERSION: u32 = 2;
 
 /// The data disk's size: small enough to copy in seconds at test link rates.
 pub const DATA_DISK_MIB: u64 = 64;
@@ -34,6 +35,9 @@ const MODULES: &[&str] = &[
     "failover",
     "net_failover",
     "virtio_net",
+    // The QEMU guest agent's virtio-serial port, and the memory balloon.
+    "virtio_console",
+    "virtio_balloon",
 ];
 
 /// The guest programs' sources, built into the binary so `ferry image build` needs no checkout.
@@ -44,6 +48,7 @@ const GUEST_SOURCES: &[(&str, &str)] = &[
     ("mem.c", include_str!("../../../guest/mem.c")),
     ("disk.c", include_str!("../../../guest/disk.c")),
     ("tcpseq.c", include_str!("../../../guest/tcpseq.c")),
+    ("qga.c", include_str!("../../../guest/qga.c")),
 ];
 const INIT_SCRIPT: &str = include_str!("guest_init.sh");
 
@@ -200,6 +205,7 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
             &format!("{src_s}/mem.c"),
             &format!("{src_s}/disk.c"),
             &format!("{src_s}/tcpseq.c"),
+            &format!("{src_s}/qga.c"),
         ],
     )
     .context("building the guest programs (gcc -static)")?;

@@ -126,9 +126,15 @@ impl GuestNic {
     }
 }
 
+/// Empty PCIe root ports a tiny guest keeps for hot-plugged devices (q35 only hot-plugs into
+/// root ports, and they cannot be added to a running guest).
+pub const HOTPLUG_PORTS: usize = 2;
+
 /// The lab's tiny guest as a libvirt domain: direct kernel boot, its serial console a unix
 /// socket in the site's host directory (`/run/ferry-host/NAME.serial`), a virtio NIC, and
-/// optionally a qcow2 data disk at `/run/ferry-host/NAME.qcow2`.
+/// optionally a qcow2 data disk at `/run/ferry-host/NAME.qcow2`. Also the QEMU guest agent's
+/// channel (answered by `ferry-guest qga`; libvirt picks the socket), a virtio balloon with
+/// stats every second, and [`HOTPLUG_PORTS`] empty PCIe root ports so disks can be hot-plugged.
 pub fn tiny_domain_xml(
     img: &crate::image::Image,
     name: &str,
@@ -144,15 +150,27 @@ pub fn tiny_domain_xml(
     } else {
         String::new()
     };
+    // libvirt puts each device it places itself on the first free root port, listed or not, and
+    // adds its own spare port only when no PCI controller is listed. So list one port for each of
+    // those devices (the NIC, the disk, the agent channel's virtio-serial controller, the balloon
+    // and libvirt's default USB controller) plus the spares; pcie-root must be listed first (it is
+    // index 0). Checked with libvirt 11.3: without this, zero ports are left empty. ACPI on, as
+    // in any real domain: without it a hot-plug makes the guest drop the root ports' buses, and
+    // the devices on them (the guest agent's channel among them).
+    let placed = 4 + usize::from(!disk.is_empty());
+    let ports = "<controller type='pci' model='pcie-root-port'/>".repeat(placed + HOTPLUG_PORTS);
     format!(
         "<domain type='qemu'><name>{name}</name><memory unit='MiB'>{mem_mib}</memory><vcpu>1</vcpu>\
          <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{}</kernel><initrd>{}</initrd>\
          <cmdline>console=ttyS0 quiet loglevel=1 panic=1 ferry_ip={}</cmdline></os>\
-         <on_reboot>destroy</on_reboot><devices>{disk}\
+         <features><acpi/></features><on_reboot>destroy</on_reboot><devices>{disk}\
          <serial type='unix'><source mode='bind' path='/run/ferry-host/{name}.serial'/>\
          <target port='0'/></serial>\
          <interface type='bridge'><source bridge='{}'/><mac address='{}'/>\
-         <model type='virtio'/></interface></devices></domain>",
+         <model type='virtio'/></interface>\
+         <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>\
+         <memballoon model='virtio'><stats period='1'/></memballoon>\
+         <controller type='pci' model='pcie-root'/>{ports}</devices></domain>",
         img.kernel.display(),
         img.initrd.display(),
         nic.ip,

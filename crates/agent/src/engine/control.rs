@@ -46,7 +46,8 @@ pub struct DiskPlan {
 /// 4: a coded NBD tunnel is a disk relay (`NbdExport`, `NbdExportOpened`); the destination
 /// refuses a tunnel of another version.
 /// 5: tunnels name their slot (concurrent driven migrations to one peer).
-pub const CONTROL_VERSION: u32 = 5;
+/// 6: swap tunnels (memory lent to a peer's VM, [`crate::lend`]).
+pub const CONTROL_VERSION: u32 = 6;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,13 +172,17 @@ pub enum TunnelKind {
     Migration,
     /// The destination QEMU's NBD server (libvirt's disk copy).
     Nbd,
+    /// The peer agent's own NBD server: swap space in its spare memory for a VM here
+    /// ([`crate::lend`], [`crate::borrow`]).
+    Swap,
 }
 
 impl TunnelKind {
-    pub const ALL: [TunnelKind; 3] = [
+    pub const ALL: [TunnelKind; 4] = [
         TunnelKind::LibvirtRpc,
         TunnelKind::Migration,
         TunnelKind::Nbd,
+        TunnelKind::Swap,
     ];
 
     /// The socket's file name in a tunnel directory.
@@ -186,6 +191,7 @@ impl TunnelKind {
             TunnelKind::LibvirtRpc => "rpc.sock",
             TunnelKind::Migration => "mig.sock",
             TunnelKind::Nbd => "nbd.sock",
+            TunnelKind::Swap => "swap.sock",
         }
     }
 }
