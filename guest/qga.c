@@ -976,10 +976,11 @@ int qga_serve(const char *dev)
         }
         if (n == 0) {
             /* No one on the host end (virtio-serial reads 0 and polls HUP until libvirt
-             * connects): a half-read request is from a client that left. Waiting a bit keeps
-             * this from spinning, as qga does. */
+             * connects): a half-read request is from a client that left. Waiting keeps this
+             * from spinning, as qga does; half a second is well within libvirt's 5 s wait for
+             * its first guest-sync, and costs an emulated guest little CPU. */
             reset_input();
-            sleep_ms(100);
+            sleep_ms(500);
             continue;
         }
         for (ssize_t i = 0; i < n; i++)

@@ -59,6 +59,14 @@ pub struct Swaps {
 }
 
 impl Swaps {
+    /// Whether `domain` has swap on a peer, or is taking or giving it back.
+    pub fn has(&self, domain: &str) -> bool {
+        self.by_domain
+            .lock()
+            .expect("swaps lock")
+            .contains_key(domain)
+    }
+
     pub fn list(&self) -> Vec<SwapStatus> {
         let by_domain = self.by_domain.lock().expect("swaps lock");
         let mut all: Vec<SwapStatus> = by_domain.values().flatten().cloned().collect();

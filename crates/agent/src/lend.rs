@@ -5,15 +5,19 @@
 //! together. The borrowing side is [`crate::borrow`].
 //!
 //! The export QEMU asks for is named `<domain>:<MiB>`: the borrower's domain and the swap's
-//! size. The whole size is reserved when the export is opened (the spare memory a capacity
-//! planner sized, not what happens to be free at a burst's peak); pages are allocated only when
-//! written, and a trimmed or zeroed range gives its pages back. The loan ends with its
-//! connection: the borrower releases it only after the guest swapped its pages back in.
+//! size. The whole size is reserved when the export is first opened (the spare memory a
+//! capacity planner sized, not what happens to be free at a burst's peak); pages are allocated
+//! only when written, and a trimmed or zeroed range gives its pages back. A loan ends when its
+//! client disconnects cleanly (NBD_CMD_DISC: the borrower unplugged the disk after the guest
+//! swapped off). A connection that breaks instead (the borrowing agent restarted, the session
+//! gave up on the WAN) keeps the loan and its pages for [`KEEP_DETACHED`]: the borrower's QEMU
+//! reconnects (`reconnect-delay`, [`crate::borrow`]) and finds the guest's pages where they were.
 //!
 //! [`TunnelKind::Swap`]: crate::engine::control::TunnelKind::Swap
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_qemu::nbd::proto::{EINVAL, EIO};
@@ -24,44 +28,74 @@ const PAGE_BYTES: usize = 4096;
 const PAGE: u64 = PAGE_BYTES as u64;
 /// The largest swap one loan may be (a bound on a peer's request before anything else).
 pub const MAX_LOAN_BYTES: u64 = 1 << 40;
+/// How long a loan whose connection broke waits for its borrower to reconnect.
+pub const KEEP_DETACHED: Duration = Duration::from_secs(300);
 
-/// This host's memory for loans, and what is lent now.
+/// A loan's pages by index.
+type Pages = Arc<Mutex<HashMap<u64, Box<[u8]>>>>;
+/// A loan's borrower: its agent and domain.
+type Key = (String, String);
+
+/// This host's memory for loans, and the loans.
 #[derive(Debug)]
 pub struct Lender {
     limit: u64,
-    /// Reserved bytes by (borrowing agent, domain).
-    lent: Mutex<HashMap<(String, String), u64>>,
+    loans: Mutex<HashMap<Key, Kept>>,
+}
+
+/// One loan as the lender keeps it, across its connections.
+#[derive(Debug)]
+struct Kept {
+    size: u64,
+    pages: Pages,
+    /// A connection serves it now.
+    attached: bool,
+    /// Counts attachments: a detached loan's expiry is for the detachment that set it.
+    attachments: u64,
 }
 
 impl Lender {
     pub fn new(limit_bytes: u64) -> Arc<Lender> {
         Arc::new(Lender {
             limit: limit_bytes,
-            lent: Mutex::default(),
+            loans: Mutex::default(),
         })
     }
 
-    /// The bytes lent now.
+    /// The bytes lent now (reserved, attached or waiting for their borrower).
     pub fn lent(&self) -> u64 {
-        self.lent.lock().expect("lent lock").values().sum()
+        self.loans
+            .lock()
+            .expect("loans lock")
+            .values()
+            .map(|k| k.size)
+            .sum()
     }
 
-    /// Reserves `bytes` for `domain` of agent `from`, or says why not (the borrower's QEMU
-    /// is told, and with it the user who asked).
-    fn reserve(
-        self: &Arc<Self>,
-        from: &str,
-        domain: &str,
-        bytes: u64,
-    ) -> Result<Reservation, String> {
-        let mut lent = self.lent.lock().expect("lent lock");
-        let key = (from.to_owned(), domain.to_owned());
-        if lent.contains_key(&key) {
-            return Err(format!("{from}'s domain {domain:?} already has swap here"));
+    /// Opens `domain`'s loan of `size` for agent `from`: the one it had, if its connection
+    /// broke, else a new one within the limit; or says why not (the borrower's agent is told).
+    fn open(&self, key: &Key, size: u64) -> Result<(Pages, u64), String> {
+        let (from, domain) = key;
+        let mut loans = self.loans.lock().expect("loans lock");
+        if let Some(kept) = loans.get_mut(key) {
+            if kept.attached {
+                return Err(format!("{from}'s domain {domain:?} already has swap here"));
+            }
+            if kept.size != size {
+                return Err(format!(
+                    "{from}'s domain {domain:?} has {} MiB of swap here, not {} MiB",
+                    kept.size >> 20,
+                    size >> 20
+                ));
+            }
+            kept.attached = true;
+            kept.attachments += 1;
+            tracing::info!("{from}'s domain {domain:?} is back for its swap");
+            return Ok((kept.pages.clone(), kept.attachments));
         }
-        let used: u64 = lent.values().sum();
+        let used: u64 = loans.values().map(|k| k.size).sum();
         let free = self.limit.saturating_sub(used);
-        if bytes > free {
+        if size > free {
             return Err(if self.limit == 0 {
                 "this agent lends no memory ([host] lend_mib in its config)".to_owned()
             } else {
@@ -69,32 +103,68 @@ impl Lender {
                     "this agent has {} MiB left to lend of its {} MiB, not {} MiB",
                     free >> 20,
                     self.limit >> 20,
-                    bytes >> 20
+                    size >> 20
                 )
             });
         }
-        lent.insert(key.clone(), bytes);
-        Ok(Reservation {
-            lender: self.clone(),
-            key,
-        })
+        let pages = Pages::default();
+        loans.insert(
+            key.clone(),
+            Kept {
+                size,
+                pages: pages.clone(),
+                attached: true,
+                attachments: 1,
+            },
+        );
+        tracing::info!("lending {} MiB to {from}'s domain {domain:?}", size >> 20);
+        Ok((pages, 1))
     }
-}
 
-/// One loan's reservation, given back when dropped.
-#[derive(Debug)]
-struct Reservation {
-    lender: Arc<Lender>,
-    key: (String, String),
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.lender
-            .lent
-            .lock()
-            .expect("lent lock")
-            .remove(&self.key);
+    /// A connection to a loan ended: cleanly, the loan ends; otherwise it waits for its
+    /// borrower for [`KEEP_DETACHED`].
+    fn close(self: &Arc<Self>, key: &Key, attachment: u64, clean: bool) {
+        let mut loans = self.loans.lock().expect("loans lock");
+        let Some(kept) = loans.get_mut(key) else {
+            return;
+        };
+        if kept.attachments != attachment {
+            return;
+        }
+        if clean {
+            loans.remove(key);
+            return;
+        }
+        kept.attached = false;
+        let resident = kept.pages.lock().expect("pages lock").len();
+        tracing::warn!(
+            "{}'s domain {:?} lost its swap connection; its {} MiB wait {}s for it",
+            key.0,
+            key.1,
+            (resident * PAGE_BYTES) >> 20,
+            KEEP_DETACHED.as_secs()
+        );
+        let (lender, expiring) = (self.clone(), key.clone());
+        let expire = async move {
+            let key = expiring;
+            tokio::time::sleep(KEEP_DETACHED).await;
+            let mut loans = lender.loans.lock().expect("loans lock");
+            if loans
+                .get(&key)
+                .is_some_and(|k| !k.attached && k.attachments == attachment)
+            {
+                loans.remove(&key);
+                tracing::warn!(
+                    "{}'s domain {:?} did not come back: its swap is gone",
+                    key.0,
+                    key.1
+                );
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(expire)),
+            Err(_) => drop(loans.remove(key)),
+        }
     }
 }
 
@@ -118,13 +188,25 @@ pub struct Loan {
     opened: OnceLock<Opened>,
     /// Why the client's last request for an export was refused.
     refused: Mutex<Option<String>>,
+    /// The client said goodbye (NBD_CMD_DISC): the loan ends with this connection.
+    clean: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
 struct Opened {
     export: Export,
-    pages: Mutex<HashMap<u64, Box<[u8]>>>,
-    _reservation: Reservation,
+    key: Key,
+    attachment: u64,
+    pages: Pages,
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        if let Some(o) = self.opened.get() {
+            let clean = self.clean.load(std::sync::atomic::Ordering::Relaxed);
+            self.lender.close(&o.key, o.attachment, clean);
+        }
+    }
 }
 
 impl Loan {
@@ -134,7 +216,13 @@ impl Loan {
             from,
             opened: OnceLock::new(),
             refused: Mutex::default(),
+            clean: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// The client disconnected cleanly: the loan ends when this connection does.
+    pub fn disconnected(&self) {
+        self.clean.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The bytes its pages hold now.
@@ -169,29 +257,27 @@ impl Exports for Loan {
                 Err(format!("this connection serves {:?}", o.export.name))
             };
         }
-        let reserved = parse_export_name(name).and_then(|(domain, size)| {
-            Ok((domain, size, self.lender.reserve(&self.from, domain, size)?))
+        let opened = parse_export_name(name).and_then(|(domain, size)| {
+            let key = (self.from.clone(), domain.to_owned());
+            let (pages, attachment) = self.lender.open(&key, size)?;
+            let export = Export {
+                name: name.to_owned(),
+                size,
+            };
+            Ok(Opened {
+                export,
+                key,
+                attachment,
+                pages,
+            })
         });
-        let (domain, size, reservation) = reserved.inspect_err(|why| {
+        let opened = opened.inspect_err(|why| {
             *self.refused.lock().expect("refused lock") = Some(why.clone());
         })?;
-        let export = Export {
-            name: name.to_owned(),
-            size,
-        };
-        let opened = Opened {
-            export: export.clone(),
-            pages: Mutex::default(),
-            _reservation: reservation,
-        };
+        let export = opened.export.clone();
         self.opened
             .set(opened)
             .map_err(|_| "the export was opened twice at once".to_owned())?;
-        tracing::info!(
-            "lending {} MiB to {}'s domain {domain:?}",
-            size >> 20,
-            self.from
-        );
         Ok(export)
     }
 
@@ -306,9 +392,32 @@ mod tests {
             .await
             .unwrap_err()
             .contains("already has swap"));
+        a.disconnected();
         drop(a);
         assert_eq!(lender.lent(), 0);
         assert!(b.find("vm2:64").await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_broken_connection_keeps_the_pages_for_the_borrower_to_come_back() {
+        let lender = Lender::new(1 << 30);
+        let first = Loan::new(lender.clone(), "site-a".into());
+        first.find("vm:1").await.unwrap();
+        first
+            .write(8192, Bytes::from_static(b"swapped"))
+            .await
+            .unwrap();
+        drop(first);
+        // Kept, and refused to anyone asking for another size.
+        assert_eq!(lender.lent(), 1 << 20);
+        let other = Loan::new(lender.clone(), "site-a".into());
+        assert!(other.find("vm:2").await.unwrap_err().contains("has 1 MiB"));
+        let back = Loan::new(lender.clone(), "site-a".into());
+        back.find("vm:1").await.unwrap();
+        assert_eq!(&back.read(8192, 7).await.unwrap()[..], b"swapped");
+        back.disconnected();
+        drop(back);
+        assert_eq!(lender.lent(), 0);
     }
 
     #[tokio::test]

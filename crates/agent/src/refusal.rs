@@ -63,6 +63,8 @@ pub enum Refusal {
     SwapBusy(String),
     #[error("swap: {0}")]
     Swap(String),
+    #[error("domain {0:?} swaps to a peer: give its swap back first (ferry swap off)")]
+    MigratingWithSwap(String),
 }
 
 impl Refusal {
@@ -87,7 +89,9 @@ impl Refusal {
             Refusal::AlreadyMigrating { .. } | Refusal::TooLateToCancel(_) => ErrorKind::Conflict,
             Refusal::NoMigration(_) | Refusal::NoSwap(_) => ErrorKind::NotFound,
             Refusal::SwapRequest(_) => ErrorKind::BadRequest,
-            Refusal::SwapExists(_) | Refusal::SwapBusy(_) => ErrorKind::Conflict,
+            Refusal::SwapExists(_) | Refusal::SwapBusy(_) | Refusal::MigratingWithSwap(_) => {
+                ErrorKind::Conflict
+            }
             Refusal::Swap(_) => ErrorKind::Unavailable,
         }
     }

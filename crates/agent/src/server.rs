@@ -450,6 +450,10 @@ pub(crate) async fn start_libvirt_migration(
     req.link_rate_mbit = req.link_rate_mbit.or(peer.rate_mbit);
     let libvirt = Libvirt::new(&tunnels.config.socket);
     libvirt_migration::check_domain(&libvirt, &req.domain).await?;
+    // Its swap disk names this host's tunnel to the lender, and holds some of its pages.
+    if agent.swaps.has(&req.domain) {
+        return Err(Refusal::MigratingWithSwap(req.domain));
+    }
     tunnels.check_peer_libvirt(&req.to).await?;
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let group = match (&fleet_id, group) {

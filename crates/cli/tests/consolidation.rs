@@ -1,7 +1,7 @@
 //! The fleet's planner in the lab (`lab up --libvirt --controller`): four libvirt domains, two
 //! at each site, lightly used. `ferry fleet plan` empties one site's host, and `--apply` moves
 //! its VMs to the other; the emptied host is then reported empty. Two VMs then use all the
-//! CPU they can: the host is over its capacity, and the plan spreads one of them back. The
+//! CPU they can: the host is over its capacity, and the plan spreads a VM back. The
 //! guests' verifiers decide whether their memory arrived intact.
 
 mod common;
@@ -157,8 +157,10 @@ fn the_planner_empties_a_host_when_demand_falls_and_spreads_vms_when_it_rises() 
     }
 
     // Demand rises: two guests rewrite their memory as fast as their CPU allows. The host is
-    // over its capacity, and one of them (the cheapest move that relieves it alone) goes to
-    // the emptied host once its cooldown (30 s in the lab) is over.
+    // over its capacity, and the cheapest move that relieves it alone goes to the emptied host
+    // once its cooldown (30 s in the lab) is over: one of the busy guests, or an idle one when
+    // that is enough (idle emulated guests use a share of a CPU, and the busy ones' shares of
+    // the shared machine vary).
     for name in ["con1", "con3"] {
         guest_call(
             &t,
@@ -171,17 +173,16 @@ fn the_planner_empties_a_host_when_demand_falls_and_spreads_vms_when_it_rises() 
     let done = apply_until(&t, "relieve");
     let moves = done["moves"].as_array().unwrap();
     assert_eq!(moves.len(), 1, "{done}");
-    let busy = moves[0]["vms"][0].as_str().unwrap().to_owned();
-    assert!(busy == "con1" || busy == "con3", "{done}");
+    let moved = moves[0]["vms"][0].as_str().unwrap().to_owned();
     assert_eq!(moves[0]["to"], drained.as_str(), "{done}");
     watch_all(&t, &done);
-    wait_for(&t, "vms", |v| site_of(v, &busy) == drained);
+    wait_for(&t, "vms", |v| site_of(v, &moved) == drained);
     assert_eq!(
-        verify(&t, &rt, lab_site(&drained), &busy, false),
+        verify(&t, &rt, lab_site(&drained), &moved, false),
         0,
-        "{busy} at {drained}"
+        "{moved} at {drained}"
     );
-    for name in VMS.iter().filter(|n| **n != busy) {
+    for name in VMS.iter().filter(|n| **n != moved) {
         assert_eq!(
             verify(&t, &rt, lab_site(full), name, false),
             0,

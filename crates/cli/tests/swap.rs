@@ -150,6 +150,22 @@ fn a_guest_swaps_to_a_peers_memory_while_squeezed_and_gets_it_back_intact() {
         ],
         "already swaps",
     );
+    // Some of its pages are at site b, behind this host's tunnel: it cannot migrate so.
+    let agent = t.lab.agent_socket(Site::A);
+    let out = t.run(&[
+        "migrate",
+        "--libvirt",
+        VM,
+        "--to",
+        "site-b",
+        "--agent",
+        agent.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("give its swap back first"),
+        "{err}"
+    );
     // Every page is read back by the verifier: those swapped out come from site b.
     assert_eq!(verify(&t, &rt, Site::A, VM, false), 0, "while swapping");
     // The guest's own count, as its balloon reports it (every second).
