@@ -40,6 +40,10 @@ const SWAPON_WAIT: Duration = Duration::from_secs(60);
 const SWAPOFF_WAIT: Duration = Duration::from_secs(600);
 /// How long the guest may take to let the unplugged disk go.
 const UNPLUG_WAIT: Duration = Duration::from_secs(60);
+/// How long QEMU holds the guest's swap requests while it reconnects a broken swap connection
+/// (this agent restarted, the session gave up on the WAN); the lender keeps the pages longer
+/// ([`crate::lend::KEEP_DETACHED`]).
+const RECONNECT_DELAY_S: u64 = 60;
 /// Exit code of [`SWAPON`] while the disk is not visible in the guest yet.
 const NOT_YET: i64 = 100;
 
@@ -329,8 +333,12 @@ async fn guest_run(libvirt: &Libvirt, domain: &str, script: &str, wait: Duration
     }
 }
 
-/// Where the swap disk's device XML is kept while the domain has it (detaching names it).
+/// Where the swap disk's device XML is kept while the domain has it (detaching names it): one
+/// file per domain name, even for names that differ only in characters a file name avoids.
 fn device_file(tunnel_dir: &Path, domain: &str) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    domain.hash(&mut hasher);
     let safe: String = domain
         .chars()
         .map(|c| {
@@ -341,7 +349,7 @@ fn device_file(tunnel_dir: &Path, domain: &str) -> PathBuf {
             }
         })
         .collect();
-    tunnel_dir.join(format!("swap-{safe}.xml"))
+    tunnel_dir.join(format!("swap-{safe}-{:016x}.xml", hasher.finish()))
 }
 
 /// The swap disk as libvirt's device XML: a raw NBD disk on the peer's swap tunnel, its export
@@ -349,7 +357,8 @@ fn device_file(tunnel_dir: &Path, domain: &str) -> PathBuf {
 fn disk_xml(domain: &str, bytes: u64, socket: &str, target: &str) -> String {
     format!(
         "<disk type='network' device='disk'><driver name='qemu' type='raw'/>\
-         <source protocol='nbd' name='{}'><host transport='unix' socket='{}'/></source>\
+         <source protocol='nbd' name='{}'><host transport='unix' socket='{}'/>\
+         <reconnect delay='{RECONNECT_DELAY_S}'/></source>\
          <target dev='{target}' bus='virtio'/><serial>{SWAP_SERIAL}</serial></disk>",
         xml_escape(&format!("{domain}:{}", bytes >> 20)),
         xml_escape(socket),
@@ -362,4 +371,27 @@ fn xml_escape(s: &str) -> String {
         .replace('>', "&gt;")
         .replace('\'', "&apos;")
         .replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_domain_has_its_own_device_file() {
+        let dir = Path::new("/run/t");
+        let a = device_file(dir, "web.1");
+        assert_ne!(a, device_file(dir, "web_1"));
+        assert_eq!(a, device_file(dir, "web.1"));
+        assert!(a.starts_with(dir) && a.to_string_lossy().contains("swap-web_1-"));
+    }
+
+    #[test]
+    fn the_swap_disk_names_its_export_and_escapes_what_xml_would_misread() {
+        let xml = disk_xml("a'b&c", 64 << 20, "/run/t/site-b/swap.sock", "vdb");
+        assert!(xml.contains("name='a&apos;b&amp;c:64'"), "{xml}");
+        assert!(xml.contains("socket='/run/t/site-b/swap.sock'"), "{xml}");
+        assert!(xml.contains("<serial>ferry-swap</serial>"), "{xml}");
+        assert!(xml.contains("<reconnect delay='60'/>"), "{xml}");
+    }
 }

@@ -601,6 +601,9 @@ async fn lend_swap(session: &Session, from: String, lender: Arc<Lender>) -> Resu
     let served = async {
         // Over, the duplex's end closes: the tunnel sees the end of the local stream.
         let end = ferry_qemu::nbd::serve(far, &*loan, loan.clone()).await;
+        if matches!(end, Ok(ferry_qemu::nbd::ServeEnd::Disconnected)) {
+            loan.disconnected();
+        }
         match loan.refusal() {
             // Said at once, while the borrower still listens (the Abort carries it).
             Some(why) => Err(anyhow!("{why}")),
