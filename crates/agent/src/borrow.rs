@@ -132,23 +132,43 @@ pub async fn take(
     }
     let libvirt = Libvirt::new(&tunnels.config.socket);
     crate::libvirt_migration::check_domain(&libvirt, domain).await?;
-    let max_kib = libvirt
-        .max_memory_kib(domain)
+    let before_kib = libvirt
+        .memory_kib(domain)
         .await
         .map_err(|e| Refusal::Swap(format!("{e:#}")))?;
-    if req.memory_bytes < MIN_MEMORY_BYTES || req.memory_bytes >= max_kib << 10 {
+    if req.memory_bytes < MIN_MEMORY_BYTES || req.memory_bytes >= before_kib << 10 {
         return Err(Refusal::SwapRequest(format!(
-            "the balloon may leave domain {domain:?} {} MiB to {} MiB, not {} MiB",
+            "the balloon may leave domain {domain:?} {} MiB to {} MiB (it has {} MiB), not {} MiB",
             MIN_MEMORY_BYTES >> 20,
-            (max_kib >> 10).saturating_sub(1),
+            (before_kib >> 10).saturating_sub(1),
+            before_kib >> 10,
             req.memory_bytes >> 20
         )));
     }
     swaps.claim(domain, true)?;
-    let taken = attach_and_swap(&libvirt, tunnels, config, domain, &req, max_kib).await;
-    let status = taken.as_ref().ok().cloned();
-    swaps.settle(domain, status);
-    taken.map_err(|e| Refusal::Swap(format!("{e:#}")))
+    match attach_and_swap(&libvirt, tunnels, config, domain, &req, before_kib).await {
+        Ok(status) => {
+            swaps.settle(domain, Some(status.clone()));
+            Ok(status)
+        }
+        Err(Failed { error, left }) => {
+            // Undone, or (when undoing failed too) listed, so that `swap off` can try again.
+            swaps.settle(domain, left);
+            Err(Refusal::Swap(format!("{error:#}")))
+        }
+    }
+}
+
+/// Taking swap failed; what it left plugged in, if undoing failed too.
+struct Failed {
+    error: anyhow::Error,
+    left: Option<SwapStatus>,
+}
+
+impl From<anyhow::Error> for Failed {
+    fn from(error: anyhow::Error) -> Failed {
+        Failed { error, left: None }
+    }
 }
 
 /// Gives `domain`'s swap back ([module docs](self)); what it had.
@@ -183,8 +203,8 @@ async fn attach_and_swap(
     config: &AgentConfig,
     domain: &str,
     req: &SwapRequest,
-    max_kib: u64,
-) -> Result<SwapStatus> {
+    before_kib: u64,
+) -> Result<SwapStatus, Failed> {
     // Without the guest's agent the swap could never be given back: ask before plugging.
     libvirt
         .guest_agent(domain, &json!({"execute": "guest-ping"}))
@@ -209,29 +229,34 @@ async fn attach_and_swap(
         .remove(&req.peer);
     if let Err(e) = libvirt.hotplug(domain, &xml, true).await {
         let why = peer_refusal(tunnels, &req.peer).await;
-        return Err(e.context(format!(
-            "plugging swap from {} into {domain:?}{why}",
-            req.peer
-        )));
+        return Err(e
+            .context(format!(
+                "plugging swap from {} into {domain:?}{why}",
+                req.peer
+            ))
+            .into());
     }
     let status = SwapStatus {
         domain: domain.to_owned(),
         peer: req.peer.clone(),
         bytes: req.bytes,
         memory_bytes: req.memory_bytes,
-        max_memory_bytes: max_kib << 10,
+        memory_before_bytes: before_kib << 10,
         target,
     };
     let on = async {
         guest_run(libvirt, domain, SWAPON, SWAPON_WAIT).await?;
         libvirt.set_memory_kib(domain, req.memory_bytes >> 10).await
     };
-    if let Err(e) = on.await {
-        // Undo: full memory, no swap, no disk.
-        if let Err(undo) = release(libvirt, &status, &xml).await {
-            tracing::warn!("undoing swap for {domain:?}: {undo:#}");
-        }
-        return Err(e);
+    if let Err(error) = on.await {
+        // Undo: its memory back, no swap, no disk.
+        return Err(match release(libvirt, &status, &xml).await {
+            Ok(()) => Failed { error, left: None },
+            Err(undo) => Failed {
+                error: anyhow!("{error:#}; undoing it failed too: {undo:#}"),
+                left: Some(status),
+            },
+        });
     }
     tracing::info!(
         "domain {domain:?} swaps to {} ({} MiB), its balloon at {} MiB (agent {})",
@@ -258,11 +283,11 @@ async fn peer_refusal(tunnels: &Tunnels, peer: &str) -> String {
     }
 }
 
-/// Full memory back, swap off, disk out.
+/// Its memory back, swap off, disk out.
 async fn release(libvirt: &Libvirt, status: &SwapStatus, xml: &Path) -> Result<()> {
     let domain = &status.domain;
     libvirt
-        .set_memory_kib(domain, status.max_memory_bytes >> 10)
+        .set_memory_kib(domain, status.memory_before_bytes >> 10)
         .await
         .context("giving the guest its memory back")?;
     guest_run(libvirt, domain, SWAPOFF, SWAPOFF_WAIT)

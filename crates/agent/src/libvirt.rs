@@ -174,15 +174,16 @@ impl Libvirt {
         self.virsh(&[verb, domain, &file, "--live"]).await.map(drop)
     }
 
-    /// The running domain's maximum memory, KiB (`dominfo`'s "Max memory").
-    pub async fn max_memory_kib(&self, domain: &str) -> Result<u64> {
+    /// The running domain's memory now (what its balloon leaves it), KiB: `dominfo`'s "Used
+    /// memory".
+    pub async fn memory_kib(&self, domain: &str) -> Result<u64> {
         let info = self.virsh(&["dominfo", domain]).await?;
         info.lines()
             .find_map(|l| {
-                let rest = l.strip_prefix("Max memory:")?;
+                let rest = l.strip_prefix("Used memory:")?;
                 rest.split_whitespace().next()?.parse().ok()
             })
-            .with_context(|| format!("virsh dominfo {domain} shows no max memory"))
+            .with_context(|| format!("virsh dominfo {domain} shows no used memory"))
     }
 
     /// Sets the running domain's balloon target, KiB.

@@ -619,8 +619,8 @@ pub struct SwapStatus {
     pub bytes: u64,
     /// What the balloon leaves the guest.
     pub memory_bytes: u64,
-    /// The guest's full memory, which it gets back when the swap is released.
-    pub max_memory_bytes: u64,
+    /// The guest's memory before, which it gets back with the swap.
+    pub memory_before_bytes: u64,
     /// The swap disk's target in the domain (`vdX`).
     pub target: String,
 }

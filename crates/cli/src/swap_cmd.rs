@@ -76,7 +76,7 @@ pub async fn run(a: SwapArgs) -> Result<ExitCode> {
             s.peer,
             s.target,
             s.memory_bytes >> 20,
-            s.max_memory_bytes >> 20
+            s.memory_before_bytes >> 20
         );
     }
     Ok(ExitCode::SUCCESS)
