@@ -16,6 +16,20 @@ use ferry_lab::Site;
 const LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "1"];
 const VM: &str = "swap1";
 
+/// `ferry swap on DOMAIN --peer PEER --mib MIB --keep-mib KEEP`'s arguments.
+fn on<'a>(domain: &'a str, peer: &'a str, mib: &'a str, keep: &'a str) -> [&'a str; 8] {
+    [
+        "on",
+        domain,
+        "--peer",
+        peer,
+        "--mib",
+        mib,
+        "--keep-mib",
+        keep,
+    ]
+}
+
 /// `ferry swap ARGS --agent <site a's agent>`.
 fn swap(t: &TestLab, args: &[&str]) -> std::process::Output {
     let agent = t.lab.agent_socket(Site::A);
@@ -56,100 +70,19 @@ fn a_guest_swaps_to_a_peers_memory_while_squeezed_and_gets_it_back_intact() {
     ));
 
     // Wrong requests: nothing is plugged, the guest runs on.
-    refused(
-        &t,
-        &[
-            "on",
-            VM,
-            "--peer",
-            "nowhere",
-            "--mib",
-            "64",
-            "--keep-mib",
-            "64",
-        ],
-        "nowhere",
-    );
-    refused(
-        &t,
-        &[
-            "on",
-            VM,
-            "--peer",
-            "site-b",
-            "--mib",
-            "64",
-            "--keep-mib",
-            "512",
-        ],
-        "the balloon may leave",
-    );
-    refused(
-        &t,
-        &[
-            "on",
-            VM,
-            "--peer",
-            "site-b",
-            "--mib",
-            "4096",
-            "--keep-mib",
-            "64",
-        ],
-        "MiB left to lend",
-    );
-    refused(
-        &t,
-        &[
-            "on",
-            "no-such-vm",
-            "--peer",
-            "site-b",
-            "--mib",
-            "64",
-            "--keep-mib",
-            "64",
-        ],
-        "no-such-vm",
-    );
+    refused(&t, &on(VM, "nowhere", "64", "64"), "nowhere");
+    refused(&t, &on(VM, "site-b", "64", "512"), "the balloon may leave");
+    refused(&t, &on(VM, "site-b", "4096", "64"), "MiB left to lend");
+    refused(&t, &on("no-such-vm", "site-b", "64", "64"), "no-such-vm");
     refused(&t, &["off", VM], "swaps to no peer");
 
     // Squeezed to 88 MiB (the guest kernel keeps about 33 MiB of them and about 30 MiB of the
     // rest is its own and the initramfs', which cannot swap): part of the workload pages out to
     // site b.
-    let on = common::succeeded(
-        "ferry swap on",
-        &swap(
-            &t,
-            &[
-                "on",
-                VM,
-                "--peer",
-                "site-b",
-                "--mib",
-                "128",
-                "--keep-mib",
-                "88",
-                "--json",
-            ],
-        ),
-    );
-    let on = common::json(&on);
-    assert_eq!(on[0]["target"], "vdb", "{on}");
-    refused(
-        &t,
-        &[
-            "on",
-            VM,
-            "--peer",
-            "site-b",
-            "--mib",
-            "64",
-            "--keep-mib",
-            "64",
-        ],
-        "already swaps",
-    );
+    let args = [&on(VM, "site-b", "128", "88")[..], &["--json"]].concat();
+    let taken = common::json(&common::succeeded("ferry swap on", &swap(&t, &args)));
+    assert_eq!(taken[0]["target"], "vdb", "{taken}");
+    refused(&t, &on(VM, "site-b", "64", "64"), "already swaps");
     // Some of its pages are at site b, behind this host's tunnel: it cannot migrate so.
     let agent = t.lab.agent_socket(Site::A);
     let out = t.run(&[
