@@ -29,6 +29,10 @@ void mem_stats(char *out, size_t len);
  * the page index, or -1 with `err` set. */
 long long mem_inject(int stale, char *err, size_t errlen);
 
+/* A memory burst: `mib` more for `secs` seconds, read over and over, checked, then freed. */
+int burst_start(uint64_t mib, double secs, char *err, size_t errlen);
+void burst_stats(char *out, size_t len);
+
 int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t errlen);
 int disk_set(double rate, char *err, size_t errlen);
 int disk_verify(struct verify_result *r, char *err, size_t errlen);

@@ -10,7 +10,7 @@
  *   host -> guest:  "<id> <command> [key=value ...]"
  *   guest -> host:  "R <id> ok [key=value ...]" or "R <id> err <message>"
  *                   "H <seq> <guest_ms>" every HEARTBEAT_MS, from a real-time thread
- * Commands: ping, mem start|set|verify|stats, disk start|set|verify|stats.
+ * Commands: ping, mem start|set|verify|stats, burst start|stats, disk start|set|verify|stats.
  */
 #define _GNU_SOURCE
 #include "guest.h"
@@ -208,6 +208,25 @@ static void command(char *line)
         } else {
             tty_line("R %s err unknown mem subcommand \"%s\" (known: start set verify stats inject)", id, sub);
         }
+    } else if (strcmp(cmd, "burst") == 0) {
+        double mib = 32, secs = 10;
+        if (opt_num(id, argc, argv, "mib", &mib) < 0 || opt_num(id, argc, argv, "secs", &secs) < 0)
+            return;
+        if (strcmp(sub, "start") == 0) {
+            if (mib < 1 || mib > 65536 || secs < 0) {
+                tty_line("R %s err use mib=1..65536 and secs of 0 or more", id);
+                return;
+            }
+            if (burst_start((uint64_t)mib, secs, err, sizeof err) != 0)
+                tty_line("R %s err %s", id, err);
+            else
+                tty_line("R %s ok", id);
+        } else if (strcmp(sub, "stats") == 0) {
+            burst_stats(out, sizeof out);
+            tty_line("R %s ok %s", id, out);
+        } else {
+            tty_line("R %s err unknown burst subcommand \"%s\" (known: start stats)", id, sub);
+        }
     } else if (strcmp(cmd, "disk") == 0) {
         double mib = 16, rate = 1;
         const char *path = arg(argc, argv, "path");
@@ -242,7 +261,7 @@ static void command(char *line)
             tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats reset-stats inject)", id, sub);
         }
     } else {
-        tty_line("R %s err unknown command \"%s\" (known: ping mem disk)", id, cmd);
+        tty_line("R %s err unknown command \"%s\" (known: ping mem burst disk)", id, cmd);
     }
 }
 

@@ -316,35 +316,8 @@ async fn release(libvirt: &Libvirt, status: &SwapStatus, xml: &Path) -> Result<(
 async fn guest_run(libvirt: &Libvirt, domain: &str, script: &str, wait: Duration) -> Result<()> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
-        let started = libvirt
-            .guest_agent(
-                domain,
-                &json!({"execute": "guest-exec",
-                        "arguments": {"path": "/bin/sh", "arg": ["-c", script]}}),
-            )
-            .await?;
-        let pid = started["return"]["pid"]
-            .as_i64()
-            .ok_or_else(|| anyhow!("guest-exec answered {started}"))?;
-        let code = loop {
-            let status = libvirt
-                .guest_agent(
-                    domain,
-                    &json!({"execute": "guest-exec-status", "arguments": {"pid": pid}}),
-                )
-                .await?;
-            let r = &status["return"];
-            if r["exited"].as_bool() == Some(true) {
-                break r["exitcode"].as_i64().ok_or_else(|| {
-                    anyhow!("the guest's command ended without an exit code: {status}")
-                })?;
-            }
-            if tokio::time::Instant::now() > deadline {
-                bail!("the guest's command did not end within {}s", wait.as_secs());
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        match code {
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match guest_exec(libvirt, domain, script, remaining).await?.0 {
             0 => return Ok(()),
             NOT_YET if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(250)).await;
@@ -356,6 +329,76 @@ async fn guest_run(libvirt: &Libvirt, domain: &str, script: &str, wait: Duration
             other => bail!("the guest's command exited {other}"),
         }
     }
+}
+
+/// Prints how much of the swap disk the guest uses (KiB, `/proc/swaps`' "Used"), nothing
+/// when it does not swap on it.
+const SWAP_USED: &str = "for d in /sys/block/vd*; do \
+    if [ \"$(cat $d/serial 2>/dev/null)\" = ferry-swap ]; then n=/dev/${d##*/}; \
+    while read f t s u p; do [ \"$f\" = \"$n\" ] && echo $u; done < /proc/swaps; fi; done; exit 0";
+
+/// What `domain`'s guest has paged out to its swap on a peer, as the guest's agent says.
+pub async fn swap_used(libvirt: &Libvirt, domain: &str) -> Result<Option<u64>> {
+    let (code, out) = guest_exec(libvirt, domain, SWAP_USED, Duration::from_secs(10)).await?;
+    if code != 0 {
+        bail!("the guest's command exited {code}");
+    }
+    match out.trim() {
+        "" => Ok(None),
+        kib => kib
+            .parse::<u64>()
+            .map(|kib| Some(kib << 10))
+            .map_err(|_| anyhow!("the guest said it uses {kib:?} KiB of swap")),
+    }
+}
+
+/// Runs `script` with `sh -c` in the guest through its agent and waits (within `wait`) for
+/// its exit code and what it printed.
+async fn guest_exec(
+    libvirt: &Libvirt,
+    domain: &str,
+    script: &str,
+    wait: Duration,
+) -> Result<(i64, String)> {
+    use base64::Engine as _;
+    let deadline = tokio::time::Instant::now() + wait;
+    let started = libvirt
+        .guest_agent(
+            domain,
+            &json!({"execute": "guest-exec",
+                    "arguments": {"path": "/bin/sh", "arg": ["-c", script],
+                                  "capture-output": true}}),
+        )
+        .await?;
+    let pid = started["return"]["pid"]
+        .as_i64()
+        .ok_or_else(|| anyhow!("guest-exec answered {started}"))?;
+    let output = loop {
+        let status = libvirt
+            .guest_agent(
+                domain,
+                &json!({"execute": "guest-exec-status", "arguments": {"pid": pid}}),
+            )
+            .await?;
+        let r = &status["return"];
+        if r["exited"].as_bool() == Some(true) {
+            let code = r["exitcode"].as_i64().ok_or_else(|| {
+                anyhow!("the guest's command ended without an exit code: {status}")
+            })?;
+            let out = match r["out-data"].as_str() {
+                Some(data) => base64::engine::general_purpose::STANDARD
+                    .decode(data)
+                    .map_err(|e| anyhow!("the guest's agent sent bad output: {e}"))?,
+                None => Vec::new(),
+            };
+            break (code, String::from_utf8_lossy(&out).into_owned());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the guest's command did not end within {}s", wait.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    Ok(output)
 }
 
 /// Where the swap disk's device XML is kept while the domain has it (detaching names it): one

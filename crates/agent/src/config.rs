@@ -380,6 +380,7 @@ impl AgentConfig {
                 Some(ferry_api::fleet::HostCapacity {
                     cpus,
                     mem_bytes: mem_mib.saturating_mul(1 << 20),
+                    lend_bytes: 0,
                 })
             }
             _ => {

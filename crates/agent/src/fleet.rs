@@ -98,6 +98,9 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
                 pace = Duration::from_millis(answer.heartbeat_ms.clamp(100, 60_000));
                 track = answer.track;
                 agent.groups.take(answer.groups);
+                if let Some(plans) = answer.swaps {
+                    crate::fleet_swap::reconcile(&agent, plans);
+                }
                 if let (Some(overlay), Some(plan)) = (&agent.overlay, answer.overlay) {
                     overlay.apply(plan).await;
                 }
@@ -149,7 +152,9 @@ async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Listed>>) {
         let at = crate::engine::status::now_ms();
         if let Some(mut now) = running_vms(&agent).await {
             if let Some(tunnels) = &agent.tunnels {
-                domains_usage(&Libvirt::new(&tunnels.config.socket), &mut now, &mut cpu).await;
+                let libvirt = Libvirt::new(&tunnels.config.socket);
+                domains_usage(&libvirt, &mut now, &mut cpu).await;
+                crate::fleet_swap::sample_used(&agent, &libvirt).await;
             }
             *vms.lock().expect("vms lock") = Listed {
                 vms: now,
@@ -185,6 +190,7 @@ async fn domains_usage(libvirt: &Libvirt, vms: &mut [VmReport], cpu: &mut CpuSam
             vm.usage = Some(VmUsage {
                 cpu_millis: u64::try_from(used_ns * 1000 / wall_ns).unwrap_or(u64::MAX),
                 mem_bytes: u.mem_bytes,
+                used_bytes: u.usable_bytes.map(|free| u.mem_bytes.saturating_sub(free)),
             });
         }
     }
@@ -214,6 +220,7 @@ fn capacity(agent: &Agent) -> Option<HostCapacity> {
             Some(HostCapacity {
                 cpus: u32::try_from(cpus).unwrap_or(u32::MAX),
                 mem_bytes: kib.saturating_mul(1024),
+                lend_bytes: 0,
             })
         })
     })
@@ -365,11 +372,15 @@ fn heartbeat(
         peers: agent.config.peers.keys().cloned().collect(),
         max_outgoing: u32::try_from(agent.config.max_outgoing).unwrap_or(u32::MAX),
         vms,
-        capacity: capacity(agent),
+        capacity: capacity(agent).map(|c| HostCapacity {
+            lend_bytes: agent.config.lend_bytes,
+            ..c
+        }),
         migrations,
         overlay: agent.overlay.as_ref().map(|o| o.report()),
         vms_listed_unix_ms: None,
         wait_ms: None,
+        swaps: crate::fleet_swap::reports(agent),
     }
 }
 

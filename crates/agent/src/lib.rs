@@ -22,6 +22,7 @@ pub mod client;
 pub mod config;
 pub mod engine;
 pub mod fleet;
+mod fleet_swap;
 pub mod follow;
 pub mod group;
 pub mod interrupt;

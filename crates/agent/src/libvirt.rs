@@ -349,6 +349,9 @@ mod tests {
 pub struct DomainUsage {
     pub cpu_time_ns: u64,
     pub mem_bytes: u64,
+    /// What the guest could free (`MemAvailable`), when its balloon driver reports
+    /// statistics (`<memballoon><stats period=...>`).
+    pub usable_bytes: Option<u64>,
 }
 
 /// `virsh domstats` output: a `Domain: 'name'` line, then `  key=value` lines.
@@ -379,6 +382,7 @@ fn parse_domstats(text: &str) -> std::collections::HashMap<String, DomainUsage> 
             "balloon.maximum" if usage.mem_bytes == 0 => {
                 usage.mem_bytes = value.saturating_mul(1024)
             }
+            "balloon.usable" => usage.usable_bytes = Some(value.saturating_mul(1024)),
             _ => {}
         }
     }
@@ -392,20 +396,22 @@ mod domstats_tests {
 
     #[test]
     fn domstats_give_each_domain_its_cpu_time_and_memory() {
-        let text = "Domain: 'web'\n  cpu.time=1500000000\n  cpu.user=1000\n  balloon.current=262144\n  balloon.maximum=524288\n\nDomain: 'db'\n  cpu.time=7\n  balloon.maximum=1024\n";
+        let text = "Domain: 'web'\n  cpu.time=1500000000\n  cpu.user=1000\n  balloon.current=262144\n  balloon.maximum=524288\n  balloon.usable=102400\n\nDomain: 'db'\n  cpu.time=7\n  balloon.maximum=1024\n";
         let u = parse_domstats(text);
         assert_eq!(
             u["web"],
             DomainUsage {
                 cpu_time_ns: 1_500_000_000,
-                mem_bytes: 256 << 20
+                mem_bytes: 256 << 20,
+                usable_bytes: Some(100 << 20),
             }
         );
         assert_eq!(
             u["db"],
             DomainUsage {
                 cpu_time_ns: 7,
-                mem_bytes: 1 << 20
+                mem_bytes: 1 << 20,
+                usable_bytes: None,
             }
         );
     }

@@ -54,6 +54,7 @@ pub(crate) struct Agent {
     pub(crate) lender: Arc<crate::lend::Lender>,
     /// This host's domains with swap on peers.
     pub(crate) swaps: crate::borrow::Swaps,
+    pub(crate) fleet_swaps: crate::fleet_swap::FleetSwaps,
 }
 
 /// Runs the agent until it is killed.
@@ -102,6 +103,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         finished: Mutex::new(HashSet::new()),
         lender,
         swaps: crate::borrow::Swaps::default(),
+        fleet_swaps: crate::fleet_swap::FleetSwaps::default(),
     });
     tracing::info!(
         "agent {} listening for peers on {} and for the CLI on {}",

@@ -37,6 +37,51 @@ pub struct Heartbeat {
     /// soon as either is decided, or within this many milliseconds.
     #[serde(default)]
     pub wait_ms: Option<u64>,
+    /// The host's VMs' swap on peers' memory (`ferry swap`, or the controller's overload
+    /// response), and the controller's swaps it could not take.
+    #[serde(default)]
+    pub swaps: Vec<SwapReport>,
+}
+
+/// A VM's swap on a peer's memory, as its host reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SwapReport {
+    pub domain: String,
+    pub peer: String,
+    pub bytes: u64,
+    pub state: SwapState,
+    /// What the guest has paged out to it, when the guest's agent last told (taken swaps).
+    #[serde(default)]
+    pub used_bytes: Option<u64>,
+    /// Whether the controller asked for it (it gives back only its own).
+    #[serde(default)]
+    pub by_controller: bool,
+    /// Why taking or giving it back failed (state `failed`).
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum SwapState {
+    /// Being set up or given back.
+    Busy,
+    Taken,
+    /// The controller's swap could not be taken (it is not tried again for a while).
+    Failed,
+}
+
+/// A swap the controller wants a host's VM to have: the overload response's desired state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SwapPlan {
+    /// The host the VM runs on.
+    pub host: String,
+    pub domain: String,
+    pub peer: String,
+    pub bytes: u64,
+    /// What the balloon leaves the guest while it swaps.
+    pub memory_bytes: u64,
+    pub since_unix_ms: u64,
 }
 
 /// A host's overlay: where other hosts reach its tunnel endpoint, and which pools' endpoints
@@ -75,6 +120,9 @@ pub struct VmReport {
 pub struct HostCapacity {
     pub cpus: u32,
     pub mem_bytes: u64,
+    /// Memory its agent lends peers' VMs as swap (`[host] lend_mib`).
+    #[serde(default)]
+    pub lend_bytes: u64,
 }
 
 /// What a VM uses: the CPU time it took over the last listing interval (thousandths of a
@@ -83,6 +131,10 @@ pub struct HostCapacity {
 pub struct VmUsage {
     pub cpu_millis: u64,
     pub mem_bytes: u64,
+    /// What the guest uses of it: its memory less what the guest says it could free
+    /// (`MemAvailable`), when its balloon driver reports statistics.
+    #[serde(default)]
+    pub used_bytes: Option<u64>,
 }
 
 /// Who runs a VM, and so how it migrates.
@@ -140,6 +192,10 @@ pub struct HeartbeatAnswer {
     /// The groups of the group members this host runs.
     #[serde(default)]
     pub groups: Vec<GroupSignal>,
+    /// The swaps the controller wants this host's VMs to have (absent: the controller does
+    /// not manage swap). Swaps the controller asked for and no longer lists are given back.
+    #[serde(default)]
+    pub swaps: Option<Vec<SwapPlan>>,
 }
 
 /// What a host's overlay must be: one endpoint per pool that has VMs here, VMs arriving here,
@@ -491,6 +547,9 @@ pub struct Host {
     /// What it offers VMs, as it reports.
     #[serde(default)]
     pub capacity: Option<HostCapacity>,
+    /// Its VMs' swap on peers, as it reports.
+    #[serde(default)]
+    pub swaps: Vec<SwapReport>,
 }
 
 /// A VM of the fleet, where it runs now.
@@ -591,6 +650,28 @@ pub struct FleetPlan {
     /// When carried out: the moves the controller refused, and why.
     #[serde(default)]
     pub refused: Vec<Unplanned>,
+    /// Each host's memory pressure, as the overload response sees it (`[policy] overload`).
+    #[serde(default)]
+    pub pressure: Vec<HostPressure>,
+    /// The swaps the overload response keeps.
+    #[serde(default)]
+    pub swaps: Vec<SwapPlan>,
+}
+
+/// A host's memory pressure: what its VMs use (with what they paged out to peers) against what
+/// it offers, and how the overload detector reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct HostPressure {
+    pub host: String,
+    /// Its VMs' memory in use, what they paged out to peers included.
+    pub used_bytes: u64,
+    /// What they paged out to peers.
+    pub swapped_bytes: u64,
+    pub capacity_bytes: u64,
+    /// `normal`, `transient` or `sustained`.
+    pub pressure: String,
+    /// Intervals after which an overload counts as sustained, as learned.
+    pub threshold_intervals: u32,
 }
 
 /// VMs that move together from one host to another.

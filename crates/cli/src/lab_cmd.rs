@@ -53,6 +53,11 @@ pub enum LabCmd {
         /// (one leads at a time).
         #[arg(long, requires = "controller")]
         postgres: bool,
+        /// With --controller: each host offers VMs this much memory (MiB; else 1024) and the
+        /// controller meets memory overload: swap on the peer's memory, a migration when it
+        /// lasts (`[policy] overload`, sampled every 3 s).
+        #[arg(long, requires = "controller", value_parser = clap::value_parser!(u32).range(64..=1048576))]
+        overload_mib: Option<u32>,
     },
     /// Remove everything `lab up` made, with every VM in it.
     Down,
@@ -109,6 +114,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             libvirt,
             controller,
             postgres,
+            overload_mib,
         } => {
             let exe = std::env::current_exe().context("locate the ferry binary")?;
             let cfg = link.config();
@@ -125,6 +131,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                             libvirt,
                             controller,
                             postgres,
+                            overload_mib,
                         },
                     )
                 }
@@ -142,6 +149,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 libvirt,
                 controller,
                 postgres,
+                overload_mib,
             };
             for site in services.controller_sites() {
                 println!(

@@ -34,6 +34,8 @@
 //! lan_mbit = 10000       # the links the cost model prices moves on: within a site
 //! wan_mbit = 1000        # ... and between sites
 //! wan_rtt_ms = 30
+//! overload = false       # meet hosts' memory overload: swap on peers, migrate when it lasts
+//! overload_interval_s = 10   # memory pressure is sampled this often (Overdriver's 10 s)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -71,6 +73,8 @@ pub struct PolicyConfig {
     pub lan_bits_per_s: f64,
     pub wan_bits_per_s: f64,
     pub wan_rtt_s: f64,
+    /// The overload response: `None` when off, else how often memory pressure is sampled.
+    pub overload_interval_ms: Option<u64>,
 }
 
 /// The controller's clocks, milliseconds.
@@ -133,6 +137,8 @@ struct PolicyFile {
     max_moves: Option<usize>,
     lan_mbit: Option<f64>,
     wan_mbit: Option<f64>,
+    overload: Option<bool>,
+    overload_interval_s: Option<f64>,
     wan_rtt_ms: Option<f64>,
 }
 
@@ -283,6 +289,19 @@ impl ControllerConfig {
             lan_bits_per_s: number("lan_mbit", p.lan_mbit, 10000.0, (0.1, 1e7))? * 1e6,
             wan_bits_per_s: number("wan_mbit", p.wan_mbit, 1000.0, (0.1, 1e7))? * 1e6,
             wan_rtt_s: number("wan_rtt_ms", p.wan_rtt_ms, 30.0, (0.0, 10000.0))? / 1000.0,
+            overload_interval_ms: {
+                let interval_s = number(
+                    "overload_interval_s",
+                    p.overload_interval_s,
+                    10.0,
+                    (0.1, 3600.0),
+                )?;
+                // Whole milliseconds; the range keeps it far from overflow.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                p.overload
+                    .unwrap_or(false)
+                    .then(|| (interval_s * 1000.0).round() as u64)
+            },
         };
         Ok(ControllerConfig {
             name: file.name,

@@ -54,12 +54,15 @@ pub struct Controller {
     pub store: Store,
     /// The planner's memory and the hosts being emptied (crate::plan).
     pub plans: crate::plan::PlanState,
+    /// Each host's memory pressure (crate::overload).
+    pub overload: crate::overload::OverloadState,
 }
 
 impl Controller {
     pub fn new(config: ControllerConfig, store: Store) -> Controller {
         Controller {
             plans: crate::plan::PlanState::new(&config.policy),
+            overload: crate::overload::OverloadState::default(),
             config,
             store,
         }
@@ -358,6 +361,7 @@ impl Controller {
             heartbeat_ms: self.config.timing.heartbeat_ms,
             overlay,
             groups,
+            swaps: Some(self.store.swap_plans(Some(host)).await?),
         })
     }
 

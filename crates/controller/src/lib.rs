@@ -7,6 +7,7 @@ pub mod client;
 pub mod config;
 pub mod fleet;
 pub mod groups;
+pub mod overload;
 pub mod plan;
 pub mod pools;
 pub mod serve;

@@ -79,12 +79,19 @@ impl MoveCost for LinkCost<'_> {
 }
 
 /// The fleet as the planner sees it, and what it leaves out.
-struct Snapshot {
-    fleet: Fleet,
-    unplanned: Vec<Unplanned>,
+pub(crate) struct Snapshot {
+    pub fleet: Fleet,
+    pub unplanned: Vec<Unplanned>,
 }
 
-fn snapshot(loaded: &Loaded, draining: &BTreeSet<String>, cpus: &HashMap<String, f64>) -> Snapshot {
+/// The fleet as the planner sees it: VMs' memory is what they hold, or (`in_use`, for the
+/// overload response) what their guests use.
+fn snapshot(
+    loaded: &Loaded,
+    draining: &BTreeSet<String>,
+    cpus: &HashMap<String, f64>,
+    in_use: Option<&HashMap<String, f64>>,
+) -> Snapshot {
     let mut unplanned = Vec::new();
     let mut fleet = Fleet::default();
     for h in &loaded.hosts {
@@ -154,7 +161,11 @@ fn snapshot(loaded: &Loaded, draining: &BTreeSet<String>, cpus: &HashMap<String,
         let demand = vm.usage.map_or(Resources::default(), |u| {
             let reported = u.cpu_millis as f64 / 1000.0;
             let seen = cpus.get(name).copied().unwrap_or(reported).max(reported);
-            Resources::new(seen, u.mem_bytes as f64)
+            let mem = match in_use {
+                Some(in_use) => in_use.get(name).copied().unwrap_or(u.mem_bytes as f64),
+                None => u.mem_bytes as f64,
+            };
+            Resources::new(seen, mem)
         });
         fleet.vms.push(Vm {
             name: name.into(),
@@ -205,6 +216,8 @@ fn describe(plan: &Plan, snap: &Snapshot) -> FleetPlan {
         unplanned: snap.unplanned.clone(),
         requested: Vec::new(),
         refused: Vec::new(),
+        pressure: Vec::new(),
+        swaps: Vec::new(),
     }
 }
 
@@ -216,9 +229,19 @@ impl Controller {
         planner: &mut Planner,
         loaded: &Loaded,
     ) -> Result<(Plan, Snapshot), FleetError> {
+        self.plan_over(planner, loaded, None)
+    }
+
+    /// Plans with VMs' memory as [`snapshot`] takes it.
+    pub(crate) fn plan_over(
+        &self,
+        planner: &mut Planner,
+        loaded: &Loaded,
+        in_use: Option<&HashMap<String, f64>>,
+    ) -> Result<(Plan, Snapshot), FleetError> {
         let draining = self.plans.draining.lock().expect("draining lock").clone();
         let cpus = self.plans.cpus.lock().expect("cpus lock").clone();
-        let snap = snapshot(loaded, &draining, &cpus);
+        let snap = snapshot(loaded, &draining, &cpus, in_use);
         let cost = LinkCost {
             params: &self.plans.params,
             policy: &self.config.policy,
@@ -234,7 +257,10 @@ impl Controller {
         let loaded = self.load().await?;
         let mut planner = self.plans.planner.lock().expect("planner lock").clone();
         let (plan, snap) = self.plan_with(&mut planner, &loaded)?;
-        Ok(describe(&plan, &snap))
+        let mut described = describe(&plan, &snap);
+        described.pressure = self.pressure();
+        described.swaps = self.store.swap_plans(None).await?;
+        Ok(described)
     }
 
     /// The leader's round: the planner observes the fleet (a surplus is timed from when it
@@ -265,6 +291,7 @@ impl Controller {
                 draining.remove(&snap.fleet.hosts[h].name);
             }
         }
+        self.respond_to_overload(&loaded).await?;
         if self.config.policy.auto && (!plan.moves.is_empty() || !plan.power_off.is_empty()) {
             let done = self.carry_out(&plan, &snap, &self.config.name).await;
             tracing::info!(

@@ -377,6 +377,7 @@ mod tests {
             }),
             vms_listed_unix_ms: None,
             capacity: None,
+            swaps: vec![],
         }
     }
 

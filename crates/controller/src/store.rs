@@ -10,7 +10,8 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ferry_api::fleet::{
-    FleetMigration, FleetMigrationState, GroupState, Heartbeat, Host, HostState, Site, Vm, VmKind,
+    FleetMigration, FleetMigrationState, GroupState, Heartbeat, Host, HostState, Site, SwapPlan,
+    Vm, VmKind,
 };
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
@@ -169,6 +170,7 @@ impl Store {
             overlay: beat.overlay.clone(),
             vms_listed_unix_ms: beat.vms_listed_unix_ms,
             capacity: beat.capacity,
+            swaps: beat.swaps.clone(),
         };
         let record = serde_json::to_string(&host).map_err(|e| corrupt("host", e))?;
         sqlx::query(
@@ -215,6 +217,53 @@ impl Store {
         rows.iter()
             .map(|r| r.try_get::<String, _>(0).map_err(StoreError::from))
             .collect()
+    }
+
+    /// The swaps the overload response wants, every host's or one host's.
+    pub async fn swap_plans(&self, host: Option<&str>) -> Result<Vec<SwapPlan>, StoreError> {
+        let rows = match host {
+            Some(host) => {
+                sqlx::query("SELECT record FROM swap_plans WHERE host = $1 ORDER BY domain")
+                    .bind(host)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => {
+                sqlx::query("SELECT record FROM swap_plans ORDER BY domain")
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+        };
+        rows.iter()
+            .map(|row| {
+                let record: String = row.try_get(0)?;
+                serde_json::from_str(&record).map_err(|e| corrupt("swap plan", e))
+            })
+            .collect()
+    }
+
+    /// Wants `plan` (a VM has one swap at most: it replaces the VM's last).
+    pub async fn put_swap_plan(&self, plan: &SwapPlan) -> Result<(), StoreError> {
+        let record = serde_json::to_string(plan).map_err(|e| corrupt("swap plan", e))?;
+        sqlx::query(
+            "INSERT INTO swap_plans (domain, host, record) VALUES ($1, $2, $3)
+             ON CONFLICT (domain) DO UPDATE SET host = $2, record = $3",
+        )
+        .bind(&plan.domain)
+        .bind(&plan.host)
+        .bind(&record)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// No longer wants a swap for `domain`: its host gives it back.
+    pub async fn delete_swap_plan(&self, domain: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM swap_plans WHERE domain = $1")
+            .bind(domain)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     pub async fn hosts(&self) -> Result<Vec<Host>, StoreError> {
@@ -650,6 +699,7 @@ pub(crate) mod tests {
             vms_listed_unix_ms: None,
             wait_ms: None,
             capacity: None,
+            swaps: vec![],
         }
     }
 

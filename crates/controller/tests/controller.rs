@@ -108,6 +108,7 @@ fn beat(site: &str, peers: &[&str], vms: &[&str]) -> Heartbeat {
         vms_listed_unix_ms: None,
         wait_ms: None,
         capacity: None,
+        swaps: vec![],
     }
 }
 
@@ -1316,11 +1317,13 @@ fn usage_beat(site: &str, cpus: u32, gib: u64, vms: &[(&str, Option<(u64, u64)>)
     b.capacity = Some(ferry_api::fleet::HostCapacity {
         cpus,
         mem_bytes: gib << 30,
+        lend_bytes: 0,
     });
     for (report, (_, usage)) in b.vms.iter_mut().zip(vms) {
         report.usage = usage.map(|(cpu_millis, mib)| ferry_api::fleet::VmUsage {
             cpu_millis,
             mem_bytes: mib << 20,
+            used_bytes: None,
         });
     }
     b
@@ -1427,4 +1430,217 @@ async fn the_plan_empties_a_host_the_fleet_does_not_need_and_is_carried_out_as_m
     let again = ops.plan().await.unwrap();
     assert!(again.moves.is_empty(), "{again:?}");
     assert!(again.unplanned.iter().all(|u| u.name != "web"));
+}
+
+/// A heartbeat of `site`'s host offering 1 GiB to VMs and lending `lend_mib` to peers' VMs,
+/// with VMs (name, MiB their balloon leaves them, MiB their guest uses) and swaps (domain,
+/// peer, MiB, MiB paged out to it).
+fn memory_beat(
+    site: &str,
+    lend_mib: u64,
+    vms: &[(&str, u64, u64)],
+    swaps: &[(&str, &str, u64, u64)],
+) -> Heartbeat {
+    let names: Vec<&str> = vms.iter().map(|v| v.0).collect();
+    let mut b = beat(site, &["a1", "a2", "b1"], &names);
+    b.max_outgoing = 4;
+    b.capacity = Some(ferry_api::fleet::HostCapacity {
+        cpus: 4,
+        mem_bytes: 1 << 30,
+        lend_bytes: lend_mib << 20,
+    });
+    for (report, (_, held, used)) in b.vms.iter_mut().zip(vms) {
+        report.usage = Some(ferry_api::fleet::VmUsage {
+            cpu_millis: 100,
+            mem_bytes: held << 20,
+            used_bytes: Some(used << 20),
+        });
+    }
+    b.swaps = swaps
+        .iter()
+        .map(|(domain, peer, mib, used)| ferry_api::fleet::SwapReport {
+            domain: (*domain).into(),
+            peer: (*peer).into(),
+            bytes: mib << 20,
+            state: ferry_api::fleet::SwapState::Taken,
+            used_bytes: Some(used << 20),
+            by_controller: true,
+            error: None,
+        })
+        .collect();
+    b
+}
+
+#[tokio::test]
+async fn a_short_overload_swaps_to_a_peer_and_a_lasting_one_migrates() {
+    // Sampled every 0.5 s: sustained after 8 samples over (4 s), transient until then.
+    let fleet = Fleet::start(
+        "[timing]\nheartbeat_s = 0.1\n[policy]\noverload = true\noverload_interval_s = 0.5\ncooldown_s = 0\nmin_on_s = 0\n",
+    )
+    .await;
+    let (a1, a2, b1, ops) = (
+        fleet.as_("a1"),
+        fleet.as_("a2"),
+        fleet.as_("b1"),
+        fleet.as_("ops1"),
+    );
+    // a2 (same site, lends 512 MiB) and b1 (lends 256 MiB) are a1's peers.
+    let others = || async {
+        let a2_answer = a2
+            .heartbeat(&memory_beat("a", 512, &[], &[]))
+            .await
+            .unwrap();
+        b1.heartbeat(&memory_beat("b", 256, &[("cache", 256, 100)], &[]))
+            .await
+            .unwrap();
+        a2_answer
+    };
+    // Beats until the plan satisfies `ready`, a1 reporting `vms` and `swaps`; returns the plan
+    // and a1's last answer.
+    let until = |vms: Vec<(&'static str, u64, u64)>,
+                 swaps: Vec<(&'static str, &'static str, u64, u64)>,
+                 what: &'static str,
+                 ready: Box<dyn Fn(&ferry_api::fleet::FleetPlan) -> bool>| {
+        let (a1, ops) = (&a1, &ops);
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let answer = a1
+                    .heartbeat(&memory_beat("a", 0, &vms, &swaps))
+                    .await
+                    .unwrap();
+                others().await;
+                let plan = ops.plan().await.unwrap();
+                if ready(&plan) {
+                    return (plan, answer);
+                }
+                assert!(tokio::time::Instant::now() < deadline, "{what}: {plan:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let pressure = |plan: &ferry_api::fleet::FleetPlan| {
+        plan.pressure
+            .iter()
+            .find(|p| p.host == "a1")
+            .map(|p| p.pressure.clone())
+    };
+
+    // 1000 MiB of 1024 used: normal.
+    let calm = vec![("web", 1024, 600), ("db", 512, 400)];
+    until(
+        calm.clone(),
+        vec![],
+        "a1 sampled",
+        Box::new(move |p| pressure(p).as_deref() == Some("normal")),
+    )
+    .await;
+
+    // web's guest takes 100 MiB more: 76 MiB over. The largest user swaps to the peer at its
+    // own site with the most to lend, squeezed by the excess and a little more.
+    let burst = vec![("web", 1024, 700), ("db", 512, 400)];
+    let (plan, _) = until(
+        burst.clone(),
+        vec![],
+        "a swap",
+        Box::new(|p| !p.swaps.is_empty()),
+    )
+    .await;
+    assert_eq!(pressure(&plan).as_deref(), Some("transient"), "{plan:?}");
+    let swap = &plan.swaps[0];
+    assert_eq!(
+        (swap.host.as_str(), swap.domain.as_str(), swap.peer.as_str()),
+        ("a1", "web", "a2")
+    );
+    assert_eq!(swap.memory_bytes, (1024 - 84) << 20);
+    assert_eq!(swap.bytes, 168 << 20);
+    // The plan is the host's desired state from the next heartbeat on.
+    let answer = a1
+        .heartbeat(&memory_beat("a", 0, &burst, &[]))
+        .await
+        .unwrap();
+    assert_eq!(answer.swaps.as_deref(), Some(&plan.swaps[..]));
+    assert_eq!(others().await.swaps, Some(vec![]));
+
+    // Taken: web pages out, and the host's memory in use (what it paged out included) stays
+    // over while the burst lasts. Then the burst ends: three quiet samples later the swap goes.
+    let swapped = vec![("web", "a2", 168, 70)];
+    let squeezed = vec![("web", 940, 640), ("db", 512, 400)];
+    until(
+        squeezed,
+        swapped.clone(),
+        "still transient",
+        Box::new(|p| {
+            p.pressure
+                .iter()
+                .any(|h| h.host == "a1" && h.swapped_bytes == 70 << 20)
+        }),
+    )
+    .await;
+    let over = vec![("web", 940, 500), ("db", 512, 400)];
+    until(
+        over.clone(),
+        vec![("web", "a2", 168, 4)],
+        "the swap given back",
+        Box::new(|p| p.swaps.is_empty()),
+    )
+    .await;
+    let answer = a1
+        .heartbeat(&memory_beat("a", 0, &over, &[("web", "a2", 168, 4)]))
+        .await
+        .unwrap();
+    assert_eq!(answer.swaps, Some(vec![]));
+    assert!(
+        ops.migrations().await.unwrap().is_empty(),
+        "a transient overload migrated"
+    );
+
+    // A burst that lasts: swap first; sustained, the swap goes back, and only once it has a VM
+    // moves, the cheapest that relieves a1 alone, to the host with room at its own site.
+    until(
+        burst.clone(),
+        vec![],
+        "a swap again",
+        Box::new(|p| !p.swaps.is_empty()),
+    )
+    .await;
+    let (plan, _) = until(
+        vec![("web", 940, 640), ("db", 512, 400)],
+        vec![("web", "a2", 168, 70)],
+        "sustained",
+        Box::new(|p| p.swaps.is_empty()),
+    )
+    .await;
+    assert_eq!(pressure(&plan).as_deref(), Some("sustained"), "{plan:?}");
+    assert!(
+        ops.migrations().await.unwrap().is_empty(),
+        "moved before the swap went back"
+    );
+    until(burst, vec![], "a move", Box::new(|_| true)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let moved = loop {
+        a1.heartbeat(&memory_beat(
+            "a",
+            0,
+            &[("web", 1024, 700), ("db", 512, 400)],
+            &[],
+        ))
+        .await
+        .unwrap();
+        others().await;
+        if let Some(m) = ops.migrations().await.unwrap().pop() {
+            break m;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no migration");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (
+            moved.vm.as_str(),
+            moved.source_host.as_str(),
+            moved.destination_host.as_str(),
+            moved.requested_by.as_str()
+        ),
+        ("db", "a1", "a2", "overload")
+    );
 }

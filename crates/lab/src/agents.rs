@@ -30,7 +30,13 @@ pub fn config_path(lab: &Lab, site: Site) -> std::path::PathBuf {
 }
 
 /// `site`'s agent's config, as a fleet would write it: the other sites are its peers.
-fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controllers: &[Site]) -> String {
+fn config(
+    lab: &Lab,
+    site: Site,
+    link_rate_mbit: Option<f64>,
+    controllers: &[Site],
+    mem_mib: u32,
+) -> String {
     let name = pki::agent_name(site);
     let id = pki::identity(&lab.pki_dir(), &name);
     let q = |p: &Path| format!("{:?}", p.display().to_string());
@@ -52,9 +58,11 @@ fn config(lab: &Lab, site: Site, link_rate_mbit: Option<f64>, controllers: &[Sit
         site.underlay_ip()
     ));
     // The lab's hosts share one machine: each offers the planner a stated share of it (two
-    // CPUs, 1 GiB: four tiny guests fit on one, two busy ones do not), and lends the other
-    // site's guests swap in a quarter of it.
-    text.push_str("\n[host]\ncpus = 2\nmem_mib = 1024\nlend_mib = 256\n");
+    // CPUs, 1 GiB unless told: four tiny guests fit on one, two busy ones do not), and lends
+    // the other site's guests 256 MiB of swap.
+    text.push_str(&format!(
+        "\n[host]\ncpus = 2\nmem_mib = {mem_mib}\nlend_mib = 256\n"
+    ));
     // QEMU VMs started by hand at a site have their monitors in the site's host directory.
     text.push_str(&format!("\n[qemu]\nqmp_dir = {:?}\n", qmp_dir()));
     // libvirt's UNIX-socket migration goes through the agents: the tunnels' sockets are in
@@ -84,13 +92,17 @@ pub fn start(
     ferry_exe: &Path,
     link_rate_mbit: Option<f64>,
     controllers: &[Site],
+    mem_mib: u32,
 ) -> Result<u32> {
     let name = pki::agent_name(site);
     let sock = lab.agent_socket(site);
     let _ = fs::remove_file(&sock);
     let config_path = config_path(lab, site);
-    fs::write(&config_path, config(lab, site, link_rate_mbit, controllers))
-        .with_context(|| format!("write {}", config_path.display()))?;
+    fs::write(
+        &config_path,
+        config(lab, site, link_rate_mbit, controllers, mem_mib),
+    )
+    .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("agent-{}.log", site.name()));
     let log = fs::File::create(&log_path)?;
     // The agent is a process of the site's host: the destination QEMUs it starts see the

@@ -70,12 +70,18 @@ pub fn certificate_names() -> Vec<String> {
 /// A controller's config: quick heartbeats (the lab's hosts are two), the lab's PKI, and a
 /// planner that acts at once (the lab's hosts are new, its days short, and its idle guests'
 /// CPU, sampled each second on a shared 2-core machine, too jumpy for a hold), carrying
-/// plans out only when asked (`ferry fleet plan --apply`).
-fn config(lab: &Lab, site: Site, database: &str) -> String {
+/// plans out only when asked (`ferry fleet plan --apply`). With `overload`, it meets memory
+/// overload, sampling every 3 s (a lab's overloads last seconds, not Overdriver's minutes).
+fn config(lab: &Lab, site: Site, database: &str, overload: bool) -> String {
     let id = pki::identity(&lab.pki_dir(), &name(site));
     let q = |p: &Path| format!("{:?}", p.display().to_string());
+    let overload = if overload {
+        "overload = true\noverload_interval_s = 3\n"
+    } else {
+        ""
+    };
     format!(
-        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 0\nmin_on_s = 0\ncooldown_s = 30\n",
+        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 0\nmin_on_s = 0\ncooldown_s = 30\n{overload}",
         name(site),
         address(site),
         q(&socket(lab, site)),
@@ -86,10 +92,16 @@ fn config(lab: &Lab, site: Site, database: &str) -> String {
 }
 
 /// Starts the controller at `site` on `database` and waits until its socket answers.
-pub fn start(lab: &Lab, ferry_exe: &Path, site: Site, database: &str) -> Result<u32> {
+pub fn start(
+    lab: &Lab,
+    ferry_exe: &Path,
+    site: Site,
+    database: &str,
+    overload: bool,
+) -> Result<u32> {
     let (sock, config_path) = (socket(lab, site), config_path(lab, site));
     let _ = fs::remove_file(&sock);
-    fs::write(&config_path, config(lab, site, database))
+    fs::write(&config_path, config(lab, site, database, overload))
         .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("controller-{}.log", site.name()));
     let log = fs::OpenOptions::new()

@@ -99,6 +99,9 @@ pub struct Services {
     /// With `controller`: PostgreSQL at site a and a controller at each site sharing it
     /// ([`crate::postgres`]).
     pub postgres: bool,
+    /// With `controller`: each host offers VMs this much memory (MiB; else 1 GiB) and the
+    /// controller meets memory overload (`[policy] overload`, sampled every 3 s).
+    pub overload_mib: Option<u32>,
 }
 
 impl Services {
@@ -387,10 +390,24 @@ impl Lab {
                 .to_string()
         };
         for &site in &controllers {
-            crate::controller::start(self, ferry_exe, site, &database)?;
+            crate::controller::start(
+                self,
+                ferry_exe,
+                site,
+                &database,
+                services.overload_mib.is_some(),
+            )?;
         }
         for site in Site::ALL {
-            crate::agents::start(self, site, ferry_exe, Some(link.rate_mbit), &controllers)?;
+            let mem_mib = services.overload_mib.unwrap_or(1024);
+            crate::agents::start(
+                self,
+                site,
+                ferry_exe,
+                Some(link.rate_mbit),
+                &controllers,
+                mem_mib,
+            )?;
             if libvirt {
                 crate::libvirt::start(self, site)?;
             }

@@ -85,6 +85,11 @@ impl Detector {
         }
     }
 
+    /// Whether an overload is under way (its quiet intervals included).
+    pub fn in_episode(&self) -> bool {
+        self.episode.is_some()
+    }
+
     /// Where transients end now, in intervals.
     pub fn threshold(&self) -> usize {
         self.threshold
@@ -186,6 +191,10 @@ mod tests {
         assert_eq!(feed(&mut d, "....##.###.###"), "....tt.ttt.ttS");
         // One quiet interval does not end it: the window still holds eight.
         assert_eq!(feed(&mut d, "#.#"), "S.S");
+        assert!(
+            d.in_episode(),
+            "quiet for one interval: the overload goes on"
+        );
         assert_eq!(feed(&mut d, "........#"), "........t");
     }
 
