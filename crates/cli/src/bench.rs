@@ -78,6 +78,21 @@ pub struct BenchArgs {
     /// once on their own, and one by one; --runs rounds, the modes interleaved.
     #[arg(long, conflicts_with_all = ["libvirt", "pools"])]
     groups: bool,
+    /// Memory overload: the controller's response (swap on a peer while an overload is
+    /// transient, a migration once it lasts) against a migration at every overload, a fresh
+    /// lab per run (four libvirt domains, hosts offering 240 MiB, memory bursts in one guest);
+    /// --modes swap, migrate-only (default both), --runs each, interleaved.
+    #[arg(long, conflicts_with_all = ["libvirt", "pools", "groups"])]
+    overload: bool,
+    /// With --overload: bursts per run.
+    #[arg(long, default_value_t = 3)]
+    bursts: u32,
+    /// With --overload: each burst's length, seconds.
+    #[arg(long, default_value_t = 8)]
+    burst_s: u32,
+    /// With --overload: seconds between bursts.
+    #[arg(long, default_value_t = 40)]
+    gap_s: u32,
     /// The lab to run in; it is created and removed by the bench.
     #[arg(long, default_value = "ferry-bench")]
     lab: String,
@@ -94,6 +109,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     }
     if a.groups {
         return run_groups(a).await;
+    }
+    if a.overload {
+        return run_overload(a).await;
     }
     let base = a.migration.options()?;
     let systems: Vec<System> = if a.modes.is_empty() {
@@ -263,6 +281,59 @@ async fn run_groups(a: BenchArgs) -> Result<ExitCode> {
     };
     let failures = ferry_lab::group_bench::run(&lab, &img, &bench, print_record).await;
     finish(lab, counted_failures(failures, "groups")).await
+}
+
+/// `ferry bench --overload`: a fresh lab per run and response, [`ferry_lab::overload_bench`].
+async fn run_overload(a: BenchArgs) -> Result<ExitCode> {
+    use ferry_lab::overload_bench::{OverloadBench, Response, HOST_MIB};
+    let responses = if a.modes.is_empty() {
+        Response::ALL.to_vec()
+    } else {
+        a.modes
+            .iter()
+            .map(|m| {
+                Response::parse(m).with_context(|| {
+                    format!("--modes {m}: with --overload, one of swap, migrate-only")
+                })
+            })
+            .collect::<Result<_>>()?
+    };
+    if a.bursts == 0 || a.burst_s == 0 {
+        bail!("--bursts and --burst-s must be at least 1");
+    }
+    ferry_lab::topology::require_root()?;
+    let (img, _) = tokio::task::spawn_blocking(|| image::build(false)).await??;
+    let bench = OverloadBench {
+        bursts: a.bursts,
+        burst_s: a.burst_s,
+        gap_s: a.gap_s,
+        ferry_exe: std::env::current_exe()?,
+    };
+    let mut failures = 0;
+    let mut last_lab = None;
+    for run in 1..=a.runs {
+        for &response in &responses {
+            let services = ferry_lab::Services {
+                libvirt: true,
+                controller: true,
+                overload_mib: Some(HOST_MIB),
+                overload_migrate_only: response == Response::MigrateOnly,
+                ..ferry_lab::Services::default()
+            };
+            let (lab, _) = fresh_lab(&a.lab, a.link.config(), services).await?;
+            let record =
+                ferry_lab::overload_bench::run_once(&lab, &img, &bench, response, run).await;
+            print_record(&record)?;
+            if !record.completed {
+                failures += 1;
+            }
+            last_lab = Some(lab);
+        }
+    }
+    match last_lab {
+        Some(lab) => finish(lab, failures).await,
+        None => Ok(ExitCode::SUCCESS),
+    }
 }
 
 /// The one workload a fleet bench runs.

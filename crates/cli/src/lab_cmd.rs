@@ -132,6 +132,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                             controller,
                             postgres,
                             overload_mib,
+                            overload_migrate_only: false,
                         },
                     )
                 }
@@ -150,6 +151,7 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
                 controller,
                 postgres,
                 overload_mib,
+                overload_migrate_only: false,
             };
             for site in services.controller_sites() {
                 println!(

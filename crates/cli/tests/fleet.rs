@@ -62,7 +62,7 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
         std::path::Path::new(common::ferry_bin()),
         Site::A,
         store.to_str().unwrap(),
-        false,
+        None,
     )
     .unwrap();
     let out = common::succeeded("ferry fleet watch", &fleet(&t, &["watch", &id]));

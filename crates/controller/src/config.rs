@@ -36,6 +36,7 @@
 //! wan_rtt_ms = 30
 //! overload = false       # meet hosts' memory overload: swap on peers, migrate when it lasts
 //! overload_interval_s = 10   # memory pressure is sampled this often (Overdriver's 10 s)
+//! overload_swap = true   # false: every overload migrates at once (Overdriver's baseline)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -75,6 +76,8 @@ pub struct PolicyConfig {
     pub wan_rtt_s: f64,
     /// The overload response: `None` when off, else how often memory pressure is sampled.
     pub overload_interval_ms: Option<u64>,
+    /// Whether a transient overload is met by swap on a peer (else by a migration at once).
+    pub overload_swap: bool,
 }
 
 /// The controller's clocks, milliseconds.
@@ -139,6 +142,7 @@ struct PolicyFile {
     wan_mbit: Option<f64>,
     overload: Option<bool>,
     overload_interval_s: Option<f64>,
+    overload_swap: Option<bool>,
     wan_rtt_ms: Option<f64>,
 }
 
@@ -302,6 +306,7 @@ impl ControllerConfig {
                     .unwrap_or(false)
                     .then(|| (interval_s * 1000.0).round() as u64)
             },
+            overload_swap: p.overload_swap.unwrap_or(true),
         };
         Ok(ControllerConfig {
             name: file.name,

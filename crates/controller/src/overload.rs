@@ -11,6 +11,9 @@
 //!   ferry-policy's planner over the VMs' memory in use and priced by the cost model;
 //! - **over** (the episode ended): the swaps are given back.
 //!
+//! With `overload_swap = false` every overload is met by a migration at its first sample
+//! (Overdriver's baseline, for comparison: `ferry bench --overload`).
+//!
 //! A host is not sampled while a VM leaves it (its use is about to change), nor when a guest's
 //! use (its balloon's statistics) or a swap's is not reported: the sample would be a guess.
 
@@ -175,7 +178,11 @@ impl Controller {
                 watch.swapped_bytes = s.swapped_bytes;
                 watch.capacity_bytes = capacity.mem_bytes;
                 watch.pressure = watch.detector.observe(s.used_bytes > capacity.mem_bytes);
-                if watch.pressure == Pressure::Sustained {
+                // Without swap, every overload is met by a migration at once.
+                let swap = self.config.policy.overload_swap;
+                if watch.pressure == Pressure::Sustained
+                    || (!swap && watch.pressure == Pressure::Transient)
+                {
                     watch.relieving = true;
                 }
                 match watch.pressure {

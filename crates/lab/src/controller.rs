@@ -71,14 +71,14 @@ pub fn certificate_names() -> Vec<String> {
 /// planner that acts at once (the lab's hosts are new, its days short, and its idle guests'
 /// CPU, sampled each second on a shared 2-core machine, too jumpy for a hold), carrying
 /// plans out only when asked (`ferry fleet plan --apply`). With `overload`, it meets memory
-/// overload, sampling every 3 s (a lab's overloads last seconds, not Overdriver's minutes).
-fn config(lab: &Lab, site: Site, database: &str, overload: bool) -> String {
+/// overload, sampling every 3 s (a lab's overloads last seconds, not Overdriver's minutes),
+/// with swap on the peer (`Some(true)`) or by migrations alone (`Some(false)`).
+fn config(lab: &Lab, site: Site, database: &str, overload: Option<bool>) -> String {
     let id = pki::identity(&lab.pki_dir(), &name(site));
     let q = |p: &Path| format!("{:?}", p.display().to_string());
-    let overload = if overload {
-        "overload = true\noverload_interval_s = 3\n"
-    } else {
-        ""
+    let overload = match overload {
+        Some(swap) => format!("overload = true\noverload_interval_s = 3\noverload_swap = {swap}\n"),
+        None => String::new(),
     };
     format!(
         "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 0\nmin_on_s = 0\ncooldown_s = 30\n{overload}",
@@ -97,7 +97,7 @@ pub fn start(
     ferry_exe: &Path,
     site: Site,
     database: &str,
-    overload: bool,
+    overload: Option<bool>,
 ) -> Result<u32> {
     let (sock, config_path) = (socket(lab, site), config_path(lab, site));
     let _ = fs::remove_file(&sock);

@@ -51,6 +51,13 @@ const GUEST_SOURCES: &[(&str, &str)] = &[
     ("tcpseq.c", include_str!("../../../guest/tcpseq.c")),
     ("qga.c", include_str!("../../../guest/qga.c")),
 ];
+/// The C files of [`GUEST_SOURCES`], compiled together into `ferry-guest`.
+pub fn guest_c_files() -> impl Iterator<Item = &'static str> {
+    GUEST_SOURCES
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| name.ends_with(".c"))
+}
 const INIT_SCRIPT: &str = include_str!("guest_init.sh");
 
 /// A built image.
@@ -192,25 +199,14 @@ pub fn build(force: bool) -> Result<(Image, bool)> {
         fs::write(src.join(name), text)?;
     }
     let guest_bin = tree.join("bin/ferry-guest");
-    let src_s = src.to_string_lossy();
-    sh::run(
-        "gcc",
-        &[
-            "-O2",
-            "-static",
-            "-pthread",
-            "-Wall",
-            "-o",
-            &guest_bin.to_string_lossy(),
-            &format!("{src_s}/main.c"),
-            &format!("{src_s}/mem.c"),
-            &format!("{src_s}/burst.c"),
-            &format!("{src_s}/disk.c"),
-            &format!("{src_s}/tcpseq.c"),
-            &format!("{src_s}/qga.c"),
-        ],
-    )
-    .context("building the guest programs (gcc -static)")?;
+    let mut gcc_args: Vec<String> = ["-O2", "-static", "-pthread", "-Wall", "-o"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    gcc_args.push(guest_bin.to_string_lossy().into_owned());
+    gcc_args.extend(guest_c_files().map(|c| src.join(c).to_string_lossy().into_owned()));
+    let gcc_args: Vec<&str> = gcc_args.iter().map(String::as_str).collect();
+    sh::run("gcc", &gcc_args).context("building the guest programs (gcc -static)")?;
     let init = tree.join("init");
     fs::write(&init, INIT_SCRIPT)?;
     sh::run("chmod", &["755", &init.to_string_lossy()])?;

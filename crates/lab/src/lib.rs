@@ -28,6 +28,7 @@ pub mod libvirt;
 pub mod libvirt_bench;
 pub mod libvirt_events;
 pub mod link;
+pub mod overload_bench;
 pub mod pki;
 pub mod pool_bench;
 pub mod pools;

@@ -102,6 +102,8 @@ pub struct Services {
     /// With `controller`: each host offers VMs this much memory (MiB; else 1 GiB) and the
     /// controller meets memory overload (`[policy] overload`, sampled every 3 s).
     pub overload_mib: Option<u32>,
+    /// With `overload_mib`: every overload migrates at once (`[policy] overload_swap = false`).
+    pub overload_migrate_only: bool,
 }
 
 impl Services {
@@ -395,7 +397,9 @@ impl Lab {
                 ferry_exe,
                 site,
                 &database,
-                services.overload_mib.is_some(),
+                services
+                    .overload_mib
+                    .map(|_| !services.overload_migrate_only),
             )?;
         }
         for site in Site::ALL {

@@ -13,7 +13,7 @@ fn the_guest_agent_answers_as_qemu_guest_agent_does() {
     let mut gcc = Command::new("gcc");
     gcc.args(["-O2", "-static", "-pthread", "-Wall", "-Werror", "-o"])
         .arg(&bin);
-    for src in ["main.c", "mem.c", "disk.c", "tcpseq.c", "qga.c"] {
+    for src in ferry_lab::image::guest_c_files() {
         gcc.arg(guest.join(src));
     }
     let built = gcc.output().expect("run gcc");
