@@ -147,13 +147,14 @@ pub(crate) async fn report(agent: Arc<Agent>, links: Vec<ControllerLink>) -> Res
 /// the last one standing rather than telling the controller they all left).
 async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Listed>>) {
     let mut cpu = CpuSamples::new();
+    let mut dirty = crate::dirty_rate::DirtyRates::default();
     loop {
         // Stamped with when the listing began: whatever changed after may be missing.
         let at = crate::engine::status::now_ms();
         if let Some(mut now) = running_vms(&agent).await {
             if let Some(tunnels) = &agent.tunnels {
                 let libvirt = Libvirt::new(&tunnels.config.socket);
-                domains_usage(&libvirt, &mut now, &mut cpu).await;
+                domains_usage(&agent, &libvirt, &mut now, &mut cpu, &mut dirty).await;
                 crate::fleet_swap::sample_used(&agent, &libvirt).await;
             }
             *vms.lock().expect("vms lock") = Listed {
@@ -169,9 +170,16 @@ async fn list_vms(agent: Arc<Agent>, vms: Arc<std::sync::Mutex<Listed>>) {
 type CpuSamples = HashMap<String, (u64, std::time::Instant)>;
 
 /// Fills in the libvirt domains' usage: memory from this listing, CPU as the time taken
-/// since the last (a domain listed for the first time has none yet). Usage that cannot be
-/// read leaves the VMs without (the planner then leaves them where they are).
-async fn domains_usage(libvirt: &Libvirt, vms: &mut [VmReport], cpu: &mut CpuSamples) {
+/// since the last (a domain listed for the first time has none yet), the dirty rate as last
+/// measured. Usage that cannot be read leaves the VMs without (the planner then leaves them
+/// where they are).
+async fn domains_usage(
+    agent: &Agent,
+    libvirt: &Libvirt,
+    vms: &mut [VmReport],
+    cpu: &mut CpuSamples,
+    dirty: &mut crate::dirty_rate::DirtyRates,
+) {
     let stats = match libvirt.usage().await {
         Ok(stats) => stats,
         Err(e) => {
@@ -180,6 +188,17 @@ async fn domains_usage(libvirt: &Libvirt, vms: &mut [VmReport], cpu: &mut CpuSam
         }
     };
     let now = std::time::Instant::now();
+    let running: Vec<&str> = vms
+        .iter()
+        .filter(|v| v.kind == VmKind::Libvirt && v.state == "running")
+        .map(|v| v.name.as_str())
+        .collect();
+    let migrating = migrating_vms(agent);
+    let rates: HashMap<String, Option<crate::libvirt::DirtyRate>> = stats
+        .iter()
+        .map(|(name, u)| (name.clone(), u.dirty_rate))
+        .collect();
+    dirty.update(libvirt, &rates, &running, &migrating);
     for vm in vms.iter_mut().filter(|v| v.kind == VmKind::Libvirt) {
         let Some(u) = stats.get(&vm.name) else {
             continue;
@@ -191,6 +210,7 @@ async fn domains_usage(libvirt: &Libvirt, vms: &mut [VmReport], cpu: &mut CpuSam
                 cpu_millis: u64::try_from(used_ns * 1000 / wall_ns).unwrap_or(u64::MAX),
                 mem_bytes: u.mem_bytes,
                 used_bytes: u.usable_bytes.map(|free| u.mem_bytes.saturating_sub(free)),
+                dirty_bytes_per_s: dirty.rate(&vm.name),
             });
         }
     }
@@ -245,6 +265,19 @@ async fn running_vms(agent: &Agent) -> Option<Vec<VmReport>> {
     Some(vms)
 }
 
+/// The VMs this agent's running migrations move (either way).
+fn migrating_vms(agent: &Agent) -> std::collections::HashSet<String> {
+    agent
+        .migrations
+        .lock()
+        .expect("lock")
+        .values()
+        .map(|m| m.get())
+        .filter(|s| s.state == MigrationState::Running)
+        .map(|s| s.vm)
+        .collect()
+}
+
 /// The QEMU VMs whose monitors are in the host's directory, each with the state its monitor
 /// gives (one this agent is migrating is not asked: the migration has its monitor).
 async fn qemu_vms(agent: &Agent) -> Option<Vec<VmReport>> {
@@ -258,15 +291,7 @@ async fn qemu_vms(agent: &Agent) -> Option<Vec<VmReport>> {
             return None;
         }
     };
-    let migrating: std::collections::HashSet<String> = agent
-        .migrations
-        .lock()
-        .expect("lock")
-        .values()
-        .map(|m| m.get())
-        .filter(|s| s.state == MigrationState::Running)
-        .map(|s| s.vm)
-        .collect();
+    let migrating = migrating_vms(agent);
     let mut asking = tokio::task::JoinSet::new();
     for name in names {
         let ours = migrating.contains(&name);

@@ -20,6 +20,7 @@
 pub mod borrow;
 pub mod client;
 pub mod config;
+mod dirty_rate;
 pub mod engine;
 pub mod fleet;
 mod fleet_swap;

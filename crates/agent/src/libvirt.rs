@@ -85,13 +85,34 @@ impl Libvirt {
             .collect())
     }
 
-    /// Each active domain's CPU time so far (ns) and memory (what its balloon leaves it, or
-    /// its size), from one `virsh domstats`.
+    /// Each active domain's CPU time so far (ns), memory (what its balloon leaves it, or its
+    /// size) and last dirty-rate measurement, from one `virsh domstats`.
     pub async fn usage(&self) -> Result<std::collections::HashMap<String, DomainUsage>> {
         let text = self
-            .virsh(&["domstats", "--cpu-total", "--balloon", "--list-active"])
+            .virsh(&[
+                "domstats",
+                "--cpu-total",
+                "--balloon",
+                "--dirtyrate",
+                "--list-active",
+            ])
             .await?;
         Ok(parse_domstats(&text))
+    }
+
+    /// Starts QEMU's measurement of how fast `domain` dirties its memory over `seconds`, in
+    /// dirty-bitmap mode (every written page counted); `domstats --dirtyrate` shows it after.
+    pub async fn start_dirty_rate(&self, domain: &str, seconds: u32) -> Result<()> {
+        self.virsh(&[
+            "domdirtyrate-calc",
+            domain,
+            "--seconds",
+            &seconds.to_string(),
+            "--mode",
+            "dirty-bitmap",
+        ])
+        .await
+        .map(drop)
     }
 
     /// The domain's network interfaces plugged into a bridge: (MAC, bridge). `virsh
@@ -352,6 +373,16 @@ pub struct DomainUsage {
     /// What the guest could free (`MemAvailable`), when its balloon driver reports
     /// statistics (`<memballoon><stats period=...>`).
     pub usable_bytes: Option<u64>,
+    /// QEMU's last completed dirty-rate measurement.
+    pub dirty_rate: Option<DirtyRate>,
+}
+
+/// A completed dirty-rate measurement (`domstats --dirtyrate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirtyRate {
+    /// When it started, by QEMU's clock: tells one measurement from the next.
+    pub start_time: u64,
+    pub mib_per_s: u64,
 }
 
 /// `virsh domstats` output: a `Domain: 'name'` line, then `  key=value` lines.
@@ -383,6 +414,23 @@ fn parse_domstats(text: &str) -> std::collections::HashMap<String, DomainUsage> 
                 usage.mem_bytes = value.saturating_mul(1024)
             }
             "balloon.usable" => usage.usable_bytes = Some(value.saturating_mul(1024)),
+            // 2: measured (0 none yet, 1 measuring); the start time and rate follow.
+            "dirtyrate.calc_status" => {
+                usage.dirty_rate = (value == 2).then_some(DirtyRate {
+                    start_time: 0,
+                    mib_per_s: 0,
+                });
+            }
+            "dirtyrate.calc_start_time" => {
+                if let Some(r) = usage.dirty_rate.as_mut() {
+                    r.start_time = value;
+                }
+            }
+            "dirtyrate.megabytes_per_second" => {
+                if let Some(r) = usage.dirty_rate.as_mut() {
+                    r.mib_per_s = value;
+                }
+            }
             _ => {}
         }
     }
@@ -396,7 +444,7 @@ mod domstats_tests {
 
     #[test]
     fn domstats_give_each_domain_its_cpu_time_and_memory() {
-        let text = "Domain: 'web'\n  cpu.time=1500000000\n  cpu.user=1000\n  balloon.current=262144\n  balloon.maximum=524288\n  balloon.usable=102400\n\nDomain: 'db'\n  cpu.time=7\n  balloon.maximum=1024\n";
+        let text = "Domain: 'web'\n  cpu.time=1500000000\n  cpu.user=1000\n  balloon.current=262144\n  balloon.maximum=524288\n  balloon.usable=102400\n  dirtyrate.calc_status=2\n  dirtyrate.calc_start_time=1534523\n  dirtyrate.calc_period=2\n  dirtyrate.megabytes_per_second=5\n\nDomain: 'db'\n  cpu.time=7\n  balloon.maximum=1024\n  dirtyrate.calc_status=1\n  dirtyrate.calc_start_time=9\n";
         let u = parse_domstats(text);
         assert_eq!(
             u["web"],
@@ -404,6 +452,10 @@ mod domstats_tests {
                 cpu_time_ns: 1_500_000_000,
                 mem_bytes: 256 << 20,
                 usable_bytes: Some(100 << 20),
+                dirty_rate: Some(DirtyRate {
+                    start_time: 1_534_523,
+                    mib_per_s: 5,
+                }),
             }
         );
         assert_eq!(
@@ -412,6 +464,8 @@ mod domstats_tests {
                 cpu_time_ns: 7,
                 mem_bytes: 1 << 20,
                 usable_bytes: None,
+                // Still measuring: nothing to report.
+                dirty_rate: None,
             }
         );
     }

@@ -135,6 +135,10 @@ pub struct VmUsage {
     /// (`MemAvailable`), when its balloon driver reports statistics.
     #[serde(default)]
     pub used_bytes: Option<u64>,
+    /// How fast the guest rewrites its memory, bytes per second, as QEMU last sampled it
+    /// (`calc-dirty-rate`, through libvirt's `domdirtyrate-calc`), when it was.
+    #[serde(default)]
+    pub dirty_bytes_per_s: Option<u64>,
 }
 
 /// Who runs a VM, and so how it migrates.
@@ -491,10 +495,68 @@ pub struct FleetMigration {
     /// the whole verified stream).
     #[serde(default)]
     pub held_unix_ms: Option<u64>,
+    /// What the controller knew of the move when it was requested: the cost model's inputs
+    /// and its prediction (none when the VM's use was not reported).
+    #[serde(default)]
+    pub planned: Option<PlannedMove>,
     /// The source agent's view, as of its last heartbeat.
     pub agent: Option<MigrationStatus>,
     /// The controller's own events (requested, scheduled, started, ...), oldest first.
     pub timeline: Vec<FleetEvent>,
+}
+
+/// A move as the controller knew it before it started (docs/policies.md, "The cost model"):
+/// the VM's use as its host last reported it, the link `[policy]` names between the sites, and
+/// what the cost model predicted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PlannedMove {
+    pub mem_bytes: u64,
+    pub used_bytes: Option<u64>,
+    pub dirty_bytes_per_s: Option<u64>,
+    pub cpu_millis: u64,
+    pub link_bits_per_s: u64,
+    pub rtt_us: u64,
+    pub downtime_target_ms: u64,
+    pub predicted_ms: u64,
+    pub predicted_wan_bytes: u64,
+    pub predicted_pause_ms: u64,
+}
+
+/// `GET /v1/cost-model`: the figures the planner prices moves with, and how well they
+/// predict the fleet's own migrations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FleetCostModel {
+    /// The kind of VM (`libvirt` or `qemu`): each is fitted on its own.
+    pub kind: String,
+    /// `built-in` (fitted to ferry's lab benchmarks) until the fleet has enough migrations of
+    /// its own, then `fleet`.
+    pub source: String,
+    /// Committed migrations with what the model needs (their prediction inputs and the
+    /// source agent's figures), and how many the fit needs.
+    pub samples: usize,
+    pub samples_needed: usize,
+    /// How many the figures in use were fitted to, and when.
+    pub fitted_samples: Option<usize>,
+    pub fitted_unix_ms: Option<u64>,
+    /// Median |predicted / observed - 1| on migrations each fit did not see (k-fold), over
+    /// the samples of the last fit.
+    pub error: Option<CostModelError>,
+    /// The figures (ferry-policy's `cost::Params`).
+    #[schema(value_type = Object)]
+    pub params: serde_json::Value,
+    /// The committed migrations the fit left out, and why (a copied disk, a VM whose use was
+    /// not reported, an agent without figures).
+    pub left_out: Vec<Unplanned>,
+}
+
+/// The cost model's error on migrations it did not see.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CostModelError {
+    pub samples: usize,
+    pub folds: usize,
+    pub total: f64,
+    pub wan_bytes: f64,
+    pub pause: Option<f64>,
 }
 
 /// Something the controller saw happen to a migration.

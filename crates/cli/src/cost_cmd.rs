@@ -130,6 +130,7 @@ fn from_bench_record(r: &Value) -> Option<Observed> {
     let link = &r["link"];
     let planned = Move {
         mem_bytes: mib(&r["mem_mib"])?,
+        used_bytes: None,
         working_set_bytes: mib(&r["dirty_mib"])?,
         dirty_bytes_per_s: mib(&r["dirty_rate_mib_s"])?,
         disk_bytes: mib(&r["disk_mib"]).unwrap_or(0.0),

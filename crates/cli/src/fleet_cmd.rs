@@ -80,6 +80,10 @@ enum FleetCmd {
         #[arg(long)]
         apply: bool,
     },
+    /// The cost model moves are priced with, per kind of VM: built-in figures until the fleet
+    /// has enough committed migrations of its own, then fitted to them, with the error on the
+    /// migrations each fit did not see.
+    CostModel(ListArgs),
     /// Follow a migration until it ends (exit 0 committed, 3 failed).
     Watch { id: String },
     /// Cancel a migration (one not yet started ends at once; a running one is cancelled by
@@ -338,6 +342,10 @@ pub async fn fleet(a: FleetArgs) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        FleetCmd::CostModel(l) => {
+            let models = client.cost_model().await?;
+            print(l.json, &models, || print_cost_model(&models))
+        }
         FleetCmd::Watch { id } => watch(&client, &id).await,
         FleetCmd::Cancel { id } => {
             println!("{}", line(&client.cancel(&id).await?));
@@ -475,6 +483,29 @@ async fn watch(client: &ControllerClient, id: &str) -> Result<ExitCode> {
             FleetMigrationState::Committed => return Ok(ExitCode::SUCCESS),
             FleetMigrationState::Failed => return Ok(ExitCode::from(crate::EXIT_MIGRATION_FAILED)),
             _ => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+}
+
+fn print_cost_model(models: &[ferry_api::fleet::FleetCostModel]) {
+    for m in models {
+        match (m.fitted_samples, &m.error) {
+            (Some(fitted), Some(e)) => println!(
+                "{}: fitted to {fitted} of its migrations ({} now); median error on unseen ones ({}-fold): total time {:.1}%, WAN bytes {:.1}%, pause {}",
+                m.kind,
+                m.samples,
+                e.folds,
+                e.total * 100.0,
+                e.wan_bytes * 100.0,
+                e.pause.map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0))
+            ),
+            _ => println!(
+                "{}: built-in figures ({} committed migrations with figures, {} needed to fit)",
+                m.kind, m.samples, m.samples_needed
+            ),
+        }
+        for l in &m.left_out {
+            println!("  left out {}: {}", l.name, l.why);
         }
     }
 }

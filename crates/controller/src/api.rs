@@ -12,8 +12,9 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use ferry_api::agent::{ApiError, ErrorKind};
 use ferry_api::fleet::{
-    ControllerHealth, FleetGroup, FleetGroupRequest, FleetMigration, FleetMigrationRequest,
-    FleetPlan, Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site, Vm,
+    ControllerHealth, FleetCostModel, FleetGroup, FleetGroupRequest, FleetMigration,
+    FleetMigrationRequest, FleetPlan, Heartbeat, HeartbeatAnswer, Host, Pool, PoolRequest, Site,
+    Vm,
 };
 use utoipa::OpenApi;
 
@@ -70,6 +71,7 @@ impl Caller {
         migrate_group,
         plan,
         apply_plan,
+        cost_model,
         heartbeat
     )
 )]
@@ -97,6 +99,7 @@ pub fn router(controller: Arc<Controller>) -> Router {
         .route("/v1/groups", get(groups).post(migrate_group))
         .route("/v1/groups/{id}", get(group))
         .route("/v1/plan", get(plan).post(apply_plan))
+        .route("/v1/cost-model", get(cost_model))
         .route("/v1/agent/heartbeat", post(heartbeat))
         .with_state(controller)
 }
@@ -482,6 +485,13 @@ async fn apply_plan(
         c.apply_plan(&caller.name()).await
     };
     answer(result.await)
+}
+
+#[utoipa::path(get, path = "/v1/cost-model", responses(
+    (status = 200, description = "the figures moves are priced with, per kind of VM, and their error on the fleet's migrations each fit did not see (docs/policies.md)", body = [FleetCostModel]),
+    (status = 503, description = "the store does not answer", body = ApiError)))]
+async fn cost_model(State(c): State<Arc<Controller>>) -> Response {
+    answer(c.cost_model().await)
 }
 
 #[utoipa::path(post, path = "/v1/agent/heartbeat", request_body = Heartbeat, responses(

@@ -165,6 +165,11 @@ impl ControllerClient {
         self.call("GET", "/v1/plan", None).await
     }
 
+    /// The cost model in use for each kind of VM, and its error.
+    pub async fn cost_model(&self) -> Result<Vec<ferry_api::fleet::FleetCostModel>> {
+        self.call("GET", "/v1/cost-model", None).await
+    }
+
     /// Carries the plan out.
     pub async fn apply_plan(&self) -> Result<FleetPlan> {
         self.call("POST", "/v1/plan", None).await

@@ -56,6 +56,8 @@ pub struct Controller {
     pub plans: crate::plan::PlanState,
     /// Each host's memory pressure (crate::overload).
     pub overload: crate::overload::OverloadState,
+    /// The figures moves are priced with (crate::cost_model).
+    pub cost_model: crate::cost_model::CostModelState,
 }
 
 impl Controller {
@@ -63,6 +65,7 @@ impl Controller {
         Controller {
             plans: crate::plan::PlanState::new(&config.policy),
             overload: crate::overload::OverloadState::default(),
+            cost_model: crate::cost_model::CostModelState::default(),
             config,
             store,
         }
@@ -180,6 +183,14 @@ impl Controller {
                 ),
             ));
         }
+        let site_of = |name: &str| hosts.iter().find(|h| h.name == name).map(|h| &h.site);
+        let planned = vm.usage.map(|usage| {
+            let across = site_of(&destination) != Some(&source.site);
+            self.cost_model.predict(
+                vm.kind,
+                crate::cost_model::planned_move(&usage, across, &self.config.policy, &req.settings),
+            )
+        });
         let now = now_ms();
         let migration = FleetMigration {
             id: new_id(),
@@ -199,6 +210,7 @@ impl Controller {
             nics: vm.nics.clone(),
             group: group.map(str::to_owned),
             held_unix_ms: None,
+            planned,
             agent: None,
             timeline: vec![self.event(
                 FleetMigrationState::Requested,

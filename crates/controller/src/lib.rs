@@ -5,6 +5,7 @@
 pub mod api;
 pub mod client;
 pub mod config;
+pub mod cost_model;
 pub mod fleet;
 pub mod groups;
 pub mod overload;

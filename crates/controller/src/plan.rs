@@ -14,14 +14,16 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 
 use ferry_api::fleet::{
-    FleetGroupRequest, FleetMigrationState, FleetPlan, HostState, PlanMove, Unplanned,
+    FleetGroupRequest, FleetMigrationState, FleetPlan, HostState, PlanMove, Unplanned, VmKind,
+    VmUsage,
 };
 use ferry_api::settings::MigrationSettings;
 use ferry_policy::consolidate::{MoveCost, Plan, Planner, Reason};
-use ferry_policy::cost::{Cost, Move, Params};
+use ferry_policy::cost::{Cost, Params};
 use ferry_policy::fleet::{Fleet, Host, Resources, Vm};
 
 use crate::config::PolicyConfig;
+use crate::cost_model::{move_of, planned_move};
 use crate::fleet::{Controller, FleetError, Loaded};
 use crate::store::now_ms;
 
@@ -33,7 +35,6 @@ pub struct PlanState {
     /// a tenth of the gap each leader round (a VM's use is sampled every second: a quiet
     /// second must not make a busy VM look idle).
     cpus: Mutex<HashMap<String, f64>>,
-    params: Params,
 }
 
 impl PlanState {
@@ -42,17 +43,15 @@ impl PlanState {
             planner: Mutex::new(Planner::new(policy.settings.clone())),
             draining: Mutex::new(BTreeSet::new()),
             cpus: Mutex::new(HashMap::new()),
-            params: Params::ferry_fitted(),
         }
     }
 }
 
-/// The dirty rate assumed per CPU a VM uses, until agents report QEMU's own.
-const DIRTY_BYTES_PER_CPU_S: f64 = 4.0 * 1048576.0;
-
-/// Moves priced by the fitted model, on the link between the hosts' sites.
+/// Moves priced by the model (each kind of VM's figures), on the link between the hosts'
+/// sites, from what the VMs' hosts report they use.
 struct LinkCost<'a> {
-    params: &'a Params,
+    params: [(VmKind, Params); 2],
+    usage: HashMap<&'a str, (VmKind, VmUsage)>,
     policy: &'a PolicyConfig,
 }
 
@@ -60,21 +59,25 @@ impl MoveCost for LinkCost<'_> {
     fn cost(&self, fleet: &Fleet, vm: usize, to: usize) -> Cost {
         let v = &fleet.vms[vm];
         let across = fleet.hosts[v.host].site != fleet.hosts[to].site;
-        let (link_bits_per_s, rtt_s) = if across {
-            (self.policy.wan_bits_per_s, self.policy.wan_rtt_s)
-        } else {
-            (self.policy.lan_bits_per_s, 0.0005)
-        };
-        self.params.predict(&Move {
-            mem_bytes: v.demand.mem_bytes,
-            working_set_bytes: v.demand.mem_bytes / 4.0,
-            dirty_bytes_per_s: v.demand.cpus * DIRTY_BYTES_PER_CPU_S,
-            disk_bytes: 0.0,
-            link_bits_per_s,
-            rtt_s,
-            downtime_target_s: 0.3,
-            page_mix: "ws".into(),
-        })
+        // A VM without reported use never moves (it is pinned); priced as its demand if asked.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let (kind, usage) = self.usage.get(v.name.as_str()).copied().unwrap_or((
+            VmKind::Libvirt,
+            VmUsage {
+                cpu_millis: (v.demand.cpus * 1000.0) as u64,
+                mem_bytes: v.demand.mem_bytes as u64,
+                used_bytes: None,
+                dirty_bytes_per_s: None,
+            },
+        ));
+        let planned = planned_move(&usage, across, self.policy, &MigrationSettings::default());
+        let params = &self
+            .params
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .expect("every kind")
+            .1;
+        params.predict(&move_of(&planned))
     }
 }
 
@@ -243,7 +246,12 @@ impl Controller {
         let cpus = self.plans.cpus.lock().expect("cpus lock").clone();
         let snap = snapshot(loaded, &draining, &cpus, in_use);
         let cost = LinkCost {
-            params: &self.plans.params,
+            params: [VmKind::Libvirt, VmKind::Qemu].map(|k| (k, self.cost_model.params(k))),
+            usage: loaded
+                .vms
+                .iter()
+                .filter_map(|v| Some((v.name.as_str(), (v.kind, v.usage?))))
+                .collect(),
             policy: &self.config.policy,
         };
         let plan = planner
@@ -263,10 +271,17 @@ impl Controller {
         Ok(described)
     }
 
+    /// The cost model in use for each kind of VM, and how well it predicts.
+    pub async fn cost_model(&self) -> Result<Vec<ferry_api::fleet::FleetCostModel>, FleetError> {
+        let migrations = self.store.migrations().await?;
+        Ok(self.cost_model.describe(&migrations))
+    }
+
     /// The leader's round: the planner observes the fleet (a surplus is timed from when it
     /// began) and, with `[policy] auto`, its plan is carried out.
     pub async fn observe(&self) -> Result<(), FleetError> {
         let loaded = self.load().await?;
+        self.cost_model.refit_if_due(&loaded.migrations);
         {
             let mut cpus = self.plans.cpus.lock().expect("cpus lock");
             let mut seen = HashMap::new();

@@ -722,6 +722,7 @@ pub(crate) mod tests {
             nics: vec![],
             group: None,
             held_unix_ms: None,
+            planned: None,
             agent: None,
             timeline: vec![],
         }

@@ -909,6 +909,10 @@ async fn every_answer_matches_the_openapi_document() {
     assert_eq!(status, 404);
     conforms(&doc, "/v1/groups/{id}", "get", 404, &body);
 
+    let (status, body) = ops.raw("GET", "/v1/cost-model", None).await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    conforms(&doc, "/v1/cost-model", "get", 200, &body);
+
     // Every API route is in the document (all but the document itself), and nothing else.
     let mut documented: Vec<&str> = doc["paths"]
         .as_object()
@@ -921,6 +925,7 @@ async fn every_answer_matches_the_openapi_document() {
         documented,
         [
             "/v1/agent/heartbeat",
+            "/v1/cost-model",
             "/v1/groups",
             "/v1/groups/{id}",
             "/v1/health",
@@ -1324,6 +1329,7 @@ fn usage_beat(site: &str, cpus: u32, gib: u64, vms: &[(&str, Option<(u64, u64)>)
             cpu_millis,
             mem_bytes: mib << 20,
             used_bytes: None,
+            dirty_bytes_per_s: None,
         });
     }
     b
@@ -1454,6 +1460,7 @@ fn memory_beat(
             cpu_millis: 100,
             mem_bytes: held << 20,
             used_bytes: Some(used << 20),
+            dirty_bytes_per_s: None,
         });
     }
     b.swaps = swaps

@@ -65,9 +65,11 @@ pub fn fit(system: &str, observed: &[&Observed]) -> Result<Params, CalibrationEr
     let mut mixes: Vec<String> = samples.iter().map(|o| o.planned.page_mix.clone()).collect();
     mixes.sort();
     mixes.dedup();
+    let knows_use = samples.iter().any(|o| o.planned.used_bytes.is_some());
     let objective = Objective {
         samples: &samples,
         mixes: mixes.clone(),
+        knows_use,
     };
     let (lower, upper) = bounds(mixes.len());
     let swarm = ParticleSwarm::new((lower, upper), PARTICLES)
@@ -93,7 +95,7 @@ pub fn fit(system: &str, observed: &[&Observed]) -> Result<Params, CalibrationEr
             best = p;
         }
     }
-    Ok(decode(&best, &mixes))
+    Ok(decode(&best, &mixes, knows_use))
 }
 
 /// How far predictions are from what happened: medians of |predicted / observed - 1|.
@@ -197,6 +199,8 @@ fn check(o: &Observed) -> Result<(), CalibrationError> {
 struct Objective<'a> {
     samples: &'a [&'a Observed],
     mixes: Vec<String>,
+    /// Whether any migration knew its guest's use (else free memory's figure is not fitted).
+    knows_use: bool,
 }
 
 impl CostFunction for Objective<'_> {
@@ -204,7 +208,7 @@ impl CostFunction for Objective<'_> {
     type Output = f64;
 
     fn cost(&self, x: &Vec<f64>) -> Result<f64, ArgminError> {
-        let params = decode(x, &self.mixes);
+        let params = decode(x, &self.mixes, self.knows_use);
         let mut sum = 0.0;
         for o in self.samples {
             let p = params.predict(&o.planned);
@@ -229,6 +233,7 @@ fn bounds(mixes: usize) -> (Vec<f64>, Vec<f64>) {
         ln(0.01),
         ln(0.001),
         ln(1e6),
+        ln(1e-4),
     ];
     let mut upper = vec![
         8.0,
@@ -238,6 +243,7 @@ fn bounds(mixes: usize) -> (Vec<f64>, Vec<f64>) {
         ln(50.0),
         ln(2.0),
         ln(10e9),
+        ln(2.0),
     ];
     for _ in 0..mixes {
         lower.extend([ln(0.001), ln(0.001)]);
@@ -247,7 +253,7 @@ fn bounds(mixes: usize) -> (Vec<f64>, Vec<f64>) {
 }
 
 /// Where the page mixes' figures start in the searched vector.
-const MIX_AT: usize = 7;
+const MIX_AT: usize = 8;
 
 /// The searched vector: the link share's logit, then the logs of every other figure.
 fn encode(p: &Params) -> Vec<f64> {
@@ -259,6 +265,7 @@ fn encode(p: &Params) -> Vec<f64> {
         p.pause_rtts.ln(),
         p.disk_coding.ln(),
         p.pipeline_bytes_per_s.ln(),
+        p.free_coding.unwrap_or(0.1).ln(),
     ];
     for (_, c) in &p.coding {
         x.extend([c.first_pass.ln(), c.dirty.ln()]);
@@ -266,7 +273,7 @@ fn encode(p: &Params) -> Vec<f64> {
     x
 }
 
-fn decode(x: &[f64], mixes: &[String]) -> Params {
+fn decode(x: &[f64], mixes: &[String], knows_use: bool) -> Params {
     let coding: Vec<(String, Coding)> = mixes
         .iter()
         .enumerate()
@@ -297,6 +304,7 @@ fn decode(x: &[f64], mixes: &[String]) -> Params {
         pipeline_bytes_per_s: x[6].exp(),
         coding,
         default_coding,
+        free_coding: knows_use.then(|| x[7].exp()),
     }
 }
 
@@ -335,6 +343,7 @@ mod tests {
                 let k = i as f64;
                 let planned = Move {
                     mem_bytes: (256.0 + 128.0 * (k % 4.0)) * 1048576.0,
+                    used_bytes: None,
                     working_set_bytes: (32.0 + 32.0 * (k % 5.0)) * 1048576.0,
                     dirty_bytes_per_s: (k % 3.0) * 1048576.0,
                     disk_bytes: 0.0,

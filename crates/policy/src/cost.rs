@@ -8,6 +8,10 @@
 //! unchanged pages cost the pipeline little); the start and the pause add fixed costs and
 //! round trips.
 //!
+//! When the guest's memory in use is known (its balloon statistics, as the fleet's agents
+//! report them), the first pass prices the memory it uses at the mix's coding and the rest at
+//! [`Params::free_coding`]: an idle guest's free memory is mostly pages it never touched.
+//!
 //! Every figure the model cannot derive (the link share, the start and pause costs, how well
 //! a page mix codes) is a [`Params`] value fitted to ferry's own migrations ([`crate::calibrate`]).
 
@@ -18,6 +22,9 @@ use serde::{Deserialize, Serialize};
 pub struct Move {
     /// The guest's memory.
     pub mem_bytes: f64,
+    /// What the guest uses of it, when known.
+    #[serde(default)]
+    pub used_bytes: Option<f64>,
     /// The memory the guest keeps rewriting (its working set).
     pub working_set_bytes: f64,
     /// How fast it rewrites it.
@@ -63,6 +70,10 @@ pub struct Params {
     /// Per page mix; a mix without its own uses [`Params::default_coding`].
     pub coding: Vec<(String, Coding)>,
     pub default_coding: Coding,
+    /// Wire bytes per byte of memory the guest does not use, fitted where the migrations knew
+    /// the guest's use (none: that memory codes as the rest of the first pass).
+    #[serde(default)]
+    pub free_coding: Option<f64>,
 }
 
 /// Passes after which the model stops as the migration would (QEMU's and ferry's convergence
@@ -95,6 +106,7 @@ impl Params {
             disk_coding: 1.0,
             coding: mixes.iter().map(|m| (m.clone(), plain)).collect(),
             default_coding: plain,
+            free_coding: None,
         }
     }
 
@@ -119,7 +131,14 @@ impl Params {
             .min(self.pipeline_bytes_per_s)
             .max(1.0);
         let pause_fixed = self.pause_s + self.pause_rtts * m.rtt_s;
-        let first = m.mem_bytes * coding.first_pass + m.disk_bytes * self.disk_coding;
+        let memory = match (m.used_bytes, self.free_coding) {
+            (Some(used), Some(free)) => {
+                let used = used.clamp(0.0, m.mem_bytes);
+                used * coding.first_pass + (m.mem_bytes - used) * free
+            }
+            _ => m.mem_bytes * coding.first_pass,
+        };
+        let first = memory + m.disk_bytes * self.disk_coding;
         let mut pass_s = first / bytes_per_s;
         let mut total_s = self.start_s + self.start_rtts * m.rtt_s + pass_s;
         let mut wan_bytes = first;
@@ -152,6 +171,7 @@ mod tests {
     fn a_move() -> Move {
         Move {
             mem_bytes: 512.0 * 1048576.0,
+            used_bytes: None,
             working_set_bytes: 256.0 * 1048576.0,
             dirty_bytes_per_s: 2.0 * 1048576.0,
             disk_bytes: 0.0,
@@ -213,6 +233,24 @@ mod tests {
         assert_eq!(c.passes, MAX_PASSES + 1);
         // The whole working set goes in the pause.
         assert!(c.downtime_s > 256.0 * 1048576.0 / (100e6 / 8.0));
+    }
+
+    #[test]
+    fn memory_the_guest_does_not_use_is_priced_apart_once_fitted() {
+        let mut p = Params::initial(&[]);
+        let half_used = Move {
+            used_bytes: Some(256.0 * 1048576.0),
+            dirty_bytes_per_s: 0.0,
+            ..a_move()
+        };
+        // Without a figure for it, free memory codes as the rest.
+        assert_eq!(p.predict(&half_used).wan_bytes, 512.0 * 1048576.0);
+        p.free_coding = Some(0.01);
+        let c = p.predict(&half_used);
+        assert!(
+            (c.wan_bytes - 256.0 * 1048576.0 * 1.01).abs() < 1.0,
+            "{c:?}"
+        );
     }
 
     #[test]

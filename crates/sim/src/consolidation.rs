@@ -144,6 +144,7 @@ impl ModelCost<'_> {
         };
         Move {
             mem_bytes: v.demand.mem_bytes,
+            used_bytes: None,
             working_set_bytes: v.demand.mem_bytes / 4.0,
             dirty_bytes_per_s: v.demand.cpus * self.setup.shape.dirty_bytes_per_cpu_s,
             disk_bytes: 0.0,

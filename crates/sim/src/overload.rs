@@ -100,6 +100,7 @@ fn migration_intervals(setup: &Setup, params: &Params) -> (u32, f64) {
     let (total_s, wan_bytes) = if setup.coded {
         let cost = params.predict(&Move {
             mem_bytes: bytes,
+            used_bytes: None,
             working_set_bytes: setup.allocated_mib * MIB,
             dirty_bytes_per_s: 8.0 * MIB,
             disk_bytes: 0.0,
