@@ -84,6 +84,12 @@ pub struct BenchArgs {
     /// --modes swap, migrate-only (default both), --runs each, interleaved.
     #[arg(long, conflicts_with_all = ["libvirt", "pools", "groups"])]
     overload: bool,
+    /// The controller's cost model calibrated from its own migrations: four libvirt domains
+    /// of different sizes and dirty rates moved between the sites through the fleet, --runs
+    /// rounds of one move each; per move what the controller predicted and what it cost, and
+    /// at the end its fit over all of them and its error on the ones each fit did not see.
+    #[arg(long, conflicts_with_all = ["libvirt", "pools", "groups", "overload"])]
+    fleet_cost: bool,
     /// With --overload: bursts per run.
     #[arg(long, default_value_t = 3)]
     bursts: u32,
@@ -112,6 +118,9 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     }
     if a.overload {
         return run_overload(a).await;
+    }
+    if a.fleet_cost {
+        return run_fleet_cost(a).await;
     }
     let base = a.migration.options()?;
     let systems: Vec<System> = if a.modes.is_empty() {
@@ -281,6 +290,21 @@ async fn run_groups(a: BenchArgs) -> Result<ExitCode> {
     };
     let failures = ferry_lab::group_bench::run(&lab, &img, &bench, print_record).await;
     finish(lab, counted_failures(failures, "groups")).await
+}
+
+/// `ferry bench --fleet-cost`: the lab with libvirt and a controller,
+/// [`ferry_lab::fleet_cost_bench`].
+async fn run_fleet_cost(a: BenchArgs) -> Result<ExitCode> {
+    if a.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    let (lab, img, exe) = fleet_lab(&a).await?;
+    let bench = ferry_lab::fleet_cost_bench::FleetCostBench {
+        rounds: a.runs,
+        ferry_exe: exe,
+    };
+    let failures = ferry_lab::fleet_cost_bench::run(&lab, &img, &bench, print_record).await;
+    finish(lab, counted_failures(failures, "fleet-cost")).await
 }
 
 /// `ferry bench --overload`: a fresh lab per run and response, [`ferry_lab::overload_bench`].

@@ -62,6 +62,7 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
         std::path::Path::new(common::ferry_bin()),
         Site::A,
         store.to_str().unwrap(),
+        &t.lab.state().unwrap().link,
         None,
     )
     .unwrap();

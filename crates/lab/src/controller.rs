@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
+use crate::link::LinkConfig;
 use crate::pki;
 use crate::topology::{detach, reap, wait_until, Lab, Site};
 
@@ -70,10 +71,17 @@ pub fn certificate_names() -> Vec<String> {
 /// A controller's config: quick heartbeats (the lab's hosts are two), the lab's PKI, and a
 /// planner that acts at once (the lab's hosts are new, its days short, and its idle guests'
 /// CPU, sampled each second on a shared 2-core machine, too jumpy for a hold), carrying
-/// plans out only when asked (`ferry fleet plan --apply`). With `overload`, it meets memory
+/// plans out only when asked (`ferry fleet plan --apply`), pricing moves on the lab's `link`
+/// (its cost model's inputs). With `overload`, it meets memory
 /// overload, sampling every 3 s (a lab's overloads last seconds, not Overdriver's minutes),
 /// with swap on the peer (`Some(true)`) or by migrations alone (`Some(false)`).
-fn config(lab: &Lab, site: Site, database: &str, overload: Option<bool>) -> String {
+fn config(
+    lab: &Lab,
+    site: Site,
+    database: &str,
+    link: &LinkConfig,
+    overload: Option<bool>,
+) -> String {
     let id = pki::identity(&lab.pki_dir(), &name(site));
     let q = |p: &Path| format!("{:?}", p.display().to_string());
     let overload = match overload {
@@ -81,13 +89,15 @@ fn config(lab: &Lab, site: Site, database: &str, overload: Option<bool>) -> Stri
         None => String::new(),
     };
     format!(
-        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 0\nmin_on_s = 0\ncooldown_s = 30\n{overload}",
+        "# made by `ferry lab up --controller`\nname = {:?}\nlisten = {:?}\napi_socket = {}\ndatabase = {database:?}\noperators = [{OPERATOR:?}]\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n[timing]\nheartbeat_s = 1\nhost_timeout_s = 4\nlease_s = 6\n\n[limits]\nper_site_pair = 4\n\n[policy]\nhold_s = 0\nmin_on_s = 0\ncooldown_s = 30\nwan_mbit = {}\nwan_rtt_ms = {}\n{overload}",
         name(site),
         address(site),
         q(&socket(lab, site)),
         q(&id.ca),
         q(&id.cert),
         q(&id.key),
+        link.rate_mbit,
+        link.rtt_ms,
     )
 }
 
@@ -97,11 +107,12 @@ pub fn start(
     ferry_exe: &Path,
     site: Site,
     database: &str,
+    link: &LinkConfig,
     overload: Option<bool>,
 ) -> Result<u32> {
     let (sock, config_path) = (socket(lab, site), config_path(lab, site));
     let _ = fs::remove_file(&sock);
-    fs::write(&config_path, config(lab, site, database, overload))
+    fs::write(&config_path, config(lab, site, database, link, overload))
         .with_context(|| format!("write {}", config_path.display()))?;
     let log_path = lab.dir().join(format!("controller-{}.log", site.name()));
     let log = fs::OpenOptions::new()

@@ -20,6 +20,7 @@ pub mod baseline;
 pub mod bench;
 pub mod controller;
 pub mod ferry_path;
+pub mod fleet_cost_bench;
 pub mod floor;
 pub mod group_bench;
 pub mod guest;

@@ -397,6 +397,7 @@ impl Lab {
                 ferry_exe,
                 site,
                 &database,
+                &link,
                 services
                     .overload_mib
                     .map(|_| !services.overload_migrate_only),
