@@ -4,6 +4,10 @@
 //! every page written over the period, as a migration's next pass would resend them; the
 //! sampling mode hashes 512 pages per GiB, too few to see a small guest's working set.
 //!
+//! Only domains under KVM are measured: QEMU counts dirty pages from KVM's dirty log, and
+//! under TCG both modes read 0, a wrong figure where none is the honest one (the controller
+//! then estimates the rate from the CPU the VM uses).
+//!
 //! A measurement is started in the background (libvirt holds a job on the domain while it
 //! starts one, and a domain in another job makes virsh wait) and read from the next
 //! `domstats --dirtyrate`. Domains that migrate are left alone.
@@ -28,12 +32,14 @@ pub struct DirtyRates {
     rates: HashMap<String, (u64, u64, Instant)>,
     /// The domain being measured, since when.
     measuring: Option<(String, Instant)>,
+    /// Whether each domain runs under KVM (asked once per domain).
+    kvm: HashMap<String, bool>,
 }
 
 impl DirtyRates {
     /// Takes in what this listing's `domstats` said, and starts the next measurement if none
     /// runs: the running, non-migrating domain measured longest ago.
-    pub fn update(
+    pub async fn update(
         &mut self,
         libvirt: &Libvirt,
         stats: &HashMap<String, Option<DirtyRate>>,
@@ -42,6 +48,17 @@ impl DirtyRates {
     ) {
         let now = Instant::now();
         self.rates.retain(|name, _| stats.contains_key(name));
+        self.kvm.retain(|name, _| stats.contains_key(name));
+        for name in running {
+            if !self.kvm.contains_key(*name) {
+                match libvirt.runs_on_kvm(name).await {
+                    Ok(kvm) => {
+                        self.kvm.insert((*name).to_owned(), kvm);
+                    }
+                    Err(e) => tracing::debug!("{name}'s domain type: {e:#}"),
+                }
+            }
+        }
         for (name, rate) in stats {
             let Some(rate) = rate else { continue };
             let known = self.rates.get(name).map(|(_, start, _)| *start);
@@ -68,6 +85,7 @@ impl DirtyRates {
         let next = running
             .iter()
             .filter(|name| !migrating.contains(**name))
+            .filter(|name| self.kvm.get(**name).copied().unwrap_or(false))
             .map(|name| (*name, self.rates.get(*name).map(|(_, _, at)| *at)))
             .filter(|(_, at)| at.is_none_or(|at| now.duration_since(at) >= EVERY))
             .min_by_key(|(_, at)| *at);
@@ -80,6 +98,11 @@ impl DirtyRates {
                 }
             });
         }
+    }
+
+    /// Whether any domain here can be measured (else `domstats` need not ask).
+    pub fn any_measurable(&self) -> bool {
+        self.kvm.values().any(|k| *k)
     }
 
     /// `name`'s rate, bytes per second, if measured lately.

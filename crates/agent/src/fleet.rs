@@ -180,7 +180,7 @@ async fn domains_usage(
     cpu: &mut CpuSamples,
     dirty: &mut crate::dirty_rate::DirtyRates,
 ) {
-    let stats = match libvirt.usage().await {
+    let stats = match libvirt.usage(dirty.any_measurable()).await {
         Ok(stats) => stats,
         Err(e) => {
             tracing::warn!("reading libvirt's domain statistics for the controller: {e:#}");
@@ -198,7 +198,7 @@ async fn domains_usage(
         .iter()
         .map(|(name, u)| (name.clone(), u.dirty_rate))
         .collect();
-    dirty.update(libvirt, &rates, &running, &migrating);
+    dirty.update(libvirt, &rates, &running, &migrating).await;
     for vm in vms.iter_mut().filter(|v| v.kind == VmKind::Libvirt) {
         let Some(u) = stats.get(&vm.name) else {
             continue;

@@ -86,18 +86,26 @@ impl Libvirt {
     }
 
     /// Each active domain's CPU time so far (ns), memory (what its balloon leaves it, or its
-    /// size) and last dirty-rate measurement, from one `virsh domstats`.
-    pub async fn usage(&self) -> Result<std::collections::HashMap<String, DomainUsage>> {
-        let text = self
-            .virsh(&[
-                "domstats",
-                "--cpu-total",
-                "--balloon",
-                "--dirtyrate",
-                "--list-active",
-            ])
-            .await?;
-        Ok(parse_domstats(&text))
+    /// size) and, with `dirty_rate`, its last dirty-rate measurement, from one `virsh domstats`.
+    pub async fn usage(
+        &self,
+        dirty_rate: bool,
+    ) -> Result<std::collections::HashMap<String, DomainUsage>> {
+        let mut args = vec!["domstats", "--cpu-total", "--balloon"];
+        if dirty_rate {
+            args.push("--dirtyrate");
+        }
+        args.push("--list-active");
+        Ok(parse_domstats(&self.virsh(&args).await?))
+    }
+
+    /// Whether `domain` runs under KVM (`<domain type='kvm'>`), not emulated.
+    pub async fn runs_on_kvm(&self, domain: &str) -> Result<bool> {
+        let xml = self.virsh(&["dumpxml", domain]).await?;
+        Ok(xml
+            .lines()
+            .find(|l| l.trim_start().starts_with("<domain"))
+            .is_some_and(|l| l.contains("type='kvm'") || l.contains("type=\"kvm\"")))
     }
 
     /// Starts QEMU's measurement of how fast `domain` dirties its memory over `seconds`, in

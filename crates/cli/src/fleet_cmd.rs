@@ -504,8 +504,16 @@ fn print_cost_model(models: &[ferry_api::fleet::FleetCostModel]) {
                 m.kind, m.samples, m.samples_needed
             ),
         }
-        for l in &m.left_out {
+        // The most recent few; --json has them all.
+        const SHOWN: usize = 10;
+        for l in m.left_out.iter().rev().take(SHOWN) {
             println!("  left out {}: {}", l.name, l.why);
+        }
+        if m.left_out.len() > SHOWN {
+            println!(
+                "  ... and {} more left out (--json lists them)",
+                m.left_out.len() - SHOWN
+            );
         }
     }
 }
