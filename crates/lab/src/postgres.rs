@@ -113,11 +113,17 @@ pub fn start(lab: &Lab) -> Result<()> {
     let child = cmd.spawn().context("start postgres")?;
     fs::write(pid_path(lab), child.id().to_string())?;
     reap(child);
-    let socket = dir.join(format!(".s.PGSQL.{PORT}"));
-    wait_until(Duration::from_secs(30), || {
-        std::os::unix::net::UnixStream::connect(&socket).is_ok()
-    })
-    .with_context(|| {
+    // The socket accepts connections before the server does ("the database system is
+    // starting up"); pg_isready exits 0 only once it accepts sessions.
+    let ready = || {
+        Command::new(bin.join("pg_isready"))
+            .arg("-h")
+            .arg(&dir)
+            .args(["-p", &PORT.to_string(), "-U", USER, "-q"])
+            .status()
+            .is_ok_and(|status| status.success())
+    };
+    wait_until(Duration::from_secs(30), ready).with_context(|| {
         format!(
             "PostgreSQL did not come up; see {}",
             lab.dir().join("postgres.log").display()
