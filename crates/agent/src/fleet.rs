@@ -268,11 +268,8 @@ async fn running_vms(agent: &Agent) -> Option<Vec<VmReport>> {
 /// The VMs this agent's running migrations move (either way).
 fn migrating_vms(agent: &Agent) -> std::collections::HashSet<String> {
     agent
-        .migrations
-        .lock()
-        .expect("lock")
-        .values()
-        .map(|m| m.get())
+        .statuses()
+        .into_iter()
         .filter(|s| s.state == MigrationState::Running)
         .map(|s| s.vm)
         .collect()
@@ -412,11 +409,8 @@ fn heartbeat(
 /// This agent's migrations that the controller asked for.
 fn fleet_statuses(agent: &Agent) -> Vec<MigrationStatus> {
     agent
-        .migrations
-        .lock()
-        .expect("lock")
-        .values()
-        .map(|m| m.get())
+        .statuses()
+        .into_iter()
         .filter(|s| s.fleet_id.is_some())
         .collect()
 }

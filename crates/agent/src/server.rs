@@ -211,6 +211,12 @@ async fn serve_peers(
 }
 
 impl Agent {
+    /// A snapshot of every migration this agent knows (either way, any state).
+    pub(crate) fn statuses(&self) -> Vec<MigrationStatus> {
+        let migrations = self.migrations.lock().expect("lock");
+        migrations.values().map(Shared::get).collect()
+    }
+
     /// The incoming session `id`, created (with its destination task) on first contact.
     fn session_for(self: &Arc<Self>, id: SessionId) -> Option<Session> {
         if self.finished.lock().expect("lock").contains(&id) {
@@ -277,13 +283,7 @@ impl Agent {
 
 /// `GET /metrics`: Prometheus's text format, from this agent's migrations.
 async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
-    let statuses: Vec<MigrationStatus> = agent
-        .migrations
-        .lock()
-        .expect("lock")
-        .values()
-        .map(Shared::get)
-        .collect();
+    let statuses = agent.statuses();
     let mut registry = prometheus_client::registry::Registry::with_prefix("ferry_agent");
     ferry_api::metrics::register_migrations(&mut registry, &statuses, now_ms());
     (
@@ -332,8 +332,7 @@ async fn health(State(agent): State<Arc<Agent>>) -> Json<Health> {
 }
 
 async fn list(State(agent): State<Arc<Agent>>) -> Json<Vec<MigrationStatus>> {
-    let migrations = agent.migrations.lock().expect("lock");
-    let mut all: Vec<MigrationStatus> = migrations.values().map(Shared::get).collect();
+    let mut all = agent.statuses();
     all.sort_by_key(|m| m.started_unix_ms);
     Json(all)
 }

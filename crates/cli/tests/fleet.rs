@@ -92,6 +92,24 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
         m["agent"]["digest"].as_str().is_some_and(|d| d.len() == 64),
         "{m}"
     );
+    // The request recorded what the cost model priced it from (the lab's 1 Gbit/s, 10 ms
+    // link from the controller's [policy]) and what it predicted; the committed migration is
+    // then one of the fit's samples, or left out with its reason.
+    let planned = &m["planned"];
+    assert_eq!(planned["link_bits_per_s"], 1_000_000_000_u64, "{m}");
+    assert_eq!(planned["rtt_us"], 10_000, "{m}");
+    for figure in ["mem_bytes", "predicted_ms", "predicted_wan_bytes"] {
+        assert!(planned[figure].as_u64().is_some_and(|v| v > 0), "{m}");
+    }
+    let models = fleet_json(&t, "cost-model");
+    let libvirt = models.iter().find(|c| c["kind"] == "libvirt").unwrap();
+    assert_eq!(libvirt["source"], "built-in", "{libvirt}");
+    let left_out = libvirt["left_out"].as_array().unwrap().len();
+    assert_eq!(
+        libvirt["samples"].as_u64().unwrap() + left_out as u64,
+        1,
+        "{libvirt}"
+    );
     // Site a's agent ran it once, under the controller's id.
     let at_a: Vec<_> = t
         .migrations(Site::A)
