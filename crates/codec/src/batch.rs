@@ -9,7 +9,8 @@ use crate::{varint, CodecError};
 const STORED: u8 = 0;
 const ZSTD: u8 = 1;
 
-/// Largest batch a decoder accepts: bounds the memory a damaged length can ask for.
+/// Largest batch a compressor takes; each decoder accepts at most what its own sender can make
+/// (see [`BatchDecompressor::new`]).
 pub const MAX_BATCH: usize = 64 << 20;
 
 /// Appends `records` as one batch to `out`, compressed at `level` (`None`: stored). One-off
@@ -21,7 +22,7 @@ pub fn compress_batch(records: &[u8], level: Option<i32>, out: &mut Vec<u8>) {
 /// The records of one whole batch (as [`compress_batch`] wrote it). One-off use; a stream of
 /// batches goes through a [`BatchDecompressor`].
 pub fn decompress_batch(batch: &[u8]) -> Result<Vec<u8>, CodecError> {
-    BatchDecompressor::default()
+    BatchDecompressor::new(MAX_BATCH)
         .decompress(batch)
         .map(<[u8]>::to_vec)
 }
@@ -89,10 +90,10 @@ impl BatchCompressor {
 
 /// Decompresses batch after batch with one zstd context and one buffer for the records (see
 /// [`BatchCompressor`] for why).
-#[derive(Default)]
 pub struct BatchDecompressor {
     context: Option<zstd::bulk::Decompressor<'static>>,
     records: Vec<u8>,
+    max_len: usize,
 }
 
 impl std::fmt::Debug for BatchDecompressor {
@@ -102,6 +103,17 @@ impl std::fmt::Debug for BatchDecompressor {
 }
 
 impl BatchDecompressor {
+    /// A decompressor refusing batches that announce more than `max_len` bytes of records
+    /// (at most [`MAX_BATCH`]): the most its sender makes, so that a peer's header cannot make
+    /// it hold more.
+    pub fn new(max_len: usize) -> BatchDecompressor {
+        BatchDecompressor {
+            context: None,
+            records: Vec::new(),
+            max_len: max_len.min(MAX_BATCH),
+        }
+    }
+
     /// The records of one whole batch (as [`BatchCompressor::compress`] wrote it), valid until
     /// the next call.
     pub fn decompress<'a>(&'a mut self, mut batch: &'a [u8]) -> Result<&'a [u8], CodecError> {
@@ -109,10 +121,16 @@ impl BatchDecompressor {
             .split_first()
             .ok_or(CodecError::Truncated("batch header"))?;
         batch = rest;
-        let len = usize::try_from(varint::get(&mut batch)?)
+        let announced = varint::get(&mut batch)?;
+        let len = usize::try_from(announced)
             .ok()
-            .filter(|&l| l <= MAX_BATCH)
-            .ok_or_else(|| CodecError::BadBatch("length over the limit".into()))?;
+            .filter(|&l| l <= self.max_len)
+            .ok_or_else(|| {
+                CodecError::BadBatch(format!(
+                    "{announced} bytes announced, more than the {} this channel's batches hold",
+                    self.max_len
+                ))
+            })?;
         let records = match kind {
             STORED => batch,
             ZSTD => {
@@ -282,9 +300,32 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_announcing_more_than_its_channel_holds_is_refused_before_it_is_inflated() {
+        // 4 MiB of zeros shrink to a few hundred bytes: the header, not the input, says what
+        // the records would take.
+        let mut batch = Vec::new();
+        compress_batch(&vec![0u8; 4 << 20], Some(3), &mut batch);
+        assert!(batch.len() < 1000);
+        let err = BatchDecompressor::new(1 << 20)
+            .decompress(&batch)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "malformed batch: 4194304 bytes announced, more than the 1048576 this channel's batches hold"
+        );
+        assert_eq!(
+            BatchDecompressor::new(4 << 20)
+                .decompress(&batch)
+                .unwrap()
+                .len(),
+            4 << 20
+        );
+    }
+
+    #[test]
     fn one_context_carries_batches_of_every_size_and_level() {
         let mut compressor = BatchCompressor::default();
-        let mut decompressor = BatchDecompressor::default();
+        let mut decompressor = BatchDecompressor::new(MAX_BATCH);
         let text = b"pages of a guest, mostly alike but not quite ";
         for (i, level) in [Some(1), Some(3), None, Some(9), Some(1), Some(6)]
             .into_iter()

@@ -36,6 +36,17 @@ fn block_hash(key: u64, block: &[u8]) -> u128 {
     }
 }
 
+/// The most bytes an honest index of disks of these sizes takes: what a receiver may announce
+/// before the sender holds it.
+pub fn max_index_bytes(sizes: &[u64]) -> u64 {
+    let header = 1 + 8 + varint::MAX_BYTES;
+    sizes.iter().fold(header, |sum, &size| {
+        let entries = blocks_of(size).saturating_mul(varint::MAX_BYTES + 16);
+        sum.saturating_add(2 * varint::MAX_BYTES)
+            .saturating_add(entries)
+    })
+}
+
 fn blocks_of(size: u64) -> u64 {
     size.div_ceil(PAGE_SIZE as u64)
 }
@@ -270,8 +281,19 @@ impl DiskBase {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// `len` bytes of blocks that are all different and none zero.
+    pub(crate) fn distinct_blocks(len: usize) -> Vec<u8> {
+        let mut data = vec![0xa5; len];
+        for (n, block) in data.chunks_mut(PAGE_SIZE).enumerate() {
+            let n = (n as u64).to_le_bytes();
+            let k = n.len().min(block.len());
+            block[..k].copy_from_slice(&n[..k]);
+        }
+        data
+    }
 
     fn block(b: u8) -> Vec<u8> {
         vec![b; PAGE_SIZE]
@@ -282,6 +304,24 @@ mod tests {
         builder.disk(disk.len() as u64);
         builder.add(0, disk);
         DiskBase::parse(&builder.finish(), &[disk.len() as u64]).unwrap()
+    }
+
+    #[test]
+    fn a_full_index_fits_its_announced_bound() {
+        // Every block non-zero and distinct, on two disks (one with a short last block).
+        let disks: Vec<Vec<u8>> = [300 * PAGE_SIZE, 20 * PAGE_SIZE + 100]
+            .iter()
+            .map(|&len| distinct_blocks(len))
+            .collect();
+        let mut builder = BaseBuilder::new(7);
+        for disk in &disks {
+            builder.disk(disk.len() as u64);
+            builder.add(0, disk);
+        }
+        let sizes: Vec<u64> = disks.iter().map(|d| d.len() as u64).collect();
+        let index = builder.finish();
+        assert!(index.len() as u64 <= max_index_bytes(&sizes));
+        assert!(index.len() as u64 > max_index_bytes(&sizes) / 2);
     }
 
     #[test]

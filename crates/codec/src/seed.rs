@@ -23,6 +23,11 @@ use crate::{varint, CodecError, PAGE_SIZE};
 
 const ENTRY_HASH_BYTES: usize = 16;
 
+/// The most bytes an honest index of an image of `image_bytes` takes (one entry a page).
+pub fn max_index_bytes(image_bytes: u64) -> u64 {
+    (image_bytes / PAGE_SIZE as u64).saturating_mul(varint::MAX_BYTES + ENTRY_HASH_BYTES as u64)
+}
+
 /// A page's content hash, as the index and the lookup compute it.
 pub fn content_hash(page: &[u8]) -> u128 {
     xxhash_rust::xxh3::xxh3_128(page)
@@ -132,6 +137,14 @@ impl SeedImage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_index_fits_its_announced_bound() {
+        let image = crate::disk_base::tests::distinct_blocks(500 * PAGE_SIZE);
+        let (index, entries) = index_image(&image);
+        assert_eq!(entries, 500);
+        assert!(index.len() as u64 <= max_index_bytes(image.len() as u64));
+    }
 
     fn page(fill: u8) -> Vec<u8> {
         let mut p = vec![fill; PAGE_SIZE];

@@ -2,6 +2,9 @@
 
 use crate::CodecError;
 
+/// The most bytes a varint takes (a u64's 64 bits, seven a byte).
+pub const MAX_BYTES: u64 = 10;
+
 #[allow(clippy::cast_possible_truncation)] // the low seven bits, on purpose
 pub fn put(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {

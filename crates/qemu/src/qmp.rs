@@ -8,7 +8,7 @@
 //! Invariant: when the reader task ends (QEMU exited, socket closed), every waiting command fails
 //! with [`QmpError::Disconnected`] and later commands fail the same way; nothing waits forever.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio::sync::{broadcast, oneshot};
@@ -28,6 +28,10 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The longest a QMP message line may be; QEMU's replies to our commands are a few KiB.
 const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Events a connection remembers for [`Qmp::find_event`] (a migration's take tens): the oldest
+/// go first, so a QEMU that floods events cannot grow the log.
+pub const MAX_EVENTS_KEPT: usize = 4096;
 
 /// A QMP command: the type's fields (serialized) are its arguments.
 pub trait Command: Serialize {
@@ -115,7 +119,7 @@ pub struct Qmp {
     /// `None` once the reader has ended: no new waiter may be added after that.
     pending: Pending,
     events: broadcast::Sender<Event>,
-    event_log: Arc<Mutex<Vec<Event>>>,
+    event_log: Arc<Mutex<VecDeque<Event>>>,
 }
 
 impl Qmp {
@@ -147,10 +151,13 @@ impl Qmp {
             path: path.to_owned(),
             detail,
         };
-        tokio::time::timeout(Duration::from_secs(10), lines.read_line(&mut greeting))
-            .await
-            .map_err(|_| handshake("no greeting within 10s".into()))?
-            .map_err(|e| handshake(format!("reading greeting: {e}")))?;
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            read_bounded_line(&mut lines, &mut greeting),
+        )
+        .await
+        .map_err(|_| handshake("no greeting within 10s".into()))?
+        .map_err(|e| handshake(format!("reading greeting: {e}")))?;
         let greeting: Value = serde_json::from_str(&greeting)
             .map_err(|e| handshake(format!("greeting is not JSON: {e}")))?;
         if greeting.get("QMP").is_none() {
@@ -159,7 +166,7 @@ impl Qmp {
 
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (events, _) = broadcast::channel(1024);
-        let event_log = Arc::new(Mutex::new(Vec::new()));
+        let event_log = Arc::new(Mutex::new(VecDeque::new()));
         tokio::spawn(read_loop(
             lines,
             pending.clone(),
@@ -241,12 +248,10 @@ impl Qmp {
         self.events.subscribe()
     }
 
-    /// Every event received so far on this connection, oldest first.
+    /// The events received on this connection (the latest [`MAX_EVENTS_KEPT`]), oldest first.
     pub fn events(&self) -> Vec<Event> {
-        self.event_log
-            .lock()
-            .expect("QMP event log poisoned")
-            .clone()
+        let log = self.event_log.lock().expect("QMP event log poisoned");
+        log.iter().cloned().collect()
     }
 
     /// The first recorded event named `name` whose data satisfies `pred`.
@@ -287,18 +292,38 @@ impl Qmp {
     }
 }
 
+/// Reads one line into `line`, refusing one longer than [`MAX_LINE_BYTES`] before holding more
+/// of it than that.
+async fn read_bounded_line(
+    reader: &mut (impl AsyncBufRead + Unpin),
+    line: &mut String,
+) -> std::io::Result<usize> {
+    let limit = MAX_LINE_BYTES as u64 + 1;
+    let n = reader.take(limit).read_line(line).await?;
+    if n > MAX_LINE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a line longer than {MAX_LINE_BYTES} bytes"),
+        ));
+    }
+    Ok(n)
+}
+
 async fn read_loop(
     mut lines: BufReader<tokio::net::unix::OwnedReadHalf>,
     pending: Pending,
     events: broadcast::Sender<Event>,
-    event_log: Arc<Mutex<Vec<Event>>>,
+    event_log: Arc<Mutex<VecDeque<Event>>>,
 ) {
     let mut line = String::new();
     loop {
         line.clear();
-        match lines.read_line(&mut line).await {
-            Ok(0) | Err(_) => break,
-            Ok(_) if line.len() > MAX_LINE_BYTES => break,
+        match read_bounded_line(&mut lines, &mut line).await {
+            Ok(0) => break,
+            Err(e) => {
+                tracing::warn!("QMP: {e}; the connection is closed");
+                break;
+            }
             Ok(_) => {}
         }
         let Ok(msg) = serde_json::from_str::<Value>(&line) else {
@@ -309,10 +334,12 @@ async fn read_loop(
             match serde_json::from_value::<Event>(msg) {
                 Ok(ev) => {
                     tracing::debug!(event = %ev.event, data = %ev.data, "QMP event");
-                    event_log
-                        .lock()
-                        .expect("QMP event log poisoned")
-                        .push(ev.clone());
+                    let mut log = event_log.lock().expect("QMP event log poisoned");
+                    if log.len() == MAX_EVENTS_KEPT {
+                        log.pop_front();
+                    }
+                    log.push_back(ev.clone());
+                    drop(log);
                     let _ = events.send(ev);
                 }
                 Err(e) => tracing::warn!(error = %e, "QMP: malformed event"),

@@ -37,6 +37,17 @@ pub const VERSION: u32 = 3;
 /// Guest page size of x86 targets; a `PAGE` record carries exactly this many bytes.
 pub const PAGE_SIZE: usize = 4096;
 
+/// The largest item the parser waits for or gives: the stream comes from QEMU at the source
+/// and from the peer at the destination, and an item is held whole until it is complete.
+/// QEMU's largest before the device tail is the RAM section's setup (a block list: 265 bytes a
+/// block at most); a page is 4 KiB, an XBZRLE delta or a command at most 64 KiB; the device
+/// tail is given in pieces of at most this.
+pub const MAX_ITEM_BYTES: usize = 1 << 20;
+/// RAM blocks a stream may announce (a VM has tens: RAM, ROMs, video memory).
+pub const MAX_RAM_BLOCKS: usize = 1024;
+/// Capabilities a configuration section may list (QEMU 10 validates a handful).
+pub const MAX_CAPABILITIES: u32 = 256;
+
 mod section {
     pub const EOF: u8 = 0x00;
     pub const START: u8 = 0x01;
@@ -149,6 +160,15 @@ pub enum StreamError {
     BadBlockList { total: u64 },
     #[error("the stream ended inside {0}")]
     Truncated(&'static str),
+    #[error("an item at stream offset {at} is larger than the {limit} bytes ferry holds for one")]
+    ItemTooLarge { at: u64, limit: usize },
+    #[error("{what} announced at stream offset {at}: {count}, more than the {limit} ferry reads")]
+    TooMany {
+        what: &'static str,
+        count: u64,
+        limit: u64,
+        at: u64,
+    },
 }
 
 /// Where the parser is in the stream.
@@ -268,8 +288,11 @@ impl StreamParser {
             return Ok(None);
         }
         if self.state == State::Tail {
-            self.position += buf.len() as u64;
-            return Ok(Some(Item::Opaque(buf.split().freeze())));
+            // In pieces of at most an item's size, so that what a piece becomes downstream
+            // (a codec batch, a frame) stays bounded whatever the caller read at once.
+            let piece = buf.split_to(buf.len().min(MAX_ITEM_BYTES));
+            self.position += piece.len() as u64;
+            return Ok(Some(Item::Opaque(piece.freeze())));
         }
         let mut cur = Cursor { buf, at: 0 };
         let step = match self.state {
@@ -279,7 +302,17 @@ impl StreamParser {
             State::Footer { id } => self.footer(&mut cur, id)?,
             State::Tail => unreachable!("handled above"),
         };
-        let Some(step) = step else { return Ok(None) };
+        let Some(step) = step else {
+            // Only the incomplete item is left in `buf`: refuse to wait for more of it than any
+            // QEMU writes, before the caller buffers it.
+            if buf.len() > MAX_ITEM_BYTES {
+                return Err(StreamError::ItemTooLarge {
+                    at: self.position,
+                    limit: MAX_ITEM_BYTES,
+                });
+            }
+            return Ok(None);
+        };
         let used = cur.at;
         self.position += used as u64;
         let bytes = buf.split_to(used).freeze();
@@ -394,6 +427,12 @@ impl StreamParser {
         let Some(len) = cur.be32() else {
             return Ok(None);
         };
+        if len as usize > MAX_ITEM_BYTES {
+            return Err(StreamError::ItemTooLarge {
+                at: self.position,
+                limit: MAX_ITEM_BYTES,
+            });
+        }
         if cur.bytes(len as usize).is_none() {
             return Ok(None);
         }
@@ -411,6 +450,14 @@ impl StreamParser {
                     let Some(count) = cur.be32() else {
                         return Ok(None);
                     };
+                    if count > MAX_CAPABILITIES {
+                        return Err(StreamError::TooMany {
+                            what: "capabilities",
+                            count: count.into(),
+                            limit: MAX_CAPABILITIES.into(),
+                            at: self.position,
+                        });
+                    }
                     for _ in 0..count {
                         if cur.name().is_none() {
                             return Ok(None);
@@ -452,6 +499,14 @@ impl StreamParser {
             };
             sum = sum.saturating_add(size);
             blocks.insert(Bytes::copy_from_slice(name), size);
+            if blocks.len() > MAX_RAM_BLOCKS {
+                return Err(StreamError::TooMany {
+                    what: "RAM blocks",
+                    count: blocks.len() as u64,
+                    limit: MAX_RAM_BLOCKS as u64,
+                    at: self.position,
+                });
+            }
         }
         if sum != total {
             return Err(StreamError::BadBlockList { total });

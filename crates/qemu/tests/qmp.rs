@@ -143,3 +143,60 @@ async fn real_qemu_answers_typed_commands() {
     assert!(status.success(), "QEMU exited with {status}");
     let _ = std::fs::remove_file(&path);
 }
+
+/// A QMP peer that sends `junk` bytes without a newline (in place of the greeting, or of the
+/// reply to the first command after the handshake), then keeps the connection open.
+async fn serve_line(listener: UnixListener, greeting: bool, junk: usize) {
+    let (stream, _) = listener.accept().await.unwrap();
+    let (r, mut w) = stream.into_split();
+    if greeting {
+        w.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        let mut lines = BufReader::new(r).lines();
+        let line = lines.next_line().await.unwrap().unwrap();
+        let id = serde_json::from_str::<serde_json::Value>(&line).unwrap()["id"].clone();
+        let reply = serde_json::json!({"return": {}, "id": id});
+        w.write_all(format!("{reply}\n").as_bytes()).await.unwrap();
+        // The next command gets a line with no end.
+        let _ = lines.next_line().await;
+    }
+    let chunk = vec![b'x'; 1 << 20];
+    for _ in 0..junk.div_ceil(chunk.len()) {
+        if w.write_all(&chunk).await.is_err() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test]
+async fn a_line_longer_than_the_limit_is_refused_before_it_is_held() {
+    // In place of the greeting: the handshake fails and says why.
+    let path = socket_path("long-greeting");
+    let _ = std::fs::remove_file(&path);
+    tokio::spawn(serve_line(
+        UnixListener::bind(&path).unwrap(),
+        false,
+        40 << 20,
+    ));
+    let Err(err) = Qmp::connect(&path).await else {
+        panic!("a greeting longer than the limit was taken")
+    };
+    assert!(
+        err.to_string()
+            .ends_with("reading greeting: a line longer than 16777216 bytes"),
+        "{err}"
+    );
+    // In place of a reply: the connection is closed, and the command told so.
+    let path = socket_path("long-reply");
+    let _ = std::fs::remove_file(&path);
+    tokio::spawn(serve_line(
+        UnixListener::bind(&path).unwrap(),
+        true,
+        40 << 20,
+    ));
+    let qmp = Qmp::connect(&path).await.unwrap();
+    let err = qmp.execute(&QueryStatus).await.unwrap_err();
+    assert!(matches!(err, QmpError::Disconnected { .. }), "{err}");
+}

@@ -169,3 +169,68 @@ fn device_state_before_ram_ends_is_refused() {
     let err = parse_chunked(&data, &[7]).unwrap_err();
     assert_eq!(err, StreamError::EarlyDevice("apic".into()));
 }
+
+/// QEVM v3, then `rest`.
+fn stream_of(rest: &[u8]) -> Vec<u8> {
+    let mut data = b"QEVM\0\0\0\x03".to_vec();
+    data.extend_from_slice(rest);
+    data
+}
+
+#[test]
+fn a_configuration_longer_than_any_qemu_writes_is_refused_before_it_is_buffered() {
+    // A configuration section announcing 2 GiB of machine type.
+    let data = stream_of(&[0x07, 0x7f, 0xff, 0xff, 0xff]);
+    let err = parse_chunked(&data, &[3]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "an item at stream offset 8 is larger than the 1048576 bytes ferry holds for one"
+    );
+}
+
+#[test]
+fn a_capability_count_beyond_the_cap_is_refused() {
+    let mut rest = vec![0x07, 0, 0, 0, 2, b'p', b'c', 0x05];
+    let name = b"configuration/capabilities";
+    rest.push(u8::try_from(name.len()).unwrap());
+    rest.extend_from_slice(name);
+    rest.extend_from_slice(&1u32.to_be_bytes()); // version
+    rest.extend_from_slice(&1_000_000u32.to_be_bytes()); // count
+    let err = parse_chunked(&stream_of(&rest), &[1]).unwrap_err();
+    assert_eq!(
+        err,
+        StreamError::TooMany {
+            what: "capabilities",
+            count: 1_000_000,
+            limit: 256,
+            at: 8
+        }
+    );
+}
+
+#[test]
+fn a_ram_block_list_beyond_the_cap_is_refused() {
+    // SECTION_START "ram", then a MEM_SIZE word announcing 1 TiB and blocks of one page each.
+    let mut rest = vec![0x01, 0, 0, 0, 1, 3, b'r', b'a', b'm'];
+    rest.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 4]);
+    rest.extend_from_slice(&((1u64 << 40) | flag::MEM_SIZE).to_be_bytes());
+    for i in 0..2000 {
+        let name = format!("block{i}");
+        rest.push(u8::try_from(name.len()).unwrap());
+        rest.extend_from_slice(name.as_bytes());
+        rest.extend_from_slice(&4096u64.to_be_bytes());
+    }
+    let err = parse_chunked(&stream_of(&rest), &[4096]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StreamError::TooMany {
+                what: "RAM blocks",
+                count: 1025,
+                limit: 1024,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

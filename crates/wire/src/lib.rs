@@ -17,7 +17,7 @@ pub mod session;
 pub mod tls;
 
 pub use frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
-pub use outbox::{Outbox, OutboxError};
+pub use outbox::{Outbox, OutboxError, MAX_SEND_WINDOW_BYTES, MAX_UNACKED_FRAMES};
 pub use reorder::{Reorder, ReorderError};
 pub use session::{
     ConnectionEnd, Received, Session, SessionConfig, SessionError, SessionId, SessionStats,

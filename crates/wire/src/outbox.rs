@@ -14,6 +14,15 @@ use bytes::Bytes;
 
 use crate::frame::{ChannelId, Frame, FrameKind, Seq};
 
+/// The most unacknowledged payload any sender may hold per channel (the agents size theirs
+/// from the link, at most this): a receiver holds what arrived but was not consumed up to
+/// about this much per channel, and refuses a peer that sends more.
+pub const MAX_SEND_WINDOW_BYTES: usize = 256 << 20;
+
+/// The most unacknowledged frames a sender holds per channel, whatever their size: small
+/// frames must not let the receiver's bookkeeping grow where the byte limit would not.
+pub const MAX_UNACKED_FRAMES: usize = 1 << 16;
+
 /// Why the outbox refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum OutboxError {
@@ -45,14 +54,15 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// An empty outbox holding at most `limit_bytes` of payload (at least one frame always fits
-    /// when the outbox is empty, whatever its size).
+    /// An empty outbox holding at most `limit_bytes` of payload (capped at
+    /// [`MAX_SEND_WINDOW_BYTES`]) in at most [`MAX_UNACKED_FRAMES`] frames (at least one frame
+    /// always fits when the outbox is empty, whatever its size).
     pub fn new(channel: ChannelId, limit_bytes: usize) -> Outbox {
         Outbox {
             channel,
             frames: VecDeque::new(),
             held_bytes: 0,
-            limit_bytes,
+            limit_bytes: limit_bytes.min(MAX_SEND_WINDOW_BYTES),
             next: 0,
             acked: 0,
         }
@@ -134,12 +144,14 @@ impl Outbox {
     /// Whether there is room for `len` more payload bytes (an empty outbox always takes one
     /// frame, so a frame larger than the limit cannot block forever).
     pub fn has_room(&self, len: usize) -> bool {
-        self.frames.is_empty() || self.held_bytes + len <= self.limit_bytes
+        self.frames.is_empty()
+            || (self.held_bytes + len <= self.limit_bytes && self.frames.len() < MAX_UNACKED_FRAMES)
     }
 
-    /// Changes the byte limit (the session sizes it from the measured rate and RTT).
+    /// Changes the byte limit (the session sizes it from the measured rate and RTT), at most
+    /// [`MAX_SEND_WINDOW_BYTES`].
     pub fn set_limit(&mut self, limit_bytes: usize) {
-        self.limit_bytes = limit_bytes;
+        self.limit_bytes = limit_bytes.min(MAX_SEND_WINDOW_BYTES);
     }
 }
 

@@ -56,6 +56,11 @@ impl Reorder {
         self.held.len()
     }
 
+    /// Whether a frame numbered `seq` would be taken rather than dropped as a duplicate.
+    pub fn is_new(&self, seq: Seq) -> bool {
+        seq.0 >= self.next && !self.held.contains_key(&seq.0)
+    }
+
     /// Accepts a frame and appends to `out` every frame that is now deliverable, in order.
     pub fn push(&mut self, frame: Frame, out: &mut Vec<Frame>) -> Result<(), ReorderError> {
         let seq = frame.seq.0;

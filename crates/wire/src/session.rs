@@ -38,8 +38,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 
-use crate::frame::{ChannelId, Frame, FrameError, FrameKind, Seq};
-use crate::outbox::Outbox;
+use crate::frame::{ChannelId, Frame, FrameError, FrameKind, Seq, MAX_PAYLOAD_BYTES};
+use crate::outbox::{Outbox, MAX_SEND_WINDOW_BYTES, MAX_UNACKED_FRAMES};
 use crate::reorder::Reorder;
 
 /// An idle connection sends this often (see `Session::keepalive`).
@@ -111,16 +111,26 @@ pub struct SessionConfig {
     /// The consumer acknowledges after taking this many bytes (and whenever it has taken
     /// everything that arrived).
     pub ack_every_bytes: usize,
-    /// Frames a receiver holds out of order at most (far more than a sender's limit allows).
-    pub reorder_window: u64,
+    /// What a receiver holds per channel, arrived but not yet consumed (out of order or
+    /// ready), at most: payload bytes and frames. A peer that sends more has outrun any window
+    /// a sender may have, and the session fails. The defaults are the most an honest sender can
+    /// have unacknowledged ([`MAX_SEND_WINDOW_BYTES`] plus the one frame an empty outbox always
+    /// takes; [`MAX_UNACKED_FRAMES`] plus room for barriers, which take no room at the sender).
+    pub recv_limit_bytes: usize,
+    pub recv_limit_frames: usize,
 }
+
+/// Channels a receiver keeps at most: the agents use a handful, and each one may hold up to
+/// `recv_limit_bytes`.
+pub const MAX_RECV_CHANNELS: usize = 16;
 
 impl Default for SessionConfig {
     fn default() -> Self {
         SessionConfig {
             send_limit_bytes: 4 << 20,
             ack_every_bytes: 128 << 10,
-            reorder_window: 1 << 20,
+            recv_limit_bytes: MAX_SEND_WINDOW_BYTES + MAX_PAYLOAD_BYTES as usize,
+            recv_limit_frames: MAX_UNACKED_FRAMES + 1024,
         }
     }
 }
@@ -174,6 +184,9 @@ pub struct SessionStats {
 struct RecvChannel {
     reorder: Reorder,
     ready: VecDeque<Frame>,
+    /// Payload bytes and frames arrived and not yet consumed (held by `reorder` or ready).
+    unconsumed_bytes: usize,
+    unconsumed_frames: usize,
     consumed: u64,
     acked: u64,
     bytes_since_ack: usize,
@@ -323,7 +336,7 @@ impl Session {
         let received = self
             .wait_for(|st| {
                 let ack_every = st.config.ack_every_bytes;
-                let window = st.config.reorder_window;
+                let window = st.config.recv_limit_frames;
                 let rc = st
                     .recv
                     .entry(channel.0)
@@ -331,6 +344,8 @@ impl Session {
                 let Some(frame) = rc.ready.pop_front() else {
                     return Ok(None);
                 };
+                rc.unconsumed_bytes -= frame.payload.len();
+                rc.unconsumed_frames -= 1;
                 rc.consumed += 1;
                 rc.bytes_since_ack += frame.payload.len();
                 // Acknowledge in batches, and at once when the consumer has caught up, so the
@@ -573,6 +588,15 @@ impl Session {
         }
     }
 
+    /// Fails the session for a peer that broke the protocol in a way a reconnect would only
+    /// repeat (its replay would outrun the same limit).
+    fn refuse_peer(&self, mut st: MutexGuard<'_, State>, reason: String) -> SessionError {
+        st.failed.get_or_insert_with(|| reason.clone());
+        drop(st);
+        self.wake();
+        SessionError::Protocol(reason)
+    }
+
     fn on_frame(&self, frame: Frame) -> Result<(), SessionError> {
         let mut st = self.lock();
         match frame.kind {
@@ -590,16 +614,42 @@ impl Session {
                     .map_err(|e| SessionError::Protocol(e.to_string()))?;
             }
             FrameKind::Data | FrameKind::Barrier => {
-                let window = st.config.reorder_window;
+                let (limit_bytes, limit_frames) =
+                    (st.config.recv_limit_bytes, st.config.recv_limit_frames);
+                let channel = frame.channel.0;
+                if !st.recv.contains_key(&channel) && st.recv.len() >= MAX_RECV_CHANNELS {
+                    return Err(self.refuse_peer(
+                        st,
+                        format!("the peer opened channel {channel}, more than the {MAX_RECV_CHANNELS} channels a receiver keeps"),
+                    ));
+                }
                 let rc = st
                     .recv
-                    .entry(frame.channel.0)
-                    .or_insert_with(|| recv_channel(window));
+                    .entry(channel)
+                    .or_insert_with(|| recv_channel(limit_frames));
+                let is_new = rc.reorder.is_new(frame.seq);
+                let (bytes, frames) = (
+                    rc.unconsumed_bytes + frame.payload.len(),
+                    rc.unconsumed_frames + 1,
+                );
+                if is_new && (bytes > limit_bytes || frames > limit_frames) {
+                    return Err(self.refuse_peer(
+                        st,
+                        format!(
+                            "the peer outran its window on channel {channel}: {bytes} bytes in \
+                             {frames} frames unconsumed, the limit is {limit_bytes} bytes in \
+                             {limit_frames}"
+                        ),
+                    ));
+                }
                 let before = rc.reorder.duplicates();
                 let mut out = Vec::new();
                 rc.reorder
                     .push(frame, &mut out)
                     .map_err(|e| SessionError::Protocol(e.to_string()))?;
+                if is_new {
+                    (rc.unconsumed_bytes, rc.unconsumed_frames) = (bytes, frames);
+                }
                 let dups = rc.reorder.duplicates() - before;
                 rc.ready.extend(out);
                 st.stats.duplicate_frames += dups;
@@ -726,10 +776,13 @@ impl Drop for ConnectionDown<'_> {
     }
 }
 
-fn recv_channel(window: u64) -> RecvChannel {
+fn recv_channel(window: usize) -> RecvChannel {
+    let window = u64::try_from(window).unwrap_or(u64::MAX);
     RecvChannel {
         reorder: Reorder::new(window),
         ready: VecDeque::new(),
+        unconsumed_bytes: 0,
+        unconsumed_frames: 0,
         consumed: 0,
         acked: 0,
         bytes_since_ack: 0,

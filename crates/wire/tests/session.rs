@@ -241,3 +241,106 @@ fn a_hello_for_another_session_is_refused() {
         "{err}"
     );
 }
+
+/// Carries `a` and `b` over one in-memory connection until either side's ends.
+async fn connect_once(a: &Session, b: &Session) {
+    let (mut x, mut y) = tokio::io::duplex(64 << 10);
+    let t = Duration::from_secs(5);
+    let (ha, hb) = (a.hello(0), b.hello(0));
+    let ((hello_b, left_a), (hello_a, left_b)) = tokio::try_join!(
+        exchange_hello(&mut x, &ha, t),
+        exchange_hello(&mut y, &hb, t)
+    )
+    .unwrap();
+    a.accept_hello(&hello_b).unwrap();
+    b.accept_hello(&hello_a).unwrap();
+    tokio::select! {
+        _ = a.run_connection(x, left_a) => {}
+        _ = b.run_connection(y, left_b) => {}
+    }
+}
+
+/// A peer whose sender allows itself more than the receiver holds (as a liar or a bug would)
+/// fails the receiver's session with what it outran, before the receiver buffers more.
+fn outrun(sender: SessionConfig, receiver: SessionConfig, msgs: usize, len: usize) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let id = SessionId::random();
+        let (a, b) = (Session::new(id, sender), Session::new(id, receiver));
+        let send = async {
+            for i in 0..msgs {
+                if a.send(ChannelId(1), payload(i, len)).await.is_err() {
+                    break;
+                }
+            }
+            std::future::pending::<()>().await;
+        };
+        tokio::select! {
+            () = connect_once(&a, &b) => {}
+            () = send => {}
+        }
+        // The receiver consumed nothing; its session has failed, and says why.
+        let err = b.recv(ChannelId(1)).await.unwrap_err();
+        assert!(b.stats().payload_bytes_received == 0);
+        err.to_string()
+    })
+}
+
+#[test]
+fn a_peer_that_outruns_the_receivers_byte_limit_fails_the_session() {
+    let err = outrun(
+        SessionConfig {
+            send_limit_bytes: 8 << 20,
+            ..Default::default()
+        },
+        SessionConfig {
+            recv_limit_bytes: 1 << 20,
+            ..Default::default()
+        },
+        40,
+        64 << 10,
+    );
+    assert_eq!(
+        err,
+        "session failed: the peer outran its window on channel 1: 1114112 bytes in 17 frames \
+         unconsumed, the limit is 1048576 bytes in 66560"
+    );
+}
+
+#[test]
+fn a_peer_that_outruns_the_receivers_frame_limit_fails_the_session() {
+    let err = outrun(
+        SessionConfig::default(),
+        SessionConfig {
+            recv_limit_frames: 100,
+            ..Default::default()
+        },
+        200,
+        10,
+    );
+    assert!(
+        err.contains("101 frames unconsumed") && err.contains("in 100"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_sender_never_holds_more_than_the_largest_window() {
+    let mut outbox = ferry_wire::Outbox::new(ChannelId(1), usize::MAX);
+    let big = Bytes::from(vec![0u8; ferry_wire::frame::MAX_PAYLOAD_BYTES as usize]);
+    let mut held = 0;
+    while outbox.has_room(big.len()) {
+        outbox.push(big.clone()).unwrap();
+        held += big.len();
+    }
+    assert_eq!(held, ferry_wire::MAX_SEND_WINDOW_BYTES);
+    // And never more frames than a receiver keeps, however small.
+    let mut outbox = ferry_wire::Outbox::new(ChannelId(1), usize::MAX);
+    while outbox.has_room(1) {
+        outbox.push(Bytes::from_static(b"x")).unwrap();
+    }
+    assert_eq!(outbox.unacked().count(), ferry_wire::MAX_UNACKED_FRAMES);
+}

@@ -210,13 +210,21 @@ pub async fn send(session: &Session, msg: &Control) -> Result<()> {
     Ok(())
 }
 
-/// A blob announced as `bytes` long, sent in pieces on `channel`.
+/// A blob announced as `bytes` long, sent in pieces on `channel`; refused before anything is
+/// held when the announced size is beyond `limit` (the most an honest peer's can be).
 pub async fn recv_blob(
     session: &Session,
     channel: ChannelId,
     bytes: u64,
+    limit: u64,
     what: &str,
 ) -> Result<Vec<u8>> {
+    if bytes > limit {
+        anyhow::bail!(
+            "the destination announced a {bytes}-byte {what}, more than the {limit} bytes it can \
+             take for this VM"
+        );
+    }
     let mut blob = Vec::new();
     while (blob.len() as u64) < bytes {
         match session.recv(channel).await? {
@@ -306,6 +314,22 @@ pub async fn park_and_end(session: &Session, reason: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_blob_announced_beyond_its_limit_is_refused_before_any_is_held() {
+        let session = Session::new(
+            ferry_wire::SessionId(1),
+            ferry_wire::SessionConfig::default(),
+        );
+        let err = recv_blob(&session, SEED, 1 << 40, 1 << 20, "seed index")
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the destination announced a 1099511627776-byte seed index, more than the 1048576 \
+             bytes it can take for this VM"
+        );
+    }
 
     #[test]
     fn a_prepare_of_another_version_is_refused_by_its_version() {

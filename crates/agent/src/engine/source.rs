@@ -32,7 +32,7 @@ use crate::engine::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
 use crate::engine::seed_store;
 use crate::engine::status::{Events, Shared};
-use crate::engine::stream_codec::{self, StreamEncoder, BATCH_BYTES};
+use crate::engine::stream_codec::{self, StreamEncoder};
 use crate::engine::switchover;
 
 /// Stream bytes per frame: small enough that N connections share the stream evenly, large
@@ -223,7 +223,7 @@ async fn migrate(
                 status,
                 wan_timeout,
                 deadline,
-                receive_seed_index(&session, offer.index_bytes),
+                receive_seed_index(&session, offer.index_bytes, ram_bytes),
             )
             .await??;
             encoder.set_seed(index, offer);
@@ -237,15 +237,21 @@ async fn migrate(
                             "receiving the index of the destination's older disk copy ({bytes} bytes)"
                         ),
                     );
+                    let sizes: Vec<u64> = disk_plans.iter().map(|p| p.size).collect();
                     let blob = watchdog(
                         &session,
                         status,
                         wan_timeout,
                         deadline,
-                        control::recv_blob(&session, control::DISK_BASE, bytes, "disk index"),
+                        control::recv_blob(
+                            &session,
+                            control::DISK_BASE,
+                            bytes,
+                            ferry_codec::disk_base::max_index_bytes(&sizes),
+                            "disk index",
+                        ),
                     )
                     .await??;
-                    let sizes: Vec<u64> = disk_plans.iter().map(|p| p.size).collect();
                     Some(
                         tokio::task::spawn_blocking(move || {
                             ferry_codec::DiskBase::parse(&blob, &sizes)
@@ -415,9 +421,16 @@ async fn migrate(
     }
 }
 
-/// The destination's seed index: `bytes` bytes on the seed channel.
-async fn receive_seed_index(session: &Session, bytes: u64) -> Result<ferry_codec::SeedIndex> {
-    let index = control::recv_blob(session, SEED, bytes, "seed index").await?;
+/// The destination's seed index: `bytes` bytes on the seed channel. The image it indexes is
+/// the VM's earlier memory or a sibling's; one of up to [`SEED_IMAGE_MAX_RATIO`] times this
+/// VM's `ram_bytes` is taken.
+async fn receive_seed_index(
+    session: &Session,
+    bytes: u64,
+    ram_bytes: u64,
+) -> Result<ferry_codec::SeedIndex> {
+    let limit = ferry_codec::seed::max_index_bytes(ram_bytes.saturating_mul(SEED_IMAGE_MAX_RATIO));
+    let index = control::recv_blob(session, SEED, bytes, limit, "seed index").await?;
     tokio::task::spawn_blocking(move || ferry_codec::SeedIndex::parse(&index))
         .await?
         .context("the destination's seed index")
@@ -553,7 +566,7 @@ async fn stream(
                 let flushed = match &mut encoder {
                     Some(encoder) => {
                         encoder.push(&item, &item_bytes);
-                        let full = encoder.pending() >= BATCH_BYTES;
+                        let full = encoder.is_full();
                         if full {
                             encoder.flush(&mut out);
                         }
@@ -1133,6 +1146,9 @@ fn lookahead(req: &MigrationRequest) -> bool {
 const LOOKAHEAD_S: f64 = 1.0;
 const SCAN_BYTES_PER_S: f64 = 1e9;
 
+/// How much larger than the VM a seed image may be (a sibling's template).
+const SEED_IMAGE_MAX_RATIO: u64 = 4;
+
 /// Unacknowledged bytes the sender allows, from the bandwidth-delay product measured at connect
 /// time. With a known rate the connections are paced, the bottleneck's queue stays empty and the
 /// round trip stays the idle one, so twice the BDP keeps the pipe full (measured: 26.2 s against
@@ -1147,7 +1163,8 @@ pub fn send_window(rate_mbit: Option<f64>, rtt_ms: f64) -> usize {
     };
     let bdp = rate * 1e6 / 8.0 * rtt_ms / 1e3;
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped to a sane range
-    let window = (factor * bdp).clamp(512.0 * 1024.0, 256.0 * 1024.0 * 1024.0) as usize;
+    let window =
+        (factor * bdp).clamp(512.0 * 1024.0, ferry_wire::MAX_SEND_WINDOW_BYTES as f64) as usize;
     window
 }
 

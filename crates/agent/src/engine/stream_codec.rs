@@ -40,8 +40,18 @@ const MEASURE_BYTES: usize = 64 << 10;
 /// When no zstd level kept up with the link, the fastest one is tried again after this many
 /// batches (the CPU may have been busy only for a moment).
 const REPROBE_BATCHES: u32 = 32;
-/// The largest length prefix a decoder accepts (a batch plus its header).
-const MAX_FRAMED: usize = ferry_codec::batch::MAX_BATCH + 16;
+/// A batch is also closed once it carries this much of QEMU's stream (zero and unchanged
+/// pages code to a few bytes each): what one batch decodes to at the destination stays
+/// bounded.
+pub const BATCH_QEMU_BYTES: usize = 16 << 20;
+/// The most records a batch holds: the encoder closes it at [`BATCH_BYTES`], after the item
+/// that reached it (a page record, or at most an item of QEMU's stream with its header).
+const MAX_BATCH_RECORDS: usize = BATCH_BYTES + ferry_qemu::stream::MAX_ITEM_BYTES + 64;
+/// The largest length prefix a decoder accepts (a batch plus its header; incompressible
+/// records are stored, a few bytes longer).
+const MAX_FRAMED: usize = MAX_BATCH_RECORDS + 16;
+/// The most QEMU bytes one batch decodes to.
+const MAX_BATCH_DECODED: usize = BATCH_QEMU_BYTES + ferry_qemu::stream::MAX_ITEM_BYTES;
 /// Page index bits in a codec key; the block number sits above them.
 const BLOCK_SHIFT: u32 = 40;
 
@@ -168,6 +178,8 @@ pub struct StreamEncoder {
     open_opaque: Option<usize>,
     /// Batches sent stored since zstd last ran.
     batches_without_zstd: u32,
+    /// QEMU's bytes in the open batch.
+    batch_qemu: usize,
     sent: SentPages,
     resend: ResendCost,
     report: CodecReport,
@@ -186,6 +198,7 @@ impl StreamEncoder {
             batch: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             open_opaque: None,
             batches_without_zstd: 0,
+            batch_qemu: 0,
             sent: SentPages::default(),
             resend: ResendCost::default(),
             report: CodecReport {
@@ -205,6 +218,7 @@ impl StreamEncoder {
     /// hash).
     pub fn push(&mut self, item: &Item, qemu: &[u8]) {
         self.report.bytes_in += qemu.len() as u64;
+        self.batch_qemu += qemu.len();
         if let Item::Ram(record) = item {
             if let RamData::Page(_) = record.data {
                 if let Some(key) = self.blocks.key(record.block.as_ref(), record.offset) {
@@ -256,6 +270,12 @@ impl StreamEncoder {
         self.records.len()
     }
 
+    /// Whether the open batch should be closed now: it holds [`BATCH_BYTES`] of records or
+    /// [`BATCH_QEMU_BYTES`] of QEMU's stream.
+    pub fn is_full(&self) -> bool {
+        self.records.len() >= BATCH_BYTES || self.batch_qemu >= BATCH_QEMU_BYTES
+    }
+
     /// Closes the open batch (if any) and appends it, framed, to `out`.
     pub fn flush(&mut self, out: &mut BytesMut) {
         if self.records.is_empty() {
@@ -287,6 +307,7 @@ impl StreamEncoder {
         self.report.bytes_out += 4 + batch_len as u64;
         self.report.zstd_level = level;
         self.records.clear();
+        self.batch_qemu = 0;
         self.open_opaque = None;
     }
 
@@ -357,7 +378,7 @@ impl StreamDecoder {
     pub fn new(settings: CodecSettings, history_bytes: u64) -> StreamDecoder {
         StreamDecoder {
             pages: Decoder::new(options(settings, history_bytes)),
-            batches: BatchDecompressor::default(),
+            batches: BatchDecompressor::new(MAX_BATCH_RECORDS),
             input: BytesMut::new(),
             page: Box::new([0; PAGE_SIZE]),
         }
@@ -403,17 +424,30 @@ fn decode_records(
     mut records: &[u8],
     out: &mut BytesMut,
 ) -> Result<()> {
+    // Zero and unchanged pages take a few bytes of a batch each and 4 KiB of `out`: what a
+    // batch decodes to is checked against what an encoder puts in one, before it is held.
+    let mut decoded = 0usize;
+    let mut grow = |n: usize| {
+        decoded += n;
+        ensure!(
+            decoded <= MAX_BATCH_DECODED,
+            "a codec batch decodes to more than the {MAX_BATCH_DECODED} bytes of QEMU's stream a batch carries"
+        );
+        Ok(())
+    };
     while let Some((&tag, rest)) = records.split_first() {
         records = rest;
         match tag {
             OPAQUE => {
                 let n = take_len::<4>(&mut records)?;
+                grow(n)?;
                 out.extend_from_slice(take(&mut records, n, "passed-through bytes")?);
             }
             PAGE => {
                 let n = take_len::<2>(&mut records)?;
                 let header = take(&mut records, n, "RAM record header")?;
                 ensure!(n >= 8, "RAM record header of {n} bytes");
+                grow(n + PAGE_SIZE)?;
                 let (key, _) = pages.decode(&mut records, page).context("page record")?;
                 // The key must name the page the header does: catches ends out of step.
                 let word = u64::from_be_bytes(header[..8].try_into().expect("8 bytes"));
@@ -464,7 +498,7 @@ mod tests {
             qemu.clear();
             item.encode(&mut qemu);
             enc.push(&item, &qemu);
-            if enc.pending() >= 64 << 10 {
+            if enc.pending() >= 64 << 10 || enc.is_full() {
                 enc.flush(&mut wire);
             }
         }
@@ -581,6 +615,36 @@ mod tests {
             (after - rewritten).abs() < 0.05,
             "unchanged pages moved the resend cost from {rewritten} to {after}"
         );
+    }
+
+    #[test]
+    fn a_batch_that_decodes_to_more_than_an_encoder_puts_in_one_is_refused() {
+        // Zero pages: a few bytes each in the batch, 4 KiB each decoded.
+        let zero = [0u8; PAGE_SIZE];
+        let pages = (MAX_BATCH_DECODED / PAGE_SIZE) as u64 + 10;
+        let mut enc = StreamEncoder::new(CodecSettings::ALL, 64 << 20, 100.0);
+        let (mut wire, mut full_at) = (BytesMut::new(), None);
+        for i in 0..pages {
+            let (item, qemu) = page_item(i, &zero);
+            enc.push(&item, &qemu);
+            if enc.is_full() && full_at.is_none() {
+                full_at = Some(i + 1);
+            }
+        }
+        // The encoder would have closed the batch at 16 MiB of QEMU's bytes.
+        let per_page = page_item(0, &zero).1.len() as u64;
+        assert_eq!(full_at, Some((BATCH_QEMU_BYTES as u64).div_ceil(per_page)));
+        enc.flush(&mut wire);
+        assert!(wire.len() < BATCH_BYTES);
+        let mut out = BytesMut::new();
+        let err = StreamDecoder::new(CodecSettings::ALL, 64 << 20)
+            .feed(&wire, &mut out)
+            .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("a codec batch decodes to more than the 17825792 bytes"),
+            "{err:#}"
+        );
+        assert!(out.len() <= MAX_BATCH_DECODED);
     }
 
     #[test]

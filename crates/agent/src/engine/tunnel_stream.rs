@@ -40,7 +40,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use crate::engine::control::{self, Control, RETURN_PATH, STREAM};
 use crate::engine::feeder::{self, Feeder};
 use crate::engine::status::{now_ms, Events, Shared};
-use crate::engine::stream_codec::{StreamDecoder, StreamEncoder, BATCH_BYTES, HISTORY_CAP};
+use crate::engine::stream_codec::{StreamDecoder, StreamEncoder, HISTORY_CAP};
 use crate::group::GroupLink;
 
 /// The codec's techniques on a tunnelled stream.
@@ -212,7 +212,7 @@ async fn pump(
             crate::engine::source::corrupt_for_test(&mut item_bytes, total, corrupt_at);
             total += item_bytes.len() as u64;
             encoder.push(&item, &item_bytes);
-            if encoder.pending() >= BATCH_BYTES {
+            if encoder.is_full() {
                 encoder.flush(&mut out);
             }
         }

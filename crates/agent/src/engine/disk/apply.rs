@@ -170,8 +170,10 @@ impl DestinationDisks {
             acked: 0,
         };
         let mut decoder = DiskDecoder::new(codec_options(codec));
-        let mut zstd = BatchDecompressor::default();
+        let mut zstd = BatchDecompressor::new(super::MAX_FRAME_RECORDS);
         let mut hash = Sha256::new();
+        // The latest snapshot a frame arrived for, and whether its last frame did.
+        let mut last: Option<(u64, bool)> = None;
         loop {
             // Completions are taken as they come, not only when room is needed: a synchronous
             // source sends nothing more until its snapshot is acknowledged.
@@ -205,6 +207,25 @@ impl DestinationDisks {
                 );
                 return Ok((frame.seq, format!("{:x}", hash.finalize())));
             }
+            // A snapshot's frames come together, snapshots in increasing order: anything else
+            // is a confused source, and would leave snapshots open here for good.
+            let in_order = match last {
+                None => true,
+                Some((seq, done)) => (frame.seq == seq && !done) || (frame.seq > seq && done),
+            };
+            if !in_order {
+                bail!(
+                    "disk frame of snapshot {} after snapshot {:?} (its last frame {})",
+                    frame.seq,
+                    last.map(|(seq, _)| seq),
+                    if last.is_some_and(|(_, done)| done) {
+                        "seen"
+                    } else {
+                        "not seen"
+                    }
+                );
+            }
+            last = Some((frame.seq, frame.last_of_snapshot));
             let mut input = zstd
                 .decompress(&frame.batch)
                 .context("a disk frame from the source")?;

@@ -30,7 +30,9 @@ use tokio::task::JoinHandle;
 use super::backing::backing_of;
 use super::buffer::{Extent, TransmitBuffer};
 use super::SentDigests;
-use super::{codec_options, digest_so_far, hash_op, parse_ack, zstd_level, Frame, FRAME_RECORDS};
+use super::{
+    codec_options, digest_so_far, hash_op, parse_ack, split_write, zstd_level, Frame, FRAME_RECORDS,
+};
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
 use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
 use crate::engine::status::Shared;
@@ -515,7 +517,7 @@ async fn send_snapshots(
             }
             None => snap.into_ops().collect(),
         };
-        let mut ops = ops.into_iter().peekable();
+        let mut ops = ops.into_iter().flat_map(split_write).peekable();
         while let Some(op) = ops.next() {
             hash_op(&mut hash, &op);
             if let DiskOp::Zeroes { len, .. } | DiskOp::Trim { len, .. } = op {

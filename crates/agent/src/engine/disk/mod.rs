@@ -39,6 +39,28 @@ const LAST_OF_ALL: u8 = 2;
 /// Records per frame before compression: large enough for zstd to find repeats, small enough
 /// that several connections share a snapshot.
 const FRAME_RECORDS: usize = 256 << 10;
+/// The largest write one record carries: a frame closes after the record that reached
+/// [`FRAME_RECORDS`], so with this it stays far below the wire's largest payload even when
+/// nothing compresses (a guest's or the bulk copy's write may be up to 32 MiB).
+const WRITE_PIECE: usize = 1 << 20;
+/// The most records a frame's batch holds (a receiver refuses more).
+pub const MAX_FRAME_RECORDS: usize = FRAME_RECORDS + WRITE_PIECE + 64;
+
+/// `op`, with a write cut into pieces of at most [`WRITE_PIECE`] (both ends hash the pieces).
+fn split_write(op: DiskOp) -> Vec<DiskOp> {
+    match op {
+        DiskOp::Write { disk, offset, data } if data.len() > WRITE_PIECE => data
+            .chunks(WRITE_PIECE)
+            .enumerate()
+            .map(|(i, piece)| DiskOp::Write {
+                disk,
+                offset: offset + (i * WRITE_PIECE) as u64,
+                data: piece.to_vec(),
+            })
+            .collect(),
+        op => vec![op],
+    }
+}
 
 /// The codec options for disk blocks: the memory stream's techniques, a 100 MB block cache
 /// (CloudNet's) and a 64 MiB history of blocks sent, for deltas of rewritten blocks.
@@ -188,6 +210,45 @@ pub fn hash_op(h: &mut Sha256, op: &DiskOp) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_write_goes_in_pieces_that_keep_a_frame_under_the_wire_limit() {
+        let data: Vec<u8> = (0..(5 * WRITE_PIECE + 7))
+            .map(|i| u8::try_from(i % 251).unwrap())
+            .collect();
+        let pieces = split_write(DiskOp::Write {
+            disk: 1,
+            offset: 4096,
+            data: data.clone(),
+        });
+        assert_eq!(pieces.len(), 6);
+        let mut joined = Vec::new();
+        for (i, piece) in pieces.iter().enumerate() {
+            let DiskOp::Write { disk, offset, data } = piece else {
+                panic!("{piece:?}")
+            };
+            assert_eq!((*disk, *offset), (1, 4096 + (i * WRITE_PIECE) as u64));
+            joined.extend_from_slice(data);
+        }
+        assert_eq!(joined, data);
+        // Records up to FRAME_RECORDS and then one more piece, stored as they are: still
+        // under the wire's limit.
+        let mut records = Vec::new();
+        let mut encoder = ferry_codec::DiskEncoder::new(codec_options(CodecSettings::NONE));
+        while records.len() < FRAME_RECORDS {
+            encoder.encode(&pieces[0], &mut records);
+        }
+        assert!(records.len() <= MAX_FRAME_RECORDS);
+        let frame = Frame::encode(1, 0, &records, None, &mut BatchCompressor::default());
+        assert!(frame.len() < ferry_wire::frame::MAX_PAYLOAD_BYTES as usize);
+        let zeroes = DiskOp::Zeroes {
+            disk: 0,
+            offset: 0,
+            len: 1 << 40,
+            may_trim: true,
+        };
+        assert_eq!(split_write(zeroes.clone()), vec![zeroes]);
+    }
 
     #[test]
     fn frames_round_trip_and_bad_ones_are_named() {
