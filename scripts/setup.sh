@@ -94,4 +94,14 @@ if ! command -v cargo >/dev/null; then
     done
 fi
 command -v cargo >/dev/null || die "cargo not found; install Rust (rustup) and rerun"
+# cargo-fuzz for scripts/fuzz.sh (libFuzzer; its C++ part builds with g++), pinned.
+CARGO_FUZZ_VERSION=0.13.2
+if ! cargo fuzz --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
+    command -v g++ >/dev/null || {
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends g++ || die "could not install g++"
+    }
+    cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked --quiet \
+        || die "could not install cargo-fuzz $CARGO_FUZZ_VERSION"
+fi
 echo "setup: ok ($(qemu-system-x86_64 --version | head -1), $(libvirtd --version), $(cargo --version))"

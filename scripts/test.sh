@@ -18,3 +18,5 @@ cargo build --release --locked --quiet
 ./target/release/ferry image build
 ./scripts/debian-guest.sh
 cargo test --workspace --release --locked -- --test-threads=1
+# Every fuzz target briefly, from its seeds (docs/testing.md, "Fuzzing").
+./scripts/fuzz.sh 15
