@@ -46,10 +46,10 @@ pub(crate) struct Agent {
     pub(crate) groups: crate::group::Groups,
     /// The host's bare QEMU VMs, by their monitors (`[qemu] qmp_dir`).
     pub(crate) monitors: Arc<MonitorDir>,
-    /// Incoming sessions, by id; ids of finished ones are remembered so that a late
-    /// connection of an old session cannot start a new one.
+    /// Incoming sessions, by id (at most [`MAX_INCOMING_SESSIONS`]); ids of finished ones are
+    /// remembered so that a late connection of an old session cannot start a new one.
     sessions: Mutex<HashMap<SessionId, Session>>,
-    finished: Mutex<HashSet<SessionId>>,
+    finished: Mutex<FinishedSessions>,
     /// This host's memory lent to peers' VMs as swap.
     pub(crate) lender: Arc<crate::lend::Lender>,
     /// This host's domains with swap on peers.
@@ -100,7 +100,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         overlay,
         groups: crate::group::Groups::default(),
         sessions: Mutex::new(HashMap::new()),
-        finished: Mutex::new(HashSet::new()),
+        finished: Mutex::new(FinishedSessions::default()),
         lender,
         swaps: crate::borrow::Swaps::default(),
         fleet_swaps: crate::fleet_swap::FleetSwaps::default(),
@@ -123,6 +123,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             axum::routing::put(take_swap).delete(give_swap_back),
         )
         .route("/metrics", get(metrics))
+        // Requests are a few hundred bytes: a larger body is refused (413) before it is held.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 10))
         .with_state(agent.clone());
     // Prometheus cannot scrape a unix socket: the metrics alone, read-only, on TCP if asked.
     let metrics_only = async {
@@ -185,10 +187,7 @@ async fn serve_peers(
             // dialer's next one.
             loop {
                 let Some(session) = agent.session_for(hello.session) else {
-                    tracing::warn!(
-                        "peer {from}: session {} has ended; connection refused",
-                        hello.session
-                    );
+                    tracing::warn!("peer {from}: connection refused");
                     return;
                 };
                 let (parked, rest) = match answer(&session, stream, &hello, leftover).await {
@@ -210,6 +209,37 @@ async fn serve_peers(
     }
 }
 
+/// Incoming sessions (migrations and tunnels, both ways) an agent carries at once; a peer
+/// that opens more is refused until some end (a host runs a few at a time: `[limits]`).
+const MAX_INCOMING_SESSIONS: usize = 256;
+
+/// The ids of incoming sessions that ended, the latest [`FinishedSessions::KEPT`]: a late
+/// connection of one of them is refused. An older one would open a session that waits for a
+/// first message and ends after `FIRST_MESSAGE_TIMEOUT`.
+#[derive(Default)]
+struct FinishedSessions {
+    ids: HashSet<SessionId>,
+    order: std::collections::VecDeque<SessionId>,
+}
+
+impl FinishedSessions {
+    const KEPT: usize = 1 << 16;
+
+    fn contains(&self, id: &SessionId) -> bool {
+        self.ids.contains(id)
+    }
+
+    fn insert(&mut self, id: SessionId) {
+        if self.ids.insert(id) {
+            self.order.push_back(id);
+        }
+        if self.order.len() > Self::KEPT {
+            let oldest = self.order.pop_front().expect("over the limit");
+            self.ids.remove(&oldest);
+        }
+    }
+}
+
 impl Agent {
     /// A snapshot of every migration this agent knows (either way, any state).
     pub(crate) fn statuses(&self) -> Vec<MigrationStatus> {
@@ -220,11 +250,18 @@ impl Agent {
     /// The incoming session `id`, created (with its destination task) on first contact.
     fn session_for(self: &Arc<Self>, id: SessionId) -> Option<Session> {
         if self.finished.lock().expect("lock").contains(&id) {
+            tracing::warn!("session {id} has ended; connection refused");
             return None;
         }
         let mut sessions = self.sessions.lock().expect("lock");
         if let Some(s) = sessions.get(&id) {
             return Some(s.clone());
+        }
+        if sessions.len() >= MAX_INCOMING_SESSIONS {
+            tracing::warn!(
+                "session {id} refused: {MAX_INCOMING_SESSIONS} incoming sessions are open"
+            );
+            return None;
         }
         let session = Session::new(id, SessionConfig::default());
         sessions.insert(id, session.clone());
@@ -529,4 +566,24 @@ fn launch(
         agent.config.seed_budget_bytes,
     ));
     status.get()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finished_sessions_are_remembered_up_to_their_cap_oldest_forgotten_first() {
+        let mut finished = FinishedSessions::default();
+        let kept = u128::try_from(FinishedSessions::KEPT).unwrap();
+        for id in 0..kept + 10 {
+            finished.insert(SessionId(id));
+            finished.insert(SessionId(id));
+        }
+        assert_eq!(finished.ids.len(), FinishedSessions::KEPT);
+        assert_eq!(finished.order.len(), FinishedSessions::KEPT);
+        assert!(!finished.contains(&SessionId(9)));
+        assert!(finished.contains(&SessionId(10)));
+        assert!(finished.contains(&SessionId(kept + 9)));
+    }
 }

@@ -734,6 +734,10 @@ pub struct HostPressure {
     pub pressure: String,
     /// Intervals after which an overload counts as sustained, as learned.
     pub threshold_intervals: u32,
+    /// Overloaded samples among the detector's window (12): at 8 an overload is sustained,
+    /// whichever episodes they came from.
+    #[serde(default)]
+    pub overloaded_in_window: u32,
 }
 
 /// VMs that move together from one host to another.

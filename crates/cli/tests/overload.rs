@@ -208,7 +208,15 @@ fn a_short_burst_swaps_to_a_peer_and_a_lasting_one_migrates() {
         assert_eq!(verify(&t, &rt, Site::A, name, false), 0, "{name}");
     }
 
-    // A burst that lasts: the swap first, then (8 of 12 samples over) a migration.
+    // A burst that lasts: the swap first, then (8 of 12 samples over) a migration. It starts
+    // once the first burst's samples have left the detector's window, or they would count
+    // towards the 8 and the second could be sustained from its first sample.
+    plan_until(
+        &t,
+        "the first burst out of site a's window",
+        Duration::from_secs(120),
+        |p| pressure_of(p, "site-a")["overloaded_in_window"] == 0,
+    );
     guest_call(&t, &rt, Site::A, "ov2", "burst start mib=48 secs=600");
     let started = Instant::now();
     plan_until(

@@ -101,8 +101,13 @@ pub fn router(controller: Arc<Controller>) -> Router {
         .route("/v1/plan", get(plan).post(apply_plan))
         .route("/v1/cost-model", get(cost_model))
         .route("/v1/agent/heartbeat", post(heartbeat))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(controller)
 }
+
+/// The largest request body taken: a heartbeat of a host with a thousand VMs and their
+/// migrations is well under 1 MiB; anything larger is refused (413) before it is held.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
 
 /// `GET /metrics`: the fleet in Prometheus's text format: hosts and migrations by state, and
 /// the migrations' figures as their source agents last reported them.

@@ -394,6 +394,8 @@ impl Controller {
                 }
                 .into(),
                 threshold_intervals: u32::try_from(w.detector.threshold()).unwrap_or(u32::MAX),
+                overloaded_in_window: u32::try_from(w.detector.overloaded_in_window())
+                    .unwrap_or(u32::MAX),
             })
             .collect();
         all.sort_by(|a, b| a.host.cmp(&b.host));

@@ -616,6 +616,15 @@ async fn bad_requests_are_refused_with_what_was_wrong() {
         .unwrap();
     assert_eq!(status, 400);
     let unknown: ApiError = serde_json::from_slice(&body).unwrap();
+    let (too_large, _) = ops
+        .raw(
+            "POST",
+            "/v1/migrations",
+            Some(vec![b' '; ferry_controller::api::MAX_BODY_BYTES + 1]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(too_large, 413);
     assert_eq!(
         unknown.error,
         "unknown field \"downtime_ms\" in the request"

@@ -90,6 +90,13 @@ impl Detector {
         self.episode.is_some()
     }
 
+    /// Overloaded samples among the last `window`: an overload is sustained once they reach
+    /// the needed share, whichever episodes they belong to (Overdriver's rule, for overloads
+    /// that oscillate).
+    pub fn overloaded_in_window(&self) -> usize {
+        self.recent.iter().filter(|&&o| o).count()
+    }
+
     /// Where transients end now, in intervals.
     pub fn threshold(&self) -> usize {
         self.threshold

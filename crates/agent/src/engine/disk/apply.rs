@@ -209,21 +209,15 @@ impl DestinationDisks {
             }
             // A snapshot's frames come together, snapshots in increasing order: anything else
             // is a confused source, and would leave snapshots open here for good.
-            let in_order = match last {
-                None => true,
-                Some((seq, done)) => (frame.seq == seq && !done) || (frame.seq > seq && done),
-            };
-            if !in_order {
-                bail!(
-                    "disk frame of snapshot {} after snapshot {:?} (its last frame {})",
-                    frame.seq,
-                    last.map(|(seq, _)| seq),
-                    if last.is_some_and(|(_, done)| done) {
-                        "seen"
-                    } else {
-                        "not seen"
-                    }
-                );
+            if let Some((seq, done)) = last {
+                let in_order = (frame.seq == seq && !done) || (frame.seq > seq && done);
+                if !in_order {
+                    bail!(
+                        "disk frame of snapshot {} after snapshot {seq}, whose last frame {}",
+                        frame.seq,
+                        if done { "had come" } else { "had not come" }
+                    );
+                }
             }
             last = Some((frame.seq, frame.last_of_snapshot));
             let mut input = zstd

@@ -401,6 +401,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn disk_frames_out_of_snapshot_order_are_refused() {
+        let disk = Arc::new(MemoryDisk {
+            bytes: std::sync::Mutex::new(vec![0; usize::try_from(SIZE).unwrap()]),
+            fail_writes: AtomicBool::new(false),
+        });
+        let (server_end, client_end) = UnixStream::pair().unwrap();
+        tokio::spawn(async move {
+            let export = Export {
+                name: "disk0".into(),
+                size: SIZE,
+            };
+            let _ = nbd::serve(server_end, &export, disk).await;
+        });
+        let client = Client::connect(client_end, "disk0").await.unwrap();
+        let plan = DiskPlan {
+            node: "disk0".into(),
+            size: SIZE,
+            backing_sha256: None,
+        };
+        let disks = DestinationDisks::adopt(client, plan);
+        let (a, b) = session_pair().await;
+        let applied = tokio::spawn(async move { disks.apply(&b, CodecSettings::NONE).await });
+        // Snapshot 0's first frame, then one of snapshot 1 before snapshot 0's last.
+        let mut records = Vec::new();
+        let write = ferry_codec::DiskOp::Write {
+            disk: 0,
+            offset: 0,
+            data: vec![7; 4096],
+        };
+        let options = super::super::codec_options(CodecSettings::NONE);
+        ferry_codec::DiskEncoder::new(options).encode(&write, &mut records);
+        let mut zstd = ferry_codec::BatchCompressor::default();
+        for seq in [0, 1] {
+            let frame = super::super::Frame::encode(seq, 0, &records, None, &mut zstd);
+            a.send(control::DISK, frame).await.unwrap();
+        }
+        let err = applied.await.unwrap().unwrap_err();
+        assert_eq!(
+            format!("{err:#}"),
+            "disk frame of snapshot 1 after snapshot 0, whose last frame had not come"
+        );
+    }
+
+    #[tokio::test]
     async fn a_flush_returns_once_every_write_before_it_is_at_the_destination() {
         let r = relay("disk0").await;
         let mirror = r.mirror.unwrap();
