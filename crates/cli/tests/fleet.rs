@@ -28,8 +28,11 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
         ("fleet1", 21, false, ""),
         &["mem start pattern=ws mib=32 rate=1"],
     );
+    // Placed, and its use reported: the request prices the move from that use (`planned`).
     wait_for(&t, "vms", |v| {
         host_of(v, "fleet1").as_deref() == Some("site-a")
+            && v.iter()
+                .any(|vm| vm["name"] == "fleet1" && !vm["usage"].is_null())
     });
 
     // Bad requests are refused in the controller's words, and nothing moves.
