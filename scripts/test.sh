@@ -14,9 +14,15 @@ if cargo tree -p ferry-cli --no-default-features -e normal --locked | grep -q 'f
     echo "test: ferry without the lab feature still depends on ferry-lab" >&2
     exit 1
 fi
+# First the fast tests that need no root or guest: the engine's two agents in one process
+# (crates/agent/tests/engine), the wire, the codec, the policies.
+fast=(-p ferry-agent -p ferry-wire -p ferry-codec -p ferry-policy)
+cargo test --release --locked "${fast[@]}"
 cargo build --release --locked --quiet
 ./target/release/ferry image build
 ./scripts/debian-guest.sh
-cargo test --workspace --release --locked -- --test-threads=1
+cargo test --workspace --release --locked \
+    --exclude ferry-agent --exclude ferry-wire --exclude ferry-codec --exclude ferry-policy \
+    -- --test-threads=1
 # Every fuzz target briefly, from its seeds (docs/testing.md, "Fuzzing").
 ./scripts/fuzz.sh 15

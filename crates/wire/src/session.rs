@@ -44,6 +44,12 @@ use crate::reorder::Reorder;
 
 /// An idle connection sends this often (see `Session::keepalive`).
 const KEEPALIVE: Duration = Duration::from_secs(1);
+/// A connection that hears nothing for this long is given up (and the session redials): the
+/// peer writes at least every [`KEEPALIVE`], so its process stopped or the path swallows
+/// everything. TCP's user timeout (`net::USER_TIMEOUT`) catches a black hole only while this
+/// side has data unacknowledged, and never a peer whose kernel still acknowledges bytes its
+/// process no longer reads.
+const SILENCE_LIMIT: Duration = Duration::from_secs(10);
 
 /// A session's identity, chosen by the side that opens it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -577,7 +583,11 @@ impl Session {
             }
             buf.reserve(256 << 10);
             let n = tokio::select! {
-                r = reader.read_buf(&mut buf) => r,
+                r = tokio::time::timeout(SILENCE_LIMIT, reader.read_buf(&mut buf)) => {
+                    r.map_err(|_| SessionError::Io(format!(
+                        "nothing heard from the peer for {}s", SILENCE_LIMIT.as_secs()
+                    )))?
+                }
                 e = self.wait_for(|_| Ok(None::<()>)) => return Err(e.expect_err("never ready")),
             };
             match n {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_wire::frame::ChannelId;
 use ferry_wire::session::exchange_hello;
-use ferry_wire::{Received, Session, SessionConfig, SessionId};
+use ferry_wire::{ConnectionEnd, Received, Session, SessionConfig, SessionId};
 use proptest::prelude::*;
 use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 
@@ -343,4 +343,34 @@ fn a_sender_never_holds_more_than_the_largest_window() {
         outbox.push(Bytes::from_static(b"x")).unwrap();
     }
     assert_eq!(outbox.unacked().count(), ferry_wire::MAX_UNACKED_FRAMES);
+}
+
+/// A peer whose process stopped (its socket open, its kernel still taking bytes) is given up
+/// on after ten keepalives' time, so the session redials instead of waiting on it forever.
+#[tokio::test(start_paused = true)]
+async fn a_connection_that_hears_nothing_is_given_up() {
+    let a = Session::new(SessionId(1), SessionConfig::default());
+    let b = Session::new(SessionId(1), SessionConfig::default());
+    let (mut x, mut y) = tokio::io::duplex(1 << 20);
+    let t = Duration::from_secs(5);
+    let (ha, hb) = (a.hello(0), b.hello(0));
+    let ((hello_b, left_a), _) = tokio::try_join!(
+        exchange_hello(&mut x, &ha, t),
+        exchange_hello(&mut y, &hb, t)
+    )
+    .unwrap();
+    a.accept_hello(&hello_b).unwrap();
+    // `y` stays open and is never read or written again: the peer has stopped.
+    let started = tokio::time::Instant::now();
+    match a.run_connection(x, left_a).await {
+        ConnectionEnd::Lost(e) => {
+            assert_eq!(
+                e.to_string(),
+                "connection lost: nothing heard from the peer for 10s"
+            );
+        }
+        ConnectionEnd::Parked(..) => panic!("parked"),
+    }
+    assert_eq!(started.elapsed().as_secs(), 10);
+    drop(y);
 }

@@ -320,7 +320,9 @@ async fn serve(
                     hash.update(&qemu_bytes);
                     received += qemu_bytes.len() as u64;
                     let sieved = sieve.pass(&qemu_bytes)?;
-                    feeder.push(sieved.bytes, sieved.weight).await?;
+                    if let Err(e) = feeder.push(sieved.bytes, sieved.weight).await {
+                        return Err(load_failure(qmp, e).await);
+                    }
                 }
                 Received::Barrier => {}
             },
@@ -345,7 +347,9 @@ async fn serve(
     if decoder.as_ref().is_some_and(|d| !d.is_idle()) {
         bail!("codec bytes left over after the stream's last byte");
     }
-    feeder.finish().await?;
+    if let Err(e) = feeder.finish().await {
+        return Err(load_failure(qmp, e).await);
+    }
     let (_, source_digest) = end.expect("loop ends with End");
     let digest = format!("{:x}", hash.finalize());
     if digest != source_digest {
@@ -439,6 +443,25 @@ async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(600), session.flushed(control::CONTROL)).await;
     control::park_and_end(session, "migration committed").await;
     Ok(())
+}
+
+/// Why feeding the destination QEMU failed: QEMU closes its socket on a stream it cannot load,
+/// so a write error usually hides QEMU's own reason, which it gives once its migration state
+/// reads failed (asked for up to a second); otherwise the write's error.
+async fn load_failure(qmp: &Qmp, write_error: anyhow::Error) -> anyhow::Error {
+    for _ in 0..20 {
+        match qmp.execute(&QueryMigrate).await {
+            Ok(info) if info.status.as_deref() == Some("failed") => {
+                return anyhow::anyhow!(
+                    "destination QEMU failed to load the stream: {}",
+                    info.error_desc.unwrap_or_default()
+                );
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(_) => break,
+        }
+    }
+    write_error
 }
 
 /// Wall-clock microseconds, as QMP's event timestamps.

@@ -1,0 +1,449 @@
+//! A fake QEMU behind a QMP socket: as much of QEMU as the engine uses, with gates a test holds
+//! to put a fault in a chosen phase. The source writes a real captured stream when told to
+//! migrate; the destination loads a stream, and says it completed only if it got exactly those
+//! bytes (a real QEMU's device state would not load otherwise), else that it failed.
+//!
+//! Each fake runs on its own runtime, so that [`FakeQemu::kill`] takes all of it down at once,
+//! as a killed process would: its sockets close, its migration stops half way.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::runtime::Runtime;
+use tokio::sync::{mpsc, watch};
+
+/// The guest's memory as `query-memory-size-summary` tells it (the captured streams' VM).
+const RAM_BYTES: u64 = 64 << 20;
+/// The source writes its stream in pieces of this size.
+const PIECE: usize = 16 << 10;
+
+/// A point a fake stops at until the test opens it; the test can see that it was reached.
+#[derive(Clone)]
+pub struct Gate {
+    open: watch::Sender<bool>,
+    reached: watch::Sender<bool>,
+}
+
+impl Gate {
+    fn new(open: bool) -> Gate {
+        Gate {
+            open: watch::Sender::new(open),
+            reached: watch::Sender::new(false),
+        }
+    }
+
+    /// Waits (in the fake) until the gate is open, saying it was reached.
+    async fn pass(&self) {
+        self.reached.send_replace(true);
+        let mut open = self.open.subscribe();
+        let _ = open.wait_for(|&o| o).await;
+    }
+
+    /// Waits (in the test) until the fake stands at the gate.
+    pub async fn wait_reached(&self, what: &str) {
+        let mut reached = self.reached.subscribe();
+        tokio::time::timeout(Duration::from_secs(60), reached.wait_for(|&r| r))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: not reached within 60 s"))
+            .expect("gate");
+    }
+
+    pub fn open(&self) {
+        self.open.send_replace(true);
+    }
+}
+
+/// Where a fake stops until the test lets it on; all open unless a test closes one.
+#[derive(Clone)]
+pub struct Gates {
+    /// Source: before writing the stream byte at this offset (`None`: never stops).
+    pub stream_at: Option<(u64, Gate)>,
+    /// Destination: with the whole stream read, before it says whether it loaded.
+    pub load: Gate,
+    /// Destination: `cont` received, before the VM resumes and QEMU answers.
+    pub cont: Gate,
+}
+
+impl Default for Gates {
+    fn default() -> Gates {
+        Gates {
+            stream_at: None,
+            load: Gate::new(true),
+            cont: Gate::new(true),
+        }
+    }
+}
+
+impl Gates {
+    /// Gates with the source's stream held at `offset`.
+    pub fn stream_held_at(offset: u64) -> Gates {
+        Gates {
+            stream_at: Some((offset, Gate::new(false))),
+            ..Gates::default()
+        }
+    }
+
+    pub fn load_held() -> Gates {
+        Gates {
+            load: Gate::new(false),
+            ..Gates::default()
+        }
+    }
+
+    pub fn cont_held() -> Gates {
+        Gates {
+            cont: Gate::new(false),
+            ..Gates::default()
+        }
+    }
+
+    pub fn stream(&self) -> &Gate {
+        &self.stream_at.as_ref().expect("a stream gate").1
+    }
+}
+
+/// What the fake did, for the test's assertions.
+#[derive(Debug, Default, Clone)]
+pub struct Seen {
+    /// `query-status`'s status: running, inmigrate, paused, postmigrate.
+    pub status: String,
+    /// `query-migrate`'s status, once a migration started.
+    pub migration: Option<String>,
+    pub error: Option<String>,
+    /// Every command, in order.
+    pub commands: Vec<String>,
+    /// Source: stream bytes written. Destination: stream bytes read.
+    pub stream_bytes: u64,
+    /// Destination: whether what it read was exactly the expected stream.
+    pub loaded: bool,
+}
+
+impl Seen {
+    pub fn running(&self) -> bool {
+        self.status == "running"
+    }
+
+    pub fn ran(&self, command: &str) -> bool {
+        self.commands.iter().any(|c| c == command)
+    }
+}
+
+#[derive(Clone)]
+enum Role {
+    /// Migrates this stream when told.
+    Source(Arc<Vec<u8>>),
+    /// Loads a stream, which must be this one.
+    Destination(Arc<Vec<u8>>),
+}
+
+struct Shared {
+    role: Role,
+    gates: Gates,
+    seen: Mutex<Seen>,
+    /// The connected client's event queue.
+    events: Mutex<Option<mpsc::UnboundedSender<String>>>,
+    /// Source: `migrate_cancel` asked for.
+    cancel: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn update<T>(&self, f: impl FnOnce(&mut Seen) -> T) -> T {
+        f(&mut self.seen.lock().expect("seen"))
+    }
+
+    fn event(&self, name: &str, data: Value) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock");
+        let line = json!({
+            "event": name,
+            "data": data,
+            "timestamp": {"seconds": now.as_secs(), "microseconds": now.subsec_micros()},
+        });
+        if let Some(tx) = &*self.events.lock().expect("events") {
+            let _ = tx.send(format!("{line}\n"));
+        }
+    }
+}
+
+pub struct FakeQemu {
+    pub qmp: PathBuf,
+    shared: Arc<Shared>,
+    rt: Option<Runtime>,
+}
+
+impl FakeQemu {
+    /// A running VM that will migrate `stream`.
+    pub fn source(dir: &Path, stream: Arc<Vec<u8>>, gates: Gates) -> FakeQemu {
+        FakeQemu::start(
+            dir.join("source.qmp"),
+            Role::Source(stream),
+            gates,
+            "running",
+        )
+    }
+
+    /// A QEMU started with `-incoming defer`, waiting for `stream`.
+    pub fn destination(dir: &Path, stream: Arc<Vec<u8>>, gates: Gates) -> FakeQemu {
+        FakeQemu::start(
+            dir.join("destination.qmp"),
+            Role::Destination(stream),
+            gates,
+            "inmigrate",
+        )
+    }
+
+    fn start(qmp: PathBuf, role: Role, gates: Gates, status: &str) -> FakeQemu {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let shared = Arc::new(Shared {
+            role,
+            gates,
+            seen: Mutex::new(Seen {
+                status: status.into(),
+                ..Seen::default()
+            }),
+            events: Mutex::new(None),
+            cancel: watch::Sender::new(false),
+        });
+        let _ = std::fs::remove_file(&qmp);
+        let listener = {
+            let _guard = rt.enter();
+            UnixListener::bind(&qmp).expect("bind the fake's QMP socket")
+        };
+        rt.spawn(serve_qmp(listener, shared.clone()));
+        FakeQemu {
+            qmp,
+            shared,
+            rt: Some(rt),
+        }
+    }
+
+    pub fn seen(&self) -> Seen {
+        self.shared.update(|s| s.clone())
+    }
+
+    pub fn gates(&self) -> &Gates {
+        &self.shared.gates
+    }
+
+    /// The process dies: every socket closes, nothing more is written or answered.
+    pub fn kill(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for FakeQemu {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One QMP client at a time, as QEMU's monitor.
+async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
+    while let Ok((conn, _)) = listener.accept().await {
+        let (r, mut w) = conn.into_split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+        *shared.events.lock().expect("events") = Some(tx.clone());
+        let writer = tokio::spawn(async move {
+            while let Some(line) = rx.recv().await {
+                if w.write_all(line.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let _ = tx.send("{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n".into());
+        let mut lines = BufReader::new(r).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let Ok(cmd) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            let name = cmd["execute"].as_str().unwrap_or_default().to_owned();
+            shared.update(|s| s.commands.push(name.clone()));
+            let reply = match execute(&shared, &name, &cmd["arguments"]).await {
+                Ok(value) => json!({"return": value, "id": cmd["id"]}),
+                Err(desc) => json!({
+                    "error": {"class": "GenericError", "desc": desc},
+                    "id": cmd["id"],
+                }),
+            };
+            let _ = tx.send(format!("{reply}\n"));
+            if name == "quit" {
+                break;
+            }
+        }
+        drop(tx);
+        let _ = writer.await;
+    }
+}
+
+async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value, String> {
+    let seen = shared.update(|s| s.clone());
+    match name {
+        "qmp_capabilities" | "migrate-set-capabilities" | "migrate-set-parameters" => Ok(json!({})),
+        "query-status" => Ok(json!({"running": seen.running(), "status": seen.status})),
+        "query-memory-size-summary" => Ok(json!({"base-memory": RAM_BYTES})),
+        "query-migrate" => Ok(query_migrate(shared, &seen)),
+        "migrate" => {
+            let Role::Source(stream) = &shared.role else {
+                return Err("not a source".into());
+            };
+            let path = unix_path(args)?;
+            shared.update(|s| s.migration = Some("active".into()));
+            tokio::spawn(send_stream(shared.clone(), stream.clone(), path));
+            Ok(json!({}))
+        }
+        "migrate_cancel" => {
+            shared.cancel.send_replace(true);
+            Ok(json!({}))
+        }
+        "migrate-incoming" => {
+            let Role::Destination(expected) = &shared.role else {
+                return Err("not a destination".into());
+            };
+            let path = unix_path(args)?;
+            let listener = UnixListener::bind(&path).map_err(|e| format!("bind: {e}"))?;
+            shared.update(|s| s.migration = Some("active".into()));
+            tokio::spawn(load_stream(shared.clone(), expected.clone(), listener));
+            Ok(json!({}))
+        }
+        "cont" => {
+            if seen.status == "inmigrate" && seen.migration.as_deref() != Some("completed") {
+                return Err("the VM has not been loaded yet".into());
+            }
+            shared.gates.cont.pass().await;
+            shared.update(|s| s.status = "running".into());
+            shared.event("RESUME", json!({}));
+            Ok(json!({}))
+        }
+        "quit" => {
+            shared.update(|s| s.status = "shutdown".into());
+            Ok(json!({}))
+        }
+        // What a real QEMU has and this one does not: the engine must get by without it
+        // (known-zero discovery, the seed image).
+        other => Err(format!("the fake QEMU has no {other}")),
+    }
+}
+
+fn query_migrate(shared: &Shared, seen: &Seen) -> Value {
+    let Some(status) = &seen.migration else {
+        return json!({});
+    };
+    let total = match &shared.role {
+        Role::Source(stream) | Role::Destination(stream) => stream.len() as u64,
+    };
+    json!({
+        "status": status,
+        "error-desc": seen.error,
+        "ram": {
+            "transferred": seen.stream_bytes,
+            "remaining": total.saturating_sub(seen.stream_bytes),
+            "total": RAM_BYTES,
+            "dirty-sync-count": 1,
+        },
+    })
+}
+
+fn unix_path(args: &Value) -> Result<PathBuf, String> {
+    args["uri"]
+        .as_str()
+        .and_then(|u| u.strip_prefix("unix:"))
+        .map(PathBuf::from)
+        .ok_or_else(|| format!("unsupported uri {}", args["uri"]))
+}
+
+/// The source's migration: the stream into the agent's socket, then QEMU's end of it.
+async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
+    let mut cancel = shared.cancel.subscribe();
+    let fail = |why: String| {
+        shared.update(|s| {
+            s.migration = Some("failed".into());
+            s.error = Some(why);
+            s.status = "running".into();
+        });
+    };
+    let mut conn = match UnixStream::connect(&path).await {
+        Ok(conn) => conn,
+        Err(e) => return fail(format!("connect {}: {e}", path.display())),
+    };
+    let mut at = 0usize;
+    let last_piece = stream.len().saturating_sub(PIECE);
+    while at < stream.len() {
+        if let Some((offset, gate)) = &shared.gates.stream_at {
+            if at as u64 <= *offset && *offset < (at + PIECE) as u64 {
+                gate.pass().await;
+            }
+        }
+        if at >= last_piece && shared.update(|s| s.status == "running") {
+            // The last pass: the VM stops.
+            shared.update(|s| s.status = "finish-migrate".into());
+            shared.event("STOP", json!({}));
+        }
+        let end = (at + PIECE).min(stream.len());
+        tokio::select! {
+            r = conn.write_all(&stream[at..end]) => if let Err(e) = r {
+                return fail(format!("writing the stream: {e}"));
+            },
+            _ = cancel.wait_for(|&c| c) => {
+                shared.update(|s| {
+                    s.migration = Some("cancelled".into());
+                    s.status = "running".into();
+                });
+                return;
+            }
+        }
+        at = end;
+        shared.update(|s| s.stream_bytes = at as u64);
+    }
+    let _ = conn.shutdown().await;
+    shared.update(|s| {
+        s.migration = Some("completed".into());
+        s.status = "postmigrate".into();
+    });
+    shared.event("MIGRATION", json!({"status": "completed"}));
+}
+
+/// The destination's load: the whole stream, then whether it was the one expected.
+async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: UnixListener) {
+    let Ok((mut conn, _)) = listener.accept().await else {
+        return;
+    };
+    let mut got = Vec::with_capacity(expected.len());
+    let mut buf = vec![0u8; 64 << 10];
+    while got.len() < expected.len() {
+        match conn.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                got.extend_from_slice(&buf[..n]);
+                shared.update(|s| s.stream_bytes = got.len() as u64);
+            }
+        }
+    }
+    shared.gates.load.pass().await;
+    let loaded = got == *expected;
+    shared.update(|s| {
+        s.loaded = loaded;
+        if loaded {
+            s.migration = Some("completed".into());
+            s.status = "paused".into();
+        } else {
+            s.migration = Some("failed".into());
+            let at = got
+                .iter()
+                .zip(expected.iter())
+                .take_while(|(a, b)| a == b)
+                .count();
+            s.error = Some(format!("load of migration failed: bad stream at byte {at}"));
+        }
+    });
+}

@@ -1,0 +1,348 @@
+//! The migration engine below end to end: two real agents in this process (their API, peer
+//! endpoint, session, codec, source and destination), a real captured QEMU stream, and fake
+//! QEMUs that speak QMP and hold at gates so that a fault lands in a chosen phase. No root, no
+//! QEMU, a few seconds each: they run first in CI.
+//!
+//! What each test shows is one cell of docs/GUARANTEES.md's fault matrix: which VM runs, the
+//! migration's final state and message. "Runs" is the fake QEMU's own state: resumed by `cont`
+//! at the destination, still (or again) running at the source.
+
+mod agents;
+mod fake_qemu;
+mod link;
+
+use std::time::Duration;
+
+use ferry_api::agent::{CodecSettings, MigrationState, Phase};
+use ferry_api::settings::MigrationSettings;
+use sha2::{Digest, Sha256};
+
+use agents::{captured_stream, Pair};
+use fake_qemu::Gates;
+
+/// Short enough that the tests of a dead peer end quickly.
+const WAN_TIMEOUT_S: u64 = 3;
+
+fn settings() -> MigrationSettings {
+    MigrationSettings {
+        wan_timeout_s: WAN_TIMEOUT_S,
+        ..MigrationSettings::default()
+    }
+}
+
+/// Somewhere in the memory passes (the stream is 733 KB).
+const MID_STREAM: u64 = 300_000;
+
+/// Polls `ready` until it holds (within a minute).
+async fn wait_until(what: &str, ready: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The migration committed: the destination QEMU loaded exactly the source's bytes and runs,
+/// the source QEMU was quit and never resumed.
+fn assert_committed(pair: &Pair, status: &ferry_api::agent::MigrationStatus) {
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    assert_eq!(status.phase, Phase::Committed, "{status:?}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(destination.loaded, "{destination:?}");
+    assert!(destination.running(), "{destination:?}");
+    assert!(source.ran("quit"), "{source:?}");
+    assert!(!source.ran("cont"), "{source:?}");
+    let digest = format!("{:x}", Sha256::digest(&*captured_stream()));
+    assert_eq!(
+        status.digest.as_deref(),
+        Some(digest.as_str()),
+        "{status:?}"
+    );
+}
+
+/// The migration failed with `message` in its error, the source runs, and the destination's
+/// QEMU was told to quit without ever running.
+fn assert_source_runs(pair: &Pair, status: &ferry_api::agent::MigrationStatus, message: &str) {
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.as_deref().unwrap_or_default();
+    assert!(error.contains(message), "{error}");
+    assert!(error.contains("the source VM keeps running"), "{error}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(source.running(), "{source:?}");
+    assert!(!source.ran("quit"), "{source:?}");
+    assert!(!destination.running(), "{destination:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_commits_with_every_byte_in_each_codec_and_connection_count() {
+    for (codec, connections) in [(CodecSettings::ALL, 1), (CodecSettings::NONE, 4)] {
+        let pair = Pair::up(Gates::default(), Gates::default());
+        let id = pair
+            .migrate(MigrationSettings {
+                codec,
+                connections,
+                ..settings()
+            })
+            .await;
+        let status = pair.finished(&id).await;
+        assert_committed(&pair, &status);
+        assert_eq!(status.stream_bytes, captured_stream().len() as u64);
+        assert!(pair.destination.seen().ran("cont"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_frame_fails_the_digest_and_the_source_resumes() {
+    let pair = Pair::up(Gates::default(), Gates::default());
+    let id = pair
+        .migrate(MigrationSettings {
+            test_corrupt_at: Some(MID_STREAM),
+            ..settings()
+        })
+        .await;
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "stream digest mismatch");
+    // The source had stopped for its last pass: it was resumed.
+    assert!(pair.source.seen().ran("cont"));
+    assert!(pair.destination.seen().ran("quit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_destination_qemu_cannot_load_fails_and_the_source_resumes() {
+    let pair = Pair::up_expecting(Gates::default(), Gates::default(), agents::idle_stream());
+    let id = pair.migrate(settings()).await;
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "destination QEMU failed to load the stream");
+    assert!(pair.destination.seen().ran("quit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_during_the_memory_passes_resumes_the_source() {
+    let pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    let id = pair.migrate(settings()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    pair.a.client().cancel(&id).await.expect("cancel is taken");
+    pair.source.gates().stream().open();
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "cancelled by the user");
+    assert!(pair.source.seen().ran("migrate_cancel"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_after_the_streams_end_went_out_is_refused_and_the_migration_commits() {
+    let pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.wait(&id, "awaiting the commit", |s| {
+        s.phase == Phase::AwaitingCommit
+    })
+    .await;
+    let refused = pair.a.client().cancel(&id).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("can no longer be cancelled"),
+        "{refused:#}"
+    );
+    pair.destination.gates().load.open();
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_qemu_killed_mid_stream_fails_it_and_nothing_runs_at_the_destination() {
+    let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    let id = pair.migrate(settings()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    pair.source.kill();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    wait_until("the destination quits its QEMU", || {
+        pair.destination.seen().ran("quit")
+    })
+    .await;
+    assert!(!pair.destination.seen().running());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destination_qemu_killed_before_the_commit_fails_it_and_the_source_resumes() {
+    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.destination.kill();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.clone().unwrap_or_default();
+    assert!(error.contains("the destination aborted"), "{error}");
+    let source = pair.source.seen();
+    assert!(source.running() && source.ran("cont"), "{source:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destination_agent_killed_mid_stream_fails_it_at_the_wan_timeout() {
+    let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    let id = pair.migrate(settings()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    // QEMU still has passes to send when the destination goes (if the rest of the stream and
+    // its end fit in the send window, the source is in doubt instead: see below).
+    pair.b.kill();
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "the WAN timeout");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destination_agent_killed_after_the_streams_end_leaves_the_source_paused_in_doubt() {
+    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.wait(&id, "awaiting the commit", |s| {
+        s.phase == Phase::AwaitingCommit
+    })
+    .await;
+    pair.b.kill();
+    pair.destination.gates().load.open();
+    // Without the destination's verdict the source may not run: the destination might.
+    let status = pair
+        .wait(&id, "in doubt", |s| s.phase == Phase::InDoubt)
+        .await;
+    assert_eq!(status.state, MigrationState::Running, "{status:?}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(!source.running() && !source.ran("cont"), "{source:?}");
+    assert!(!destination.running(), "{destination:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_dark_for_5s_or_reset_mid_stream_does_not_fail_it() {
+    for reset in [false, true] {
+        let pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+        let id = pair
+            .migrate(MigrationSettings {
+                wan_timeout_s: 30,
+                ..settings()
+            })
+            .await;
+        pair.source
+            .gates()
+            .stream()
+            .wait_reached("the stream's middle")
+            .await;
+        if reset {
+            pair.link.cut();
+        } else {
+            pair.link.darken();
+        }
+        pair.source.gates().stream().open();
+        if !reset {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            // The middlebox forgot the connections while it was dark.
+            pair.link.cut();
+            pair.link.light();
+        }
+        let status = pair.finished(&id).await;
+        assert_committed(&pair, &status);
+        assert!(status.wire.reconnects >= 1, "{status:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_dark_beyond_the_wan_timeout_mid_stream_fails_it_and_the_source_resumes() {
+    let pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    let id = pair.migrate(settings()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    pair.link.darken();
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "the WAN timeout");
+    // The destination gave up too: its QEMU was told to quit.
+    wait_until("the destination quits its QEMU", || {
+        pair.destination.seen().ran("quit")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_dark_while_the_destination_commits_leaves_the_source_in_doubt_until_it_hears() {
+    let pair = Pair::up(Gates::default(), Gates::cont_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .cont
+        .wait_reached("the destination's cont")
+        .await;
+    pair.link.darken();
+    pair.destination.gates().cont.open();
+    let status = pair
+        .wait(&id, "in doubt", |s| s.phase == Phase::InDoubt)
+        .await;
+    assert_eq!(status.state, MigrationState::Running, "{status:?}");
+    assert!(!pair.source.seen().running());
+    // The destination runs; once the link is back the source hears it and quits.
+    pair.link.cut();
+    pair.link.light();
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_agent_killed_mid_stream_leaves_the_source_running() {
+    let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    pair.migrate(settings()).await;
+    pair.source.gates().stream().wait_reached("the stream's middle").await;
+    pair.a.kill();
+    pair.source.gates().stream().open();
+    // QEMU's migration fails on the closed socket and its VM runs on; the destination gives up
+    // at the WAN timeout.
+    wait_until("the source QEMU's migration fails", || {
+        pair.source.seen().migration.as_deref() == Some("failed")
+    })
+    .await;
+    assert!(pair.source.seen().running());
+    wait_until("the destination quits its QEMU", || {
+        pair.destination.seen().ran("quit")
+    })
+    .await;
+    assert!(!pair.destination.seen().running());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_agent_killed_after_the_streams_end_leaves_only_the_destination_running() {
+    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination.gates().load.wait_reached("the destination's load").await;
+    pair.wait(&id, "awaiting the commit", |s| s.phase == Phase::AwaitingCommit)
+        .await;
+    pair.a.kill();
+    pair.destination.gates().load.open();
+    // The destination holds the whole verified stream: it commits without the source.
+    wait_until("the destination runs", || pair.destination.seen().running()).await;
+    let source = pair.source.seen();
+    assert!(!source.running() && !source.ran("cont"), "{source:?}");
+}
