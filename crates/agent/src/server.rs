@@ -22,9 +22,10 @@ use tokio::net::{TcpListener, UnixListener};
 
 use crate::config::AgentConfig;
 use crate::engine::control::{self, Control};
+use crate::engine::journal::Journal;
 use crate::engine::monitor_dir::MonitorDir;
 use crate::engine::status::{now_ms, Registry, Shared};
-use crate::engine::{destination, source};
+use crate::engine::{destination, recovery, source};
 use crate::libvirt::Libvirt;
 use crate::refusal::Refusal;
 use crate::{libvirt_migration, tunnel};
@@ -55,6 +56,8 @@ pub(crate) struct Agent {
     /// This host's domains with swap on peers.
     pub(crate) swaps: crate::borrow::Swaps,
     pub(crate) fleet_swaps: crate::fleet_swap::FleetSwaps,
+    /// The migrations' records on disk ([`crate::engine::journal`]).
+    pub(crate) journal: Journal,
 }
 
 /// Runs the agent until it is killed.
@@ -90,6 +93,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         })
     });
     let lender = crate::lend::Lender::new(config.lend_bytes);
+    let journal = Journal::new(&config.work_dir);
     let agent = Arc::new(Agent {
         monitors: MonitorDir::new(config.qmp_dir.clone()),
         config,
@@ -104,7 +108,20 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         lender,
         swaps: crate::borrow::Swaps::default(),
         fleet_swaps: crate::fleet_swap::FleetSwaps::default(),
+        journal,
     });
+    // What a killed predecessor left: settled before peers are served (the destination's
+    // side), or in tasks of their own (a source asking for verdicts).
+    recovery::recover_incoming(&agent.journal).await;
+    let peer_of = |name: &str| {
+        agent.config.peers.get(name).map(|p| recovery::PeerLink {
+            name: name.to_owned(),
+            address: p.address.clone(),
+            tls: agent.client_tls.clone(),
+            pool: agent.pool.clone(),
+        })
+    };
+    recovery::recover_outgoing(&agent.journal, &agent.migrations, peer_of).await;
     tracing::info!(
         "agent {} listening for peers on {} and for the CLI on {}",
         agent.config.name,
@@ -253,9 +270,15 @@ impl Agent {
             tracing::warn!("session {id} has ended; connection refused");
             return None;
         }
+
         let mut sessions = self.sessions.lock().expect("lock");
         if let Some(s) = sessions.get(&id) {
             return Some(s.clone());
+        }
+        // Ended before this process started: its record survived the restart.
+        if self.journal.incoming(id).ok().flatten().is_some() {
+            tracing::warn!("session {id} has a record from before a restart; connection refused");
+            return None;
         }
         if sessions.len() >= MAX_INCOMING_SESSIONS {
             tracing::warn!(
@@ -294,11 +317,28 @@ impl Agent {
                     )
                     .await;
                 }
+                Ok(Ok(Control::Verdict { of, .. })) => {
+                    let live = agent.sessions.lock().expect("lock").contains_key(&of);
+                    let verdict = recovery::verdict_for(&agent.journal, of, live).await;
+                    tracing::info!("session {id}: the source asks about session {of}: {verdict:?}");
+                    if control::send(&s, &Control::VerdictIs { verdict })
+                        .await
+                        .is_ok()
+                    {
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(10),
+                            s.flushed(control::CONTROL),
+                        )
+                        .await;
+                    }
+                    control::park_and_end(&s, "verdict given").await;
+                }
                 Ok(Ok(first)) => {
                     let dirs = destination::Dirs {
                         work: agent.config.work_dir.clone(),
                         seeds: agent.config.seed_dir.clone(),
                         monitors: agent.monitors.clone(),
+                        journal: agent.journal.clone(),
                     };
                     destination::run(s, dirs, first).await;
                 }
@@ -561,6 +601,7 @@ fn launch(
         status.clone(),
         agent.client_tls.clone(),
         agent.pool.clone(),
+        agent.journal.clone(),
         agent.config.work_dir.clone(),
         agent.config.seed_dir.clone(),
         agent.config.seed_budget_bytes,

@@ -47,7 +47,9 @@ pub struct DiskPlan {
 /// refuses a tunnel of another version.
 /// 5: tunnels name their slot (concurrent driven migrations to one peer).
 /// 6: swap tunnels (memory lent to a peer's VM, [`crate::lend`]).
-pub const CONTROL_VERSION: u32 = 6;
+/// 7: `Verdict` and `VerdictIs` (a source in doubt asks the destination what became of a
+/// session).
+pub const CONTROL_VERSION: u32 = 7;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -160,6 +162,19 @@ pub enum Control {
         #[serde(default)]
         slot: u32,
     },
+    /// Source, instead of `Prepare`, on a session of its own: what became of the migration
+    /// that ran on session `of` (the source is in doubt: it sent the stream's end and heard
+    /// nothing since, or it restarted after sending it).
+    Verdict {
+        #[serde(default = "version_one")]
+        version: u32,
+        #[serde(with = "crate::engine::journal::session_hex")]
+        of: ferry_wire::SessionId,
+    },
+    /// Destination: the answer to `Verdict`.
+    VerdictIs {
+        verdict: crate::engine::journal::Verdict,
+    },
 }
 
 /// What a tunnelled connection reaches at the destination.
@@ -263,7 +278,7 @@ pub fn decode(bytes: &[u8]) -> Result<Control> {
         serde_json::from_slice(bytes).context("malformed control message from the peer")?;
     if matches!(
         value.get("type").and_then(|t| t.as_str()),
-        Some("prepare" | "tunnel")
+        Some("prepare" | "tunnel" | "verdict")
     ) {
         let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(1);
         if version != u64::from(CONTROL_VERSION) {
@@ -328,6 +343,20 @@ mod tests {
             err.to_string(),
             "the destination announced a 1099511627776-byte seed index, more than the 1048576 \
              bytes it can take for this VM"
+        );
+    }
+
+    #[test]
+    fn a_verdict_question_names_its_session_whole() {
+        let of = ferry_wire::SessionId(u128::MAX - 1);
+        let msg = Control::Verdict {
+            version: CONTROL_VERSION,
+            of,
+        };
+        let back = decode(&serde_json::to_vec(&msg).unwrap()).unwrap();
+        assert!(
+            matches!(back, Control::Verdict { of: o, .. } if o == of),
+            "{back:?}"
         );
     }
 

@@ -21,11 +21,13 @@ use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM}
 use crate::engine::disk::apply::DestinationDisks;
 use crate::engine::disk::backing::backing_of;
 use crate::engine::feeder::{self, Feeder};
+use crate::engine::journal::{IncomingRecord, IncomingState, Journal};
 use crate::engine::known_zero::{self, ZeroPages};
 use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::seed_store;
+use crate::engine::status::now_ms;
 use crate::engine::stream_codec::{self, StreamDecoder};
 
 /// The seed index goes to the source in pieces of this size.
@@ -33,10 +35,29 @@ const SEED_PIECE: usize = 256 << 10;
 
 /// Serves one incoming migration (its session's first message was `prepare`) to its end.
 pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
-    let (mut qmp, mut launched) = (None, None);
-    let result = serve(&session, prepare, &dirs, &mut qmp, &mut launched).await;
+    let (mut qmp, mut launched, mut record) = (None, None, None);
+    let result = serve(
+        &session,
+        prepare,
+        &dirs,
+        &mut qmp,
+        &mut launched,
+        &mut record,
+    )
+    .await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
+        if let Some(record) = record {
+            let aborted = IncomingRecord {
+                state: IncomingState::Aborted,
+                reason: Some(format!("{e:#}")),
+                updated_unix_ms: now_ms(),
+                ..record
+            };
+            if let Err(e) = dirs.journal.write_incoming(&aborted) {
+                tracing::error!("session {}: {e:#}", session.id());
+            }
+        }
         // Not committed: the destination VM goes; one this agent started, whether or not its
         // monitor answers.
         if let Some(qmp) = &qmp {
@@ -73,6 +94,8 @@ pub struct Dirs {
     pub seeds: PathBuf,
     /// The VMs' monitors: where a QEMU this agent starts gets its own.
     pub monitors: Arc<MonitorDir>,
+    /// Where the migration's record goes.
+    pub journal: Journal,
 }
 
 /// A QEMU this agent started for the VM arriving (its monitor's place, its pid).
@@ -84,6 +107,7 @@ async fn serve(
     dirs: &Dirs,
     qmp_slot: &mut Option<Qmp>,
     launched: &mut Launched,
+    record_slot: &mut Option<IncomingRecord>,
 ) -> Result<()> {
     let (work_dir, seed_dir) = (dirs.work.as_path(), dirs.seeds.as_path());
     let Control::Prepare {
@@ -113,18 +137,38 @@ async fn serve(
         let (dir, name) = (seed_dir.to_owned(), seed_from.unwrap_or_else(|| vm.clone()));
         tokio::task::spawn_blocking(move || seed_store::load(&dir, &name))
     });
-    let destination_qmp = match destination {
-        Incoming::Qmp(path) => path,
+    // The record goes down before the QEMU is touched: a session without one never resumed a
+    // VM here (see `journal`).
+    let mut record = |qmp: &Path| -> Result<IncomingRecord> {
+        let record = record_slot.insert(IncomingRecord {
+            session: session.id(),
+            vm: vm.clone(),
+            qmp: qmp.to_owned(),
+            state: IncomingState::Receiving,
+            reason: None,
+            updated_unix_ms: now_ms(),
+        });
+        dirs.journal
+            .write_incoming(record)
+            .context("recording the incoming migration")?;
+        Ok(record.clone())
+    };
+    let (destination_qmp, mut record) = match destination {
+        Incoming::Qmp(path) => {
+            let record = record(&path)?;
+            (path, record)
+        }
         Incoming::Launch(argv) => {
             // The VM gets its monitor where the host's VMs have theirs, named after it; until
             // the commit it is not listed as this host's.
             let arrival = dirs.monitors.claim(&vm).await?;
             let socket = arrival.socket.clone();
+            let record = record(&socket)?;
             let (arrival, pid) = launched.insert((arrival, None));
             *pid = launcher::start(&argv, &arrival.socket, &arrival.pidfile)
                 .await?
                 .pid;
-            socket
+            (socket, record)
         }
     };
     let qmp = Qmp::connect(&destination_qmp)
@@ -407,9 +451,22 @@ async fn serve(
         );
     }
     // The commit point: digests match and QEMU loaded. From here the source never runs again.
+    // Recorded first: an agent restarted from here on resumes the VM rather than quitting it.
+    record.state = IncomingState::Committing;
+    record.updated_unix_ms = now_ms();
+    dirs.journal
+        .write_incoming(&record)
+        .context("recording the commit")?;
+    *record_slot = Some(record.clone());
     qmp.execute(&Cont)
         .await
         .context("resuming the destination")?;
+    record.state = IncomingState::Committed;
+    record.updated_unix_ms = now_ms();
+    *record_slot = None;
+    if let Err(e) = dirs.journal.write_incoming(&record) {
+        tracing::error!("session {}: committed; {e:#}", session.id());
+    }
     let resume = qmp
         .wait_event("RESUME", |_| true, Duration::from_secs(10))
         .await

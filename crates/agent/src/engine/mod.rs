@@ -19,17 +19,22 @@
 //! - [`tunnel_stream`]: QEMU's stream in a libvirt tunnel: coded, and fed to QEMU only under
 //!   matching digests.
 //! - [`control`]: the messages between the two sides, versioned.
+//! - [`journal`]: each migration's record on disk, at the points that decide what a restart
+//!   must do; [`recovery`]: what an agent that restarts does with the records it finds, and
+//!   the verdicts a source in doubt asks for.
 //! - [`status`]: a migration's shared status: its typed phase, events and cancellation.
 
 pub mod control;
 pub mod destination;
 pub mod disk;
 pub mod feeder;
+pub mod journal;
 pub mod known_zero;
 pub mod launcher;
 pub mod load_sieve;
 pub mod monitor_dir;
 pub mod page_ledger;
+pub mod recovery;
 pub mod seed_store;
 pub mod source;
 pub mod status;

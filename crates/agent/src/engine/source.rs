@@ -29,9 +29,11 @@ use tokio::sync::mpsc;
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::engine::disk;
 use crate::engine::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
+use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
+use crate::engine::recovery::{self, PeerLink};
 use crate::engine::seed_store;
-use crate::engine::status::{Events, Shared};
+use crate::engine::status::{now_ms, Events, Shared};
 use crate::engine::stream_codec::{self, StreamEncoder};
 use crate::engine::switchover;
 
@@ -58,6 +60,7 @@ pub async fn run(
     status: Shared,
     tls: Arc<ClientConfig>,
     pool: Arc<Pool>,
+    journal: Journal,
     work_dir: PathBuf,
     seed_dir: PathBuf,
     seed_budget_bytes: u64,
@@ -68,6 +71,7 @@ pub async fn run(
         &status,
         tls,
         pool,
+        &journal,
         &work_dir,
         &seed_dir,
         seed_budget_bytes,
@@ -96,6 +100,7 @@ async fn migrate(
     status: &Shared,
     tls: Arc<ClientConfig>,
     pool: Arc<Pool>,
+    journal: &Journal,
     work_dir: &Path,
     seed_dir: &Path,
     seed_budget_bytes: u64,
@@ -127,8 +132,29 @@ async fn migrate(
         plans
     };
 
-    // The session and its connections.
+    // The session and its connections; the migration's record (see `journal`).
     let id = SessionId::random();
+    let started = status.get();
+    let mut record = OutgoingRecord {
+        id: started.id,
+        vm: req.vm.clone(),
+        session: id,
+        source_qmp: req.source_qmp.clone(),
+        to: req.to.clone(),
+        state: OutgoingState::Streaming,
+        reason: None,
+        started_unix_ms: started.started_unix_ms,
+        updated_unix_ms: now_ms(),
+    };
+    journal
+        .write_outgoing(&record)
+        .context("recording the migration")?;
+    let asked = PeerLink {
+        name: req.to.clone(),
+        address: peer_address.to_owned(),
+        tls: tls.clone(),
+        pool: pool.clone(),
+    };
     status.enter(
         Phase::Connecting,
         format!("connecting to {} ({peer_address})", req.to),
@@ -296,7 +322,7 @@ async fn migrate(
             d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
             status.update(|s| s.event(EventKind::DiskReady, ""));
         }
-        stream(
+        let (bytes, sha256) = stream(
             req,
             status,
             &qmp,
@@ -310,9 +336,36 @@ async fn migrate(
             wan_timeout,
             deadline,
         )
-        .await
+        .await?;
+        // From the stream's end on only the destination decides: recorded first, so that
+        // a restart asks it rather than resuming the VM here.
+        record.state = OutgoingState::EndSent;
+        record.updated_unix_ms = now_ms();
+        journal
+            .write_outgoing(&record)
+            .context("recording the stream's end")?;
+        control::send(
+            &session,
+            &Control::End {
+                bytes,
+                sha256: sha256.clone(),
+            },
+        )
+        .await?;
+        Ok(sha256)
     }
     .await;
+    let settle = |state: OutgoingState, reason: Option<String>| {
+        let settled = OutgoingRecord {
+            state,
+            reason,
+            updated_unix_ms: now_ms(),
+            ..record.clone()
+        };
+        if let Err(e) = journal.write_outgoing(&settled) {
+            tracing::error!("migration {}: {e:#}", settled.id);
+        }
+    };
 
     let end = match result {
         Ok(end) => end,
@@ -336,8 +389,11 @@ async fn migrate(
             let _ = tokio::time::timeout(Duration::from_secs(2), session.flushed(control::CONTROL))
                 .await;
             session.fail(format!("{e:#}"));
-            ensure_running(&qmp).await?;
-            return Err(e.context("the source VM keeps running"));
+            let resumed = ensure_running(&qmp).await;
+            let e = e.context("the source VM keeps running");
+            settle(OutgoingState::Failed, Some(format!("{e:#}")));
+            resumed?;
+            return Err(e);
         }
     };
 
@@ -347,6 +403,9 @@ async fn migrate(
         s.detail = "waiting for the destination's verdict".into();
         s.digest = Some(end.clone());
     });
+    // The verdict comes on the session, or, once it has been silent for the WAN timeout, from
+    // asking the destination on a new one (its agent may have restarted and lost this one).
+    let mut last_asked: Option<Instant> = None;
     let verdict = loop {
         tokio::select! {
             msg = ctl.recv() => break msg,
@@ -356,6 +415,18 @@ async fn migrate(
                         "no contact with the destination for {}s after the stream ended; \
                          the source stays paused until the destination's verdict arrives",
                         session.idle_for().as_secs()));
+                    if last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY) {
+                        last_asked = Some(Instant::now());
+                        match recovery::ask_verdict(&asked, id).await {
+                            Ok(Verdict::Committed) => break Some(Control::Committed {
+                                resume_unix_us: 0,
+                                switchover: None,
+                            }),
+                            Ok(Verdict::Aborted { reason }) => break Some(Control::Abort { reason }),
+                            Ok(other) => tracing::info!("in doubt: the destination says {other:?}"),
+                            Err(e) => tracing::debug!("in doubt: asking the destination: {e:#}"),
+                        }
+                    }
                 }
                 if Instant::now() > deadline + Duration::from_secs(3600) {
                     session.fail("in doubt");
@@ -370,8 +441,9 @@ async fn migrate(
             resume_unix_us,
             switchover,
         }) => {
+            settle(OutgoingState::Committed, None);
             status.update(|s| {
-                s.destination_resume_unix_us = Some(resume_unix_us);
+                s.destination_resume_unix_us = (resume_unix_us != 0).then_some(resume_unix_us);
                 s.destination_switchover = switchover;
                 s.event(EventKind::Committed, "destination runs");
             });
@@ -409,8 +481,10 @@ async fn migrate(
         }
         Some(Control::Abort { reason }) => {
             session.fail(reason.clone());
+            let message = format!("the destination aborted: {reason}; the source VM keeps running");
+            settle(OutgoingState::Failed, Some(message.clone()));
             ensure_running(&qmp).await?;
-            bail!("the destination aborted: {reason}; the source VM keeps running")
+            bail!("{message}")
         }
         other => {
             session.fail("protocol error");
@@ -479,7 +553,7 @@ async fn stream(
     disks: Option<&mut SourceDisks>,
     wan_timeout: Duration,
     deadline: Instant,
-) -> Result<String> {
+) -> Result<(u64, String)> {
     let sock = work_dir.join(format!("{}.src.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
@@ -689,15 +763,7 @@ async fn stream(
     if !status.close_cancel() {
         bail!("cancelled by the user");
     }
-    control::send(
-        session,
-        &Control::End {
-            bytes,
-            sha256: sha256.clone(),
-        },
-    )
-    .await?;
-    Ok(sha256)
+    Ok((bytes, sha256))
 }
 
 /// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item
@@ -774,7 +840,7 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Res
 
 /// Resumes the source VM after a failed attempt (QEMU resumes it itself after most failures;
 /// this covers the rest).
-async fn ensure_running(qmp: &Qmp) -> Result<()> {
+pub(crate) async fn ensure_running(qmp: &Qmp) -> Result<()> {
     for _ in 0..100 {
         let st = qmp.execute(&QueryStatus).await?;
         if st.running {

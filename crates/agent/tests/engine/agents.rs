@@ -54,6 +54,12 @@ impl Agent {
         AgentClient::new(&self.config.api_socket)
     }
 
+    /// Started again from the same config, as after a crash: only what it wrote to disk is left.
+    pub fn restart(&mut self) {
+        self.kill();
+        *self = Agent::start(self.config.clone());
+    }
+
     /// Everything the agent holds in memory is gone, its sockets closed.
     pub fn kill(&mut self) {
         if let Some(rt) = self.rt.take() {

@@ -281,6 +281,8 @@ async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
                 break;
             }
         }
+        // The next client gets its own queue; this one's writer ends with its last sender.
+        *shared.events.lock().expect("events") = None;
         drop(tx);
         let _ = writer.await;
     }

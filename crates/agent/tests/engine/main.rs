@@ -315,7 +315,11 @@ async fn a_link_dark_while_the_destination_commits_leaves_the_source_in_doubt_un
 async fn the_source_agent_killed_mid_stream_leaves_the_source_running() {
     let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
     pair.migrate(settings()).await;
-    pair.source.gates().stream().wait_reached("the stream's middle").await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
     pair.a.kill();
     pair.source.gates().stream().open();
     // QEMU's migration fails on the closed socket and its VM runs on; the destination gives up
@@ -336,13 +340,97 @@ async fn the_source_agent_killed_mid_stream_leaves_the_source_running() {
 async fn the_source_agent_killed_after_the_streams_end_leaves_only_the_destination_running() {
     let mut pair = Pair::up(Gates::default(), Gates::load_held());
     let id = pair.migrate(settings()).await;
-    pair.destination.gates().load.wait_reached("the destination's load").await;
-    pair.wait(&id, "awaiting the commit", |s| s.phase == Phase::AwaitingCommit)
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
         .await;
+    pair.wait(&id, "awaiting the commit", |s| {
+        s.phase == Phase::AwaitingCommit
+    })
+    .await;
     pair.a.kill();
     pair.destination.gates().load.open();
     // The destination holds the whole verified stream: it commits without the source.
     wait_until("the destination runs", || pair.destination.seen().running()).await;
     let source = pair.source.seen();
     assert!(!source.running() && !source.ran("cont"), "{source:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_agent_restarted_after_the_streams_end_settles_it_and_the_source_resumes() {
+    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.wait(&id, "awaiting the commit", |s| {
+        s.phase == Phase::AwaitingCommit
+    })
+    .await;
+    pair.b.kill();
+    pair.destination.gates().load.open();
+    // Its record says it never got as far as resuming the VM: the restarted agent quits the
+    // QEMU it left, and tells the source, which asks once it is in doubt.
+    pair.b.restart();
+    let status = pair.finished(&id).await;
+    assert_source_runs(
+        &pair,
+        &status,
+        "the destination agent restarted before the commit",
+    );
+    assert!(pair.destination.seen().ran("quit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_agent_restarted_after_the_streams_end_asks_the_destination_and_quits_the_source()
+{
+    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.wait(&id, "awaiting the commit", |s| {
+        s.phase == Phase::AwaitingCommit
+    })
+    .await;
+    pair.a.kill();
+    pair.destination.gates().load.open();
+    wait_until("the destination runs", || pair.destination.seen().running()).await;
+    // The restarted agent lists the migration under its id, asks the destination, and quits
+    // the source QEMU it left paused.
+    pair.a.restart();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    assert_eq!(status.error, None, "{status:?}");
+    let source = pair.source.seen();
+    assert!(source.ran("quit") && !source.ran("cont"), "{source:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_agent_restarted_mid_stream_lists_the_migration_failed_with_the_source_running() {
+    let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    let id = pair.migrate(settings()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    pair.a.kill();
+    pair.source.gates().stream().open();
+    pair.a.restart();
+    let status = pair.finished(&id).await;
+    assert_source_runs(
+        &pair,
+        &status,
+        "the source agent restarted before the stream's end went out",
+    );
+    wait_until("the destination quits its QEMU", || {
+        pair.destination.seen().ran("quit")
+    })
+    .await;
 }

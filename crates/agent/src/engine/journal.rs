@@ -1,0 +1,292 @@
+//! What an agent writes down about each migration, so that one killed and restarted finds it
+//! and settles it: never a VM paused at both ends ([`crate::engine::recovery`]). One small JSON
+//! file per migration and side, replaced whole (a temporary file, fsync, rename, fsync of the
+//! directory) at the points that decide what a restart must do:
+//!
+//! - destination: `receiving` before its QEMU is started or adopted; `committing` before
+//!   `cont`; then `committed` or `aborted`. So a session without a record, or whose record
+//!   never passed `receiving`, never resumed a VM here: that is what lets the destination
+//!   answer a source in doubt ([`Verdict`]).
+//! - source: `streaming` once the session exists; `end-sent` before the stream's end goes out
+//!   (from then on only the destination decides); then `committed` or `failed`.
+//!
+//! Records of finished migrations are kept (the newest [`KEPT_FINISHED`] of each side), for
+//! late questions and for `ferry migrations` after a restart.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use ferry_wire::SessionId;
+use serde::{Deserialize, Serialize};
+
+/// Finished records kept per side; older ones are removed.
+pub const KEPT_FINISHED: usize = 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IncomingState {
+    Receiving,
+    Committing,
+    Committed,
+    Aborted,
+}
+
+/// The destination's record of an incoming migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncomingRecord {
+    #[serde(with = "session_hex")]
+    pub session: SessionId,
+    pub vm: String,
+    /// The destination QEMU's monitor.
+    pub qmp: PathBuf,
+    pub state: IncomingState,
+    /// Why it was aborted, or what a restart found.
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub updated_unix_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OutgoingState {
+    Streaming,
+    EndSent,
+    Committed,
+    Failed,
+}
+
+/// The source's record of an outgoing migration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutgoingRecord {
+    /// The migration's id in this agent's API.
+    pub id: String,
+    pub vm: String,
+    #[serde(with = "session_hex")]
+    pub session: SessionId,
+    pub source_qmp: PathBuf,
+    /// The destination agent's name.
+    pub to: String,
+    pub state: OutgoingState,
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub started_unix_ms: u64,
+    pub updated_unix_ms: u64,
+}
+
+/// What the destination says of a session a source asks about.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "verdict", rename_all = "kebab-case")]
+pub enum Verdict {
+    /// The VM runs here: the source must quit its own.
+    Committed,
+    /// The VM was never resumed here, and now never will be: the source may resume its own.
+    Aborted { reason: String },
+    /// The migration is still going on here.
+    Pending,
+    /// The destination cannot tell (its QEMU went while it was being resumed): an operator
+    /// decides.
+    Unknown { reason: String },
+}
+
+/// A session id in JSON: its 32 hex digits, as logs print it (a JSON number cannot hold 128
+/// bits: parsers read it as a float).
+pub mod session_hex {
+    use ferry_wire::SessionId;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &SessionId, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&id.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SessionId, D::Error> {
+        let hex = String::deserialize(d)?;
+        u128::from_str_radix(&hex, 16)
+            .map(SessionId)
+            .map_err(|e| serde::de::Error::custom(format!("session id {hex:?}: {e}")))
+    }
+}
+
+/// An agent's records, under its work directory.
+#[derive(Debug, Clone)]
+pub struct Journal {
+    dir: PathBuf,
+}
+
+impl Journal {
+    pub fn new(work_dir: &Path) -> Journal {
+        Journal {
+            dir: work_dir.join("journal"),
+        }
+    }
+
+    fn incoming_path(&self, session: SessionId) -> PathBuf {
+        self.dir.join("incoming").join(format!("{session}.json"))
+    }
+
+    fn outgoing_path(&self, id: &str) -> PathBuf {
+        self.dir.join("outgoing").join(format!("{id}.json"))
+    }
+
+    pub fn write_incoming(&self, record: &IncomingRecord) -> Result<()> {
+        write_durably(&self.incoming_path(record.session), record)?;
+        if record.state != IncomingState::Receiving {
+            prune(&self.dir.join("incoming"), |r: &IncomingRecord| {
+                matches!(r.state, IncomingState::Committed | IncomingState::Aborted)
+            });
+        }
+        Ok(())
+    }
+
+    pub fn write_outgoing(&self, record: &OutgoingRecord) -> Result<()> {
+        write_durably(&self.outgoing_path(&record.id), record)?;
+        if matches!(
+            record.state,
+            OutgoingState::Committed | OutgoingState::Failed
+        ) {
+            prune(&self.dir.join("outgoing"), |r: &OutgoingRecord| {
+                matches!(r.state, OutgoingState::Committed | OutgoingState::Failed)
+            });
+        }
+        Ok(())
+    }
+
+    /// The record of incoming session `session`, if there is one.
+    pub fn incoming(&self, session: SessionId) -> Result<Option<IncomingRecord>> {
+        read(&self.incoming_path(session))
+    }
+
+    pub fn all_incoming(&self) -> Result<Vec<IncomingRecord>> {
+        read_all(&self.dir.join("incoming"))
+    }
+
+    pub fn all_outgoing(&self) -> Result<Vec<OutgoingRecord>> {
+        read_all(&self.dir.join("outgoing"))
+    }
+}
+
+/// Replaces `path` with `value` so that after a crash it holds the old record or the new one,
+/// whole, and the new one once this returns.
+fn write_durably<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let dir = path.parent().expect("records live in a directory");
+    fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let partial = path.with_extension("partial");
+    let mut f =
+        fs::File::create(&partial).with_context(|| format!("create {}", partial.display()))?;
+    f.write_all(&serde_json::to_vec(value).expect("records serialize"))
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("write {}", partial.display()))?;
+    fs::rename(&partial, path).with_context(|| format!("rename to {}", path.display()))?;
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("sync {}", dir.display()))
+}
+
+fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Option<T>> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .with_context(|| format!("the record {} is damaged", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
+    }
+}
+
+fn read_all<T: for<'de> Deserialize<'de>>(dir: &Path) -> Result<Vec<T>> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("list {}", dir.display())),
+    };
+    let mut records = Vec::new();
+    for entry in entries {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            if let Some(record) = read(&path)? {
+                records.push(record);
+            }
+        }
+    }
+    Ok(records)
+}
+
+/// Removes the oldest finished records of `dir` beyond [`KEPT_FINISHED`]. Best effort: a
+/// record left over costs a few hundred bytes.
+fn prune<T: for<'de> Deserialize<'de>>(dir: &Path, finished: impl Fn(&T) -> bool) {
+    // Reading them is needed only once there are more records than are kept.
+    if fs::read_dir(dir).map_or(0, Iterator::count) <= KEPT_FINISHED {
+        return;
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let mut done: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter(|p| read::<T>(p).ok().flatten().is_some_and(|r| finished(&r)))
+        .filter_map(|p| Some((fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .collect();
+    if done.len() <= KEPT_FINISHED {
+        return;
+    }
+    done.sort();
+    for (_, path) in &done[..done.len() - KEPT_FINISHED] {
+        let _ = fs::remove_file(path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn incoming(session: u128, state: IncomingState) -> IncomingRecord {
+        IncomingRecord {
+            session: SessionId(session),
+            vm: "vm".into(),
+            qmp: "/run/vm.qmp".into(),
+            state,
+            reason: None,
+            updated_unix_ms: 1,
+        }
+    }
+
+    #[test]
+    fn a_record_reads_back_as_written_last_and_a_damaged_one_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::new(dir.path());
+        assert_eq!(journal.incoming(SessionId(7)).unwrap(), None);
+        journal
+            .write_incoming(&incoming(7, IncomingState::Receiving))
+            .unwrap();
+        journal
+            .write_incoming(&incoming(7, IncomingState::Committing))
+            .unwrap();
+        let back = journal.incoming(SessionId(7)).unwrap().unwrap();
+        assert_eq!(back.state, IncomingState::Committing);
+        assert_eq!(journal.all_incoming().unwrap(), vec![back]);
+        std::fs::write(journal.incoming_path(SessionId(7)), b"{\"sess").unwrap();
+        let err = journal.incoming(SessionId(7)).unwrap_err();
+        assert!(format!("{err:#}").contains("is damaged"), "{err:#}");
+    }
+
+    #[test]
+    fn finished_records_beyond_the_kept_number_go_oldest_first_unfinished_ones_stay() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::new(dir.path());
+        journal
+            .write_incoming(&incoming(0, IncomingState::Receiving))
+            .unwrap();
+        let total = u128::try_from(KEPT_FINISHED).unwrap() + 5;
+        for session in 1..=total {
+            journal
+                .write_incoming(&incoming(session, IncomingState::Aborted))
+                .unwrap();
+        }
+        let kept = journal.all_incoming().unwrap();
+        assert_eq!(kept.len(), KEPT_FINISHED + 1);
+        assert!(kept.iter().any(|r| r.session == SessionId(0)));
+        assert!(kept.iter().any(|r| r.session == SessionId(total)));
+    }
+}
