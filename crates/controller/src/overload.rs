@@ -178,21 +178,15 @@ impl Controller {
                 watch.swapped_bytes = s.swapped_bytes;
                 watch.capacity_bytes = capacity.mem_bytes;
                 watch.pressure = watch.detector.observe(s.used_bytes > capacity.mem_bytes);
-                // Without swap, every overload is met by a migration at once.
-                let swap = self.config.policy.overload_swap;
-                if watch.pressure == Pressure::Sustained
-                    || (!swap && watch.pressure == Pressure::Transient)
-                {
-                    watch.relieving = true;
-                }
-                match watch.pressure {
-                    _ if watch.relieving => Action::Relieve,
-                    Pressure::Transient => {
-                        Action::Swap(s.used_bytes.saturating_sub(capacity.mem_bytes))
-                    }
-                    Pressure::Normal if !watch.detector.in_episode() => Action::GiveBack,
-                    _ => Action::Nothing,
-                }
+                let action;
+                (action, watch.relieving) = decide(
+                    watch.relieving,
+                    watch.pressure,
+                    watch.detector.in_episode(),
+                    self.config.policy.overload_swap,
+                    s.used_bytes.saturating_sub(capacity.mem_bytes),
+                );
+                action
             };
             let mine: Vec<&SwapPlan> = plans.iter().filter(|p| p.host == host.name).collect();
             match action {
@@ -403,6 +397,7 @@ impl Controller {
     }
 }
 
+#[derive(Debug, PartialEq, Eq)]
 enum Action {
     Nothing,
     /// Transient, this much over.
@@ -411,6 +406,90 @@ enum Action {
     Relieve,
 }
 
+/// What a host's latest sample asks for, given whether a relief was under way, and whether
+/// one is after it. A relief starts with a sustained overload (or any, without swap: every
+/// overload is then met by a migration) and lasts until a VM moves or the overload is over:
+/// one that ended on its own, its swaps given back, leaves nothing to relieve, and the next
+/// overload starts as transient.
+fn decide(
+    relieving: bool,
+    pressure: Pressure,
+    in_episode: bool,
+    swap: bool,
+    excess_bytes: u64,
+) -> (Action, bool) {
+    let relieving = in_episode
+        && (relieving
+            || pressure == Pressure::Sustained
+            || (!swap && pressure == Pressure::Transient));
+    let action = match pressure {
+        _ if relieving => Action::Relieve,
+        Pressure::Transient => Action::Swap(excess_bytes),
+        Pressure::Normal if !in_episode => Action::GiveBack,
+        _ => Action::Nothing,
+    };
+    (action, relieving)
+}
+
 fn round_up_mib(bytes: u64) -> u64 {
     bytes.div_ceil(MIB) * MIB
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds samples (`#` over, `.` not) through a detector and `decide`, as the leader does;
+    /// one letter per action: `.` nothing, `s` swap, `g` give back, `R` relieve.
+    fn actions(samples: &str, swap: bool) -> String {
+        let mut detector = Detector::new(DetectorSettings::default());
+        let mut relieving = false;
+        samples
+            .chars()
+            .map(|c| {
+                let pressure = detector.observe(c == '#');
+                let action;
+                (action, relieving) = decide(relieving, pressure, detector.in_episode(), swap, 1);
+                match action {
+                    Action::Nothing => '.',
+                    Action::Swap(_) => 's',
+                    Action::GiveBack => 'g',
+                    Action::Relieve => 'R',
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_transient_overload_swaps_and_gives_back_when_it_ends() {
+        assert_eq!(actions("..####...", true), "ggssss..g");
+    }
+
+    #[test]
+    fn a_sustained_overload_is_relieved_through_its_quiet_intervals() {
+        assert_eq!(actions("########.#", true), "sssssssRRR");
+    }
+
+    #[test]
+    fn an_overload_that_went_sustained_and_ended_leaves_nothing_to_relieve() {
+        // Sustained at its 8th sample, over before a VM could move: the next overload starts
+        // as transient again (it once stayed "relieving" and moved a VM at its first sample).
+        assert_eq!(actions("########...", true), "sssssssRRRg");
+        let mut detector = Detector::new(DetectorSettings::default());
+        let mut relieving = false;
+        for c in "########....................".chars() {
+            let pressure = detector.observe(c == '#');
+            (_, relieving) = decide(relieving, pressure, detector.in_episode(), true, 1);
+        }
+        assert!(!relieving);
+        let pressure = detector.observe(true);
+        assert_eq!(pressure, Pressure::Transient);
+        let (action, _) = decide(relieving, pressure, detector.in_episode(), true, 1);
+        assert_eq!(action, Action::Swap(1));
+    }
+
+    #[test]
+    fn without_swap_every_overload_is_relieved_at_once() {
+        assert_eq!(actions("..##...", false), "ggRRRRg");
+    }
 }
