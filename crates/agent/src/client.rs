@@ -14,6 +14,10 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
 
+/// The largest answer taken from the agent (a list of 1,024 finished migrations with their
+/// events is a few MiB).
+const MAX_ANSWER_BYTES: usize = 64 << 20;
+
 /// The agent refused a request; `kind` says how (and decides the CLI's exit code).
 #[derive(Debug, thiserror::Error)]
 #[error("agent: {message}")]
@@ -62,7 +66,12 @@ impl AgentClient {
             .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
         let resp = sender.send_request(req).await?;
         let status = resp.status();
-        let bytes = resp.into_body().collect().await?.to_bytes();
+        // A list of migrations is the largest answer: at most 1,024 finished ones are kept.
+        let bytes = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+            .collect()
+            .await
+            .map_err(|e| anyhow!("the agent's answer to {path}: {e}"))?
+            .to_bytes();
         if !status.is_success() {
             let (message, kind) = match serde_json::from_slice::<ApiError>(&bytes) {
                 Ok(e) => (e.error, e.kind),

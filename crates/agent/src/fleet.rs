@@ -531,6 +531,9 @@ async fn send_to_any(
     bail!("no controller answers: {}", errors.join("; "))
 }
 
+/// The largest heartbeat answer taken (the controller takes requests up to 4 MiB too).
+const MAX_ANSWER_BYTES: usize = 4 << 20;
+
 /// One heartbeat: a fresh mutual-TLS connection, one request, the answer.
 async fn send(
     link: &ControllerLink,
@@ -556,7 +559,12 @@ async fn send(
         .body(Full::new(Bytes::from(serde_json::to_vec(beat)?)))?;
     let resp = sender.send_request(req).await?;
     let status = resp.status();
-    let body = resp.into_body().collect().await?.to_bytes();
+    // The answer lists this host's work: far below this, unless the controller misbehaves.
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+        .collect()
+        .await
+        .map_err(|e| anyhow!("the controller's answer: {e}"))?
+        .to_bytes();
     if !status.is_success() {
         let message = serde_json::from_slice::<ApiError>(&body)
             .map_or_else(|_| String::from_utf8_lossy(&body).into_owned(), |e| e.error);

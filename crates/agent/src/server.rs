@@ -363,11 +363,67 @@ async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
     let statuses = agent.statuses();
     let mut registry = prometheus_client::registry::Registry::with_prefix("ferry_agent");
     ferry_api::metrics::register_migrations(&mut registry, &statuses, now_ms());
+    register_footprint(&mut registry, &agent);
     (
         [("content-type", ferry_api::metrics::CONTENT_TYPE)],
         ferry_api::metrics::encode(&registry),
     )
         .into_response()
+}
+
+/// What the agent holds between migrations: its resident memory and open descriptors (from
+/// /proc), the sessions it carries and the warm connections it keeps.
+fn register_footprint(registry: &mut prometheus_client::registry::Registry, agent: &Agent) {
+    use prometheus_client::metrics::gauge::Gauge;
+    let gauge = |registry: &mut prometheus_client::registry::Registry,
+                 name: &str,
+                 help: &str,
+                 value: Option<u64>| {
+        if let Some(value) = value.and_then(|v| i64::try_from(v).ok()) {
+            let g = Gauge::<i64>::default();
+            g.set(value);
+            registry.register(name, help, g);
+        }
+    };
+    // statm's second field: resident pages.
+    let resident = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map(|pages| pages * page_size());
+    let fds = std::fs::read_dir("/proc/self/fd")
+        .ok()
+        .map(|d| d.count() as u64);
+    let sessions = agent.sessions.lock().expect("lock").len() as u64;
+    gauge(
+        registry,
+        "resident_bytes",
+        "The agent process's resident memory",
+        resident,
+    );
+    gauge(
+        registry,
+        "open_fds",
+        "The agent process's open file descriptors",
+        fds,
+    );
+    gauge(
+        registry,
+        "incoming_sessions",
+        "Sessions from peers this agent carries now",
+        Some(sessions),
+    );
+    gauge(
+        registry,
+        "parked_connections",
+        "Warm connections to peers kept for the next migration",
+        Some(agent.pool.parked_total() as u64),
+    );
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf reads a constant of the system; no memory of ours is involved.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(size).unwrap_or(4096)
 }
 
 async fn swaps(State(agent): State<Arc<Agent>>) -> Json<Vec<SwapStatus>> {
@@ -554,11 +610,7 @@ pub(crate) async fn start_libvirt_migration(
             },
         )?;
         drop(migrations);
-        agent
-            .migrations
-            .lock()
-            .expect("lock")
-            .insert(id.clone(), status.clone());
+        crate::engine::status::register(&agent.migrations, id.clone(), status.clone());
         let rate = req.link_rate_mbit;
         tokio::spawn(libvirt_migration::run(
             libvirt,
@@ -590,11 +642,7 @@ fn launch(
         fleet_id,
         ..MigrationStatus::starting(id.clone(), req.vm.clone(), now_ms())
     });
-    agent
-        .migrations
-        .lock()
-        .expect("lock")
-        .insert(id.clone(), status.clone());
+    crate::engine::status::register(&agent.migrations, id.clone(), status.clone());
     tokio::spawn(source::run(
         req,
         peer_address,

@@ -436,10 +436,7 @@ impl Tunnels {
             }
         });
         status.update(|s| s.detail = format!("libvirt's migration to {peer_name}"));
-        self.registry
-            .lock()
-            .expect("registry lock")
-            .insert(session.id().to_string(), status.clone());
+        crate::engine::status::register(&self.registry, session.id().to_string(), status.clone());
         status
     }
 }

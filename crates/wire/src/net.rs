@@ -140,6 +140,16 @@ impl Pool {
         }
     }
 
+    /// Parked connections to every peer; those too old to be used are closed first.
+    pub fn parked_total(&self) -> usize {
+        let mut idle = self.idle.lock().expect("pool lock");
+        idle.retain(|_, parked| {
+            parked.retain(|(_, since)| since.elapsed() < POOL_MAX_IDLE);
+            !parked.is_empty()
+        });
+        idle.values().map(Vec::len).sum()
+    }
+
     /// Parked connections to `peer` (for tests and reports).
     pub fn parked(&self, peer: &Peer) -> usize {
         self.idle

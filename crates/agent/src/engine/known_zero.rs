@@ -207,9 +207,17 @@ pub async fn discover(qmp: &Qmp) -> Result<ZeroPages> {
 /// The pages of `[offset, offset + size)` of `file` that lie wholly in holes (read as zero).
 pub fn holes(file: &Path, offset: u64, size: u64) -> Result<PageBits> {
     let page = PAGE_SIZE as u64;
-    let mut bits = PageBits::new(size / page);
+    // The mapping lies within the file QEMU made (it sizes the file to it): a size beyond
+    // that is refused before a bitmap is made for it.
     let f = File::open(file)?;
-    let end = offset + size;
+    let file_len = f.metadata()?.len();
+    let end = offset
+        .checked_add(size)
+        .filter(|&end| end <= file_len)
+        .with_context(|| {
+            format!("a {size}-byte mapping at offset {offset} of a {file_len}-byte file")
+        })?;
+    let mut bits = PageBits::new(size / page);
     let mut at = offset;
     while at < end {
         let data = match seek(&f, at, libc::SEEK_DATA)? {
@@ -289,6 +297,11 @@ mod tests {
         let empty = dir.join("empty");
         File::create(&empty).unwrap().set_len(16 * page).unwrap();
         assert_eq!(holes(&empty, 0, 16 * page).unwrap().count(), 16);
+        // A size QEMU could not have mapped is refused before a bitmap is made for it.
+        for (offset, size) in [(0, 1 << 50), (8 * page, 16 * page), (u64::MAX, 2 * page)] {
+            let err = holes(&empty, offset, size).unwrap_err();
+            assert!(err.to_string().contains("-byte mapping at offset"), "{err}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

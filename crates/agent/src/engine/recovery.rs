@@ -269,10 +269,7 @@ pub async fn recover_outgoing(
                 record.started_unix_ms,
             )
         });
-        registry
-            .lock()
-            .expect("lock")
-            .insert(record.id.clone(), status.clone());
+        crate::engine::status::register(registry, record.id.clone(), status.clone());
         match record.state {
             OutgoingState::Committed => status.update(|s| {
                 s.state = MigrationState::Committed;

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use ferry_api::agent::{AgentEvent, MigrationStatus, Phase};
+use ferry_api::agent::{AgentEvent, MigrationState, MigrationStatus, Phase};
 use ferry_api::EventKind;
 use tokio_util::sync::CancellationToken;
 
@@ -20,6 +20,30 @@ pub fn now_ms() -> u64 {
 
 /// Every migration this agent knows, by id (the API lists them).
 pub type Registry = Arc<Mutex<HashMap<String, Shared>>>;
+
+/// Finished migrations an agent lists, the newest; older ones are forgotten (the journal keeps
+/// its own records on disk).
+pub const KEPT_FINISHED: usize = 1024;
+
+/// Adds migration `id` to `registry`; the oldest finished ones beyond [`KEPT_FINISHED`] go, so
+/// that what an agent holds does not grow with every migration it ran.
+pub fn register(registry: &Registry, id: String, status: Shared) {
+    let mut all = registry.lock().expect("registry lock");
+    all.insert(id, status);
+    let mut finished: Vec<(u64, String)> = all
+        .iter()
+        .filter_map(|(id, s)| {
+            s.update(|st| (st.state != MigrationState::Running).then_some(st.started_unix_ms))
+                .map(|started| (started, id.clone()))
+        })
+        .collect();
+    if finished.len() > KEPT_FINISHED {
+        finished.sort();
+        for (_, id) in &finished[..finished.len() - KEPT_FINISHED] {
+            all.remove(id);
+        }
+    }
+}
 
 /// The status behind a lock, and the cancellation; clones share them.
 #[derive(Debug, Clone)]
@@ -109,6 +133,22 @@ mod tests {
             )
             .unwrap(),
         )
+    }
+
+    #[test]
+    fn the_oldest_finished_migrations_beyond_the_kept_number_are_forgotten() {
+        let registry = Registry::default();
+        let running = Shared::new(MigrationStatus::starting("run".into(), "v".into(), 0));
+        register(&registry, "run".into(), running);
+        for i in 1..=KEPT_FINISHED as u64 + 3 {
+            let s = Shared::new(MigrationStatus::starting(i.to_string(), "v".into(), i));
+            s.update(|st| st.state = MigrationState::Failed);
+            register(&registry, i.to_string(), s);
+        }
+        let all = registry.lock().unwrap();
+        assert_eq!(all.len(), KEPT_FINISHED + 1);
+        assert!(all.contains_key("run"), "a running one is never forgotten");
+        assert!(!all.contains_key("3") && all.contains_key("4"));
     }
 
     #[tokio::test]

@@ -54,6 +54,34 @@ impl Agent {
         AgentClient::new(&self.config.api_socket)
     }
 
+    /// Its `/metrics` (Prometheus's text format).
+    pub async fn metrics(&self) -> String {
+        use http_body_util::BodyExt;
+        let stream = tokio::net::UnixStream::connect(&self.config.api_socket)
+            .await
+            .expect("the agent's API socket");
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .expect("HTTP");
+        tokio::spawn(conn);
+        let req = hyper::Request::get("/metrics")
+            .header("host", "ferry-agent")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .expect("request");
+        let resp = sender.send_request(req).await.expect("response");
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        String::from_utf8(body.to_vec()).expect("text")
+    }
+
+    /// One figure of its `/metrics`.
+    pub async fn metric(&self, name: &str) -> u64 {
+        let text = self.metrics().await;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    }
+
     /// Started again from the same config, as after a crash: only what it wrote to disk is left.
     pub fn restart(&mut self) {
         self.kill();

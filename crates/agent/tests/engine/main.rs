@@ -91,6 +91,22 @@ async fn a_migration_commits_with_every_byte_in_each_codec_and_connection_count(
         assert_committed(&pair, &status);
         assert_eq!(status.stream_bytes, captured_stream().len() as u64);
         assert!(pair.destination.seen().ran("cont"));
+        // What the agents keep afterwards: the source its parked connections for the next
+        // migration to b, neither a session; both report their footprint.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while pair.a.metric("ferry_agent_parked_connections").await != u64::from(connections) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}",
+                pair.a.metrics().await
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for agent in [&pair.a, &pair.b] {
+            assert_eq!(agent.metric("ferry_agent_incoming_sessions").await, 0);
+            assert!(agent.metric("ferry_agent_resident_bytes").await > 1 << 20);
+            assert!(agent.metric("ferry_agent_open_fds").await > 3);
+        }
     }
 }
 
