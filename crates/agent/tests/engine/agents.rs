@@ -28,6 +28,9 @@ impl Agent {
             .build()
             .expect("runtime");
         let name = config.name.clone();
+        // A killed predecessor's runtime may still hold its listener for a moment: the socket
+        // that answers must be this agent's.
+        let _ = std::fs::remove_file(&config.api_socket);
         let run = ferry_agent::run(config.clone());
         rt.spawn(async move {
             if let Err(e) = run.await {
@@ -88,10 +91,16 @@ impl Agent {
         *self = Agent::start(self.config.clone());
     }
 
-    /// Everything the agent holds in memory is gone, its sockets closed.
+    /// Everything the agent holds in memory is gone, its sockets closed (once this returns, as
+    /// after SIGKILL; unlike SIGKILL, its tasks' destructors run).
     pub fn kill(&mut self) {
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+            let stop = || rt.shutdown_timeout(Duration::from_secs(10));
+            if tokio::runtime::Handle::try_current().is_ok() {
+                tokio::task::block_in_place(stop);
+            } else {
+                stop();
+            }
         }
     }
 }
