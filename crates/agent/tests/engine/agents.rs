@@ -203,6 +203,14 @@ impl Pair {
         }
     }
 
+    /// A certificate from the pair's CA for another host named `name`: its TLS client setup.
+    pub fn peer_tls(&self, name: &str) -> Arc<ferry_wire::tls::ClientConfig> {
+        ferry_agent::pki::issue(&self._dir.path().join("pki"), name)
+            .expect("certificate")
+            .client_config()
+            .expect("TLS")
+    }
+
     /// The request for the source's VM to the destination's QEMU.
     pub fn request(&self, settings: MigrationSettings) -> MigrationRequest {
         MigrationRequest {

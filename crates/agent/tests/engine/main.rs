@@ -450,3 +450,102 @@ async fn a_source_agent_restarted_mid_stream_lists_the_migration_failed_with_the
     })
     .await;
 }
+
+/// A session to site b from another host of the fleet, kept connected; its link events.
+fn open_session(
+    pair: &Pair,
+    tls: &std::sync::Arc<ferry_wire::tls::ClientConfig>,
+) -> (
+    ferry_wire::Session,
+    tokio::task::JoinSet<()>,
+    tokio::sync::mpsc::UnboundedReceiver<ferry_wire::net::LinkEvent>,
+) {
+    let session = ferry_wire::Session::new(
+        ferry_wire::SessionId::random(),
+        ferry_wire::SessionConfig::default(),
+    );
+    let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+    let connections = ferry_wire::net::keep_connected(
+        session.clone(),
+        ferry_wire::net::Peer {
+            addr: pair.link.address,
+            name: "b".into(),
+            tls: tls.clone(),
+            connections: 1,
+            link_rate_mbit: None,
+            pool: ferry_wire::net::Pool::new(),
+        },
+        Duration::from_millis(200),
+        events,
+    );
+    (session, connections, rx)
+}
+
+/// Waits for the next link event that says the peer refused the connection.
+async fn refused(rx: &mut tokio::sync::mpsc::UnboundedReceiver<ferry_wire::net::LinkEvent>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match tokio::time::timeout(left, rx.recv()).await {
+            Ok(Some(
+                ferry_wire::net::LinkEvent::Lost { .. }
+                | ferry_wire::net::LinkEvent::DialFailed { .. },
+            )) => return,
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => panic!("the connection was not refused within 30 s"),
+        }
+    }
+}
+
+/// Asks site b about a session it never saw, on `session`: its answer is "aborted".
+async fn ask_b(session: &ferry_wire::Session) {
+    let question = serde_json::json!({
+        "type": "verdict",
+        "version": 7,
+        "of": ferry_wire::SessionId::random().to_string(),
+    });
+    session
+        .send(
+            ferry_wire::ChannelId(0),
+            serde_json::to_vec(&question).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(30),
+        session.recv(ferry_wire::ChannelId(0)),
+    )
+    .await
+    .expect("an answer within 30 s")
+    .unwrap();
+    let ferry_wire::Received::Data(answer) = answer else {
+        panic!("a barrier on the control channel");
+    };
+    let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer["type"], "verdict-is", "{answer}");
+    assert_eq!(answer["verdict"]["verdict"], "aborted", "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_carries_at_most_256_incoming_sessions_and_takes_more_as_they_end() {
+    let pair = Pair::up(Gates::default(), Gates::default());
+    let tls = pair.peer_tls("c");
+    // Sessions that say nothing yet: each holds its place until its first message (30 s), so
+    // they are opened together.
+    let held: Vec<_> = (0..256).map(|_| open_session(&pair, &tls)).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while pair.b.metric("ferry_agent_incoming_sessions").await < 256 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "256 sessions not taken within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (extra, _connections, mut rx) = open_session(&pair, &tls);
+    refused(&mut rx).await;
+    assert_eq!(pair.b.metric("ferry_agent_incoming_sessions").await, 256);
+    // One says what it is for, is answered and ends; the one waiting is taken at its next
+    // dial, and answered too.
+    ask_b(&held[0].0).await;
+    ask_b(&extra).await;
+}
