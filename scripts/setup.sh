@@ -104,4 +104,10 @@ if ! cargo fuzz --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
     cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked --quiet \
         || die "could not install cargo-fuzz $CARGO_FUZZ_VERSION"
 fi
+# cargo-deny for the supply-chain check in scripts/test.sh (deny.toml), pinned.
+CARGO_DENY_VERSION=0.20.2
+if ! cargo deny --version 2>/dev/null | grep -q "$CARGO_DENY_VERSION"; then
+    cargo install cargo-deny --version "$CARGO_DENY_VERSION" --locked --quiet \
+        || die "could not install cargo-deny $CARGO_DENY_VERSION"
+fi
 echo "setup: ok ($(qemu-system-x86_64 --version | head -1), $(libvirtd --version), $(cargo --version))"

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --quiet -- -D warnings
+# The supply chain: licences, banned and wildcard dependencies, sources (deny.toml).
+cargo deny check licenses bans sources
 # What a host runs stands without the lab: it builds without it, and nothing it links is the lab.
 cargo clippy -p ferry-cli --no-default-features --release --locked --quiet -- -D warnings
 if cargo tree -p ferry-cli --no-default-features -e normal --locked | grep -q 'ferry-lab'; then
