@@ -2,6 +2,7 @@
 //! (TCP with mutual TLS) where other agents open sessions.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,6 +59,8 @@ pub(crate) struct Agent {
     pub(crate) fleet_swaps: crate::fleet_swap::FleetSwaps,
     /// The migrations' records on disk ([`crate::engine::journal`]).
     pub(crate) journal: Journal,
+    /// Incoming migrations under way.
+    receiving: AtomicUsize,
 }
 
 /// Runs the agent until it is killed.
@@ -109,6 +112,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         swaps: crate::borrow::Swaps::default(),
         fleet_swaps: crate::fleet_swap::FleetSwaps::default(),
         journal,
+        receiving: AtomicUsize::new(0),
     });
     // What a killed predecessor left: settled before peers are served (the destination's
     // side), or in tasks of their own (a source asking for verdicts).
@@ -184,7 +188,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
 /// Gives back to the system the memory finished migrations freed. The codec's page history
 /// holds one 4 KiB allocation per page of the guest; freed, those stay in glibc's arenas, and
 /// an agent would idle at the size of the largest guests it moved. Once a migration has ended
-/// and none is sending, the arenas' free pages are released (`malloc_trim`).
+/// and none is under way either way, the arenas' free pages are released (`malloc_trim`).
 async fn release_memory_after_migrations(agent: Arc<Agent>) {
     // What has ended: migrations sent (how many are listed, the latest start) and the last
     // incoming session; it changes whenever one more ends, also once the lists are full.
@@ -192,7 +196,9 @@ async fn release_memory_after_migrations(agent: Arc<Agent>) {
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let statuses = agent.statuses();
-        if statuses.iter().any(|s| s.state == MigrationState::Running) {
+        if agent.receiving.load(Ordering::Relaxed) > 0
+            || statuses.iter().any(|s| s.state == MigrationState::Running)
+        {
             continue;
         }
         let ended = Some((
@@ -202,7 +208,7 @@ async fn release_memory_after_migrations(agent: Arc<Agent>) {
         ));
         if ended != ended_before {
             ended_before = ended;
-            release_free_memory();
+            let _ = tokio::task::spawn_blocking(release_free_memory).await;
         }
     }
 }
@@ -314,10 +320,20 @@ impl Agent {
         if let Some(s) = sessions.get(&id) {
             return Some(s.clone());
         }
-        // Ended before this process started: its record survived the restart.
-        if self.journal.incoming(id).ok().flatten().is_some() {
-            tracing::warn!("session {id} has a record from before a restart; connection refused");
-            return None;
+        // Ended before this process started: its record survived the restart. A record that
+        // cannot be read may be such a one: refused too.
+        match self.journal.incoming(id) {
+            Ok(None) => {}
+            Ok(Some(_)) => {
+                tracing::warn!(
+                    "session {id} has a record from before a restart; connection refused"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!("session {id}: {e:#}; connection refused");
+                return None;
+            }
         }
         if sessions.len() >= MAX_INCOMING_SESSIONS {
             tracing::warn!(
@@ -356,9 +372,27 @@ impl Agent {
                     )
                     .await;
                 }
-                Ok(Ok(Control::Verdict { of, .. })) => {
-                    let live = agent.sessions.lock().expect("lock").contains_key(&of);
-                    let verdict = recovery::verdict_for(&agent.journal, of, live).await;
+                Ok(Ok(Control::Verdict {
+                    of,
+                    started_unix_ms,
+                    ..
+                })) => {
+                    // Decided under the lock sessions start under (see `verdict_for`).
+                    let decided = {
+                        let sessions = agent.sessions.lock().expect("lock");
+                        recovery::verdict_for(
+                            &agent.journal,
+                            of,
+                            started_unix_ms,
+                            sessions.contains_key(&of),
+                        )
+                    };
+                    let verdict = match decided {
+                        Ok(verdict) => verdict,
+                        Err(committing) => {
+                            recovery::verdict_after_committing(&agent.journal, committing).await
+                        }
+                    };
                     tracing::info!("session {id}: the source asks about session {of}: {verdict:?}");
                     if control::send(&s, &Control::VerdictIs { verdict })
                         .await
@@ -379,7 +413,10 @@ impl Agent {
                         monitors: agent.monitors.clone(),
                         journal: agent.journal.clone(),
                     };
+                    agent.receiving.fetch_add(1, Ordering::Relaxed);
                     destination::run(s, dirs, first).await;
+                    agent.receiving.fetch_sub(1, Ordering::Relaxed);
+                    agent.journal.prune_later();
                 }
                 Ok(Err(e)) => {
                     tracing::warn!("session {id}: {e:#}");

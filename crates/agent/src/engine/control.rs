@@ -170,6 +170,10 @@ pub enum Control {
         version: u32,
         #[serde(with = "crate::engine::journal::session_hex")]
         of: ferry_wire::SessionId,
+        /// When the migration started (the source's wall clock, ms): a destination that no
+        /// longer keeps records that old cannot say it never committed.
+        #[serde(default)]
+        started_unix_ms: u64,
     },
     /// Destination: the answer to `Verdict`.
     VerdictIs {
@@ -352,6 +356,7 @@ mod tests {
         let msg = Control::Verdict {
             version: CONTROL_VERSION,
             of,
+            started_unix_ms: 1,
         };
         let back = decode(&serde_json::to_vec(&msg).unwrap()).unwrap();
         assert!(

@@ -47,6 +47,21 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
     .await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
+        if let Some(record) = record
+            .as_ref()
+            .filter(|r| r.state == IncomingState::Committing)
+        {
+            // The decision to resume was taken; whether QEMU took it is not known. Nothing is
+            // undone: the source, in doubt, asks, and the answer settles it then.
+            tracing::error!(
+                "session {}: VM {:?} was being resumed here: left for the source's question or \
+                 a restart to settle",
+                session.id(),
+                record.vm
+            );
+            session.fail(format!("{e:#}"));
+            return;
+        }
         if let Some(record) = record {
             let aborted = IncomingRecord {
                 state: IncomingState::Aborted,
@@ -153,7 +168,7 @@ async fn serve(
             .context("recording the incoming migration")?;
         Ok(record.clone())
     };
-    let (destination_qmp, mut record) = match destination {
+    let (destination_qmp, record) = match destination {
         Incoming::Qmp(path) => {
             let record = record(&path)?;
             (path, record)
@@ -406,6 +421,13 @@ async fn serve(
         sieve.skipped()
     );
 
+    // The commit is recorded before `cont`: a restarted agent resumes a `committing` VM whose
+    // QEMU loaded. Without disks it is written while QEMU finishes loading, so that it costs
+    // the pause nothing; with disks, once their digests matched too.
+    let early = dst_disks
+        .is_none()
+        .then(|| record_committing(&dirs.journal, &record));
+    let checked = async {
     // QEMU must say it loaded the whole stream.
     let loaded_unix_us = loop {
         let info = qmp.execute(&QueryMigrate).await?;
@@ -450,17 +472,31 @@ async fn serve(
             session.id()
         );
     }
+    Ok::<_, anyhow::Error>(loaded_unix_us)
+    }
+    .await;
+    // The early record is on disk (or failed) before anything else is written: an abort's
+    // record lands after it.
+    let early = match early {
+        Some(task) => Some(task.await),
+        None => None,
+    };
+    let loaded_unix_us = checked?;
+    let mut record = match early {
+        Some(written) => written,
+        None => record_committing(&dirs.journal, &record).await,
+    }
+    .context("recording the commit")??;
     // The commit point: digests match and QEMU loaded. From here the source never runs again.
-    // Recorded first: an agent restarted from here on resumes the VM rather than quitting it.
-    record.state = IncomingState::Committing;
-    record.updated_unix_ms = now_ms();
-    dirs.journal
-        .write_incoming(&record)
-        .context("recording the commit")?;
     *record_slot = Some(record.clone());
-    qmp.execute(&Cont)
-        .await
-        .context("resuming the destination")?;
+    if let Err(e) = qmp.execute(&Cont).await {
+        // QEMU may have resumed and its answer been lost; if it did not, the VM stays as it
+        // is, `committing`, for a restart or the source's question to settle.
+        if !qmp.execute(&QueryStatus).await.is_ok_and(|s| s.running) {
+            return Err(anyhow::Error::new(e).context("resuming the destination"));
+        }
+        tracing::warn!("session {}: cont: {e}; the destination runs", session.id());
+    }
     record.state = IncomingState::Committed;
     record.updated_unix_ms = now_ms();
     *record_slot = None;
@@ -500,6 +536,17 @@ async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(600), session.flushed(control::CONTROL)).await;
     control::park_and_end(session, "migration committed").await;
     Ok(())
+}
+
+/// Writes `record` as `committing`, on a blocking thread; returns it as written.
+fn record_committing(
+    journal: &Journal,
+    record: &IncomingRecord,
+) -> tokio::task::JoinHandle<Result<IncomingRecord>> {
+    let (journal, mut record) = (journal.clone(), record.clone());
+    record.state = IncomingState::Committing;
+    record.updated_unix_ms = now_ms();
+    tokio::task::spawn_blocking(move || journal.write_incoming(&record).map(|()| record))
 }
 
 /// Why feeding the destination QEMU failed: QEMU closes its socket on a stream it cannot load,

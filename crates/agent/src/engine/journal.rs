@@ -3,15 +3,19 @@
 //! file per migration and side, replaced whole (a temporary file, fsync, rename, fsync of the
 //! directory) at the points that decide what a restart must do:
 //!
-//! - destination: `receiving` before its QEMU is started or adopted; `committing` before
-//!   `cont`; then `committed` or `aborted`. So a session without a record, or whose record
-//!   never passed `receiving`, never resumed a VM here: that is what lets the destination
-//!   answer a source in doubt ([`Verdict`]).
-//! - source: `streaming` once the session exists; `end-sent` before the stream's end goes out
-//!   (from then on only the destination decides); then `committed` or `failed`.
+//! - destination: `receiving` before its QEMU is started or adopted; `committing` once the
+//!   stream's digest matched, before `cont` (written while QEMU finishes loading, so that it
+//!   costs the pause nothing); then `committed` or `aborted`. So a session without a record,
+//!   or whose record never passed `receiving`, never resumed a VM here: that is what lets the
+//!   destination answer a source in doubt ([`Verdict`]).
+//! - source: `preparing` once the peer is known; `streaming` before QEMU starts its stream
+//!   (from then on the stream's end may go out, and only the destination decides); then
+//!   `committed` or `failed`.
 //!
 //! Records of finished migrations are kept (the newest [`KEPT_FINISHED`] of each side), for
-//! late questions and for `ferry migrations` after a restart.
+//! late questions and for `ferry migrations` after a restart. Older ones are removed, and the
+//! destination remembers up to when (its horizon): a question about a session it has no record
+//! of is answered "aborted" only if the session started after the horizon.
 
 use std::fs;
 use std::io::Write;
@@ -51,8 +55,10 @@ pub struct IncomingRecord {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OutgoingState {
+    /// No stream yet: the destination cannot commit.
+    Preparing,
+    /// QEMU's stream may have ended and its end gone out: the destination decides.
     Streaming,
-    EndSent,
     Committed,
     Failed,
 }
@@ -130,26 +136,50 @@ impl Journal {
     }
 
     pub fn write_incoming(&self, record: &IncomingRecord) -> Result<()> {
-        write_durably(&self.incoming_path(record.session), record)?;
-        if record.state != IncomingState::Receiving {
-            prune(&self.dir.join("incoming"), |r: &IncomingRecord| {
-                matches!(r.state, IncomingState::Committed | IncomingState::Aborted)
-            });
-        }
-        Ok(())
+        write_durably(&self.incoming_path(record.session), record)
     }
 
     pub fn write_outgoing(&self, record: &OutgoingRecord) -> Result<()> {
-        write_durably(&self.outgoing_path(&record.id), record)?;
-        if matches!(
-            record.state,
-            OutgoingState::Committed | OutgoingState::Failed
-        ) {
-            prune(&self.dir.join("outgoing"), |r: &OutgoingRecord| {
-                matches!(r.state, OutgoingState::Committed | OutgoingState::Failed)
-            });
+        write_durably(&self.outgoing_path(&record.id), record)
+    }
+
+    /// Removes the oldest finished records beyond [`KEPT_FINISHED`] per side, moving the
+    /// destination's horizon past those it removes. Reads every record: run it off the
+    /// migration's path ([`Journal::prune_later`]).
+    pub fn prune(&self) -> Result<()> {
+        let removed = prune(&self.dir.join("incoming"), |r: &IncomingRecord| {
+            matches!(r.state, IncomingState::Committed | IncomingState::Aborted)
+                .then_some(r.updated_unix_ms)
+        });
+        if let Some(newest) = removed.into_iter().max() {
+            let horizon = self.horizon()?.unwrap_or(0).max(newest);
+            write_durably(&self.horizon_path(), &horizon)?;
         }
+        prune(&self.dir.join("outgoing"), |r: &OutgoingRecord| {
+            matches!(r.state, OutgoingState::Committed | OutgoingState::Failed)
+                .then_some(r.updated_unix_ms)
+        });
         Ok(())
+    }
+
+    /// [`Journal::prune`] on a blocking thread, its error logged.
+    pub fn prune_later(&self) {
+        let journal = self.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = journal.prune() {
+                tracing::warn!("pruning the migrations' records: {e:#}");
+            }
+        });
+    }
+
+    fn horizon_path(&self) -> PathBuf {
+        self.dir.join("incoming-horizon")
+    }
+
+    /// The last update of the newest incoming record removed (wall clock, ms), if any was:
+    /// what this destination no longer remembers ends there.
+    pub fn horizon(&self) -> Result<Option<u64>> {
+        read(&self.horizon_path())
     }
 
     /// The record of incoming session `session`, if there is one.
@@ -211,30 +241,36 @@ fn read_all<T: for<'de> Deserialize<'de>>(dir: &Path) -> Result<Vec<T>> {
     Ok(records)
 }
 
-/// Removes the oldest finished records of `dir` beyond [`KEPT_FINISHED`]. Best effort: a
-/// record left over costs a few hundred bytes.
-fn prune<T: for<'de> Deserialize<'de>>(dir: &Path, finished: impl Fn(&T) -> bool) {
+/// Removes the oldest finished records of `dir` beyond [`KEPT_FINISHED`] (`finished` gives a
+/// finished record's last update); returns the last updates of those removed. A record that
+/// cannot be read is left alone.
+fn prune<T: for<'de> Deserialize<'de>>(
+    dir: &Path,
+    finished: impl Fn(&T) -> Option<u64>,
+) -> Vec<u64> {
     // Reading them is needed only once there are more records than are kept.
     if fs::read_dir(dir).map_or(0, Iterator::count) <= KEPT_FINISHED {
-        return;
+        return Vec::new();
     }
     let Ok(entries) = fs::read_dir(dir) else {
-        return;
+        return Vec::new();
     };
-    let mut done: Vec<(std::time::SystemTime, PathBuf)> = entries
+    let mut done: Vec<(u64, PathBuf)> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .filter(|p| read::<T>(p).ok().flatten().is_some_and(|r| finished(&r)))
-        .filter_map(|p| Some((fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .filter_map(|p| Some((finished(&read::<T>(&p).ok().flatten()?)?, p)))
         .collect();
     if done.len() <= KEPT_FINISHED {
-        return;
+        return Vec::new();
     }
     done.sort();
-    for (_, path) in &done[..done.len() - KEPT_FINISHED] {
-        let _ = fs::remove_file(path);
-    }
+    let excess = done.len() - KEPT_FINISHED;
+    done.truncate(excess);
+    done.into_iter()
+        .filter(|(_, path)| fs::remove_file(path).is_ok())
+        .map(|(updated, _)| updated)
+        .collect()
 }
 
 #[cfg(test)]
@@ -280,13 +316,18 @@ mod tests {
             .unwrap();
         let total = u128::try_from(KEPT_FINISHED).unwrap() + 5;
         for session in 1..=total {
-            journal
-                .write_incoming(&incoming(session, IncomingState::Aborted))
-                .unwrap();
+            let mut r = incoming(session, IncomingState::Aborted);
+            r.updated_unix_ms = u64::try_from(session).unwrap() * 10;
+            journal.write_incoming(&r).unwrap();
         }
+        assert_eq!(journal.horizon().unwrap(), None);
+        journal.prune().unwrap();
         let kept = journal.all_incoming().unwrap();
         assert_eq!(kept.len(), KEPT_FINISHED + 1);
         assert!(kept.iter().any(|r| r.session == SessionId(0)));
         assert!(kept.iter().any(|r| r.session == SessionId(total)));
+        assert!(!kept.iter().any(|r| r.session == SessionId(5)));
+        // The destination remembers up to when it forgot: the fifth record's last update.
+        assert_eq!(journal.horizon().unwrap(), Some(50));
     }
 }

@@ -4,16 +4,17 @@
 //!
 //! At the destination, on restart:
 //! - `receiving`: the VM never resumed here and the stream's session is gone with the old
-//!   process: its QEMU is quit and the record says aborted.
-//! - `committing`: the decision to resume was taken (digests matched, QEMU loaded); QEMU runs,
-//!   or is resumed now if it loaded. If its QEMU is gone, nobody can tell whether it ran: the
-//!   record stays, and a source asking is told "unknown" (an operator decides).
+//!   process: its QEMU is quit (if it does not run: then it is not this migration's) and the
+//!   record says aborted.
+//! - `committing`: the decision to resume was taken (digests matched); QEMU runs, or is resumed
+//!   now if it loaded. If its QEMU is gone, nobody can tell whether it ran: the record stays,
+//!   and a source asking is told "unknown" (an operator decides).
 //!
 //! At the source, on restart:
-//! - `streaming`: the stream's end never went out, so the destination cannot have resumed the
+//! - `preparing`: QEMU's stream had not started, so the destination cannot have resumed the
 //!   VM: QEMU's migration is cancelled and the VM resumed here.
-//! - `end-sent`: only the destination knows; its verdict is asked for until it answers, and the
-//!   source VM is quit (committed) or resumed (aborted) accordingly.
+//! - `streaming`: the stream's end may have gone out: only the destination knows. Its verdict
+//!   is asked for until it answers, and the source VM is quit (committed) or resumed (aborted).
 //!
 //! A running source in doubt (the stream's end went out and the session fell silent) asks for
 //! the same verdict, for the destination agent may have restarted and lost the session.
@@ -53,8 +54,9 @@ pub struct PeerLink {
     pub pool: Arc<Pool>,
 }
 
-/// Asks the destination what became of the migration on session `of`.
-pub async fn ask_verdict(peer: &PeerLink, of: SessionId) -> Result<Verdict> {
+/// Asks the destination what became of the migration on session `of`, which started at
+/// `started_unix_ms`.
+pub async fn ask_verdict(peer: &PeerLink, of: SessionId, started_unix_ms: u64) -> Result<Verdict> {
     let addr = tokio::net::lookup_host(&peer.address)
         .await
         .with_context(|| format!("peer {:?}: address {:?}", peer.name, peer.address))?
@@ -87,6 +89,7 @@ pub async fn ask_verdict(peer: &PeerLink, of: SessionId) -> Result<Verdict> {
             &Control::Verdict {
                 version: CONTROL_VERSION,
                 of,
+                started_unix_ms,
             },
         )
         .await?;
@@ -103,62 +106,77 @@ pub async fn ask_verdict(peer: &PeerLink, of: SessionId) -> Result<Verdict> {
     verdict
 }
 
-/// The destination's answer about session `of`, `live` when it still runs here. A session this
-/// agent has no record of never resumed a VM here (the record is written before the QEMU is
-/// touched); the answer makes that final, so a late replay of it cannot start it now.
-pub async fn verdict_for(journal: &Journal, of: SessionId, live: bool) -> Verdict {
+/// The destination's answer about session `of` (started at `started_unix_ms` by the source's
+/// clock), `live` when it still runs here; a session that was being resumed here is left to
+/// [`settle_committing`] (`Err`). The caller holds the lock under which sessions start, so
+/// that "it never ran here" cannot become untrue before the answer makes it final: a session
+/// this agent has no record of, or one that ended before its commit, is recorded aborted, and
+/// a late replay of it is refused. Records older than the journal's horizon are gone, and so
+/// is what they said: such a session's fate is unknown.
+pub fn verdict_for(
+    journal: &Journal,
+    of: SessionId,
+    started_unix_ms: u64,
+    live: bool,
+) -> std::result::Result<Verdict, IncomingRecord> {
+    let unknown = |e: anyhow::Error| Verdict::Unknown {
+        reason: format!("{e:#}"),
+    };
     let record = match journal.incoming(of) {
         Ok(record) => record,
-        Err(e) => {
-            return Verdict::Unknown {
-                reason: format!("{e:#}"),
-            }
-        }
+        Err(e) => return Ok(unknown(e)),
     };
-    // A session still here may be past its commit, telling the source (which may not hear).
-    let finished = record
-        .as_ref()
-        .is_some_and(|r| matches!(r.state, IncomingState::Committed | IncomingState::Aborted));
-    if live && !finished {
-        return Verdict::Pending;
+    let state = record.as_ref().map(|r| r.state);
+    match state {
+        Some(IncomingState::Committed) => return Ok(Verdict::Committed),
+        Some(IncomingState::Aborted) => {
+            return Ok(Verdict::Aborted {
+                reason: record.and_then(|r| r.reason).unwrap_or_default(),
+            })
+        }
+        // Still here, before or at its commit (which may be telling the source now).
+        _ if live => return Ok(Verdict::Pending),
+        Some(IncomingState::Committing) => return Err(record.expect("a committing record")),
+        Some(IncomingState::Receiving) | None => {}
     }
-    match record {
-        Some(r) if r.state == IncomingState::Committed => Verdict::Committed,
-        Some(r) if r.state == IncomingState::Aborted => Verdict::Aborted {
-            reason: r.reason.unwrap_or_default(),
+    if record.is_none() {
+        match journal.horizon() {
+            Ok(Some(horizon)) if started_unix_ms <= horizon => {
+                return Ok(Verdict::Unknown {
+                    reason: "the destination no longer keeps records of migrations that old".into(),
+                })
+            }
+            Ok(_) => {}
+            Err(e) => return Ok(unknown(e)),
+        }
+    }
+    let reason = match &record {
+        Some(_) => "the destination's part ended before the commit",
+        None => "the migration never reached the destination agent",
+    };
+    let aborted = IncomingRecord {
+        session: of,
+        vm: record.as_ref().map(|r| r.vm.clone()).unwrap_or_default(),
+        qmp: record.map(|r| r.qmp).unwrap_or_default(),
+        state: IncomingState::Aborted,
+        reason: Some(reason.into()),
+        updated_unix_ms: now_ms(),
+    };
+    Ok(match journal.write_incoming(&aborted) {
+        Ok(()) => Verdict::Aborted {
+            reason: reason.into(),
         },
-        Some(r) if r.state == IncomingState::Committing => {
-            match settle_committing(journal, r).await {
-                IncomingState::Committed => Verdict::Committed,
-                _ => Verdict::Unknown {
-                    reason: "the destination QEMU went while it was being resumed; it may have run"
-                        .into(),
-                },
-            }
-        }
-        other => {
-            // Receiving, and no longer running here; or never seen.
-            let reason = match other {
-                Some(_) => "the destination's part ended before the commit",
-                None => "the migration never reached the destination agent",
-            };
-            let record = IncomingRecord {
-                session: of,
-                vm: other.as_ref().map(|r| r.vm.clone()).unwrap_or_default(),
-                qmp: other.map(|r| r.qmp).unwrap_or_default(),
-                state: IncomingState::Aborted,
-                reason: Some(reason.into()),
-                updated_unix_ms: now_ms(),
-            };
-            match journal.write_incoming(&record) {
-                Ok(()) => Verdict::Aborted {
-                    reason: reason.into(),
-                },
-                Err(e) => Verdict::Unknown {
-                    reason: format!("{e:#}"),
-                },
-            }
-        }
+        Err(e) => unknown(e),
+    })
+}
+
+/// The verdict on a session whose destination was being resumed when its agent went.
+pub async fn verdict_after_committing(journal: &Journal, record: IncomingRecord) -> Verdict {
+    match settle_committing(journal, record).await {
+        IncomingState::Committed => Verdict::Committed,
+        _ => Verdict::Unknown {
+            reason: "the destination QEMU went while it was being resumed; it may have run".into(),
+        },
     }
 }
 
@@ -174,8 +192,12 @@ pub async fn recover_incoming(journal: &Journal) {
     for record in records {
         match record.state {
             IncomingState::Receiving => {
+                // Only a QEMU still waiting for (or loading) the stream: one that runs is not
+                // this migration's.
                 if let Ok(qmp) = Qmp::connect(&record.qmp).await {
-                    let _ = qmp.execute(&Quit).await;
+                    if qmp.execute(&QueryStatus).await.is_ok_and(|s| !s.running) {
+                        let _ = qmp.execute(&Quit).await;
+                    }
                 }
                 let reason = "the destination agent restarted before the commit";
                 tracing::warn!(
@@ -199,6 +221,7 @@ pub async fn recover_incoming(journal: &Journal) {
             IncomingState::Committed | IncomingState::Aborted => {}
         }
     }
+    journal.prune_later();
 }
 
 /// A destination that decided to resume its VM and may not have: resumed now if its QEMU
@@ -279,16 +302,16 @@ pub async fn recover_outgoing(
                 s.state = MigrationState::Failed;
                 s.phase = Phase::Failed;
             }),
-            OutgoingState::Streaming => {
-                let reason = "the source agent restarted before the stream's end went out";
+            OutgoingState::Preparing => {
+                let reason = "the source agent restarted before the stream started";
                 let outcome = resume_source(&record.source_qmp).await;
                 settle_outgoing(journal, &status, record, Err(anyhow!("{reason}")), outcome);
             }
-            OutgoingState::EndSent => {
+            OutgoingState::Streaming => {
                 status.update(|s| {
                     s.phase = Phase::InDoubt;
-                    s.detail = "the source agent restarted after the stream's end went out; \
-                                asking the destination for its verdict"
+                    s.detail = "the source agent restarted while the stream flowed or after \
+                                its end went out; asking the destination for its verdict"
                         .into();
                 });
                 let Some(peer) = peer_of(&record.to) else {
@@ -304,7 +327,7 @@ pub async fn recover_outgoing(
                 let journal = journal.clone();
                 tokio::spawn(async move {
                     let verdict = loop {
-                        match ask_verdict(&peer, record.session).await {
+                        match ask_verdict(&peer, record.session, record.started_unix_ms).await {
                             Ok(Verdict::Committed) => break Ok(()),
                             Ok(Verdict::Aborted { reason }) => {
                                 break Err(anyhow!("the destination aborted: {reason}"))
@@ -404,4 +427,78 @@ async fn quit_source(qmp: &Path) -> Result<()> {
     let qmp = Qmp::connect(qmp).await?;
     let _ = qmp.execute(&Quit).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(session: u128, state: IncomingState) -> IncomingRecord {
+        IncomingRecord {
+            session: SessionId(session),
+            vm: "vm".into(),
+            qmp: "/nowhere/vm.qmp".into(),
+            state,
+            reason: Some("why".into()),
+            updated_unix_ms: 100,
+        }
+    }
+
+    #[test]
+    fn a_session_never_seen_is_aborted_for_good_unless_it_is_older_than_the_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::new(dir.path());
+        let aborted = Verdict::Aborted {
+            reason: "the migration never reached the destination agent".into(),
+        };
+        assert_eq!(
+            verdict_for(&journal, SessionId(1), 500, false),
+            Ok(aborted.clone())
+        );
+        // The answer is on record: the session cannot start here any more, and is answered
+        // the same way again.
+        let tomb = journal.incoming(SessionId(1)).unwrap().unwrap();
+        assert_eq!(tomb.state, IncomingState::Aborted);
+        assert_eq!(verdict_for(&journal, SessionId(1), 500, false), Ok(aborted));
+        // Past the horizon of removed records nothing can be said.
+        std::fs::write(dir.path().join("journal/incoming-horizon"), "1000").unwrap();
+        assert!(matches!(
+            verdict_for(&journal, SessionId(2), 999, false),
+            Ok(Verdict::Unknown { .. })
+        ));
+        assert!(journal.incoming(SessionId(2)).unwrap().is_none());
+    }
+
+    #[test]
+    fn each_record_answers_for_itself_and_a_live_session_is_pending_until_it_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::new(dir.path());
+        for (session, state) in [
+            (1, IncomingState::Receiving),
+            (2, IncomingState::Committing),
+            (3, IncomingState::Committed),
+            (4, IncomingState::Aborted),
+        ] {
+            journal.write_incoming(&record(session, state)).unwrap();
+        }
+        let verdict = |session, live| verdict_for(&journal, SessionId(session), 0, live);
+        assert_eq!(verdict(1, true), Ok(Verdict::Pending));
+        assert_eq!(verdict(2, true), Ok(Verdict::Pending));
+        // Committed while its session still tells the source.
+        assert_eq!(verdict(3, true), Ok(Verdict::Committed));
+        assert_eq!(
+            verdict(4, false),
+            Ok(Verdict::Aborted {
+                reason: "why".into()
+            })
+        );
+        // Being resumed when the agent went: for its QEMU to settle.
+        assert_eq!(verdict(2, false).unwrap_err().session, SessionId(2));
+        // Ended before its commit without a final record: aborted, and recorded so.
+        assert!(matches!(verdict(1, false), Ok(Verdict::Aborted { .. })));
+        assert_eq!(
+            journal.incoming(SessionId(1)).unwrap().unwrap().state,
+            IncomingState::Aborted
+        );
+    }
 }

@@ -91,6 +91,7 @@ pub async fn run(
             s.event(EventKind::Failed, format!("{e:#}"));
         }
     });
+    journal.prune_later();
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -132,29 +133,8 @@ async fn migrate(
         plans
     };
 
-    // The session and its connections; the migration's record (see `journal`).
+    // The session and its connections.
     let id = SessionId::random();
-    let started = status.get();
-    let mut record = OutgoingRecord {
-        id: started.id,
-        vm: req.vm.clone(),
-        session: id,
-        source_qmp: req.source_qmp.clone(),
-        to: req.to.clone(),
-        state: OutgoingState::Streaming,
-        reason: None,
-        started_unix_ms: started.started_unix_ms,
-        updated_unix_ms: now_ms(),
-    };
-    journal
-        .write_outgoing(&record)
-        .context("recording the migration")?;
-    let asked = PeerLink {
-        name: req.to.clone(),
-        address: peer_address.to_owned(),
-        tls: tls.clone(),
-        pool: pool.clone(),
-    };
     status.enter(
         Phase::Connecting,
         format!("connecting to {} ({peer_address})", req.to),
@@ -169,6 +149,28 @@ async fn migrate(
                 req.to
             )
         })?;
+    // The migration's record (see `journal`), from here until it settles.
+    let started = status.get();
+    let mut record = OutgoingRecord {
+        id: started.id,
+        vm: req.vm.clone(),
+        session: id,
+        source_qmp: req.source_qmp.clone(),
+        to: req.to.clone(),
+        state: OutgoingState::Preparing,
+        reason: None,
+        started_unix_ms: started.started_unix_ms,
+        updated_unix_ms: now_ms(),
+    };
+    journal
+        .write_outgoing(&record)
+        .context("recording the migration")?;
+    let asked = PeerLink {
+        name: req.to.clone(),
+        address: peer_address.to_owned(),
+        tls: tls.clone(),
+        pool: pool.clone(),
+    };
     let session = Session::new(id, SessionConfig::default());
     let peer = Peer {
         addr,
@@ -322,6 +324,13 @@ async fn migrate(
             d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
             status.update(|s| s.event(EventKind::DiskReady, ""));
         }
+        // From QEMU's stream on, its end may go out with no other step here: recorded first,
+        // so that a restart asks the destination rather than resuming the VM.
+        record.state = OutgoingState::Streaming;
+        record.updated_unix_ms = now_ms();
+        journal
+            .write_outgoing(&record)
+            .context("recording the stream's start")?;
         let (bytes, sha256) = stream(
             req,
             status,
@@ -337,13 +346,6 @@ async fn migrate(
             deadline,
         )
         .await?;
-        // From the stream's end on only the destination decides: recorded first, so that
-        // a restart asks it rather than resuming the VM here.
-        record.state = OutgoingState::EndSent;
-        record.updated_unix_ms = now_ms();
-        journal
-            .write_outgoing(&record)
-            .context("recording the stream's end")?;
         control::send(
             &session,
             &Control::End {
@@ -389,6 +391,7 @@ async fn migrate(
             let _ = tokio::time::timeout(Duration::from_secs(2), session.flushed(control::CONTROL))
                 .await;
             session.fail(format!("{e:#}"));
+            // Resumed before the record says failed: a restart in between resumes it again.
             let resumed = ensure_running(&qmp).await;
             let e = e.context("the source VM keeps running");
             settle(OutgoingState::Failed, Some(format!("{e:#}")));
@@ -406,18 +409,23 @@ async fn migrate(
     // The verdict comes on the session, or, once it has been silent for the WAN timeout, from
     // asking the destination on a new one (its agent may have restarted and lost this one).
     let mut last_asked: Option<Instant> = None;
+    // The session's control messages stop when it fails: then only asking tells.
+    let mut control_open = true;
     let verdict = loop {
         tokio::select! {
-            msg = ctl.recv() => break msg,
+            msg = ctl.recv(), if control_open => match msg {
+                Some(msg) => break Some(msg),
+                None => control_open = false,
+            },
             _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                if session.idle_for() > wan_timeout {
+                if !control_open || session.idle_for() > wan_timeout {
                     status.enter(Phase::InDoubt, format!(
                         "no contact with the destination for {}s after the stream ended; \
                          the source stays paused until the destination's verdict arrives",
                         session.idle_for().as_secs()));
                     if last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY) {
                         last_asked = Some(Instant::now());
-                        match recovery::ask_verdict(&asked, id).await {
+                        match recovery::ask_verdict(&asked, id, record.started_unix_ms).await {
                             Ok(Verdict::Committed) => break Some(Control::Committed {
                                 resume_unix_us: 0,
                                 switchover: None,
@@ -482,8 +490,9 @@ async fn migrate(
         Some(Control::Abort { reason }) => {
             session.fail(reason.clone());
             let message = format!("the destination aborted: {reason}; the source VM keeps running");
+            let resumed = ensure_running(&qmp).await;
             settle(OutgoingState::Failed, Some(message.clone()));
-            ensure_running(&qmp).await?;
+            resumed?;
             bail!("{message}")
         }
         other => {

@@ -66,6 +66,8 @@ pub struct Gates {
     pub load: Gate,
     /// Destination: `cont` received, before the VM resumes and QEMU answers.
     pub cont: Gate,
+    /// Destination: how many `cont`s are refused (the VM not resumed) before one is taken.
+    pub refuse_cont: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl Default for Gates {
@@ -74,6 +76,7 @@ impl Default for Gates {
             stream_at: None,
             load: Gate::new(true),
             cont: Gate::new(true),
+            refuse_cont: Arc::default(),
         }
     }
 }
@@ -99,6 +102,14 @@ impl Gates {
             cont: Gate::new(false),
             ..Gates::default()
         }
+    }
+
+    pub fn cont_refused_once() -> Gates {
+        let gates = Gates::default();
+        gates
+            .refuse_cont
+            .store(1, std::sync::atomic::Ordering::SeqCst);
+        gates
     }
 
     pub fn stream(&self) -> &Gate {
@@ -323,6 +334,17 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
                 return Err("the VM has not been loaded yet".into());
             }
             shared.gates.cont.pass().await;
+            let refusals = &shared.gates.refuse_cont;
+            if refusals
+                .fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok()
+            {
+                return Err("cont refused (a test's fault)".into());
+            }
             shared.update(|s| s.status = "running".into());
             shared.event("RESUME", json!({}));
             Ok(json!({}))

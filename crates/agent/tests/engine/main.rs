@@ -428,7 +428,7 @@ async fn a_source_agent_restarted_after_the_streams_end_asks_the_destination_and
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_source_agent_restarted_mid_stream_lists_the_migration_failed_with_the_source_running() {
+async fn a_source_agent_restarted_mid_stream_asks_the_destination_and_the_source_runs() {
     let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
     let id = pair.migrate(settings()).await;
     pair.source
@@ -438,13 +438,11 @@ async fn a_source_agent_restarted_mid_stream_lists_the_migration_failed_with_the
         .await;
     pair.a.kill();
     pair.source.gates().stream().open();
+    // Its record says the stream had started: the restarted agent asks the destination, which
+    // answers once its side gave up (at the WAN timeout), and the source runs.
     pair.a.restart();
     let status = pair.finished(&id).await;
-    assert_source_runs(
-        &pair,
-        &status,
-        "the source agent restarted before the stream's end went out",
-    );
+    assert_source_runs(&pair, &status, "the destination aborted");
     wait_until("the destination quits its QEMU", || {
         pair.destination.seen().ran("quit")
     })
@@ -548,4 +546,22 @@ async fn an_agent_carries_at_most_256_incoming_sessions_and_takes_more_as_they_e
     // dial, and answered too.
     ask_b(&held[0].0).await;
     ask_b(&extra).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_whose_resume_failed_is_resumed_when_the_source_asks() {
+    let pair = Pair::up(Gates::default(), Gates::cont_refused_once());
+    let id = pair.migrate(settings()).await;
+    // The destination decided to commit and its QEMU refused `cont`: nothing is undone there
+    // (its record says committing), the source is in doubt, asks, and the destination settles
+    // it by resuming its QEMU then.
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+    let destination = pair.destination.seen();
+    assert_eq!(
+        destination.commands.iter().filter(|c| *c == "cont").count(),
+        2,
+        "{destination:?}"
+    );
+    assert!(!destination.ran("quit"), "{destination:?}");
 }
