@@ -174,6 +174,9 @@ pub fn verdict_for(
 pub async fn verdict_after_committing(journal: &Journal, record: IncomingRecord) -> Verdict {
     match settle_committing(journal, record).await {
         IncomingState::Committed => Verdict::Committed,
+        IncomingState::Aborted => Verdict::Aborted {
+            reason: "the destination QEMU failed to load the stream".into(),
+        },
         _ => Verdict::Unknown {
             reason: "the destination QEMU went while it was being resumed; it may have run".into(),
         },
@@ -227,34 +230,48 @@ pub async fn recover_incoming(journal: &Journal) {
 /// A destination that decided to resume its VM and may not have: resumed now if its QEMU
 /// loaded the stream and is there. Returns the state recorded.
 async fn settle_committing(journal: &Journal, record: IncomingRecord) -> IncomingState {
-    let resumed = async {
+    // QEMU had the whole stream: it ends its load (completed or failed) shortly.
+    let settled = async {
         let qmp = Qmp::connect(&record.qmp).await?;
-        if !qmp.execute(&QueryStatus).await?.running {
-            let loaded = qmp.execute(&QueryMigrate).await?.status.as_deref() == Some("completed");
-            if !loaded {
-                bail!("its QEMU had not loaded the stream");
-            }
-            qmp.execute(&Cont).await?;
+        if qmp.execute(&QueryStatus).await?.running {
+            return Ok(IncomingState::Committed);
         }
-        Ok::<_, anyhow::Error>(())
+        for _ in 0..100 {
+            match qmp.execute(&QueryMigrate).await?.status.as_deref() {
+                Some("completed") => {
+                    qmp.execute(&Cont).await?;
+                    return Ok(IncomingState::Committed);
+                }
+                // It never ran: the VM stays the source's.
+                Some("failed") => {
+                    let _ = qmp.execute(&Quit).await;
+                    return Ok(IncomingState::Aborted);
+                }
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        bail!("its QEMU has not finished loading the stream after 10 s")
     }
     .await;
-    match resumed {
-        Ok(()) => {
+    match settled {
+        Ok(state) => {
             tracing::info!(
-                "session {}: VM {:?} runs here (committed)",
+                "session {}: VM {:?}: {state:?} (settled from its record)",
                 record.session,
                 record.vm
             );
-            let committed = IncomingRecord {
-                state: IncomingState::Committed,
+            let reason = (state == IncomingState::Aborted)
+                .then(|| "the destination QEMU failed to load the stream".to_owned());
+            let settled = IncomingRecord {
+                state,
+                reason,
                 updated_unix_ms: now_ms(),
                 ..record
             };
-            if let Err(e) = journal.write_incoming(&committed) {
-                tracing::error!("session {}: {e:#}", committed.session);
+            if let Err(e) = journal.write_incoming(&settled) {
+                tracing::error!("session {}: {e:#}", settled.session);
             }
-            IncomingState::Committed
+            state
         }
         Err(e) => {
             tracing::error!(

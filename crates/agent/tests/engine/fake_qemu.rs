@@ -62,6 +62,8 @@ impl Gate {
 pub struct Gates {
     /// Source: before writing the stream byte at this offset (`None`: never stops).
     pub stream_at: Option<(u64, Gate)>,
+    /// Destination: before reading the stream beyond this offset (`None`: never stops).
+    pub read_at: Option<(u64, Gate)>,
     /// Destination: with the whole stream read, before it says whether it loaded.
     pub load: Gate,
     /// Destination: `cont` received, before the VM resumes and QEMU answers.
@@ -74,6 +76,7 @@ impl Default for Gates {
     fn default() -> Gates {
         Gates {
             stream_at: None,
+            read_at: None,
             load: Gate::new(true),
             cont: Gate::new(true),
             refuse_cont: Arc::default(),
@@ -88,6 +91,18 @@ impl Gates {
             stream_at: Some((offset, Gate::new(false))),
             ..Gates::default()
         }
+    }
+
+    /// Gates with the destination's reading held at `offset`.
+    pub fn read_held_at(offset: u64) -> Gates {
+        Gates {
+            read_at: Some((offset, Gate::new(false))),
+            ..Gates::default()
+        }
+    }
+
+    pub fn read(&self) -> &Gate {
+        &self.read_at.as_ref().expect("a read gate").1
     }
 
     pub fn load_held() -> Gates {
@@ -445,7 +460,16 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
     let mut got = Vec::with_capacity(expected.len());
     let mut buf = vec![0u8; 64 << 10];
     while got.len() < expected.len() {
-        match conn.read(&mut buf).await {
+        let mut want = buf.len();
+        if let Some((offset, gate)) = &shared.gates.read_at {
+            let offset = usize::try_from(*offset).expect("small");
+            if got.len() >= offset {
+                gate.pass().await;
+            } else {
+                want = want.min(offset - got.len());
+            }
+        }
+        match conn.read(&mut buf[..want]).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 got.extend_from_slice(&buf[..n]);

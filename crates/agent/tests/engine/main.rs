@@ -374,22 +374,25 @@ async fn the_source_agent_killed_after_the_streams_end_leaves_only_the_destinati
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_destination_agent_restarted_after_the_streams_end_settles_it_and_the_source_resumes() {
-    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+async fn a_destination_agent_restarted_before_its_digest_check_aborts_and_the_source_resumes() {
+    // Its QEMU stops reading half way: the source has sent everything and its end (the coded
+    // stream fits its window), the destination cannot finish feeding QEMU (more is left than
+    // the socket holds), so it has not checked the digest and its record says receiving.
+    let mut pair = Pair::up(Gates::default(), Gates::read_held_at(MID_STREAM));
     let id = pair.migrate(settings()).await;
     pair.destination
         .gates()
-        .load
-        .wait_reached("the destination's load")
+        .read()
+        .wait_reached("the destination's reading")
         .await;
     pair.wait(&id, "awaiting the commit", |s| {
         s.phase == Phase::AwaitingCommit
     })
     .await;
     pair.b.kill();
-    pair.destination.gates().load.open();
-    // Its record says it never got as far as resuming the VM: the restarted agent quits the
-    // QEMU it left, and tells the source, which asks once it is in doubt.
+    pair.destination.gates().read().open();
+    // The restarted agent quits the QEMU it left and tells the source, which asks once it is
+    // in doubt.
     pair.b.restart();
     let status = pair.finished(&id).await;
     assert_source_runs(
@@ -398,6 +401,33 @@ async fn a_destination_agent_restarted_after_the_streams_end_settles_it_and_the_
         "the destination agent restarted before the commit",
     );
     assert!(pair.destination.seen().ran("quit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_agent_restarted_after_recording_its_commit_resumes_its_vm() {
+    let mut pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    // The digest matched and the commit is on record while QEMU finishes loading.
+    let journal = pair.b.config.work_dir.join("journal/incoming");
+    wait_until("the destination records its commit", || {
+        std::fs::read_dir(&journal).is_ok_and(|d| {
+            d.filter_map(Result::ok).any(|e| {
+                std::fs::read_to_string(e.path()).is_ok_and(|r| r.contains("\"committing\""))
+            })
+        })
+    })
+    .await;
+    pair.b.kill();
+    pair.destination.gates().load.open();
+    // The restarted agent resumes the VM it decided to resume; the source, asking, quits its.
+    pair.b.restart();
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
