@@ -4,7 +4,8 @@
 # the guest's memory verifier runs (`ferry migrate` does it), and each agent's footprint is
 # read from its /metrics: resident memory, open descriptors, sessions, parked connections.
 # One JSON line per migration goes to bench/soak-<date>.jsonl, and a summary at the end says
-# whether the verifier ever found an error and whether the footprint grew. Needs root; not part
+# whether the verifier ever found an error, whether the footprint grew, and what each agent
+# holds once idle (10 s after the last migration). Needs root; not part
 # of the test command (it takes about an hour).
 #
 #   ./scripts/soak.sh [MIGRATIONS] [extra `ferry migrate` options...]
@@ -60,9 +61,15 @@ print(json.dumps({"migration": int(sys.argv[2]), "to": sys.argv[3], "seconds": f
     echo "$line"
 done
 
-python3 - "$out" <<'PY'
+# The idle footprint: once the agents have given back what the last migration freed.
+sleep 10
+idle_a=$(footprint a)
+idle_b=$(footprint b)
+
+python3 - "$out" "$idle_a" "$idle_b" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+idle = {"a": json.loads(sys.argv[2]), "b": json.loads(sys.argv[3])}
 errors = sum(r["verify_errors"] or 0 for r in rows)
 incomplete = sum(1 for r in rows if not r["completed"])
 print(f"soak: {len(rows)} migrations, {incomplete} incomplete, {errors} verifier errors")
@@ -72,6 +79,8 @@ for site in "ab":
         first = sorted(r[site][key] for r in rows[:tenth])[tenth // 2] / scale
         last = sorted(r[site][key] for r in rows[-tenth:])[tenth // 2] / scale
         peak = max(r[site][key] for r in rows) / scale
-        print(f"  agent {site} {key}: median of the first tenth {first:.1f}{unit}, "
-              f"of the last {last:.1f}{unit}, peak {peak:.1f}{unit}")
+        print(f"  agent {site} {key} just after a migration: median of the first tenth "
+              f"{first:.1f}{unit}, of the last {last:.1f}{unit}, peak {peak:.1f}{unit}")
+    print(f"  agent {site} idle 10 s after the last: {idle[site]['rss'] / (1 << 20):.1f} MiB "
+          f"resident, {idle[site]['fds']} fds, {idle[site]['parked']} parked connection(s)")
 PY
