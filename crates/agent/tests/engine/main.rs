@@ -33,6 +33,22 @@ fn settings() -> MigrationSettings {
 /// Somewhere in the memory passes (the stream is 733 KB).
 const MID_STREAM: u64 = 300_000;
 
+/// Migrates with the destination's load held (`Gates::load_held`) until the source has sent
+/// the stream's end and waits for the verdict; returns the migration's id.
+async fn until_end_sent(pair: &Pair) -> String {
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.wait(&id, "awaiting the commit", |s| {
+        s.phase == Phase::AwaitingCommit
+    })
+    .await;
+    id
+}
+
 /// Polls `ready` until it holds (within a minute).
 async fn wait_until(what: &str, ready: impl Fn() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -165,16 +181,7 @@ async fn cancel_during_the_memory_passes_resumes_the_source() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_after_the_streams_end_went_out_is_refused_and_the_migration_commits() {
     let pair = Pair::up(Gates::default(), Gates::load_held());
-    let id = pair.migrate(settings()).await;
-    pair.destination
-        .gates()
-        .load
-        .wait_reached("the destination's load")
-        .await;
-    pair.wait(&id, "awaiting the commit", |s| {
-        s.phase == Phase::AwaitingCommit
-    })
-    .await;
+    let id = until_end_sent(&pair).await;
     let refused = pair.a.client().cancel(&id).await.unwrap_err();
     assert!(
         refused.to_string().contains("can no longer be cancelled"),
@@ -241,16 +248,7 @@ async fn the_destination_agent_killed_mid_stream_fails_it_at_the_wan_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_destination_agent_killed_after_the_streams_end_leaves_the_source_paused_in_doubt() {
     let mut pair = Pair::up(Gates::default(), Gates::load_held());
-    let id = pair.migrate(settings()).await;
-    pair.destination
-        .gates()
-        .load
-        .wait_reached("the destination's load")
-        .await;
-    pair.wait(&id, "awaiting the commit", |s| {
-        s.phase == Phase::AwaitingCommit
-    })
-    .await;
+    let id = until_end_sent(&pair).await;
     pair.b.kill();
     pair.destination.gates().load.open();
     // Without the destination's verdict the source may not run: the destination might.
@@ -375,16 +373,7 @@ async fn the_source_agent_killed_mid_stream_leaves_the_source_running() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_source_agent_killed_after_the_streams_end_leaves_only_the_destination_running() {
     let mut pair = Pair::up(Gates::default(), Gates::load_held());
-    let id = pair.migrate(settings()).await;
-    pair.destination
-        .gates()
-        .load
-        .wait_reached("the destination's load")
-        .await;
-    pair.wait(&id, "awaiting the commit", |s| {
-        s.phase == Phase::AwaitingCommit
-    })
-    .await;
+    until_end_sent(&pair).await;
     pair.a.kill();
     pair.destination.gates().load.open();
     // The destination holds the whole verified stream: it commits without the source.
@@ -454,16 +443,7 @@ async fn a_destination_agent_restarted_after_recording_its_commit_resumes_its_vm
 async fn a_source_agent_restarted_after_the_streams_end_asks_the_destination_and_quits_the_source()
 {
     let mut pair = Pair::up(Gates::default(), Gates::load_held());
-    let id = pair.migrate(settings()).await;
-    pair.destination
-        .gates()
-        .load
-        .wait_reached("the destination's load")
-        .await;
-    pair.wait(&id, "awaiting the commit", |s| {
-        s.phase == Phase::AwaitingCommit
-    })
-    .await;
+    let id = until_end_sent(&pair).await;
     pair.a.kill();
     pair.destination.gates().load.open();
     wait_until("the destination runs", || pair.destination.seen().running()).await;
