@@ -10,6 +10,13 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --locked --quiet -- -D warnings
 # The supply chain: licences, banned and wildcard dependencies, sources (deny.toml).
 cargo deny check licenses bans sources
+# Known advisories need RustSec's database, which lives on GitHub: checked where it can be
+# fetched, and said where it cannot.
+if timeout 120 cargo deny fetch db >/dev/null 2>&1; then
+    cargo deny --offline check advisories
+else
+    echo "test: advisories not checked: RustSec's database could not be fetched (github.com)" >&2
+fi
 # What a host runs stands without the lab: it builds without it, and nothing it links is the lab.
 cargo clippy -p ferry-cli --no-default-features --release --locked --quiet -- -D warnings
 if cargo tree -p ferry-cli --no-default-features -e normal --locked | grep -q 'ferry-lab'; then
