@@ -1,7 +1,7 @@
-//! Ctrl-C during a migration: cancel it cleanly instead of dying half-way.
+//! Ctrl-C (or SIGTERM, SIGHUP) during a migration: cancel it cleanly instead of dying half-way.
 //!
 //! Killing the CLI mid-migration would leave QEMU migrating on its own: the source might stop
-//! for a switchover nobody completes. So the CLI routes SIGINT here; while a migration runs it
+//! for a switchover nobody completes. So the CLI routes those signals here; while a migration runs it
 //! only raises a flag that the migration's polling loops check before the commit point, and the
 //! usual failure path cancels, removes the destination and keeps the source running. After the
 //! destination was told to run, the flag is no longer looked at: the commit finishes.

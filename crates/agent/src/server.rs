@@ -175,7 +175,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         }
     };
     tokio::select! {
-        r = axum::serve(api, app) => r.context("API server")?,
+        r = serve_api(api, app) => r.context("API server")?,
         r = fleet => r?,
         r = metrics_only => r?,
         r = serve_peers(agent.clone(), peers, server_tls) => r?,
@@ -561,6 +561,34 @@ async fn cancel(State(agent): State<Arc<Agent>>, Path(id): Path<String>) -> Resp
         Json(m.get()).into_response()
     } else {
         Refusal::TooLateToCancel(id).into_response()
+    }
+}
+
+/// Serves the API on its unix socket as `axum::serve` would, but with HTTP/1 half-close: a
+/// request the agent received whole is carried out (a migration started, a cancel done) even
+/// when its client closed the connection before the answer, where hyper otherwise drops the
+/// request's handler on reading the end of the connection.
+async fn serve_api(listener: UnixListener, app: Router) -> std::io::Result<()> {
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            // Out of descriptors, for one: the connections being served will free some.
+            Err(e) => {
+                tracing::warn!("API socket: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let service = service.clone();
+        tokio::spawn(async move {
+            let connection = hyper::server::conn::http1::Builder::new()
+                .half_close(true)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            if let Err(e) = connection.await {
+                tracing::debug!("API connection: {e}");
+            }
+        });
     }
 }
 

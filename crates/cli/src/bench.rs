@@ -105,6 +105,15 @@ pub struct BenchArgs {
 }
 
 pub async fn run(a: BenchArgs) -> Result<ExitCode> {
+    let result = run_scenarios(a).await;
+    // The bench's lab comes down however it ended (fresh_lab armed its taking down).
+    let down = tokio::task::spawn_blocking(crate::stop::run_armed).await?;
+    let code = result?;
+    down?;
+    Ok(code)
+}
+
+async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
     let link = a.link.config();
     link.validate()?;
     if a.libvirt {
@@ -193,7 +202,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
             }
         }
     }
-    finish(lab, failures).await
+    Ok(finish(&lab, failures))
 }
 
 /// `ferry bench --libvirt`: every system on a fresh domain per run, systems interleaved.
@@ -247,7 +256,7 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
             }
         }
     }
-    finish(lab, failures).await
+    Ok(finish(&lab, failures))
 }
 
 /// `ferry bench --pools`: the lab with libvirt and a controller, [`ferry_lab::pool_bench`].
@@ -261,7 +270,7 @@ async fn run_pools(a: BenchArgs) -> Result<ExitCode> {
         ferry_exe: exe,
     };
     let failures = ferry_lab::pool_bench::run(&lab, &img, &bench, print_record).await;
-    finish(lab, counted_failures(failures, "pools")).await
+    Ok(finish(&lab, counted_failures(failures, "pools")))
 }
 
 /// `ferry bench --groups`: the lab with libvirt and a controller, [`ferry_lab::group_bench`].
@@ -289,7 +298,7 @@ async fn run_groups(a: BenchArgs) -> Result<ExitCode> {
         ferry_exe: exe,
     };
     let failures = ferry_lab::group_bench::run(&lab, &img, &bench, print_record).await;
-    finish(lab, counted_failures(failures, "groups")).await
+    Ok(finish(&lab, counted_failures(failures, "groups")))
 }
 
 /// `ferry bench --fleet-cost`: the lab with libvirt and a controller,
@@ -304,7 +313,7 @@ async fn run_fleet_cost(a: BenchArgs) -> Result<ExitCode> {
         ferry_exe: exe,
     };
     let failures = ferry_lab::fleet_cost_bench::run(&lab, &img, &bench, print_record).await;
-    finish(lab, counted_failures(failures, "fleet-cost")).await
+    Ok(finish(&lab, counted_failures(failures, "fleet-cost")))
 }
 
 /// `ferry bench --overload`: a fresh lab per run and response, [`ferry_lab::overload_bench`].
@@ -355,7 +364,7 @@ async fn run_overload(a: BenchArgs) -> Result<ExitCode> {
         }
     }
     match last_lab {
-        Some(lab) => finish(lab, failures).await,
+        Some(lab) => Ok(finish(&lab, failures)),
         None => Ok(ExitCode::SUCCESS),
     }
 }
@@ -423,6 +432,11 @@ async fn fresh_lab(
         name: name.to_owned(),
     };
     let exe = std::env::current_exe()?;
+    if std::env::var_os(KEEP_LAB).is_none() {
+        // Ctrl-C or SIGTERM from here on, or the bench's end, takes the lab down.
+        let lab = lab.clone();
+        crate::stop::arm(move || lab.down(true));
+    }
     let (l, e) = (lab.clone(), exe.clone());
     tokio::task::spawn_blocking(move || {
         l.down(true)?;
@@ -448,16 +462,17 @@ fn print_records<T: serde::Serialize>(records: Result<Vec<T>>, what: &str) -> Re
     }
 }
 
-/// Takes the bench's lab down; the exit code says whether every scenario ran.
-async fn finish(lab: Lab, failures: usize) -> Result<ExitCode> {
-    if std::env::var_os("FERRY_BENCH_KEEP_LAB").is_some() {
-        eprintln!("bench: FERRY_BENCH_KEEP_LAB: lab {} left up", lab.name);
-    } else {
-        let _ = tokio::task::spawn_blocking(move || lab.down(true)).await?;
+/// The exit code: whether every scenario ran. The lab comes down in [`run`], unless kept.
+fn finish(lab: &Lab, failures: usize) -> ExitCode {
+    if std::env::var_os(KEEP_LAB).is_some() {
+        eprintln!("bench: {KEEP_LAB}: lab {} left up", lab.name);
     }
-    Ok(if failures == 0 {
+    if failures == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    })
+    }
 }
+
+/// Set, a bench leaves its lab up for inspection.
+const KEEP_LAB: &str = "FERRY_BENCH_KEEP_LAB";

@@ -90,16 +90,21 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
         link.rate_mbit, link.rtt_ms
     );
     let exe = std::env::current_exe()?;
-    {
+    if !a.keep {
+        // Ctrl-C or SIGTERM from here on takes the lab down with its agents and QEMUs.
+        let lab = lab.clone();
+        crate::stop::arm(move || lab.down(true));
+    }
+    let up = {
         let lab = lab.clone();
         tokio::task::spawn_blocking(move || lab.up(link, &exe, ferry_lab::Services::default()))
-            .await??;
-    }
-    let result = demo_inner(&lab, &a, &img, accel, &workload, &opts).await;
-    if !a.keep {
-        let lab = lab.clone();
-        tokio::task::spawn_blocking(move || lab.down(true)).await??;
-    }
+            .await?
+    };
+    let result = match up {
+        Ok(_) => demo_inner(&lab, &a, &img, accel, &workload, &opts).await,
+        Err(e) => Err(e),
+    };
+    tokio::task::spawn_blocking(crate::stop::run_armed).await??;
     result
 }
 

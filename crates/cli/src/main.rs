@@ -20,6 +20,7 @@ mod plot;
 mod report;
 mod settings_flags;
 mod sim_cmd;
+mod stop;
 mod swap_cmd;
 #[cfg(feature = "lab")]
 mod vm_cmd;
@@ -177,15 +178,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     let result = rt.block_on(async {
-        tokio::spawn(async {
-            while tokio::signal::ctrl_c().await.is_ok() {
-                if ferry_agent::interrupt::request() {
-                    eprintln!("\nferry: interrupted; cancelling the migration (the source VM keeps running)");
-                } else {
-                    std::process::exit(130);
+        // The agent and the controller are services: they keep the signals' defaults (their
+        // journals and stores carry them across a restart).
+        if !matches!(cli.command, Cmd::Agent(_) | Cmd::Controller(_)) {
+            tokio::spawn(async {
+                if let Err(e) = stop::watch().await {
+                    eprintln!("ferry: cannot watch for Ctrl-C and SIGTERM: {e}");
                 }
-            }
-        });
+            });
+        }
         match cli.command {
             Cmd::Migrate(a) => migrate::run(*a).await,
             Cmd::Migrations(a) => migrations::run(a).await,
@@ -225,6 +226,7 @@ fn main() -> ExitCode {
             Cmd::Simulate(a) => sim_cmd::run(&a),
         }
     });
+    stop::wait_if_stopping();
     match result {
         Ok(code) => code,
         Err(e) => {

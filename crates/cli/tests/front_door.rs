@@ -90,3 +90,118 @@ fn bench_prints_the_contract_fields() {
     );
     assert!(t.namespaces().is_empty(), "the bench left its lab up");
 }
+
+/// `ferry demo` running in the test's lab, its output read line by line as it comes.
+struct RunningDemo {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    stdout: String,
+}
+
+impl RunningDemo {
+    fn start(t: &TestLab, link: [&str; 2], dirty_mib: &str) -> RunningDemo {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(common::ferry_bin())
+            .args(["demo", "--lab", &t.lab.name, "--rate-mbit", link[0]])
+            .args(["--rtt-ms", link[1], "--mem-mib", "256", "--warmup-s", "1"])
+            .args(["--dirty-mib", dirty_mib])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        RunningDemo {
+            child,
+            lines,
+            stdout: String::new(),
+        }
+    }
+
+    /// Waits until the demo printed a line holding `text`.
+    fn wait_for(&mut self, text: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+        while !self.stdout.lines().any(|l| l.contains(text)) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.stdout += &(line + "\n"),
+                Err(e) => panic!("the demo never printed {text:?} ({e}):\n{}", self.stdout),
+            }
+        }
+    }
+
+    fn terminate(&self) {
+        // SAFETY: kill(2) on the child we started.
+        unsafe { libc::kill(i32::try_from(self.child.id()).unwrap(), libc::SIGTERM) };
+    }
+
+    /// Its exit code, all it printed on stdout and its stderr.
+    fn finish(mut self) -> (Option<i32>, String, String) {
+        use std::io::Read;
+        let mut stderr = String::new();
+        self.child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        let status = self.child.wait().unwrap();
+        self.stdout.extend(self.lines.iter().map(|l| l + "\n"));
+        (status.code(), self.stdout, stderr)
+    }
+}
+
+/// Processes whose command line names the lab's directory (its agents, relay and QEMUs).
+fn processes_of(t: &TestLab) -> Vec<String> {
+    let dir = t.lab.dir().display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&dir))
+        .collect()
+}
+
+#[test]
+fn sigterm_while_the_demo_boots_takes_its_lab_down() {
+    let t = TestLab::named("dterm");
+    let mut demo = RunningDemo::start(&t, ["1000", "10"], "32");
+    demo.wait_for("[3/5] booting");
+    assert!(!t.namespaces().is_empty(), "the demo's lab is not up");
+    demo.terminate();
+    let (code, stdout, stderr) = demo.finish();
+    assert_eq!(code, Some(143), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("terminated; taking down what this command brought up"),
+        "{stderr}"
+    );
+    assert!(t.namespaces().is_empty(), "the demo left its lab up");
+    assert_eq!(processes_of(&t), Vec::<String>::new(), "left running");
+}
+
+#[test]
+fn sigterm_during_the_demo_migration_cancels_it_and_takes_the_lab_down() {
+    let t = TestLab::named("dtermm");
+    // A slow link so the migration is still copying when the signal arrives.
+    let mut demo = RunningDemo::start(&t, ["20", "20"], "64");
+    demo.wait_for("[4/5] migrating");
+    let dst_qmp = t.lab.dir().join("vms/demo-b.qmp");
+    ferry_lab::topology::wait_until(std::time::Duration::from_secs(60), || dst_qmp.exists())
+        .unwrap();
+    demo.terminate();
+    let (code, stdout, stderr) = demo.finish();
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("terminated; cancelling the migration (the source VM keeps running)"),
+        "{stderr}"
+    );
+    // Reported as a cancel, like Ctrl-C's: the source kept running until its lab came down.
+    assert!(stderr.contains("interrupted by the user"), "{stderr}");
+    assert!(t.namespaces().is_empty(), "the demo left its lab up");
+    assert_eq!(processes_of(&t), Vec::<String>::new(), "left running");
+}

@@ -187,6 +187,9 @@ pub async fn start_tiny_domain(
     (name, mem_mib, nic): (&str, u32, &GuestNic),
     command: &str,
 ) -> Result<crate::guest::GuestLink> {
+    if ferry_agent::interrupt::requested() {
+        bail!("stopped by the user before domain {name:?} was started");
+    }
     let xml = lab.host_dir(Site::A).join(format!("{name}.xml"));
     fs::write(&xml, tiny_domain_xml(img, name, mem_mib, nic, false))?;
     virsh(

@@ -465,6 +465,14 @@ pub async fn launch(lab: &Lab, site: Site, spec: &VmSpec) -> Result<u32> {
         .stdout(log.try_clone()?)
         .stderr(log);
     detach(&mut cmd);
+    // Once asked to stop (Ctrl-C, SIGTERM), no new QEMU: the lab may be coming down, and a
+    // bench stops after the migration it cancelled instead of booting its next guest.
+    if ferry_agent::interrupt::requested() {
+        bail!(
+            "stopped by the user before QEMU was started at site {}",
+            site.name()
+        );
+    }
     let mut child = cmd
         .spawn()
         .context("start qemu-system-x86_64 (scripts/setup.sh installs it)")?;

@@ -595,3 +595,50 @@ async fn a_destination_whose_resume_failed_is_resumed_when_the_source_asks() {
     );
     assert!(!destination.ran("quit"), "{destination:?}");
 }
+
+/// Opens the agent's API socket, writes a raw HTTP/1.1 POST of `body` of which only
+/// `sent` bytes go out) and closes the connection without reading an answer.
+async fn post_and_vanish(agent: &agents::Agent, body: &[u8], sent: usize) {
+    use tokio::io::AsyncWriteExt;
+    let mut api = tokio::net::UnixStream::connect(&agent.config.api_socket)
+        .await
+        .expect("the agent's API socket");
+    let head = format!(
+        "POST /v1/migrations HTTP/1.1\r\nhost: ferry-agent\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    api.write_all(head.as_bytes()).await.expect("write");
+    api.write_all(&body[..sent]).await.expect("write");
+    api.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_client_gone_mid_request_starts_nothing_and_one_gone_after_it_stops_nothing() {
+    let pair = Pair::up(Gates::default(), Gates::default());
+    let body = serde_json::to_vec(&pair.request(settings())).expect("JSON");
+    // Half a request: the agent never sees a migration, and goes on serving.
+    post_and_vanish(&pair.a, &body, body.len() / 2).await;
+    let listed = pair
+        .a
+        .client()
+        .migrations()
+        .await
+        .expect("the agent still answers");
+    assert!(listed.is_empty(), "{listed:?}");
+    assert!(pair.source.seen().running());
+    // A whole request whose client leaves before the answer: the migration is the agent's,
+    // and it commits.
+    post_and_vanish(&pair.a, &body, body.len()).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let id = loop {
+        let listed = pair.a.client().migrations().await.expect("list");
+        if let Some(m) = listed.first() {
+            break m.id.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+}
