@@ -88,8 +88,9 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
             Duration::from_secs(5),
             control::send(
                 &session,
+                // The source says "the destination refused/aborted: " before it.
                 &Control::Abort {
-                    reason: format!("destination: {e:#}"),
+                    reason: format!("{e:#}"),
                 },
             ),
         )
@@ -188,7 +189,7 @@ async fn serve(
     };
     let qmp = Qmp::connect(&destination_qmp)
         .await
-        .with_context(|| format!("destination QMP {}", destination_qmp.display()))?;
+        .context("destination QEMU")?;
     let qmp = &*qmp_slot.insert(qmp);
     let st = qmp.execute(&QueryStatus).await?;
     if st.status != "inmigrate" {

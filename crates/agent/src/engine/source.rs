@@ -108,11 +108,7 @@ async fn migrate(
 ) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(req.settings.timeout_s);
     let wan_timeout = Duration::from_secs(req.settings.wan_timeout_s);
-    let qmp = Arc::new(
-        Qmp::connect(&req.source_qmp)
-            .await
-            .with_context(|| format!("source QMP {}", req.source_qmp.display()))?,
-    );
+    let qmp = Arc::new(Qmp::connect(&req.source_qmp).await.context("source QEMU")?);
     let st = qmp.execute(&QueryStatus).await?;
     if !st.running {
         bail!("the source VM is not running (QEMU status {:?})", st.status);

@@ -642,3 +642,49 @@ async fn an_api_client_gone_mid_request_starts_nothing_and_one_gone_after_it_sto
     let status = pair.finished(&id).await;
     assert_committed(&pair, &status);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_agent_down_at_connect_fails_it_at_the_wan_timeout_and_the_source_never_stops(
+) {
+    let mut pair = Pair::up(Gates::default(), Gates::default());
+    pair.b.kill();
+    let id = pair.migrate(settings()).await;
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "the WAN timeout");
+    let source = pair.source.seen();
+    assert!(!source.ran("migrate"), "{source:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_qemu_dead_at_connect_fails_it_and_the_source_never_stops() {
+    let mut pair = Pair::up(Gates::default(), Gates::default());
+    pair.destination.kill();
+    let id = pair.migrate(settings()).await;
+    let status = pair.finished(&id).await;
+    assert_source_runs(
+        &pair,
+        &status,
+        "the destination refused: destination QEMU: connect to QMP socket",
+    );
+    let source = pair.source.seen();
+    assert!(!source.ran("migrate"), "{source:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_qemu_dead_at_connect_fails_it_and_nothing_runs_at_the_destination() {
+    let mut pair = Pair::up(Gates::default(), Gates::default());
+    pair.source.kill();
+    let id = pair.migrate(settings()).await;
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.unwrap_or_default();
+    assert!(
+        error.starts_with("source QEMU: connect to QMP socket"),
+        "{error}"
+    );
+    let destination = pair.destination.seen();
+    assert!(
+        !destination.running() && destination.commands.is_empty(),
+        "{destination:?}"
+    );
+}
