@@ -214,3 +214,142 @@ fn an_overlay_on_a_template_the_destination_holds_moves_without_its_backing_imag
         "more than the overlay crossed: {v}"
     );
 }
+
+/// Starts `ferry migrate` of `vm` with its disk in the background and returns once the source
+/// agent reports the disks' bulk copy under way.
+fn migrate_until_the_disk_copy(t: &TestLab, vm: &str, extra: &[&str]) -> std::process::Child {
+    let child = Command::new(common::ferry_bin())
+        .args(["migrate", vm, "--to", "b", "--json", "--timeout-s", "300"])
+        .args(extra)
+        .env("FERRY_LAB", &t.lab.name)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+        t.migrations(Site::A)
+            .iter()
+            .any(|m| m["vm"] == vm && m["phase"] == "disk-copy")
+    })
+    .unwrap();
+    child
+}
+
+/// The migration failed with `message`, and the VM runs at site a with its memory and its
+/// disk intact (every write the guest saw acknowledged reads back).
+fn assert_failed_and_the_source_runs_with_its_disk(
+    t: &TestLab,
+    vm: &str,
+    out: &std::process::Output,
+    message: &str,
+) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(message), "{err}");
+    assert!(err.contains("the source VM keeps running"), "{err}");
+    assert_eq!(t.site_of(vm), Site::A);
+    for what in ["mem", "disk"] {
+        let reply = t.ok(&["guest", vm, what, "verify"]);
+        assert!(
+            reply.split_whitespace().any(|w| w == "errors=0"),
+            "{what}: {reply}"
+        );
+    }
+}
+
+#[test]
+fn the_destination_agent_killed_during_the_disk_copy_fails_it_and_the_source_keeps_its_disk() {
+    let t = TestLab::up("dskkil", SLOW_LINK);
+    start_vm_with_disk_writer(&t, "d4", "24", "0.2");
+    let child = migrate_until_the_disk_copy(&t, "d4", &["--wan-timeout-s", "5"]);
+    let agent_config = ferry_lab::agents::config_path(&t.lab, Site::B);
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &agent_config.to_string_lossy()])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "the destination agent was not found");
+    let out = child.wait_with_output().unwrap();
+    assert_failed_and_the_source_runs_with_its_disk(&t, "d4", &out, "the WAN timeout");
+}
+
+#[test]
+fn the_destination_qemu_killed_during_the_disk_copy_fails_it_and_the_source_keeps_its_disk() {
+    let t = TestLab::up("dskqkil", SLOW_LINK);
+    start_vm_with_disk_writer(&t, "d6", "24", "0.2");
+    let child = migrate_until_the_disk_copy(&t, "d6", &[]);
+    let qmp = t.lab.dir().join("vms/d6-b.qmp");
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &qmp.to_string_lossy()])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "the destination QEMU was not found");
+    let out = child.wait_with_output().unwrap();
+    assert_failed_and_the_source_runs_with_its_disk(&t, "d6", &out, "the destination aborted");
+}
+
+#[test]
+fn a_full_destination_disk_fails_the_copy_with_its_reason_and_the_source_keeps_its_disk() {
+    let t = TestLab::up("dskful", FAST_LINK);
+    start_vm_with_disk_writer(&t, "d5", "24", "0.2");
+    // The destination's image, made ahead (as the copy a VM left on an earlier stay would be)
+    // on a file system of 8 MiB, where the guest's 24 MiB cannot fit.
+    let rec = ferry_lab::vm::load(&t.lab, "d5").unwrap();
+    let image_at = |site| {
+        ferry_lab::vm::spec_at(&t.lab, &rec, site).disks[0]
+            .path
+            .clone()
+    };
+    let source_image = image_at(Site::A);
+    let small = SmallFileSystem::mount(&t.lab.dir().join("small-fs"), "8m");
+    let destination_image = small.0.join("d5.qcow2");
+    common::qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        &destination_image.to_string_lossy(),
+        &virtual_size(&source_image).to_string(),
+    ]);
+    let link = image_at(Site::B);
+    std::os::unix::fs::symlink(&destination_image, &link).unwrap();
+    let out = t.run(&[
+        "migrate",
+        "d5",
+        "--to",
+        "b",
+        "--json",
+        "--wan-timeout-s",
+        "10",
+    ]);
+    assert_failed_and_the_source_runs_with_its_disk(&t, "d5", &out, "No space left on device");
+}
+
+/// The virtual size of a disk image, bytes.
+fn virtual_size(image: &std::path::Path) -> u64 {
+    let image = image.to_string_lossy();
+    // -U: the running VM holds the image's lock.
+    let info = common::qemu_img(&["info", "-U", "--output", "json", &image]);
+    json(&info)["virtual-size"].as_u64().unwrap()
+}
+
+/// A tmpfs of a given size, unmounted when dropped.
+struct SmallFileSystem(std::path::PathBuf);
+
+impl SmallFileSystem {
+    fn mount(at: &std::path::Path, size: &str) -> SmallFileSystem {
+        std::fs::create_dir_all(at).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mount a tmpfs at {}", at.display());
+        SmallFileSystem(at.to_owned())
+    }
+}
+
+impl Drop for SmallFileSystem {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}

@@ -379,7 +379,7 @@ async fn the_client_writes_into_qemu_nbd_and_reads_back() {
     let err = client.read(4 * MIB, 4096).await.unwrap_err();
     assert!(
         err.to_string()
-            .starts_with("nbd: READ at 4194304+4096 failed with errno"),
+            .starts_with("nbd: READ at 4194304+4096 failed: "),
         "{err}"
     );
     client.disconnect().await.unwrap();

@@ -316,7 +316,15 @@ async fn migrate(
             )
             .await?;
             let d = &*disks.insert(started);
-            watchdog(&session, status, wan_timeout, deadline, d.wait_ready(&qmp)).await??;
+            // The destination may give up during the copy (its disk full, its QEMU gone): its
+            // word is the reason, where the copy would otherwise wait for the WAN timeout.
+            tokio::select! {
+                r = watchdog(&session, status, wan_timeout, deadline, d.wait_ready(&qmp)) => r??,
+                msg = ctl.recv() => match msg {
+                    Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
+                    other => bail!("unexpected message from the destination during the disk copy: {other:?}"),
+                },
+            }
             d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
             status.update(|s| s.event(EventKind::DiskReady, ""));
         }

@@ -112,13 +112,22 @@ pub enum NbdError {
     UnexpectedReply { option: u32, detail: String },
     #[error("nbd: no export {name:?}: {message}")]
     NoSuchExport { name: String, message: String },
-    #[error("nbd: {command} at {offset}+{len} failed with errno {errno}")]
+    #[error("nbd: {command} at {offset}+{len} failed: {}", errno_text(*errno))]
     Command {
         command: &'static str,
         offset: u64,
         len: u64,
         errno: u32,
     },
+}
+
+/// An NBD reply's error in words ("No space left on device (os error 28)"): the spec's values
+/// are Linux's errno numbers.
+fn errno_text(errno: u32) -> String {
+    i32::try_from(errno).map_or_else(
+        |_| format!("error {errno}"),
+        |e| std::io::Error::from_raw_os_error(e).to_string(),
+    )
 }
 
 impl From<std::io::Error> for NbdError {
