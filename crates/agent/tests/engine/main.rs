@@ -688,3 +688,42 @@ async fn a_source_qemu_dead_at_connect_fails_it_and_nothing_runs_at_the_destinat
         "{destination:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_opens_out_of_order_is_refused_and_touches_no_qemu() {
+    let pair = Pair::up(Gates::default(), Gates::default());
+    let tls = pair.peer_tls("c");
+    // The stream's end before any Prepare: the destination answers with an Abort naming what
+    // it got, and never contacts its QEMU.
+    let (session, _connections, _events) = open_session(&pair, &tls);
+    let end = serde_json::json!({ "type": "end", "bytes": 0, "sha256": "00" });
+    session
+        .send(
+            ferry_wire::ChannelId(0),
+            serde_json::to_vec(&end).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(30),
+        session.recv(ferry_wire::ChannelId(0)),
+    )
+    .await
+    .expect("an answer within 30 s")
+    .unwrap();
+    let ferry_wire::Received::Data(answer) = answer else {
+        panic!("a barrier on the control channel");
+    };
+    let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer["type"], "abort", "{answer}");
+    let reason = answer["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.starts_with("expected Prepare first, got End"),
+        "{answer}"
+    );
+    assert!(pair.destination.seen().commands.is_empty());
+    // The agent goes on: a migration after it commits.
+    let id = pair.migrate(settings()).await;
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+}
