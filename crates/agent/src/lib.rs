@@ -30,6 +30,7 @@ pub mod interrupt;
 pub mod lend;
 pub mod libvirt;
 pub mod libvirt_migration;
+pub mod memory;
 pub mod overlay;
 pub mod pki;
 pub mod refusal;

@@ -208,22 +208,10 @@ async fn release_memory_after_migrations(agent: Arc<Agent>) {
         ));
         if ended != ended_before {
             ended_before = ended;
-            let _ = tokio::task::spawn_blocking(release_free_memory).await;
+            let _ = tokio::task::spawn_blocking(crate::memory::release_free).await;
         }
     }
 }
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn release_free_memory() {
-    // SAFETY: malloc_trim only returns glibc's free pages to the kernel; it touches no memory
-    // in use and is safe to call from any thread.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn release_free_memory() {}
 
 async fn serve_peers(
     agent: Arc<Agent>,

@@ -176,6 +176,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if matches!(cli.command, Cmd::Agent(_)) {
+        // Before any thread: an idle agent then gives back what its migrations used.
+        ferry_agent::memory::one_malloc_arena();
+    }
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     let result = rt.block_on(async {
         // The agent and the controller are services: they keep the signals' defaults (their
