@@ -108,9 +108,7 @@ pub async fn run(a: BenchArgs) -> Result<ExitCode> {
     let result = run_scenarios(a).await;
     // The bench's lab comes down however it ended (fresh_lab armed its taking down).
     let down = tokio::task::spawn_blocking(crate::stop::run_armed).await?;
-    let code = result?;
-    down?;
-    Ok(code)
+    crate::stop::first_error(result, down)
 }
 
 async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
@@ -437,10 +435,16 @@ async fn fresh_lab(
         let lab = lab.clone();
         crate::stop::arm(move || lab.down(true));
     }
+    // Asked to stop during a run (its migration cancelled): no lab for the next one.
+    if ferry_agent::interrupt::requested() {
+        bail!("stopped by the user");
+    }
     let (l, e) = (lab.clone(), exe.clone());
     tokio::task::spawn_blocking(move || {
-        l.down(true)?;
-        l.up(link, &e, services)
+        crate::stop::guarded(|| {
+            l.down(true)?;
+            l.up(link, &e, services)
+        })
     })
     .await??;
     Ok((lab, exe))

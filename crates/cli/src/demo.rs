@@ -97,15 +97,17 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     }
     let up = {
         let lab = lab.clone();
-        tokio::task::spawn_blocking(move || lab.up(link, &exe, ferry_lab::Services::default()))
-            .await?
+        tokio::task::spawn_blocking(move || {
+            crate::stop::guarded(|| lab.up(link, &exe, ferry_lab::Services::default()))
+        })
+        .await?
     };
     let result = match up {
         Ok(_) => demo_inner(&lab, &a, &img, accel, &workload, &opts).await,
         Err(e) => Err(e),
     };
-    tokio::task::spawn_blocking(crate::stop::run_armed).await??;
-    result
+    let down = tokio::task::spawn_blocking(crate::stop::run_armed).await?;
+    crate::stop::first_error(result, down)
 }
 
 async fn demo_inner(

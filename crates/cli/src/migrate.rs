@@ -126,6 +126,8 @@ pub async fn run(a: MigrateArgs) -> Result<ExitCode> {
     };
     let started = Start::now();
     let health = agent.health().await.context("this host's agent")?;
+    // From the request on, Ctrl-C cancels: the agent may start the migration even if we left.
+    let _active = ferry_agent::interrupt::Active::enter();
     let status = agent.start_migration(&req).await?;
     follow_and_report(&a, &agent, &health.name, &vm, &status.id, started).await
 }
@@ -145,6 +147,8 @@ async fn run_libvirt(a: MigrateArgs, domain: String) -> Result<ExitCode> {
     };
     let started = Start::now();
     let health = agent.health().await.context("this host's agent")?;
+    // From the request on, Ctrl-C cancels: the agent may start the migration even if we left.
+    let _active = ferry_agent::interrupt::Active::enter();
     let status = agent.start_libvirt_migration(&req).await?;
     follow_and_report(&a, &agent, &health.name, &domain, &status.id, started).await
 }

@@ -42,29 +42,85 @@ fn lock() -> std::sync::MutexGuard<'static, Option<CleanUp>> {
 /// Handles stop requests for the life of the process (spawned by `main`).
 pub async fn watch() -> std::io::Result<()> {
     let mut terminate = signal(SignalKind::terminate())?;
-    let mut hangup = signal(SignalKind::hangup())?;
+    // Started under nohup, a hang-up is not a request to stop.
+    let mut hangup = if hangup_ignored() {
+        None
+    } else {
+        Some(signal(SignalKind::hangup())?)
+    };
     loop {
         let (what, code) = tokio::select! {
             r = tokio::signal::ctrl_c() => { r?; ("interrupted", 130) }
             _ = terminate.recv() => ("terminated", 143),
-            _ = hangup.recv() => ("hung up", 129),
+            Some(()) = async { hangup.as_mut()?.recv().await } => ("hung up", 129),
         };
         if ferry_agent::interrupt::request() {
-            eprintln!("\nferry: {what}; cancelling the migration (the source VM keeps running)");
+            say(&format!(
+                "\nferry: {what}; cancelling the migration (the source VM keeps running)"
+            ));
             continue;
         }
         STOPPING.store(true, Ordering::SeqCst);
         // Blocking: a lab comes down through processes and namespaces.
         tokio::task::spawn_blocking(move || {
-            let mut armed = lock();
-            if let Some(clean_up) = armed.take() {
-                eprintln!("\nferry: {what}; taking down what this command brought up");
-                if let Err(e) = clean_up() {
-                    eprintln!("ferry: {}", crate::report::error_chain(&e));
+            // The process ends however the clean-up goes (a panic in it included).
+            struct ExitWhenDone(i32);
+            impl Drop for ExitWhenDone {
+                fn drop(&mut self) {
+                    std::process::exit(self.0);
                 }
             }
-            std::process::exit(code);
+            let _exit = ExitWhenDone(code);
+            let mut armed = lock();
+            if let Some(clean_up) = armed.take() {
+                say(&format!(
+                    "\nferry: {what}; taking down what this command brought up"
+                ));
+                if let Err(e) = clean_up() {
+                    say(&format!("ferry: {}", crate::report::error_chain(&e)));
+                }
+            }
         });
+    }
+}
+
+/// Runs `step` (bringing a lab up, say) so that a stop request waits for it to end before it
+/// takes down what the step made (blocking).
+pub fn guarded<T>(step: impl FnOnce() -> T) -> T {
+    let _held = lock();
+    step()
+}
+
+/// The command's result, unless it succeeded and its clean-up failed; the clean-up's error is
+/// printed when both failed.
+pub fn first_error<T>(
+    result: anyhow::Result<T>,
+    clean_up: anyhow::Result<()>,
+) -> anyhow::Result<T> {
+    match (result, clean_up) {
+        (Ok(v), Ok(())) => Ok(v),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), Ok(())) => Err(e),
+        (Err(e), Err(also)) => {
+            say(&format!("ferry: {}", crate::report::error_chain(&also)));
+            Err(e)
+        }
+    }
+}
+
+/// Writes a line to stderr, which after a hang-up may be gone: then nothing is written.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Whether SIGHUP is ignored (as `nohup` leaves it).
+fn hangup_ignored() -> bool {
+    // SAFETY: sigaction with a null new action only reads the current one into `current`.
+    unsafe {
+        let mut current: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGHUP, std::ptr::null(), &mut current) == 0
+            && current.sa_sigaction == libc::SIG_IGN
     }
 }
 

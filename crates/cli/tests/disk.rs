@@ -226,12 +226,16 @@ fn migrate_until_the_disk_copy(t: &TestLab, vm: &str, extra: &[&str]) -> std::pr
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+    let mut child = child;
+    let copying = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
         t.migrations(Site::A)
             .iter()
             .any(|m| m["vm"] == vm && m["phase"] == "disk-copy")
-    })
-    .unwrap();
+    });
+    if let Err(e) = copying {
+        let _ = child.kill();
+        panic!("the disk copy never showed: {e:#}");
+    }
     child
 }
 
@@ -350,6 +354,7 @@ impl SmallFileSystem {
 
 impl Drop for SmallFileSystem {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
+        // Lazily: a QEMU still holding its file must not keep the mount after the test.
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
 }

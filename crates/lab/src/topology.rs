@@ -479,11 +479,16 @@ fn kill_namespace_processes(ns: &str) {
             })
             .unwrap_or_default()
     };
-    for pid in pids() {
-        // SAFETY: kill(2) with a pid read from `ip netns pids`; a stale pid only fails.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
-    let _ = wait_until(Duration::from_secs(5), || pids().is_empty());
+    // Listed and killed until none is left: one started meanwhile (a QEMU being launched as
+    // the lab comes down) is found at the next look.
+    let _ = wait_until(Duration::from_secs(5), || {
+        let left = pids();
+        for &pid in &left {
+            // SAFETY: kill(2) with a pid read from `ip netns pids`; a stale pid only fails.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        left.is_empty()
+    });
 }
 
 /// Fails unless running as root.

@@ -322,7 +322,8 @@ async fn migrate(
                 r = watchdog(&session, status, wan_timeout, deadline, d.wait_ready(&qmp)) => r??,
                 msg = ctl.recv() => match msg {
                     Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
-                    other => bail!("unexpected message from the destination during the disk copy: {other:?}"),
+                    Some(other) => bail!("unexpected message from the destination during the disk copy: {other:?}"),
+                    None => bail!("{}", control_ended(&session)),
                 },
             }
             d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
@@ -738,7 +739,8 @@ async fn stream(
             }
             msg = ctl.recv() => match msg {
                 Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
-                other => bail!("unexpected message from the destination during the stream: {other:?}"),
+                Some(other) => bail!("unexpected message from the destination during the stream: {other:?}"),
+                None => bail!("{}", control_ended(session)),
             },
         }
     };
@@ -1121,11 +1123,31 @@ fn command_line(qmp: &Qmp, socket: &Path) -> Result<Vec<String>> {
         .collect())
 }
 
+/// Why the queue of control messages ended: the session failed ([`read_control`]).
+fn control_ended(session: &Session) -> String {
+    session.failure().map_or_else(
+        || "the destination's control messages ended".to_owned(),
+        |reason| format!("session failed: {reason}"),
+    )
+}
+
 /// Forwards control messages into a queue the phases take them from.
 async fn read_control(session: Session, tx: mpsc::UnboundedSender<Control>) {
-    while let Ok(msg) = control::recv(&session).await {
-        if tx.send(msg).is_err() {
-            break;
+    loop {
+        match control::recv(&session).await {
+            Ok(msg) => {
+                if tx.send(msg).is_err() {
+                    return;
+                }
+            }
+            // A message that cannot be read ends the session with its reason (the phases
+            // report it from there); a failed session already has one.
+            Err(e) => {
+                if session.failure().is_none() {
+                    session.fail(format!("{e:#}"));
+                }
+                return;
+            }
         }
     }
 }
