@@ -4,7 +4,7 @@
 //! migration cancels before its commit point, the source VM keeps running, and the command ends
 //! its own way (a demo or bench takes its lab down). With no migration running, the command's
 //! clean-up, if it armed one, runs and the process exits: a lab the command brought up is not
-//! left behind with its agents and QEMUs.
+//! left behind with its agents and QEMUs. Only the lab's commands arm one (feature `lab`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -22,12 +22,14 @@ static STOPPING: AtomicBool = AtomicBool::new(false);
 
 /// Arms `clean_up` (taking down a lab the command brought up) for a stop request, replacing
 /// any armed before; [`run_armed`] runs it at the command's own end.
+#[cfg(feature = "lab")]
 pub fn arm(clean_up: impl FnOnce() -> anyhow::Result<()> + Send + 'static) {
     *lock() = Some(Box::new(clean_up));
 }
 
 /// Runs the armed clean-up, if any, and disarms it (blocking). While a stop request runs it,
 /// this waits, and the request ends the process.
+#[cfg(feature = "lab")]
 pub fn run_armed() -> anyhow::Result<()> {
     let mut armed = lock();
     armed.take().map_or(Ok(()), |clean_up| clean_up())
@@ -86,6 +88,7 @@ pub async fn watch() -> std::io::Result<()> {
 
 /// Runs `step` (bringing a lab up, say) so that a stop request waits for it to end before it
 /// takes down what the step made (blocking).
+#[cfg(feature = "lab")]
 pub fn guarded<T>(step: impl FnOnce() -> T) -> T {
     let _held = lock();
     step()
@@ -93,6 +96,7 @@ pub fn guarded<T>(step: impl FnOnce() -> T) -> T {
 
 /// The command's result, unless it succeeded and its clean-up failed; the clean-up's error is
 /// printed when both failed.
+#[cfg(feature = "lab")]
 pub fn first_error<T>(
     result: anyhow::Result<T>,
     clean_up: anyhow::Result<()>,

@@ -733,3 +733,28 @@ async fn a_session_that_opens_out_of_order_is_refused_and_touches_no_qemu() {
     let status = pair.finished(&id).await;
     assert_committed(&pair, &status);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_dark_at_connect_for_5s_commits_and_one_dark_beyond_the_wan_timeout_fails_it() {
+    // Dark for 5 s while the source first dials (TLS handshakes stall in the relay), then lit.
+    let pair = Pair::up(Gates::default(), Gates::default());
+    pair.link.darken();
+    let id = pair
+        .migrate(MigrationSettings {
+            wan_timeout_s: 30,
+            ..settings()
+        })
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    pair.link.cut();
+    pair.link.light();
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+    // Dark for longer than the WAN timeout: failed, and the source was never stopped.
+    let pair = Pair::up(Gates::default(), Gates::default());
+    pair.link.darken();
+    let id = pair.migrate(settings()).await;
+    let status = pair.finished(&id).await;
+    assert_source_runs(&pair, &status, "the WAN timeout");
+    assert!(!pair.source.seen().ran("migrate"));
+}
