@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::{json, timeline, TestLab};
@@ -126,15 +126,8 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
 fn a_wan_drop_during_the_disk_copy_resumes_without_starting_over() {
     let t = TestLab::up("dskout", SLOW_LINK);
     start_vm_with_disk_writer(&t, "d2", "24", "0.2");
-    let child = Command::new(common::ferry_bin())
-        .args(["migrate", "d2", "--to", "b", "--json", "--timeout-s", "300"])
-        // A small buffer, so that QEMU's mirror is ready only near the end of the copy.
-        .args(["--disk-buffer-mib", "4"])
-        .env("FERRY_LAB", &t.lab.name)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // A small buffer, so that QEMU's mirror is ready only near the end of the copy.
+    let child = t.spawn_migrate("d2", &["--disk-buffer-mib", "4"]);
     let dst_qmp = t.lab.dir().join("vms/d2-b.qmp");
     ferry_lab::topology::wait_until(Duration::from_secs(60), || dst_qmp.exists()).unwrap();
     // A few seconds into the bulk copy (24 MiB at 20 Mbit/s is about 10 s): the connections
@@ -218,15 +211,7 @@ fn an_overlay_on_a_template_the_destination_holds_moves_without_its_backing_imag
 /// Starts `ferry migrate` of `vm` with its disk in the background and returns once the source
 /// agent reports the disks' bulk copy under way.
 fn migrate_until_the_disk_copy(t: &TestLab, vm: &str, extra: &[&str]) -> std::process::Child {
-    let child = Command::new(common::ferry_bin())
-        .args(["migrate", vm, "--to", "b", "--json", "--timeout-s", "300"])
-        .args(extra)
-        .env("FERRY_LAB", &t.lab.name)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut child = child;
+    let mut child = t.spawn_migrate(vm, extra);
     let copying = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
         t.migrations(Site::A)
             .iter()

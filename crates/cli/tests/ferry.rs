@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 use common::{json, timeline, TestLab};
@@ -37,14 +37,7 @@ fn start_vm(t: &TestLab, name: &str, dirty_mib: &str) {
 /// Starts `ferry migrate` in the background and returns once the destination QEMU exists
 /// and the stream has been flowing for `after`.
 fn migrate_in_background(t: &TestLab, vm: &str, extra: &[&str], after: Duration) -> Child {
-    let child = Command::new(common::ferry_bin())
-        .args(["migrate", vm, "--to", "b", "--json", "--timeout-s", "300"])
-        .args(extra)
-        .env("FERRY_LAB", &t.lab.name)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = t.spawn_migrate(vm, extra);
     let dst_qmp = t.lab.dir().join(format!("vms/{vm}-b.qmp"));
     ferry_lab::topology::wait_until(Duration::from_secs(60), || dst_qmp.exists()).unwrap();
     std::thread::sleep(after);

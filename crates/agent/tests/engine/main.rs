@@ -525,17 +525,12 @@ async fn refused(rx: &mut tokio::sync::mpsc::UnboundedReceiver<ferry_wire::net::
     }
 }
 
-/// Asks site b about a session it never saw, on `session`: its answer is "aborted".
-async fn ask_b(session: &ferry_wire::Session) {
-    let question = serde_json::json!({
-        "type": "verdict",
-        "version": 7,
-        "of": ferry_wire::SessionId::random().to_string(),
-    });
+/// Sends `message` on `session`'s control channel; returns the peer's answer (within 30 s).
+async fn exchange(session: &ferry_wire::Session, message: &serde_json::Value) -> serde_json::Value {
     session
         .send(
             ferry_wire::ChannelId(0),
-            serde_json::to_vec(&question).unwrap().into(),
+            serde_json::to_vec(message).unwrap().into(),
         )
         .await
         .unwrap();
@@ -549,7 +544,17 @@ async fn ask_b(session: &ferry_wire::Session) {
     let ferry_wire::Received::Data(answer) = answer else {
         panic!("a barrier on the control channel");
     };
-    let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    serde_json::from_slice(&answer).unwrap()
+}
+
+/// Asks site b about a session it never saw, on `session`: its answer is "aborted".
+async fn ask_b(session: &ferry_wire::Session) {
+    let question = serde_json::json!({
+        "type": "verdict",
+        "version": 7,
+        "of": ferry_wire::SessionId::random().to_string(),
+    });
+    let answer = exchange(session, &question).await;
     assert_eq!(answer["type"], "verdict-is", "{answer}");
     assert_eq!(answer["verdict"]["verdict"], "aborted", "{answer}");
 }
@@ -703,24 +708,7 @@ async fn a_session_that_opens_out_of_order_is_refused_and_touches_no_qemu() {
     // it got, and never contacts its QEMU.
     let (session, _connections, _events) = open_session(&pair, &tls);
     let end = serde_json::json!({ "type": "end", "bytes": 0, "sha256": "00" });
-    session
-        .send(
-            ferry_wire::ChannelId(0),
-            serde_json::to_vec(&end).unwrap().into(),
-        )
-        .await
-        .unwrap();
-    let answer = tokio::time::timeout(
-        Duration::from_secs(30),
-        session.recv(ferry_wire::ChannelId(0)),
-    )
-    .await
-    .expect("an answer within 30 s")
-    .unwrap();
-    let ferry_wire::Received::Data(answer) = answer else {
-        panic!("a barrier on the control channel");
-    };
-    let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    let answer = exchange(&session, &end).await;
     assert_eq!(answer["type"], "abort", "{answer}");
     let reason = answer["reason"].as_str().unwrap_or_default();
     assert!(

@@ -83,6 +83,19 @@ impl TestLab {
         rec.site
     }
 
+    /// Starts `ferry migrate VM --to b --json` with `extra` options, its output piped; returns
+    /// at once.
+    pub fn spawn_migrate(&self, vm: &str, extra: &[&str]) -> std::process::Child {
+        Command::new(ferry_bin())
+            .args(["migrate", vm, "--to", "b", "--json", "--timeout-s", "300"])
+            .args(extra)
+            .env("FERRY_LAB", &self.lab.name)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start ferry migrate")
+    }
+
     /// Namespaces of this lab that exist now.
     pub fn namespaces(&self) -> Vec<String> {
         let out = Command::new("ip")
