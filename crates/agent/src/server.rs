@@ -185,10 +185,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     Ok(())
 }
 
-/// Gives back to the system the memory finished migrations freed. The codec's page history
-/// holds one 4 KiB allocation per page of the guest; freed, those stay in glibc's arenas, and
-/// an agent would idle at the size of the largest guests it moved. Once a migration has ended
-/// and none is under way either way, the arenas' free pages are released (`malloc_trim`).
+/// Gives back to the system the memory finished migrations freed (see [`crate::memory`]):
+/// once a migration has ended and none is under way either way, `malloc_trim`.
 async fn release_memory_after_migrations(agent: Arc<Agent>) {
     // What has ended: migrations sent (how many are listed, the latest start) and the last
     // incoming session; it changes whenever one more ends, also once the lists are full.
