@@ -246,19 +246,127 @@ fn assert_failed_and_the_source_runs_with_its_disk(
     }
 }
 
+/// Kills `site`'s agent with SIGKILL.
+fn kill_agent(t: &TestLab, site: Site) {
+    let agent_config = ferry_lab::agents::config_path(&t.lab, site);
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &agent_config.to_string_lossy()])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "the agent of site {site:?} was not found");
+}
+
+/// Kills the QEMU of `vm` at `site` with SIGKILL.
+fn kill_qemu(t: &TestLab, vm: &str, site: Site) {
+    let qmp = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &qmp.to_string_lossy()])
+        .status()
+        .unwrap();
+    assert!(
+        killed.success(),
+        "the QEMU of {vm} at {site:?} was not found"
+    );
+}
+
+/// Waits until no QEMU of `vm` runs at `site`.
+fn wait_until_no_qemu(t: &TestLab, vm: &str, site: Site) {
+    let qmp = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+    let gone = ferry_lab::topology::wait_until(Duration::from_secs(60), || {
+        !Command::new("pgrep")
+            .args(["-f", &qmp.to_string_lossy()])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    });
+    assert!(gone.is_ok(), "the QEMU of {vm} at {site:?} is still there");
+}
+
 #[test]
 fn the_destination_agent_killed_during_the_disk_copy_fails_it_and_the_source_keeps_its_disk() {
     let t = TestLab::up("dskkil", SLOW_LINK);
     start_vm_with_disk_writer(&t, "d4", "24", "0.2");
     let child = migrate_until_the_disk_copy(&t, "d4", &["--wan-timeout-s", "5"]);
-    let agent_config = ferry_lab::agents::config_path(&t.lab, Site::B);
-    let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &agent_config.to_string_lossy()])
-        .status()
-        .unwrap();
-    assert!(killed.success(), "the destination agent was not found");
+    kill_agent(&t, Site::B);
     let out = child.wait_with_output().unwrap();
     assert_failed_and_the_source_runs_with_its_disk(&t, "d4", &out, "the WAN timeout");
+}
+
+/// Either agent killed during the disk copy and started again: the migration fails, the
+/// source keeps its VM with its memory and disk, nothing is left behind at either end (the
+/// source QEMU's mirror and its target node are gone, the destination's QEMU quit), and the
+/// next attempt commits.
+#[test]
+fn agents_restarted_during_the_disk_copy_fail_it_and_the_next_attempt_commits() {
+    let t = TestLab::up("dskrst", SLOW_LINK);
+    let ferry = std::path::Path::new(common::ferry_bin());
+    start_vm_with_disk_writer(&t, "d7", "24", "0.2");
+
+    // The source agent: its record says `preparing`.
+    let child = migrate_until_the_disk_copy(&t, "d7", &["--wan-timeout-s", "5"]);
+    kill_agent(&t, Site::A);
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", common::text(&out));
+    ferry_lab::agents::restart(&t.lab, Site::A, ferry).unwrap();
+    let listed = t.migrations(Site::A);
+    let failed = listed
+        .iter()
+        .find(|m| m["vm"] == "d7")
+        .unwrap_or_else(|| panic!("the restarted agent does not list it: {listed:?}"));
+    assert_eq!(failed["state"], "failed", "{failed}");
+    let error = failed["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("the source agent restarted before the stream started")
+            && error.contains("the source VM keeps running"),
+        "{error}"
+    );
+    assert_eq!(t.site_of("d7"), Site::A);
+    for what in ["mem", "disk"] {
+        let reply = t.ok(&["guest", "d7", what, "verify"]);
+        assert!(
+            reply.split_whitespace().any(|w| w == "errors=0"),
+            "{what}: {reply}"
+        );
+    }
+    // Its session gone, the destination agent quits its QEMU at the WAN timeout.
+    wait_until_no_qemu(&t, "d7", Site::B);
+
+    // The destination agent: its record says `receiving`. The restarted agent quits its QEMU
+    // and tells the source, which asks once the session is silent (the WAN timeout, 120 s
+    // here, is not waited for).
+    let child = migrate_until_the_disk_copy(&t, "d7", &[]);
+    kill_agent(&t, Site::B);
+    ferry_lab::agents::restart(&t.lab, Site::B, ferry).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_failed_and_the_source_runs_with_its_disk(
+        &t,
+        "d7",
+        &out,
+        "the destination aborted: the destination agent restarted before the commit",
+    );
+    wait_until_no_qemu(&t, "d7", Site::B);
+
+    let v = json(&t.ok(&["migrate", "d7", "--to", "b", "--json"]));
+    assert_arrived_intact(&v, 1, "after both restarts");
+    assert_eq!(t.site_of("d7"), Site::B);
+}
+
+#[test]
+fn the_source_qemu_killed_during_the_disk_copy_fails_it_and_nothing_runs_at_the_destination() {
+    let t = TestLab::up("dsksq", SLOW_LINK);
+    start_vm_with_disk_writer(&t, "d8", "24", "0.2");
+    let child = migrate_until_the_disk_copy(&t, "d8", &[]);
+    kill_qemu(&t, "d8", Site::A);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the source VM could not be resumed")
+            && err.contains("the source QEMU went away during the disk copy"),
+        "{err}"
+    );
+    wait_until_no_qemu(&t, "d8", Site::B);
 }
 
 #[test]
@@ -266,12 +374,7 @@ fn the_destination_qemu_killed_during_the_disk_copy_fails_it_and_the_source_keep
     let t = TestLab::up("dskqkil", SLOW_LINK);
     start_vm_with_disk_writer(&t, "d6", "24", "0.2");
     let child = migrate_until_the_disk_copy(&t, "d6", &[]);
-    let qmp = t.lab.dir().join("vms/d6-b.qmp");
-    let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &qmp.to_string_lossy()])
-        .status()
-        .unwrap();
-    assert!(killed.success(), "the destination QEMU was not found");
+    kill_qemu(&t, "d6", Site::B);
     let out = child.wait_with_output().unwrap();
     assert_failed_and_the_source_runs_with_its_disk(&t, "d6", &out, "the destination aborted");
 }

@@ -94,17 +94,37 @@ pub fn start(
     controllers: &[Site],
     mem_mib: u32,
 ) -> Result<u32> {
-    let name = pki::agent_name(site);
-    let sock = lab.agent_socket(site);
-    let _ = fs::remove_file(&sock);
     let config_path = config_path(lab, site);
     fs::write(
         &config_path,
         config(lab, site, link_rate_mbit, controllers, mem_mib),
     )
     .with_context(|| format!("write {}", config_path.display()))?;
-    let log_path = lab.dir().join(format!("agent-{}.log", site.name()));
-    let log = fs::File::create(&log_path)?;
+    let _ = fs::remove_file(log_path(lab, site));
+    spawn(lab, site, ferry_exe)
+}
+
+fn log_path(lab: &Lab, site: Site) -> std::path::PathBuf {
+    lab.dir().join(format!("agent-{}.log", site.name()))
+}
+
+/// Starts `site`'s agent again from the config it ran with (as after a crash, or an upgrade:
+/// only what it keeps on disk is left) and waits until its API answers. Returns its pid.
+pub fn restart(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
+    spawn(lab, site, ferry_exe)
+}
+
+fn spawn(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
+    let name = pki::agent_name(site);
+    let sock = lab.agent_socket(site);
+    let _ = fs::remove_file(&sock);
+    let config_path = config_path(lab, site);
+    let log_path = log_path(lab, site);
+    // Appended: a restarted agent's log follows its predecessor's.
+    let log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)?;
     // The agent is a process of the site's host: the destination QEMUs it starts see the
     // site's files at HOST_DIR.
     let mut cmd = lab.host_command(site, ferry_exe);

@@ -227,6 +227,17 @@ pub struct BlockJobCancel {
 }
 command!(BlockJobCancel, "block-job-cancel", Value);
 
+/// `query-block-jobs`: the block jobs that exist now.
+#[derive(Debug, Serialize)]
+pub struct QueryBlockJobs;
+command!(QueryBlockJobs, "query-block-jobs", Vec<BlockJobInfo>);
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockJobInfo {
+    /// The job's id (`device` for historical reasons).
+    pub device: String,
+}
+
 /// `blockdev-del`.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "kebab-case")]

@@ -188,6 +188,15 @@ impl Qmp {
         Ok(qmp)
     }
 
+    /// Whether the connection has closed (QEMU exited): every command fails from then on,
+    /// and no event comes any more.
+    pub fn is_closed(&self) -> bool {
+        self.pending
+            .lock()
+            .expect("QMP pending map poisoned")
+            .is_none()
+    }
+
     /// The socket this connection uses.
     pub fn path(&self) -> &Path {
         &self.path

@@ -72,6 +72,10 @@ pub struct OutgoingRecord {
     #[serde(with = "session_hex")]
     pub session: SessionId,
     pub source_qmp: PathBuf,
+    /// The source QEMU's block nodes being mirrored (empty: memory only), so that a restart
+    /// can stop their mirrors.
+    #[serde(default)]
+    pub disks: Vec<String>,
     /// The destination agent's name.
     pub to: String,
     pub state: OutgoingState,

@@ -12,16 +12,20 @@
 //!
 //! At the source, on restart:
 //! - `preparing`: QEMU's stream had not started, so the destination cannot have resumed the
-//!   VM: QEMU's migration is cancelled and the VM resumed here.
+//!   VM: QEMU's migration is cancelled, the disks' mirrors abandoned, and the VM resumed here.
 //! - `streaming`: the stream's end may have gone out: only the destination knows. Its verdict
 //!   is asked for until it answers, and the source VM is quit (committed) or resumed (aborted).
+//! - `committed`: the destination runs the VM; the agent may have gone before it quit the
+//!   source QEMU (it saves the VM's memory for its return first). A QEMU left at the record's
+//!   socket whose migration completed (`postmigrate`) is quit, if this is the newest record of
+//!   that socket: a later migration of the same VM decides for itself.
 //!
 //! A running source in doubt (the stream's end went out and the session fell silent) asks for
 //! the same verdict, for the destination agent may have restarted and lost the session.
 //!
 //! [`journal`]: crate::engine::journal
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -300,6 +304,16 @@ pub async fn recover_outgoing(
             return;
         }
     };
+    // The newest record of each source QEMU socket: only it may quit what runs there.
+    let mut newest: std::collections::HashMap<&Path, u64> = std::collections::HashMap::new();
+    for r in &records {
+        let t = newest.entry(r.source_qmp.as_path()).or_default();
+        *t = (*t).max(r.started_unix_ms);
+    }
+    let newest: std::collections::HashMap<PathBuf, u64> = newest
+        .into_iter()
+        .map(|(path, t)| (path.to_owned(), t))
+        .collect();
     for record in records {
         let status = Shared::new(MigrationStatus {
             error: record.reason.clone(),
@@ -311,17 +325,22 @@ pub async fn recover_outgoing(
         });
         crate::engine::status::register(registry, record.id.clone(), status.clone());
         match record.state {
-            OutgoingState::Committed => status.update(|s| {
-                s.state = MigrationState::Committed;
-                s.phase = Phase::Committed;
-            }),
+            OutgoingState::Committed => {
+                status.update(|s| {
+                    s.state = MigrationState::Committed;
+                    s.phase = Phase::Committed;
+                });
+                if newest.get(&record.source_qmp) == Some(&record.started_unix_ms) {
+                    quit_if_migrated_away(&record).await;
+                }
+            }
             OutgoingState::Failed => status.update(|s| {
                 s.state = MigrationState::Failed;
                 s.phase = Phase::Failed;
             }),
             OutgoingState::Preparing => {
                 let reason = "the source agent restarted before the stream started";
-                let outcome = resume_source(&record.source_qmp).await;
+                let outcome = resume_source(&record.source_qmp, &record.disks).await;
                 settle_outgoing(journal, &status, record, Err(anyhow!("{reason}")), outcome);
             }
             OutgoingState::Streaming => {
@@ -360,7 +379,7 @@ pub async fn recover_outgoing(
                     };
                     let outcome = match &verdict {
                         Ok(()) => quit_source(&record.source_qmp).await,
-                        Err(_) => resume_source(&record.source_qmp).await,
+                        Err(_) => resume_source(&record.source_qmp, &record.disks).await,
                     };
                     settle_outgoing(&journal, &status, record, verdict, outcome);
                 });
@@ -432,11 +451,34 @@ fn settle_outgoing(
     }
 }
 
-/// Stops what is left of QEMU's migration and resumes the source VM.
-pub async fn resume_source(qmp: &Path) -> Result<()> {
+/// Stops what is left of QEMU's migration (its stream, the mirrors of `disks`) and resumes the
+/// source VM.
+async fn resume_source(qmp: &Path, disks: &[String]) -> Result<()> {
     let qmp = Qmp::connect(qmp).await?;
     let _ = qmp.execute(&MigrateCancel).await;
+    crate::engine::disk::mirror::abandon(&qmp, disks).await;
     crate::engine::source::ensure_running(&qmp).await
+}
+
+/// The source QEMU of a committed migration, if it is still there with its migration
+/// completed (`postmigrate`: it can never rightly run again), is quit. Any other QEMU at its
+/// socket is not this migration's and is left alone.
+async fn quit_if_migrated_away(record: &OutgoingRecord) {
+    let Ok(qmp) = Qmp::connect(&record.source_qmp).await else {
+        return;
+    };
+    if qmp
+        .execute(&QueryStatus)
+        .await
+        .is_ok_and(|s| s.status == "postmigrate")
+    {
+        tracing::warn!(
+            "migration {} of {:?}: committed, and its source QEMU was still there: quit now",
+            record.id,
+            record.vm
+        );
+        let _ = qmp.execute(&Quit).await;
+    }
 }
 
 /// The destination runs the VM: the source's QEMU goes.

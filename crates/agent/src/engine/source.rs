@@ -152,6 +152,7 @@ async fn migrate(
         vm: req.vm.clone(),
         session: id,
         source_qmp: req.source_qmp.clone(),
+        disks: req.disks.clone(),
         to: req.to.clone(),
         state: OutgoingState::Preparing,
         reason: None,
@@ -199,6 +200,11 @@ async fn migrate(
     let mut disk_base_len: Option<u64> = None;
     let mut disk_top_only: Vec<bool> = Vec::new();
 
+    let mut limits = Limits {
+        wan_timeout,
+        deadline,
+        question: None,
+    };
     let result = async {
         control::send(
             &session,
@@ -216,7 +222,7 @@ async fn migrate(
         )
         .await?;
         status.enter(Phase::PreparingDestination, "");
-        let (seed, zeroed_blocks) = match watchdog(&session, status, wan_timeout, deadline, ctl.recv()).await? {
+        let (seed, zeroed_blocks) = match watchdog(&session, status, &limits, ctl.recv()).await? {
             Some(Control::Ready {
                 seed,
                 disk_base_bytes,
@@ -230,6 +236,13 @@ async fn migrate(
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
             other => bail!("unexpected answer to Prepare: {other:?}"),
         };
+        // The destination holds the session (and its record) from here: when the session
+        // falls silent, its word tells a dark link from an agent that restarted and lost it.
+        limits.question = Some(Question {
+            peer: asked.clone(),
+            of: id,
+            started_unix_ms: record.started_unix_ms,
+        });
         let mut encoder = req.settings.codec.any().then(|| {
             let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
             StreamEncoder::new(req.settings.codec, history_bytes, link)
@@ -245,8 +258,7 @@ async fn migrate(
             let index = watchdog(
                 &session,
                 status,
-                wan_timeout,
-                deadline,
+                &limits,
                 receive_seed_index(&session, offer.index_bytes, ram_bytes),
             )
             .await??;
@@ -265,8 +277,7 @@ async fn migrate(
                     let blob = watchdog(
                         &session,
                         status,
-                        wan_timeout,
-                        deadline,
+                        &limits,
                         control::recv_blob(
                             &session,
                             control::DISK_BASE,
@@ -319,7 +330,7 @@ async fn migrate(
             // The destination may give up during the copy (its disk full, its QEMU gone): its
             // word is the reason, where the copy would otherwise wait for the WAN timeout.
             tokio::select! {
-                r = watchdog(&session, status, wan_timeout, deadline, d.wait_ready(&qmp)) => r??,
+                r = watchdog(&session, status, &limits, d.wait_ready(&qmp)) => r??,
                 msg = ctl.recv() => match msg {
                     Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
                     Some(other) => bail!("unexpected message from the destination during the disk copy: {other:?}"),
@@ -347,8 +358,7 @@ async fn migrate(
             &ledger,
             DestinationWork::new(&zeroed_blocks),
             disks.as_mut(),
-            wan_timeout,
-            deadline,
+            &limits,
         )
         .await?;
         control::send(
@@ -397,10 +407,12 @@ async fn migrate(
                 .await;
             session.fail(format!("{e:#}"));
             // Resumed before the record says failed: a restart in between resumes it again.
-            let resumed = ensure_running(&qmp).await;
-            let e = e.context("the source VM keeps running");
+            let e = match ensure_running(&qmp).await {
+                Ok(()) => e.context("the source VM keeps running"),
+                // Its QEMU gone, say so, and why the migration failed.
+                Err(why) => e.context(format!("the source VM could not be resumed ({why:#})")),
+            };
             settle(OutgoingState::Failed, Some(format!("{e:#}")));
-            resumed?;
             return Err(e);
         }
     };
@@ -494,10 +506,13 @@ async fn migrate(
         }
         Some(Control::Abort { reason }) => {
             session.fail(reason.clone());
-            let message = format!("the destination aborted: {reason}; the source VM keeps running");
-            let resumed = ensure_running(&qmp).await;
+            let message = match ensure_running(&qmp).await {
+                Ok(()) => format!("the destination aborted: {reason}; the source VM keeps running"),
+                Err(why) => format!(
+                    "the destination aborted: {reason}; the source VM could not be resumed ({why:#})"
+                ),
+            };
             settle(OutgoingState::Failed, Some(message.clone()));
-            resumed?;
             bail!("{message}")
         }
         other => {
@@ -524,29 +539,76 @@ async fn receive_seed_index(
         .context("the destination's seed index")
 }
 
-/// Waits for `fut`, failing when the WAN has been down longer than `wan_timeout` or the
-/// deadline passes.
+/// What a source waits on the destination under, before the stream's end went out.
+struct Limits {
+    /// How long the session may be silent.
+    wan_timeout: Duration,
+    /// The whole migration's.
+    deadline: Instant,
+    /// Once the destination holds the session: the question that tells a silent session
+    /// from one the destination lost (its agent restarted: it says so at once, where the WAN
+    /// timeout would wait).
+    question: Option<Question>,
+}
+
+/// The destination's verdict on session `of`, asked for on a session of its own.
+struct Question {
+    peer: PeerLink,
+    of: SessionId,
+    started_unix_ms: u64,
+}
+
+/// Silence after which a source asks the destination about its session: several missed
+/// keepalives (one a second).
+const ASK_WHEN_SILENT: Duration = Duration::from_secs(3);
+
+/// Waits for `fut`, failing when the WAN has been down longer than the WAN timeout, the
+/// deadline passes, or the destination, asked while the session is silent, says it ended
+/// there.
 async fn watchdog<T>(
     session: &Session,
     status: &Shared,
-    wan_timeout: Duration,
-    deadline: Instant,
+    limits: &Limits,
     fut: impl std::future::Future<Output = T>,
 ) -> Result<T> {
     tokio::pin!(fut);
+    let mut asking: Option<tokio::task::JoinHandle<Result<Verdict>>> = None;
+    let mut last_asked: Option<Instant> = None;
     loop {
         tokio::select! {
             v = &mut fut => return Ok(v),
             () = status.cancelled() => bail!("cancelled by the user"),
-            _ = tokio::time::sleep(Duration::from_millis(250)) => {
-                if session.idle_for() > wan_timeout {
-                    bail!("no connection to the destination agent for {}s (the WAN timeout)", wan_timeout.as_secs());
+            answer = async { asking.as_mut().expect("asking").await }, if asking.is_some() => {
+                asking = None;
+                match answer {
+                    Ok(Ok(Verdict::Aborted { reason })) => bail!("the destination aborted: {reason}"),
+                    Ok(Ok(other)) => tracing::debug!("the session is silent; the destination says {other:?}"),
+                    Ok(Err(e)) => tracing::debug!("the session is silent; asking the destination: {e:#}"),
+                    Err(e) => tracing::debug!("asking the destination: {e}"),
                 }
-                if Instant::now() > deadline {
+            }
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {
+                let silent = session.idle_for();
+                if silent > limits.wan_timeout {
+                    bail!("no connection to the destination agent for {}s (the WAN timeout)", limits.wan_timeout.as_secs());
+                }
+                if Instant::now() > limits.deadline {
                     bail!("the migration's deadline passed");
                 }
                 if let Some(reason) = session.failure() {
                     bail!("session failed: {reason}");
+                }
+                if let Some(q) = &limits.question {
+                    if silent > ASK_WHEN_SILENT
+                        && asking.is_none()
+                        && last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY)
+                    {
+                        last_asked = Some(Instant::now());
+                        let (peer, of, started) = (q.peer.clone(), q.of, q.started_unix_ms);
+                        asking = Some(tokio::spawn(async move {
+                            recovery::ask_verdict(&peer, of, started).await
+                        }));
+                    }
                 }
             }
         }
@@ -565,8 +627,7 @@ async fn stream(
     ledger: &Mutex<PageLedger>,
     mut destination_work: DestinationWork,
     disks: Option<&mut SourceDisks>,
-    wan_timeout: Duration,
-    deadline: Instant,
+    limits: &Limits,
 ) -> Result<(u64, String)> {
     let sock = work_dir.join(format!("{}.src.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
@@ -727,7 +788,7 @@ async fn stream(
         Ok::<_, anyhow::Error>(())
     };
     tokio::pin!(disk_switchover);
-    let pump = watchdog(session, status, wan_timeout, deadline, pump);
+    let pump = watchdog(session, status, limits, pump);
     tokio::pin!(pump);
     let mut switched = !has_disks;
     let (bytes, sha256) = loop {

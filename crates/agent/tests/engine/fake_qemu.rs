@@ -70,6 +70,9 @@ pub struct Gates {
     pub cont: Gate,
     /// Destination: how many `cont`s are refused (the VM not resumed) before one is taken.
     pub refuse_cont: Arc<std::sync::atomic::AtomicU32>,
+    /// Source: `pmemsave` received (the agent keeps the VM's memory for its return, after
+    /// the commit and before it quits QEMU), before it answers (that it has no such command).
+    pub pmemsave: Gate,
 }
 
 impl Default for Gates {
@@ -80,6 +83,7 @@ impl Default for Gates {
             load: Gate::new(true),
             cont: Gate::new(true),
             refuse_cont: Arc::default(),
+            pmemsave: Gate::new(true),
         }
     }
 }
@@ -115,6 +119,13 @@ impl Gates {
     pub fn cont_held() -> Gates {
         Gates {
             cont: Gate::new(false),
+            ..Gates::default()
+        }
+    }
+
+    pub fn pmemsave_held() -> Gates {
+        Gates {
+            pmemsave: Gate::new(false),
             ..Gates::default()
         }
     }
@@ -367,6 +378,10 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
         "quit" => {
             shared.update(|s| s.status = "shutdown".into());
             Ok(json!({}))
+        }
+        "pmemsave" => {
+            shared.gates.pmemsave.pass().await;
+            Err("the fake QEMU keeps no memory image".into())
         }
         // What a real QEMU has and this one does not: the engine must get by without it
         // (known-zero discovery, the seed image).

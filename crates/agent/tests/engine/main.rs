@@ -413,6 +413,35 @@ async fn a_destination_agent_restarted_before_its_digest_check_aborts_and_the_so
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_agent_restarted_mid_stream_says_so_and_the_source_resumes_at_once() {
+    let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
+    // A WAN timeout beyond the minute `finished` waits: the source learns from the
+    // destination's word, not from the silence.
+    let id = pair
+        .migrate(MigrationSettings {
+            wan_timeout_s: 120,
+            ..settings()
+        })
+        .await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    // Its record says `receiving`: the restarted agent quits its QEMU, and answers the
+    // source's question about the silent session "aborted".
+    pair.b.restart();
+    pair.source.gates().stream().open();
+    let status = pair.finished(&id).await;
+    assert_source_runs(
+        &pair,
+        &status,
+        "the destination aborted: the destination agent restarted before the commit",
+    );
+    assert!(pair.destination.seen().ran("quit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_agent_restarted_after_recording_its_commit_resumes_its_vm() {
     let mut pair = Pair::up(Gates::default(), Gates::load_held());
     let id = pair.migrate(settings()).await;
@@ -455,6 +484,38 @@ async fn a_source_agent_restarted_after_the_streams_end_asks_the_destination_and
     assert_eq!(status.error, None, "{status:?}");
     let source = pair.source.seen();
     assert!(source.ran("quit") && !source.ran("cont"), "{source:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_restarted_after_the_commit_was_acknowledged_quit_the_source_and_keep_the_destination(
+) {
+    let mut pair = Pair::up(Gates::pmemsave_held(), Gates::default());
+    let id = pair.migrate(settings()).await;
+    // The source heard the commit and keeps the VM's memory for its return before it quits
+    // its QEMU: killed there, it leaves its QEMU paused, its migration completed.
+    pair.source
+        .gates()
+        .pmemsave
+        .wait_reached("saving the VM's memory after the commit")
+        .await;
+    pair.a.kill();
+    pair.source.gates().pmemsave.open();
+    assert_eq!(pair.source.seen().status, "postmigrate");
+    assert!(!pair.source.seen().ran("quit"));
+    // The restarted source agent finds its record committed and quits the QEMU it left; the
+    // restarted destination agent leaves the VM running.
+    pair.a.restart();
+    pair.b.restart();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    wait_until("the source QEMU quits", || pair.source.seen().ran("quit")).await;
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(!source.ran("cont"), "{source:?}");
+    assert!(
+        destination.loaded && destination.running(),
+        "{destination:?}"
+    );
+    assert!(!destination.ran("quit"), "{destination:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

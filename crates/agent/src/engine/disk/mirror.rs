@@ -18,7 +18,7 @@ use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
 use ferry_codec::{BatchCompressor, DiskBase, DiskEncoder, DiskOp};
 use ferry_qemu::commands::{
-    BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryNamedBlockNodes,
+    BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryBlockJobs, QueryNamedBlockNodes,
 };
 use ferry_qemu::nbd::{self, proto, Blocks, Export};
 use ferry_qemu::Qmp;
@@ -263,6 +263,13 @@ impl SourceDisks {
         for (i, (node, sock)) in self.nodes.iter().zip(&self.sockets).enumerate() {
             // SnapMig: the destination holds the backing image; copy the overlay only.
             let top = top_only.get(i).copied().unwrap_or(false);
+            // A target node an earlier attempt left (its agent killed, its record lost) would
+            // take the name; QEMU refuses to remove one a job still uses.
+            let _ = qmp
+                .execute(&BlockdevDel {
+                    node_name: target_node(node),
+                })
+                .await;
             qmp.execute(&BlockdevAdd(serde_json::json!({
                 "driver": "nbd",
                 "node-name": target_node(node),
@@ -309,6 +316,9 @@ impl SourceDisks {
                     qmp.find_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str())
                 {
                     bail!("the mirror of {node} ended before it was ready: {}", e.data);
+                }
+                if qmp.is_closed() {
+                    bail!("the source QEMU went away during the disk copy (its QMP socket closed)");
                 }
             }
         }
@@ -368,48 +378,65 @@ impl SourceDisks {
             sent_ms = t0.elapsed().as_secs_f64() * 1e3,
             "disk mirrors completed at the switchover; the buffer went out"
         );
-        self.remove_targets(qmp).await;
+        remove_targets(qmp, &self.nodes).await;
         Ok(result)
     }
 
     /// Stops everything (the migration failed): the mirrors are abandoned, the source QEMU's
     /// disks are untouched, the guest's writes that wait on the destination are released.
     pub async fn abort(&mut self, qmp: &Qmp) {
-        for node in &self.nodes {
-            let job = job_id(node);
-            if qmp
-                .execute(&BlockJobCancel {
-                    device: job.clone(),
-                    force: true,
-                })
-                .await
-                .is_ok()
-            {
-                let _ = qmp
-                    .wait_event(
-                        "BLOCK_JOB_COMPLETED",
-                        |v| v["device"] == job.as_str(),
-                        Duration::from_secs(10),
-                    )
-                    .await;
-            }
-        }
+        // The buffer first: a mirror cannot end while its writes wait for room in it.
         self.buffer.close();
         self.buffer.stop_acknowledging();
         if let Some(s) = self.sender.take() {
             s.abort();
         }
-        self.remove_targets(qmp).await;
+        cancel_mirrors(qmp, &self.nodes).await;
+        remove_targets(qmp, &self.nodes).await;
     }
+}
 
-    async fn remove_targets(&self, qmp: &Qmp) {
-        for node in &self.nodes {
-            let _ = qmp
-                .execute(&BlockdevDel {
-                    node_name: target_node(node),
-                })
-                .await;
+/// Abandons what a migration of `nodes` left in the source QEMU (its agent went in the middle):
+/// the mirrors, which fail once their NBD target is gone, and the target nodes, whose names a
+/// later migration of the same disks needs. The guest's disks are untouched.
+pub async fn abandon(qmp: &Qmp, nodes: &[String]) {
+    cancel_mirrors(qmp, nodes).await;
+    remove_targets(qmp, nodes).await;
+}
+
+/// Cancels the mirrors of `nodes` and waits (up to 10 s) until QEMU has none of them: their
+/// target nodes can go only then.
+async fn cancel_mirrors(qmp: &Qmp, nodes: &[String]) {
+    let jobs: Vec<String> = nodes.iter().map(|n| job_id(n)).collect();
+    for job in &jobs {
+        // A job already gone (failed once its target went) is refused: nothing to do.
+        let _ = qmp
+            .execute(&BlockJobCancel {
+                device: job.clone(),
+                force: true,
+            })
+            .await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
+        let Ok(running) = qmp.execute(&QueryBlockJobs).await else {
+            return;
+        };
+        if !running.iter().any(|j| jobs.contains(&j.device)) {
+            return;
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::warn!("the mirrors {jobs:?} did not end within 10 s of their cancel");
+}
+
+async fn remove_targets(qmp: &Qmp, nodes: &[String]) {
+    for node in nodes {
+        let _ = qmp
+            .execute(&BlockdevDel {
+                node_name: target_node(node),
+            })
+            .await;
     }
 }
 
