@@ -182,7 +182,11 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let service = TowerToHyperService::new(app.layer(axum::Extension(caller)));
+    // Half-close: a request received whole is carried out (a migration started, a pool
+    // made) even when its client closed the connection before reading the answer; hyper
+    // otherwise drops the request's handler on reading the connection's end.
     if let Err(e) = hyper::server::conn::http1::Builder::new()
+        .half_close(true)
         .serve_connection(TokioIo::new(io), service)
         .await
     {

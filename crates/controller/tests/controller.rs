@@ -1660,3 +1660,45 @@ async fn a_short_overload_swaps_to_a_peer_and_a_lasting_one_migrates() {
         ("db", "a1", "a2", "overload")
     );
 }
+
+/// Sends `POST path` with `body` on the controller's local socket and closes the connection's
+/// sending side at once, never reading the answer (a client killed, or one that gave up).
+async fn post_and_vanish(socket: &Path, path: &str, body: &[u8]) {
+    use tokio::io::AsyncWriteExt;
+    let mut api = tokio::net::UnixStream::connect(socket).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: ferry-controller\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    api.write_all(head.as_bytes()).await.unwrap();
+    api.write_all(body).await.unwrap();
+    api.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_request_received_whole_is_carried_out_when_its_client_is_gone() {
+    let fleet = Fleet::start("").await;
+    let names: Vec<String> = (0..20).map(|i| format!("gone{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        let vni = 2000 + u32::try_from(i).unwrap();
+        let body = body_of(&pool_request(name, vni, &[]));
+        post_and_vanish(&fleet.socket, "/v1/pools", &body).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let pools = fleet.local().pools().await.unwrap();
+        let missing: Vec<&String> = names
+            .iter()
+            .filter(|n| !pools.iter().any(|p| &p.name == *n))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pools whose request arrived whole were not created: {missing:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
