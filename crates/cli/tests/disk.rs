@@ -329,6 +329,7 @@ fn agents_restarted_during_the_disk_copy_fail_it_and_the_next_attempt_commits() 
             "{what}: {reply}"
         );
     }
+    assert_nothing_of_ferry_left_in_qemu(&t, "d7", Site::A);
     // Its session gone, the destination agent quits its QEMU at the WAN timeout.
     wait_until_no_qemu(&t, "d7", Site::B);
 
@@ -350,6 +351,32 @@ fn agents_restarted_during_the_disk_copy_fail_it_and_the_next_attempt_commits() 
     let v = json(&t.ok(&["migrate", "d7", "--to", "b", "--json"]));
     assert_arrived_intact(&v, 1, "after both restarts");
     assert_eq!(t.site_of("d7"), Site::B);
+}
+
+/// The QEMU of `vm` at `site` has no mirror job or target node of ferry's left.
+fn assert_nothing_of_ferry_left_in_qemu(t: &TestLab, vm: &str, site: Site) {
+    use ferry_qemu::commands::{QueryBlockJobs, QueryNamedBlockNodes};
+    let socket = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (jobs, nodes) = rt.block_on(async {
+        let qmp = ferry_qemu::Qmp::connect(&socket).await.unwrap();
+        let jobs = qmp.execute(&QueryBlockJobs).await.unwrap();
+        let nodes = qmp
+            .execute(&QueryNamedBlockNodes { flat: true })
+            .await
+            .unwrap();
+        (jobs, nodes)
+    });
+    let jobs: Vec<String> = jobs.into_iter().map(|j| j.device).collect();
+    assert!(
+        !jobs.iter().any(|j| j.starts_with("ferry-")),
+        "block jobs left: {jobs:?}"
+    );
+    let nodes: Vec<String> = nodes.into_iter().map(|n| n.node_name).collect();
+    assert!(
+        !nodes.iter().any(|n| n.starts_with("ferry-")),
+        "block nodes left: {nodes:?}"
+    );
 }
 
 #[test]

@@ -72,6 +72,11 @@ pub struct OutgoingRecord {
     #[serde(with = "session_hex")]
     pub session: SessionId,
     pub source_qmp: PathBuf,
+    /// The source QEMU's process, as the kernel named it when the agent connected: a restart
+    /// acts on a QEMU at `source_qmp` only if it is this one (a socket path can be spelt two
+    /// ways, and the VM may have come back in another process since).
+    #[serde(default)]
+    pub source_pid: Option<u32>,
     /// The source QEMU's block nodes being mirrored (empty: memory only), so that a restart
     /// can stop their mirrors.
     #[serde(default)]

@@ -16,16 +16,15 @@
 //! - `streaming`: the stream's end may have gone out: only the destination knows. Its verdict
 //!   is asked for until it answers, and the source VM is quit (committed) or resumed (aborted).
 //! - `committed`: the destination runs the VM; the agent may have gone before it quit the
-//!   source QEMU (it saves the VM's memory for its return first). A QEMU left at the record's
-//!   socket whose migration completed (`postmigrate`) is quit, if this is the newest record of
-//!   that socket: a later migration of the same VM decides for itself.
+//!   source QEMU (it saves the VM's memory for its return first). The QEMU is quit if it is
+//!   still there: the same process, its migration completed (`postmigrate`).
 //!
 //! A running source in doubt (the stream's end went out and the session fell silent) asks for
 //! the same verdict, for the destination agent may have restarted and lost the session.
 //!
 //! [`journal`]: crate::engine::journal
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -304,16 +303,6 @@ pub async fn recover_outgoing(
             return;
         }
     };
-    // The newest record of each source QEMU socket: only it may quit what runs there.
-    let mut newest: std::collections::HashMap<&Path, u64> = std::collections::HashMap::new();
-    for r in &records {
-        let t = newest.entry(r.source_qmp.as_path()).or_default();
-        *t = (*t).max(r.started_unix_ms);
-    }
-    let newest: std::collections::HashMap<PathBuf, u64> = newest
-        .into_iter()
-        .map(|(path, t)| (path.to_owned(), t))
-        .collect();
     for record in records {
         let status = Shared::new(MigrationStatus {
             error: record.reason.clone(),
@@ -330,9 +319,9 @@ pub async fn recover_outgoing(
                     s.state = MigrationState::Committed;
                     s.phase = Phase::Committed;
                 });
-                if newest.get(&record.source_qmp) == Some(&record.started_unix_ms) {
-                    quit_if_migrated_away(&record).await;
-                }
+                // In a task of its own: a monitor that does not answer must not hold the
+                // agent's start.
+                tokio::spawn(quit_if_migrated_away(record.clone()));
             }
             OutgoingState::Failed => status.update(|s| {
                 s.state = MigrationState::Failed;
@@ -460,24 +449,34 @@ async fn resume_source(qmp: &Path, disks: &[String]) -> Result<()> {
     crate::engine::source::ensure_running(&qmp).await
 }
 
-/// The source QEMU of a committed migration, if it is still there with its migration
-/// completed (`postmigrate`: it can never rightly run again), is quit. Any other QEMU at its
-/// socket is not this migration's and is left alone.
-async fn quit_if_migrated_away(record: &OutgoingRecord) {
+/// The source QEMU of a committed migration, if it is still there (the same process) with
+/// its migration completed (`postmigrate`: it can never rightly run again), is quit. Any other
+/// QEMU at its socket is not this migration's and is left alone.
+async fn quit_if_migrated_away(record: OutgoingRecord) {
+    let Some(pid) = record.source_pid else {
+        return;
+    };
+    // Gone with its process, most often: nothing to do.
     let Ok(qmp) = Qmp::connect(&record.source_qmp).await else {
         return;
     };
-    if qmp
-        .execute(&QueryStatus)
-        .await
-        .is_ok_and(|s| s.status == "postmigrate")
-    {
-        tracing::warn!(
-            "migration {} of {:?}: committed, and its source QEMU was still there: quit now",
-            record.id,
-            record.vm
-        );
-        let _ = qmp.execute(&Quit).await;
+    if qmp.peer_pid() != Some(pid) {
+        return;
+    }
+    match qmp.execute(&QueryStatus).await {
+        Ok(s) if s.status == "postmigrate" => {
+            tracing::warn!(
+                "migration {} of {:?}: committed, and its source QEMU (pid {pid}) was still \
+                 there: quit now",
+                record.id,
+                record.vm
+            );
+            if let Err(e) = qmp.execute(&Quit).await {
+                tracing::warn!("migration {}: quitting its source QEMU: {e}", record.id);
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!("migration {}: its source QEMU: {e}", record.id),
     }
 }
 

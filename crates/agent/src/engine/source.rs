@@ -152,6 +152,7 @@ async fn migrate(
         vm: req.vm.clone(),
         session: id,
         source_qmp: req.source_qmp.clone(),
+        source_pid: qmp.peer_pid(),
         disks: req.disks.clone(),
         to: req.to.clone(),
         state: OutgoingState::Preparing,
@@ -162,9 +163,11 @@ async fn migrate(
     journal
         .write_outgoing(&record)
         .context("recording the migration")?;
+    // The question goes where the session goes: a name resolved again could reach another
+    // agent, which would know nothing of the session.
     let asked = PeerLink {
         name: req.to.clone(),
-        address: peer_address.to_owned(),
+        address: addr.to_string(),
         tls: tls.clone(),
         pool: pool.clone(),
     };
@@ -558,8 +561,9 @@ struct Question {
     started_unix_ms: u64,
 }
 
-/// Silence after which a source asks the destination about its session: several missed
-/// keepalives (one a second).
+/// How long a session must have had no connection before the source asks the destination
+/// about it. A connection is given up when reset, or after the wire's 10 s of silence when
+/// the link is black-holed, so the first question comes 3 s or 13 s into an outage.
 const ASK_WHEN_SILENT: Duration = Duration::from_secs(3);
 
 /// Waits for `fut`, failing when the WAN has been down longer than the WAN timeout, the
@@ -572,13 +576,14 @@ async fn watchdog<T>(
     fut: impl std::future::Future<Output = T>,
 ) -> Result<T> {
     tokio::pin!(fut);
-    let mut asking: Option<tokio::task::JoinHandle<Result<Verdict>>> = None;
+    // Aborted with the wait: a question outliving it would only overlap the next one's.
+    let mut asking: Option<AbortHandleOnDrop<Result<Verdict>>> = None;
     let mut last_asked: Option<Instant> = None;
     loop {
         tokio::select! {
             v = &mut fut => return Ok(v),
             () = status.cancelled() => bail!("cancelled by the user"),
-            answer = async { asking.as_mut().expect("asking").await }, if asking.is_some() => {
+            answer = async { (&mut asking.as_mut().expect("asking").0).await }, if asking.is_some() => {
                 asking = None;
                 match answer {
                     Ok(Ok(Verdict::Aborted { reason })) => bail!("the destination aborted: {reason}"),
@@ -605,9 +610,9 @@ async fn watchdog<T>(
                     {
                         last_asked = Some(Instant::now());
                         let (peer, of, started) = (q.peer.clone(), q.of, q.started_unix_ms);
-                        asking = Some(tokio::spawn(async move {
+                        asking = Some(AbortHandleOnDrop(tokio::spawn(async move {
                             recovery::ask_verdict(&peer, of, started).await
-                        }));
+                        })));
                     }
                 }
             }
@@ -1338,6 +1343,14 @@ impl Drop for RemoveOnDrop {
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+/// A task whose result is awaited, aborted if it is not.
+struct AbortHandleOnDrop<T>(tokio::task::JoinHandle<T>);
+impl<T> Drop for AbortHandleOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();

@@ -157,6 +157,10 @@ pub struct Seen {
     pub stream_bytes: u64,
     /// Destination: whether what it read was exactly the expected stream.
     pub loaded: bool,
+    /// QMP clients that have come and gone.
+    pub clients_gone: u32,
+    /// Whether a QMP client is connected now.
+    pub client_connected: bool,
 }
 
 impl Seen {
@@ -288,6 +292,7 @@ impl Drop for FakeQemu {
 /// One QMP client at a time, as QEMU's monitor.
 async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
     while let Ok((conn, _)) = listener.accept().await {
+        shared.update(|s| s.client_connected = true);
         let (r, mut w) = conn.into_split();
         let (tx, mut rx) = mpsc::unbounded_channel::<String>();
         *shared.events.lock().expect("events") = Some(tx.clone());
@@ -322,6 +327,10 @@ async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
         *shared.events.lock().expect("events") = None;
         drop(tx);
         let _ = writer.await;
+        shared.update(|s| {
+            s.clients_gone += 1;
+            s.client_connected = false;
+        });
     }
 }
 

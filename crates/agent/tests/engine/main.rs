@@ -519,6 +519,40 @@ async fn agents_restarted_after_the_commit_was_acknowledged_quit_the_source_and_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_source_leaves_alone_a_qemu_its_committed_record_does_not_name() {
+    use ferry_agent::engine::journal::Journal;
+    let mut pair = Pair::up(Gates::pmemsave_held(), Gates::default());
+    pair.migrate(settings()).await;
+    pair.source
+        .gates()
+        .pmemsave
+        .wait_reached("saving the VM's memory after the commit")
+        .await;
+    pair.a.kill();
+    pair.source.gates().pmemsave.open();
+    // The record names another process than the QEMU now at its socket (as when the VM came
+    // back in a new QEMU): the restarted agent looks, and leaves it.
+    let journal = Journal::new(&pair.a.config.work_dir);
+    let mut record = journal.all_outgoing().unwrap().pop().expect("a record");
+    assert_eq!(record.source_pid, Some(std::process::id()));
+    record.source_pid = Some(std::process::id() + 1);
+    journal.write_outgoing(&record).unwrap();
+    wait_until("the killed agent's QMP connection closes", || {
+        !pair.source.seen().client_connected
+    })
+    .await;
+    let looked = pair.source.seen().clients_gone + 1;
+    pair.a.restart();
+    wait_until("the restarted agent looked at the source QEMU", || {
+        pair.source.seen().clients_gone >= looked
+    })
+    .await;
+    let source = pair.source.seen();
+    assert!(!source.ran("quit"), "{source:?}");
+    assert_eq!(source.status, "postmigrate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_agent_restarted_mid_stream_asks_the_destination_and_the_source_runs() {
     let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
     let id = pair.migrate(settings()).await;
