@@ -10,17 +10,19 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::Result;
-use ferry_api::agent::{MigrationState, MigrationStatus};
+use anyhow::{bail, Result};
+use ferry_api::agent::{ErrorKind, MigrationState, MigrationStatus};
 use ferry_api::outcome::{MigrationOutcome, Progress};
 use ferry_api::{EventKind, Sample, Timeline};
 use tokio::sync::watch;
 
-use crate::client::AgentClient;
+use crate::client::{AgentClient, AgentRefused};
 use crate::interrupt;
 
 /// How often the status is read: the timeline's resolution.
 const POLL: Duration = Duration::from_millis(100);
+/// How long the agent may not answer (a restart) before following gives up.
+const AGENT_AWAY: Duration = Duration::from_secs(30);
 
 /// Bytes on the WAN (both directions) and frames dropped there, since the migration started.
 pub trait WanCounter {
@@ -102,9 +104,39 @@ pub async fn follow(
     let mut last = (Instant::now(), 0u64);
     let mut seen_events = 0;
     let mut interrupted = false;
+    let mut unreachable_since: Option<Instant> = None;
     loop {
         tokio::time::sleep(POLL).await;
-        let s = agent.migration(id).await?;
+        let s = match agent.migration(id).await {
+            Ok(s) => {
+                unreachable_since = None;
+                s
+            }
+            // Restarted: a migration of ferry's own is listed again from its record; libvirt's
+            // are not recorded, and libvirt settles them.
+            Err(e)
+                if e.downcast_ref::<AgentRefused>()
+                    .is_some_and(|r| r.kind == ErrorKind::NotFound) =>
+            {
+                bail!(
+                    "the agent no longer knows migration {id}: it restarted without a record of \
+                     it (libvirt's migrations are not recorded: libvirt settles the domain, see \
+                     `virsh domstate` at both hosts)"
+                )
+            }
+            // Gone for a moment (restarting): followed again once it answers.
+            Err(e) => {
+                let since = *unreachable_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > AGENT_AWAY {
+                    return Err(e.context(format!(
+                        "the agent has not answered for {}s; migration {id} goes on or ends \
+                         without this command (`ferry migrations` shows it)",
+                        AGENT_AWAY.as_secs()
+                    )));
+                }
+                continue;
+            }
+        };
         let now = Instant::now();
         let count = wan.read(&s)?;
         let dt = now.duration_since(last.0).as_secs_f64();
@@ -130,7 +162,9 @@ pub async fn follow(
                 wan_drops: count.drops,
                 ..Sample::default()
             });
-            for e in &s.events[seen_events..] {
+            // A restarted agent lists the migration again with the events its record kept:
+            // fewer than were seen.
+            for e in s.events.get(seen_events..).unwrap_or_default() {
                 t.event(
                     start.ms_at(i64::try_from(e.unix_ms).unwrap_or(i64::MAX) * 1000),
                     e.kind,

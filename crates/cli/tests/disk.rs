@@ -303,32 +303,18 @@ fn agents_restarted_during_the_disk_copy_fail_it_and_the_next_attempt_commits() 
     let ferry = std::path::Path::new(common::ferry_bin());
     start_vm_with_disk_writer(&t, "d7", "24", "0.2");
 
-    // The source agent: its record says `preparing`.
+    // The source agent: its record says `preparing`. The restarted agent lists the migration
+    // again, failed, and `ferry migrate` follows it there.
     let child = migrate_until_the_disk_copy(&t, "d7", &["--wan-timeout-s", "5"]);
     kill_agent(&t, Site::A);
-    let out = child.wait_with_output().unwrap();
-    assert!(!out.status.success(), "{}", common::text(&out));
     ferry_lab::agents::restart(&t.lab, Site::A, ferry).unwrap();
-    let listed = t.migrations(Site::A);
-    let failed = listed
-        .iter()
-        .find(|m| m["vm"] == "d7")
-        .unwrap_or_else(|| panic!("the restarted agent does not list it: {listed:?}"));
-    assert_eq!(failed["state"], "failed", "{failed}");
-    let error = failed["error"].as_str().unwrap_or_default();
-    assert!(
-        error.contains("the source agent restarted before the stream started")
-            && error.contains("the source VM keeps running"),
-        "{error}"
+    let out = child.wait_with_output().unwrap();
+    assert_failed_and_the_source_runs_with_its_disk(
+        &t,
+        "d7",
+        &out,
+        "the source agent restarted before the stream started",
     );
-    assert_eq!(t.site_of("d7"), Site::A);
-    for what in ["mem", "disk"] {
-        let reply = t.ok(&["guest", "d7", what, "verify"]);
-        assert!(
-            reply.split_whitespace().any(|w| w == "errors=0"),
-            "{what}: {reply}"
-        );
-    }
     assert_nothing_of_ferry_left_in_qemu(&t, "d7", Site::A);
     // Its session gone, the destination agent quits its QEMU at the WAN timeout.
     wait_until_no_qemu(&t, "d7", Site::B);

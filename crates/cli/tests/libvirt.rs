@@ -293,3 +293,81 @@ fn a_domain_with_a_device_the_destination_lacks_stays_at_the_source() {
     let m = failed.iter().find(|m| m["vm"] == name).expect("listed");
     assert_eq!(m["state"], "failed", "{m}");
 }
+
+/// Either agent killed while libvirt's migration flows, and started again: libvirt's job
+/// fails on the closed tunnel, libvirt resumes the domain at site a and removes what it had
+/// at site b (its own job state decides; the agents keep no record of libvirt's migrations),
+/// and the next attempt commits.
+#[test]
+fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() {
+    let t = TestLab::up(
+        "lvr",
+        &["--libvirt", "--rate-mbit", "200", "--rtt-ms", "20"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let name = "lv4";
+    let link = start_domain(
+        &t,
+        &rt,
+        (name, 95, false, ""),
+        &["mem start pattern=ws mib=32 rate=1"],
+    );
+    drop(link);
+    let ferry = std::path::Path::new(common::ferry_bin());
+    let migrate = || {
+        t.lab
+            .host_command(Site::A, common::ferry_bin())
+            .args(["migrate", "--libvirt", name, "--to", "site-b", "--agent"])
+            .arg(t.lab.agent_socket(Site::A))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let until_memory_flows = || {
+        let flowing = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+            t.migrations(Site::A)
+                .iter()
+                .any(|m| m["vm"] == name && m["state"] == "running" && m["phase"] == "memory")
+        });
+        assert!(flowing.is_ok(), "the memory never flowed");
+    };
+    let back_at_a = |what: &str| {
+        let settled = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+            t.domstate(Site::A, name).as_deref() == Some("running")
+                && t.domstate(Site::B, name).is_none()
+        });
+        assert!(
+            settled.is_ok(),
+            "{what}: at a {:?}, at b {:?}",
+            t.domstate(Site::A, name),
+            t.domstate(Site::B, name)
+        );
+        assert_eq!(verify(&t, &rt, Site::A, name, false), 0, "{what}");
+    };
+    for site in [Site::A, Site::B] {
+        let child = migrate();
+        until_memory_flows();
+        let config = ferry_lab::agents::config_path(&t.lab, site);
+        let killed = std::process::Command::new("pkill")
+            .args(["-KILL", "-f", &config.to_string_lossy()])
+            .status()
+            .unwrap();
+        assert!(killed.success(), "the agent of {site:?}");
+        ferry_lab::agents::restart(&t.lab, site, ferry).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        // The command follows its agent across the restart and says what became of it.
+        let said = match site {
+            Site::A => "the agent no longer knows migration",
+            Site::B => "libvirt: ",
+        };
+        assert!(err.contains(said), "{site:?}: {err}");
+        back_at_a(&format!("the agent of {site:?} restarted: {err}"));
+    }
+    let out = migrate().wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", common::text(&out));
+    assert_eq!(t.domstate(Site::B, name).as_deref(), Some("running"));
+    assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
+}
