@@ -105,6 +105,21 @@ pub enum Verdict {
     Unknown { reason: String },
 }
 
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Verdict::Committed => write!(f, "the VM runs there"),
+            Verdict::Aborted { reason } => write!(f, "aborted: {reason}"),
+            Verdict::Pending => write!(f, "the migration still goes on there"),
+            Verdict::Unknown { reason } => write!(
+                f,
+                "it cannot tell ({reason}): check the destination before resuming the source \
+                 by hand"
+            ),
+        }
+    }
+}
+
 /// A session id in JSON: its 32 hex digits, as logs print it (a JSON number cannot hold 128
 /// bits: parsers read it as a float).
 pub mod session_hex {

@@ -358,7 +358,7 @@ pub async fn recover_outgoing(
                                 break Err(anyhow!("the destination aborted: {reason}"))
                             }
                             Ok(other) => status.update(|s| {
-                                s.detail = format!("in doubt: the destination says {other:?}")
+                                s.detail = format!("in doubt: the destination says {other}")
                             }),
                             Err(e) => status.update(|s| {
                                 s.detail = format!("in doubt: asking the destination: {e:#}")

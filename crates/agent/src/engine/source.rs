@@ -429,6 +429,8 @@ async fn migrate(
     // The verdict comes on the session, or, once it has been silent for the WAN timeout, from
     // asking the destination on a new one (its agent may have restarted and lost this one).
     let mut last_asked: Option<Instant> = None;
+    // The last answer to the question, for the status: an operator may have to act on it.
+    let mut heard = String::new();
     // The session's control messages stop when it fails: then only asking tells.
     let mut control_open = true;
     let verdict = loop {
@@ -441,7 +443,7 @@ async fn migrate(
                 if !control_open || session.idle_for() > wan_timeout {
                     status.enter(Phase::InDoubt, format!(
                         "no contact with the destination for {}s after the stream ended; \
-                         the source stays paused until the destination's verdict arrives",
+                         the source stays paused until the destination's verdict arrives{heard}",
                         session.idle_for().as_secs()));
                     if last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY) {
                         last_asked = Some(Instant::now());
@@ -451,8 +453,14 @@ async fn migrate(
                                 switchover: None,
                             }),
                             Ok(Verdict::Aborted { reason }) => break Some(Control::Abort { reason }),
-                            Ok(other) => tracing::info!("in doubt: the destination says {other:?}"),
-                            Err(e) => tracing::debug!("in doubt: asking the destination: {e:#}"),
+                            Ok(other) => {
+                                tracing::info!("in doubt: the destination says {other}");
+                                heard = format!("; asked, the destination says {other}");
+                            }
+                            Err(e) => {
+                                tracing::debug!("in doubt: asking the destination: {e:#}");
+                                heard = format!("; asking the destination: {e:#}");
+                            }
                         }
                     }
                 }
@@ -587,7 +595,7 @@ async fn watchdog<T>(
                 asking = None;
                 match answer {
                     Ok(Ok(Verdict::Aborted { reason })) => bail!("the destination aborted: {reason}"),
-                    Ok(Ok(other)) => tracing::debug!("the session is silent; the destination says {other:?}"),
+                    Ok(Ok(other)) => tracing::debug!("the session is silent; the destination says {other}"),
                     Ok(Err(e)) => tracing::debug!("the session is silent; asking the destination: {e:#}"),
                     Err(e) => tracing::debug!("asking the destination: {e}"),
                 }

@@ -337,6 +337,62 @@ async fn a_link_dark_while_the_destination_commits_leaves_the_source_in_doubt_un
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_reset_or_dark_for_5s_after_the_streams_end_does_not_fail_it() {
+    // Every connection reset while the destination loads: redialed, committed.
+    let pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = until_end_sent(&pair).await;
+    pair.link.cut();
+    pair.destination.gates().load.open();
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+    // Dark for 5 s while it loads, its connections then forgotten: committed.
+    let pair = Pair::up(Gates::default(), Gates::load_held());
+    let id = pair
+        .migrate(MigrationSettings {
+            wan_timeout_s: 30,
+            ..settings()
+        })
+        .await;
+    pair.destination
+        .gates()
+        .load
+        .wait_reached("the destination's load")
+        .await;
+    pair.link.darken();
+    pair.destination.gates().load.open();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    pair.link.cut();
+    pair.link.light();
+    let status = pair.finished(&id).await;
+    assert_committed(&pair, &status);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_qemu_killed_while_being_resumed_leaves_the_source_paused_for_an_operator() {
+    let mut pair = Pair::up(Gates::default(), Gates::cont_held());
+    let id = pair.migrate(settings()).await;
+    pair.destination
+        .gates()
+        .cont
+        .wait_reached("the destination's cont")
+        .await;
+    // Whether the VM ran there nobody can tell: the destination answers "unknown", and the
+    // source stays paused, in doubt, asking, never resumed and never quit.
+    pair.destination.kill();
+    let status = pair
+        .wait(&id, "the destination's answer", |s| {
+            s.phase == Phase::InDoubt && s.detail.contains("the destination says it cannot tell")
+        })
+        .await;
+    assert_eq!(status.state, MigrationState::Running, "{status:?}");
+    let source = pair.source.seen();
+    assert!(
+        !source.running() && !source.ran("cont") && !source.ran("quit"),
+        "{source:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_source_agent_killed_mid_stream_leaves_the_source_running() {
     let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
     pair.migrate(settings()).await;
