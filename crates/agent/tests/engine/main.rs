@@ -874,6 +874,35 @@ async fn a_session_that_opens_out_of_order_is_refused_and_touches_no_qemu() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_agent_restarted_at_connect_fails_it_and_the_source_never_stops() {
+    // The link dark: the source agent is still reaching the destination when it goes.
+    let mut pair = Pair::up(Gates::default(), Gates::default());
+    pair.link.darken();
+    let id = pair
+        .migrate(MigrationSettings {
+            wan_timeout_s: 120,
+            ..settings()
+        })
+        .await;
+    pair.wait(&id, "reaching the destination", |s| {
+        s.phase == Phase::PreparingDestination
+    })
+    .await;
+    // Its record says `preparing`: the restarted agent lists it failed; QEMU was never told
+    // to migrate and the destination never heard of it.
+    pair.a.restart();
+    pair.link.light();
+    let status = pair.finished(&id).await;
+    assert_source_runs(
+        &pair,
+        &status,
+        "the source agent restarted before the stream started",
+    );
+    assert!(!pair.source.seen().ran("migrate"));
+    assert!(pair.destination.seen().commands.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_dark_at_connect_for_5s_commits_and_one_dark_beyond_the_wan_timeout_fails_it() {
     // Dark for 5 s while the source first dials (TLS handshakes stall in the relay), then lit.
     let pair = Pair::up(Gates::default(), Gates::default());
