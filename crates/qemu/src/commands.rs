@@ -275,6 +275,9 @@ pub struct BlockImage {
     /// The backing image's file, when the image is an overlay.
     #[serde(default)]
     pub full_backing_filename: Option<String>,
+    /// The backing image itself, down the chain (only without `flat`).
+    #[serde(default)]
+    pub backing_image: Option<Box<BlockImage>>,
 }
 
 /// `query-block`: the VM's block devices and what is inserted in each.

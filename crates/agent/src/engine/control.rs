@@ -32,7 +32,8 @@ pub const DISK_BASE: ChannelId = ChannelId(6);
 pub struct DiskPlan {
     pub node: String,
     pub size: u64,
-    /// The SHA-256 of the source's backing image file, when the disk is an overlay.
+    /// The digest of the source's backing chain (every file below the overlay, in order:
+    /// `disk::backing`), when the disk is an overlay.
     #[serde(default)]
     pub backing_sha256: Option<String>,
 }

@@ -1,7 +1,9 @@
-//! Backing images (SnapMig): when a disk is a qcow2 overlay whose backing image already exists
+//! Backing images (SnapMig): when a disk is a qcow2 overlay whose backing chain already exists
 //! at the destination with the same content, only the overlay is copied (`sync=top`). Both
-//! agents hash the backing image file; the hash is kept per (path, length, modification time),
-//! so a template shared by many VMs is read once.
+//! agents hash every file of the chain below the overlay, and compare one digest of them all:
+//! a layer that matches on a base that does not would otherwise give the guest wrong data. A
+//! file's hash is kept per (path, length, modification time), so a template shared by many VMs
+//! is read once.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -10,7 +12,7 @@ use std::sync::Mutex;
 use std::time::SystemTime;
 
 use anyhow::{Context, Result};
-use ferry_qemu::commands::QueryNamedBlockNodes;
+use ferry_qemu::commands::{BlockImage, QueryNamedBlockNodes};
 use ferry_qemu::Qmp;
 use sha2::{Digest, Sha256};
 
@@ -53,19 +55,95 @@ pub async fn content_sha256(path: &Path) -> Result<String> {
     Ok(hash)
 }
 
-/// The backing image of block node `node` and the SHA-256 of its file, if it has one.
+/// The backing image of block node `node` and the digest of its whole chain, if it has one
+/// whose every layer QEMU shows.
 pub async fn backing_of(qmp: &Qmp, node: &str) -> Result<Option<(PathBuf, String)>> {
-    let nodes = qmp.execute(&QueryNamedBlockNodes { flat: true }).await?;
-    let Some(file) = nodes
+    // Not flat: the chain below each image comes with it.
+    let nodes = qmp.execute(&QueryNamedBlockNodes { flat: false }).await?;
+    let Some(chain) = nodes
         .iter()
         .find(|n| n.node_name == node)
-        .and_then(|n| n.image.full_backing_filename.clone())
+        .and_then(|n| backing_chain(&n.image))
     else {
         return Ok(None);
     };
-    let path = PathBuf::from(file);
-    let hash = content_sha256(&path)
-        .await
-        .with_context(|| format!("hashing the backing image of disk {node:?}"))?;
-    Ok(Some((path, hash)))
+    let mut hashes = Vec::with_capacity(chain.len());
+    for layer in &chain {
+        hashes.push(content_sha256(layer).await.with_context(|| {
+            format!(
+                "hashing {} in the backing chain of disk {node:?}",
+                layer.display()
+            )
+        })?);
+    }
+    Ok(Some((chain[0].clone(), chain_digest(&hashes))))
+}
+
+/// The files of `image`'s backing chain, top down; None when it has none, or when QEMU does
+/// not show a layer below one that has a backing file (it cannot be compared then).
+fn backing_chain(image: &BlockImage) -> Option<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut at = image;
+    while let Some(file) = &at.full_backing_filename {
+        files.push(PathBuf::from(file));
+        at = at.backing_image.as_deref()?;
+    }
+    (!files.is_empty()).then_some(files)
+}
+
+/// One digest of the chain's files' hashes, in order.
+fn chain_digest(hashes: &[String]) -> String {
+    let mut h = Sha256::new();
+    for hash in hashes {
+        h.update(hash.as_bytes());
+        h.update(b"\n");
+    }
+    format!("{:x}", h.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(v: serde_json::Value) -> BlockImage {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_chain_is_every_layer_down_to_the_base_or_nothing_when_a_layer_is_not_shown() {
+        let three = image(serde_json::json!({
+            "virtual-size": 1,
+            "full-backing-filename": "/lib/mid.qcow2",
+            "backing-image": {
+                "virtual-size": 1,
+                "full-backing-filename": "/lib/base.qcow2",
+                "backing-image": {"virtual-size": 1},
+            },
+        }));
+        assert_eq!(
+            backing_chain(&three),
+            Some(vec![
+                PathBuf::from("/lib/mid.qcow2"),
+                PathBuf::from("/lib/base.qcow2")
+            ])
+        );
+        assert_eq!(
+            backing_chain(&image(serde_json::json!({"virtual-size": 1}))),
+            None
+        );
+        let hidden = image(serde_json::json!({
+            "virtual-size": 1,
+            "full-backing-filename": "/lib/mid.qcow2",
+        }));
+        assert_eq!(backing_chain(&hidden), None);
+    }
+
+    #[test]
+    fn chains_match_only_when_every_layer_does() {
+        let (mid, base, other) = ("aa".to_owned(), "bb".to_owned(), "cc".to_owned());
+        let chain = chain_digest(&[mid.clone(), base.clone()]);
+        assert_eq!(chain, chain_digest(&[mid.clone(), base]));
+        assert_ne!(chain, chain_digest(&[mid.clone(), other]));
+        assert_ne!(chain, chain_digest(&[mid]));
+    }
 }
