@@ -49,6 +49,23 @@ async fn until_end_sent(pair: &Pair) -> String {
     id
 }
 
+/// Migrates with the source's stream held at [`MID_STREAM`] (`Gates::stream_held_at`) and a
+/// WAN timeout of `wan_timeout_s`, until the stream stands there; returns the migration's id.
+async fn until_mid_stream(pair: &Pair, wan_timeout_s: u64) -> String {
+    let id = pair
+        .migrate(MigrationSettings {
+            wan_timeout_s,
+            ..settings()
+        })
+        .await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream's middle")
+        .await;
+    id
+}
+
 /// Polls `ready` until it holds (within a minute).
 async fn wait_until(what: &str, ready: impl Fn() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -265,17 +282,7 @@ async fn the_destination_agent_killed_after_the_streams_end_leaves_the_source_pa
 async fn a_link_dark_for_5s_or_reset_mid_stream_does_not_fail_it() {
     for reset in [false, true] {
         let pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
-        let id = pair
-            .migrate(MigrationSettings {
-                wan_timeout_s: 30,
-                ..settings()
-            })
-            .await;
-        pair.source
-            .gates()
-            .stream()
-            .wait_reached("the stream's middle")
-            .await;
+        let id = until_mid_stream(&pair, 30).await;
         if reset {
             pair.link.cut();
         } else {
@@ -473,17 +480,7 @@ async fn a_destination_agent_restarted_mid_stream_says_so_and_the_source_resumes
     let mut pair = Pair::up(Gates::stream_held_at(MID_STREAM), Gates::default());
     // A WAN timeout beyond the minute `finished` waits: the source learns from the
     // destination's word, not from the silence.
-    let id = pair
-        .migrate(MigrationSettings {
-            wan_timeout_s: 120,
-            ..settings()
-        })
-        .await;
-    pair.source
-        .gates()
-        .stream()
-        .wait_reached("the stream's middle")
-        .await;
+    let id = until_mid_stream(&pair, 120).await;
     // Its record says `receiving`: the restarted agent quits its QEMU, and answers the
     // source's question about the silent session "aborted".
     pair.b.restart();
