@@ -104,7 +104,8 @@ pub fn start(
     spawn(lab, site, ferry_exe)
 }
 
-fn log_path(lab: &Lab, site: Site) -> std::path::PathBuf {
+/// Where `site`'s agent logs.
+pub fn log_path(lab: &Lab, site: Site) -> std::path::PathBuf {
     lab.dir().join(format!("agent-{}.log", site.name()))
 }
 

@@ -111,11 +111,50 @@ impl TestLab {
     }
 }
 
+impl TestLab {
+    /// For a failed test, before teardown removes them: the end of every QEMU's log and
+    /// console, and the agents' warnings and errors. CI keeps only the test's output, and a
+    /// QEMU or a guest that died says why only there.
+    fn print_log_tails(&self) {
+        let dir = self.lab.dir();
+        let mut logs: Vec<_> = std::fs::read_dir(dir.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            print_tail(&log, 15, |_| true);
+        }
+        for site in [Site::A, Site::B] {
+            let log = ferry_lab::agents::log_path(&self.lab, site);
+            print_tail(&log, 30, |l| l.contains("WARN") || l.contains("ERROR"));
+        }
+    }
+}
+
+/// Prints the last `n` lines of `path` that `keep` selects.
+fn print_tail(path: &std::path::Path, n: usize, keep: impl Fn(&str) -> bool) {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return;
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
+    eprintln!("--- {} (last {n} lines kept) ---", path.display());
+    for l in &lines[lines.len().saturating_sub(n)..] {
+        eprintln!("{l}");
+    }
+}
+
 impl Drop for TestLab {
     fn drop(&mut self) {
         if std::env::var_os("FERRY_TEST_KEEP_LAB").is_some() {
             eprintln!("FERRY_TEST_KEEP_LAB: leaving lab {} up", self.lab.name);
             return;
+        }
+        if std::thread::panicking() {
+            self.print_log_tails();
         }
         if let Err(e) = self.lab.down(true) {
             eprintln!("teardown of lab {}: {e:#}", self.lab.name);
