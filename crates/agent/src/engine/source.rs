@@ -931,7 +931,13 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Res
 /// this covers the rest).
 pub(crate) async fn ensure_running(qmp: &Qmp) -> Result<()> {
     for _ in 0..100 {
-        let st = qmp.execute(&QueryStatus).await?;
+        let st = match qmp.execute(&QueryStatus).await {
+            Ok(st) => st,
+            Err(e) if qmp.is_closed() => {
+                return Err(anyhow::Error::from(e).context(how_qemu_went(qmp)))
+            }
+            Err(e) => return Err(e.into()),
+        };
         if st.running {
             return Ok(());
         }
@@ -944,6 +950,18 @@ pub(crate) async fn ensure_running(qmp: &Qmp) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("the source VM did not resume after the failed migration")
+}
+
+/// How a QEMU whose QMP connection closed went, from the last events it sent: a shutdown it
+/// reported (a signal, the guest) or none (it crashed or was killed).
+fn how_qemu_went(qmp: &Qmp) -> String {
+    match qmp.find_event("SHUTDOWN", |_| true) {
+        Some(e) => format!(
+            "QEMU shut down ({})",
+            e.data["reason"].as_str().unwrap_or("no reason given")
+        ),
+        None => "QEMU exited without reporting a shutdown: it crashed or was killed".into(),
+    }
 }
 
 /// What the agent steers in the source QEMU while it migrates, and what it set last.

@@ -132,6 +132,21 @@ impl TestLab {
             let log = ferry_lab::agents::log_path(&self.lab, site);
             print_tail(&log, 30, |l| l.contains("WARN") || l.contains("ERROR"));
         }
+        // The host's view: a process the kernel killed (memory) or that faulted, a full tmpfs
+        // under the guests' memory files.
+        for (what, program, args) in [
+            ("kernel log", "dmesg", &["--ctime"][..]),
+            ("/dev/shm", "df", &["-h", "/dev/shm"][..]),
+        ] {
+            if let Ok(out) = Command::new(program).args(args).output() {
+                let text = String::from_utf8_lossy(&out.stdout);
+                let lines: Vec<&str> = text.lines().collect();
+                eprintln!("--- {what} (last 15 lines) ---");
+                for l in &lines[lines.len().saturating_sub(15)..] {
+                    eprintln!("{l}");
+                }
+            }
+        }
     }
 }
 
