@@ -257,8 +257,15 @@ static void command(char *line)
             tty_line("R %s ok", id);
         } else if (strcmp(sub, "inject") == 0) {
             inject(id, argc, argv, "disk", "block", disk_inject);
+        } else if (strcmp(sub, "sum") == 0) {
+            if (!path)
+                tty_line("R %s err disk sum needs path=FILE", id);
+            else if (disk_sum(path, out, sizeof out, err, sizeof err) != 0)
+                tty_line("R %s err %s", id, err);
+            else
+                tty_line("R %s ok %s", id, out);
         } else {
-            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats reset-stats inject)", id, sub);
+            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats reset-stats inject sum)", id, sub);
         }
     } else {
         tty_line("R %s err unknown command \"%s\" (known: ping mem burst disk)", id, cmd);

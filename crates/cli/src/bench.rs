@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferry_lab::baseline::System;
 use ferry_lab::bench::{run_scenario, DiskWriter, Scenario, Workload};
-use ferry_lab::{accel, image, vm, Lab};
+use ferry_lab::{accel, image, Lab};
 
 use crate::lab_cmd::LinkArgs;
 use crate::lab_migrate::MigrationFlags;
@@ -175,14 +175,7 @@ async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
                 let sc = Scenario {
                     system,
                     workload: w.clone(),
-                    vm: vm::VmOptions {
-                        mem_mib: a.shape.mem_mib,
-                        vcpus: a.shape.vcpus,
-                        disk: a.shape.has_disk(),
-                        disk_mib: a.shape.disk_mib,
-                        disk_template_mib: a.shape.disk_template_mib,
-                        accel,
-                    },
+                    vm: a.shape.vm_options(accel),
                     link,
                     warmup: Duration::from_secs(a.warmup_s),
                     migrate: base.clone(),

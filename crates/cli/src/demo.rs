@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use ferry_lab::bench::{boot_with_workload, DiskWriter, Workload};
 use ferry_lab::tcpseq::TcpSeqClient;
-use ferry_lab::{accel, image, vm, Lab, Site};
+use ferry_lab::{accel, image, Lab, Site};
 
 use crate::lab_cmd::LinkArgs;
 use crate::lab_migrate::{
@@ -118,14 +118,7 @@ async fn demo_inner(
     workload: &Workload,
     opts: &ferry_lab::baseline::MigrateOptions,
 ) -> Result<ExitCode> {
-    let vm_opts = vm::VmOptions {
-        mem_mib: a.shape.mem_mib,
-        vcpus: a.shape.vcpus,
-        disk: a.shape.has_disk(),
-        disk_mib: a.shape.disk_mib,
-        disk_template_mib: a.shape.disk_template_mib,
-        accel,
-    };
+    let vm_opts = a.shape.vm_options(accel);
     println!(
         "[3/5] booting VM \"demo\" at site a ({} MiB{}), workload {} on {} MiB at {} MiB/s",
         vm_opts.mem_mib,

@@ -30,6 +30,10 @@ pub struct VmShape {
     /// site's image library holds (implies --disk; ferry then copies the overlay only).
     #[arg(long)]
     pub disk_template_mib: Option<u32>,
+    /// How many images deep that template is: each layer above its base is a qcow2 overlay
+    /// adding a 4 MiB file (the libraries hold the whole chain).
+    #[arg(long, default_value_t = 1, requires = "disk_template_mib")]
+    pub disk_template_layers: u32,
 }
 
 impl VmShape {
@@ -52,8 +56,30 @@ impl VmShape {
                     "--disk-template-mib {data} must be at least 1 and leave 16 MiB of the {disk} MiB disk"
                 );
             }
+            let layers = self.disk_template_layers;
+            let layer_mib = (layers.max(1) - 1) * vm::LAYER_MIB;
+            if !(1..=8).contains(&layers) || data + layer_mib + 16 > disk {
+                anyhow::bail!(
+                    "--disk-template-layers {layers} must be 1 to 8, and with {} MiB each above \
+                     the base leave 16 MiB of the {disk} MiB disk",
+                    vm::LAYER_MIB
+                );
+            }
         }
         Ok(())
+    }
+
+    /// The lab's options for a VM of this shape.
+    pub fn vm_options(&self, accel: ferry_qemu::Accel) -> vm::VmOptions {
+        vm::VmOptions {
+            mem_mib: self.mem_mib,
+            vcpus: self.vcpus,
+            disk: self.has_disk(),
+            disk_mib: self.disk_mib,
+            disk_template_mib: self.disk_template_mib,
+            disk_template_layers: self.disk_template_layers,
+            accel,
+        }
     }
 }
 
@@ -120,14 +146,7 @@ pub async fn run(cmd: VmCmd) -> Result<ExitCode> {
                 move || accel::detect(&img)
             })
             .await??;
-            let opts = vm::VmOptions {
-                mem_mib: shape.mem_mib,
-                vcpus: shape.vcpus,
-                disk: shape.has_disk(),
-                disk_mib: shape.disk_mib,
-                disk_template_mib: shape.disk_template_mib,
-                accel,
-            };
+            let opts = shape.vm_options(accel);
             let rec = vm::start(&lab, &name, site, &opts, &img).await?;
             println!(
                 "VM {name} started at site {} ({}: {why}); guest address {}",

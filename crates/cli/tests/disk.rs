@@ -174,17 +174,66 @@ fn a_wan_drop_during_the_disk_copy_resumes_without_starting_over() {
     );
 }
 
+/// SnapMig at depth. A disk three images deep (the VM's overlay on a template of two layers,
+/// each 4 MiB or more of incompressible data) moves with only its overlay when the
+/// destination's library holds both layers below it. When the destination's base differs
+/// under a middle layer that is byte for byte the same, the disk moves whole: copying the top
+/// alone would have the guest read the wrong base. Either way the guest reads the same files
+/// after the move as before (its own digest, read from the disk).
 #[test]
-fn an_overlay_on_a_template_the_destination_holds_moves_without_its_backing_image() {
-    let t = TestLab::up("dsksnap", FAST_LINK);
-    // The disk is an overlay on a template with 24 MiB of incompressible data, which both
-    // sites' libraries hold (SnapMig): only the overlay (the writer's 8 MiB) may travel.
+fn a_three_deep_chain_moves_only_its_top_and_over_a_different_base_moves_whole() {
+    let t = TestLab::up("dskchain", FAST_LINK);
+    let files = ["/data/template.bin", "/data/layer2.bin"];
+
+    start_vm_on_template_chain(&t, "c1");
+    let before = guest_sums(&t, "c1", &files);
+    let v = json(&t.ok(&["migrate", "c1", "--to", "b", "--json"]));
+    assert_arrived_intact(&v, 2048, "on the chain both libraries hold");
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(disk["overlay_only"], 1, "the chain was not recognised: {v}");
+    assert!(
+        disk["frame_bytes"].as_u64().unwrap() < 12 << 20,
+        "more than the overlay crossed: {v}"
+    );
+    assert_eq!(guest_sums(&t, "c1", &files), before, "c1 reads other bytes");
+    t.ok(&["vm", "stop", "c1"]);
+
+    // Site b's base now holds other bytes; its middle layer is still the same file.
+    let base = ferry_lab::vm::template_dir(&t.lab, Site::B).join("template-64-24.qcow2");
+    let rewritten = Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -q -P 0x5a 0 64M"])
+        .arg(&base)
+        .status()
+        .unwrap();
+    assert!(rewritten.success(), "rewriting {}", base.display());
+
+    start_vm_on_template_chain(&t, "c2");
+    let before = guest_sums(&t, "c2", &files);
+    let v = json(&t.ok(&["migrate", "c2", "--to", "b", "--json"]));
+    assert_arrived_intact(&v, 2048, "over a different base");
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(
+        disk["overlay_only"], 0,
+        "copied top-only over another base: {v}"
+    );
+    assert!(
+        disk["frame_bytes"].as_u64().unwrap() > 24 << 20,
+        "the template's data did not cross: {v}"
+    );
+    assert_eq!(guest_sums(&t, "c2", &files), before, "c2 reads other bytes");
+}
+
+/// Starts `vm` at site a with its disk an overlay on the lab's two-layer template (24 MiB of
+/// data in the base, 4 MiB in the layer above) and a disk writer.
+fn start_vm_on_template_chain(t: &TestLab, vm: &str) {
     t.ok(&[
         "vm",
         "start",
-        "s1",
+        vm,
         "--disk-template-mib",
         "24",
+        "--disk-template-layers",
+        "2",
         "--mem-mib",
         "128",
         "--workload",
@@ -194,18 +243,15 @@ fn an_overlay_on_a_template_the_destination_holds_moves_without_its_backing_imag
         "--dirty-rate-mib-s",
         "1",
     ]);
-    t.ok(&["guest", "s1", "disk", "start", "mib=8", "rate=0.2"]);
-    let v = json(&t.ok(&["migrate", "s1", "--to", "b", "--json"]));
-    assert_arrived_intact(&v, 2048, "overlay");
-    let disk = &v["outcome"]["disk"];
-    assert_eq!(
-        disk["overlay_only"], 1,
-        "the backing image was not recognised: {v}"
-    );
-    assert!(
-        disk["frame_bytes"].as_u64().unwrap() < 12 << 20,
-        "more than the overlay crossed: {v}"
-    );
+    t.ok(&["guest", vm, "disk", "start", "mib=8", "rate=0.2"]);
+}
+
+/// The guest's digests of `files`, read from its disk.
+fn guest_sums(t: &TestLab, vm: &str, files: &[&str]) -> Vec<String> {
+    files
+        .iter()
+        .map(|f| t.ok(&["guest", vm, "disk", "sum", &format!("path={f}")]))
+        .collect()
 }
 
 /// Starts `ferry migrate` of `vm` with its disk in the background and returns once the source

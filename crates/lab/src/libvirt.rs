@@ -88,7 +88,9 @@ pub fn prepare(lab: &Lab, site: Site) -> Result<()> {
     conf.push_str(
         "\n# ferry lab: QEMU as root, images in root's cache, no security driver\n\
          user = \"root\"\ngroup = \"root\"\ndynamic_ownership = 0\nremember_owner = 0\n\
-         security_driver = \"none\"\n",
+         security_driver = \"none\"\n\
+         # ferry lab: a dead peer noticed within about 6 s (libvirt's default is 30 s)\n\
+         keepalive_interval = 2\nkeepalive_count = 2\n",
     );
     fs::write(&qemu_conf, conf)?;
     let daemon_conf = root.join("etc/libvirtd.conf");

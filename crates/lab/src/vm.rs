@@ -30,6 +30,9 @@ pub struct VmOptions {
     /// Make the disk an overlay on a template holding this many MiB of data, which every
     /// site's library holds (SnapMig's case: the base image is already there).
     pub disk_template_mib: Option<u32>,
+    /// How many images deep the template is (1: one base image; each further layer is a
+    /// qcow2 overlay on the one below that adds a file of [`LAYER_MIB`] MiB).
+    pub disk_template_layers: u32,
     pub accel: Accel,
 }
 
@@ -211,7 +214,9 @@ fn convert_to_qcow2(from: &Path, to: &Path) -> Result<()> {
 /// Where each site keeps its library of template disks.
 const TEMPLATES: &str = ".templates";
 
-fn template_dir(lab: &Lab, site: Site) -> PathBuf {
+/// Site `site`'s library of template disks: `template-<disk MiB>-<data MiB>.qcow2` (the base)
+/// and `template-<disk MiB>-<data MiB>-l<k>.qcow2` (layer k, on layer k-1).
+pub fn template_dir(lab: &Lab, site: Site) -> PathBuf {
     let base = std::env::var_os("FERRY_DATA_DIR")
         .map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
     base.join(&lab.name).join(TEMPLATES).join(site.name())
@@ -231,23 +236,115 @@ fn ensure_template(lab: &Lab, disk_mib: u32, data_mib: u32) -> Result<String> {
         let tree = dir.join(format!("{name}.tree"));
         let _ = fs::remove_dir_all(&tree);
         fs::create_dir_all(&tree)?;
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let bytes: Vec<u8> = (0..u64::from(data_mib) << 20)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x.to_le_bytes()[0]
-            })
-            .collect();
-        fs::write(tree.join("template.bin"), bytes)?;
+        fs::write(tree.join("template.bin"), pseudo_random(data_mib, 0))?;
         let tmp = dir.join(format!("{name}.partial"));
         make_ext4_qcow2(&dir, disk_mib, Some(&tree), &tmp)?;
         fs::rename(&tmp, &first)?;
         let _ = fs::remove_dir_all(&tree);
     }
+    copy_to_every_library(lab, &name)?;
+    Ok(name)
+}
+
+/// What each template layer above the base adds: a file of this many MiB.
+pub const LAYER_MIB: u32 = 4;
+
+/// Makes, once, a template chain `layers` images deep in every site's library (see
+/// [`ensure_template`] for the base): layer k is a qcow2 overlay on layer k-1 holding only
+/// what adding `/layerk.bin` ([`LAYER_MIB`] MiB of pseudo-random bytes) to the file system
+/// changed. Each layer names the one below by its file name alone, so the libraries hold the
+/// same bytes and each chain resolves within its own site. Returns the top layer's file name.
+fn ensure_template_chain(lab: &Lab, disk_mib: u32, data_mib: u32, layers: u32) -> Result<String> {
+    let mut below = ensure_template(lab, disk_mib, data_mib)?;
+    for k in 2..=layers {
+        let name = format!("template-{disk_mib}-{data_mib}-l{k}.qcow2");
+        let dir = template_dir(lab, Site::A);
+        let first = dir.join(&name);
+        if !first.exists() {
+            make_layer(&dir, &below, k, &name)?;
+        }
+        copy_to_every_library(lab, &name)?;
+        below = name;
+    }
+    Ok(below)
+}
+
+/// Makes template layer `k` as `name` in `dir`, on the image `below` there.
+fn make_layer(dir: &Path, below: &str, k: u32, name: &str) -> Result<()> {
+    let raw = dir.join(format!("{name}.raw"));
+    let file = dir.join(format!("layer{k}.bin"));
+    let tmp = dir.join(format!("{name}.partial"));
+    let made = (|| -> Result<()> {
+        sh::run(
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "-O",
+                "raw",
+                &dir.join(below).to_string_lossy(),
+                &raw.to_string_lossy(),
+            ],
+        )?;
+        fs::write(&file, pseudo_random(LAYER_MIB, u64::from(k)))?;
+        let write = format!("write {} layer{k}.bin", file.display());
+        sh::run("debugfs", &["-w", "-R", &write, &raw.to_string_lossy()])?;
+        // Only the clusters that differ from `below` are written.
+        sh::run(
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "-O",
+                "qcow2",
+                "-B",
+                &dir.join(below).to_string_lossy(),
+                "-F",
+                "qcow2",
+                &raw.to_string_lossy(),
+                &tmp.to_string_lossy(),
+            ],
+        )?;
+        // The reference by file name alone: resolved next to the image, at every site.
+        sh::run(
+            "qemu-img",
+            &[
+                "rebase",
+                "-u",
+                "-b",
+                below,
+                "-F",
+                "qcow2",
+                &tmp.to_string_lossy(),
+            ],
+        )?;
+        fs::rename(&tmp, dir.join(name))?;
+        Ok(())
+    })();
+    let _ = fs::remove_file(&raw);
+    let _ = fs::remove_file(&file);
+    let _ = fs::remove_file(&tmp);
+    made
+}
+
+/// `mib` MiB of pseudo-random bytes (xorshift), the same for the same `seed`.
+fn pseudo_random(mib: u32, seed: u64) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    (0..u64::from(mib) << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()[0]
+        })
+        .collect()
+}
+
+/// Copies the image `name` from site a's library into every other site's that lacks it.
+fn copy_to_every_library(lab: &Lab, name: &str) -> Result<()> {
+    let first = template_dir(lab, Site::A).join(name);
     for site in Site::ALL {
-        let path = template_dir(lab, site).join(&name);
+        let path = template_dir(lab, site).join(name);
         if !path.exists() {
             fs::create_dir_all(template_dir(lab, site))?;
             let tmp = path.with_extension("partial");
@@ -255,7 +352,7 @@ fn ensure_template(lab: &Lab, disk_mib: u32, data_mib: u32) -> Result<String> {
             fs::rename(&tmp, &path)?;
         }
     }
-    Ok(name)
+    Ok(())
 }
 
 /// The spec of VM `name` placed at `site`: sockets, tap and memory file belong to the site.
@@ -417,7 +514,8 @@ pub async fn start(
     for d in &spec.disks {
         if let Some(data_mib) = opts.disk_template_mib {
             let disk_mib = opts.disk_mib.unwrap_or(64);
-            let template = template_dir(lab, site).join(ensure_template(lab, disk_mib, data_mib)?);
+            let top = ensure_template_chain(lab, disk_mib, data_mib, opts.disk_template_layers)?;
+            let template = template_dir(lab, site).join(top);
             create_qcow2(&d.path, u64::from(disk_mib) << 20, Some(&template))?;
             continue;
         }
