@@ -204,6 +204,8 @@ struct State {
     in_transit: u64,
     limit: u64,
     closed: bool,
+    /// Closed because the migration failed: what it refuses goes nowhere anyway.
+    abandoned: bool,
     stats: BufferStats,
 }
 
@@ -230,6 +232,7 @@ impl TransmitBuffer {
                 in_transit: 0,
                 limit,
                 closed: false,
+                abandoned: false,
                 stats: BufferStats::default(),
             }),
             changed: Notify::new(),
@@ -351,6 +354,20 @@ impl TransmitBuffer {
     pub fn close(&self) {
         self.lock().closed = true;
         self.changed.notify_waiters();
+    }
+
+    /// No more writes, because the migration failed: see [`TransmitBuffer::is_abandoned`].
+    pub fn abandon(&self) {
+        let mut s = self.lock();
+        s.closed = true;
+        s.abandoned = true;
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// Whether the buffer closed because the migration failed (not at its switchover).
+    pub fn is_abandoned(&self) -> bool {
+        self.lock().abandoned
     }
 
     /// The destination applied every snapshot numbered below `seq`.

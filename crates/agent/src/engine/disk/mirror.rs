@@ -63,15 +63,26 @@ pub(super) struct MirrorTarget {
 impl MirrorTarget {
     /// Buffers `what`; in synchronous mode also waits until the destination applied it.
     async fn put(&self, offset: u64, len: u64, what: Extent) -> Result<(), u32> {
-        let seq = self
-            .buffer
-            .put(self.disk, offset, len, what)
-            .await
-            .map_err(|_| proto::ESHUTDOWN)?;
+        let seq = self.buffer.put(self.disk, offset, len, what).await;
+        let Ok(seq) = seq else {
+            return self.refused();
+        };
         if self.buffer.is_synchronous() {
             self.applied(seq).await?;
         }
         Ok(())
+    }
+
+    /// A write or flush the closed buffer refused. After a failure it is answered as done, as
+    /// a released synchronous write is: the target is being discarded, and an error would send
+    /// QEMU's mirror down its target-error path while it is being force-cancelled. Closed at
+    /// the switchover (no write may come once the mirror completed), or where a flush commits,
+    /// it is an error.
+    fn refused(&self) -> Result<(), u32> {
+        if self.buffer.is_abandoned() && !self.flush_commits {
+            return Ok(());
+        }
+        Err(proto::ESHUTDOWN)
     }
 
     /// Waits until snapshot `seq` was applied at the destination, or the migration ended
@@ -105,7 +116,9 @@ impl Blocks for MirrorTarget {
     /// copy is made durable before it resumes. Synchronous, or where the flush commits: the
     /// destination applied and flushed everything before it, digests matching.
     async fn flush(&self) -> Result<(), u32> {
-        let seq = self.buffer.flush(self.disk).map_err(|_| proto::ESHUTDOWN)?;
+        let Ok(seq) = self.buffer.flush(self.disk) else {
+            return self.refused();
+        };
         if self.flush_commits || self.buffer.is_synchronous() {
             self.applied(seq).await?;
         }
@@ -386,7 +399,7 @@ impl SourceDisks {
     /// disks are untouched, the guest's writes that wait on the destination are released.
     pub async fn abort(&mut self, qmp: &Qmp) {
         // The buffer first: a mirror cannot end while its writes wait for room in it.
-        self.buffer.close();
+        self.buffer.abandon();
         self.buffer.stop_acknowledging();
         if let Some(s) = self.sender.take() {
             s.abort();
@@ -580,4 +593,37 @@ async fn send_snapshots(
         )
         .await?;
     Ok((count, format!("{:x}", hash.finalize())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(flush_commits: bool) -> MirrorTarget {
+        MirrorTarget {
+            buffer: Arc::new(TransmitBuffer::new(1 << 20, false)),
+            disk: 0,
+            flush_commits,
+        }
+    }
+
+    #[tokio::test]
+    async fn after_a_failure_refused_writes_are_answered_as_done_but_not_after_the_switchover() {
+        let data = || Bytes::from(vec![7u8; 4096]);
+        // Closed at the switchover: a late write is an error.
+        let t = target(false);
+        t.buffer.close();
+        assert_eq!(t.write(0, data()).await, Err(proto::ESHUTDOWN));
+        assert_eq!(t.flush().await, Err(proto::ESHUTDOWN));
+        // Abandoned: the target is being discarded, QEMU's mirror is told nothing failed.
+        let t = target(false);
+        t.buffer.abandon();
+        assert_eq!(t.write(0, data()).await, Ok(()));
+        assert_eq!(t.write_zeroes(0, 4096, true).await, Ok(()));
+        assert_eq!(t.flush().await, Ok(()));
+        // Where a flush commits (libvirt's relay), a refused flush never passes for done.
+        let t = target(true);
+        t.buffer.abandon();
+        assert_eq!(t.flush().await, Err(proto::ESHUTDOWN));
+    }
 }
