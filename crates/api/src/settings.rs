@@ -51,6 +51,10 @@ pub struct MigrationSettings {
     /// so the destination's digest differs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_corrupt_at: Option<u64>,
+    /// Test hook: flip one bit of the disks' written data at this byte offset (counted over
+    /// the data the source sends, in order) after the source hashed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_corrupt_disk_at: Option<u64>,
 }
 
 impl Default for MigrationSettings {
@@ -81,6 +85,7 @@ impl Default for MigrationSettings {
             // link).
             disk_buffer_mib: 16,
             test_corrupt_at: None,
+            test_corrupt_disk_at: None,
         }
     }
 }

@@ -23,6 +23,10 @@ pub struct SettingsFlags {
     /// hashed it, to show that the digest check stops the migration.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
+    /// Test hook (ferry): flip one bit of the disks' data at this byte offset, after the
+    /// source hashed it, to show that the destination's acknowledgement stops the migration.
+    #[arg(long, hide = true)]
+    pub test_corrupt_disk_at: Option<u64>,
     /// ferry: turn QEMU's return path on (the destination QEMU confirms it loaded the stream
     /// before the source completes; costs a round trip of downtime).
     #[arg(long)]
@@ -92,6 +96,7 @@ impl SettingsFlags {
             disk_mode,
             disk_buffer_mib: self.disk_buffer_mib,
             test_corrupt_at: self.test_corrupt_at,
+            test_corrupt_disk_at: self.test_corrupt_disk_at,
         };
         s.validate()?;
         Ok(s)

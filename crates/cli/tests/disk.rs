@@ -438,6 +438,25 @@ fn the_destination_qemu_killed_during_the_disk_copy_fails_it_and_the_source_keep
     assert_failed_and_the_source_runs_with_its_disk(&t, "d6", &out, "the destination aborted");
 }
 
+/// A bit of the disk's data flipped after the source hashed it (as a fault above TLS would):
+/// the destination's acknowledgement does not match what was sent, the copy fails, and the
+/// source keeps its VM and its disk.
+#[test]
+fn a_corrupted_disk_frame_fails_the_copy_and_the_source_keeps_its_disk() {
+    let t = TestLab::up("dskbit", FAST_LINK);
+    start_vm_with_disk_writer(&t, "d9", "16", "0.5");
+    let out = t.run(&[
+        "migrate",
+        "d9",
+        "--to",
+        "b",
+        "--test-corrupt-disk-at",
+        "1048576",
+    ]);
+    assert_failed_and_the_source_runs_with_its_disk(&t, "d9", &out, "differ from those sent");
+    wait_until_no_qemu(&t, "d9", Site::B);
+}
+
 #[test]
 fn a_full_destination_disk_fails_the_copy_with_its_reason_and_the_source_keeps_its_disk() {
     let t = TestLab::up("dskful", FAST_LINK);

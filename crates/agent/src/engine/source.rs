@@ -321,6 +321,7 @@ async fn migrate(
                     mode: req.settings.disk_mode,
                     buffer_bytes: req.settings.disk_buffer_mib.max(1) << 20,
                     codec: req.settings.codec,
+                    corrupt_at: req.settings.test_corrupt_disk_at,
                 },
                 AtDestination {
                     base,

@@ -133,6 +133,8 @@ pub struct DiskSettings {
     /// The transmit buffer's bound during the bulk copy.
     pub buffer_bytes: u64,
     pub codec: CodecSettings,
+    /// Test hook: see `MigrationSettings::test_corrupt_disk_at`.
+    pub corrupt_at: Option<u64>,
 }
 
 /// What the destination said it already holds.
@@ -214,6 +216,7 @@ impl SourceDisks {
             mode,
             buffer_bytes,
             codec,
+            corrupt_at,
         } = settings;
         let buffer = Arc::new(TransmitBuffer::new(buffer_bytes, mode == DiskMode::Sync));
         let mut servers = Vec::new();
@@ -253,6 +256,7 @@ impl SourceDisks {
                 codec,
                 report,
                 status,
+                corrupt_at,
             },
             base,
         );
@@ -514,6 +518,15 @@ async fn take_acks(session: Session, buffer: Arc<TransmitBuffer>, digests: Arc<S
     buffer.stop_acknowledging();
 }
 
+/// Test hook: flips one bit of `data`, which starts at `start` of the data sent, if `at`
+/// falls inside it.
+fn flip_for_test(data: &mut [u8], start: u64, at: Option<u64>) {
+    if let Some(at) = at.filter(|&at| at >= start && at < start + data.len() as u64) {
+        data[usize::try_from(at - start).expect("inside the write")] ^= 0x01;
+        tracing::warn!("test hook: flipped a bit of the disk data at byte {at}");
+    }
+}
+
 /// What the disk sender needs: the buffer it empties, the session it sends on, how it codes
 /// and where it reports.
 pub(super) struct Sending {
@@ -522,6 +535,8 @@ pub(super) struct Sending {
     pub codec: CodecSettings,
     pub report: DiskReport,
     pub status: Shared,
+    /// Test hook: flip a bit of the written data at this offset (after it was hashed).
+    pub corrupt_at: Option<u64>,
 }
 
 /// Sends snapshots until the buffer closes, keeping each one's digest in `digests`; returns
@@ -537,7 +552,9 @@ async fn send_snapshots(
         codec,
         mut report,
         status,
+        corrupt_at,
     } = sending;
+    let mut data_sent = 0u64;
     let mut encoder = DiskEncoder::new(codec_options(codec));
     let level = zstd_level(codec);
     let mut zstd = BatchCompressor::default();
@@ -558,8 +575,12 @@ async fn send_snapshots(
             None => snap.into_ops().collect(),
         };
         let mut ops = ops.into_iter().flat_map(split_write).peekable();
-        while let Some(op) = ops.next() {
+        while let Some(mut op) = ops.next() {
             hash_op(&mut hash, &op);
+            if let DiskOp::Write { data, .. } = &mut op {
+                flip_for_test(data, data_sent, corrupt_at);
+                data_sent += data.len() as u64;
+            }
             if let DiskOp::Zeroes { len, .. } | DiskOp::Trim { len, .. } = op {
                 report.zero_bytes += len;
             }

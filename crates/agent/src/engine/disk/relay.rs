@@ -89,6 +89,7 @@ impl RelaySource {
                 codec,
                 report,
                 status,
+                corrupt_at: None,
             },
             None,
         );
