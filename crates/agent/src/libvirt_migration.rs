@@ -36,6 +36,8 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         (s.smart_stop, "smart_stop"),
         (s.disk_mode == DiskMode::Cloudnet, "disk_mode cloudnet"),
         (s.connections != 1, "connections other than 1"),
+        // libvirt's disk copy has no hook of ferry's inside it.
+        (s.test_corrupt_disk_at.is_some(), "test_corrupt_disk_at"),
     ];
     match unsupported.iter().find(|(set, _)| *set) {
         Some((_, what)) => Err(Refusal::NotWithLibvirt(what.to_string())),
@@ -383,5 +385,8 @@ mod tests {
         assert!(refusal.to_string().contains("smart_stop"), "{refusal}");
         req.settings.smart_stop = false;
         assert!(check_settings(&req).is_ok());
+        req.settings.test_corrupt_disk_at = Some(0);
+        let refusal = check_settings(&req).unwrap_err();
+        assert!(refusal.to_string().contains("test_corrupt_disk_at"), "{refusal}");
     }
 }

@@ -57,8 +57,7 @@ impl VmShape {
                 );
             }
             let layers = self.disk_template_layers;
-            let layer_mib = (layers.max(1) - 1) * vm::LAYER_MIB;
-            if !(1..=8).contains(&layers) || data + layer_mib + 16 > disk {
+            if !(1..=8).contains(&layers) || data + (layers - 1) * vm::LAYER_MIB + 16 > disk {
                 anyhow::bail!(
                     "--disk-template-layers {layers} must be 1 to 8, and with {} MiB each above \
                      the base leave 16 MiB of the {disk} MiB disk",

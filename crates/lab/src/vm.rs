@@ -287,37 +287,50 @@ fn make_layer(dir: &Path, below: &str, k: u32, name: &str) -> Result<()> {
             ],
         )?;
         fs::write(&file, pseudo_random(LAYER_MIB, u64::from(k)))?;
+        let raw_s = raw.to_string_lossy();
         let write = format!("write {} layer{k}.bin", file.display());
-        sh::run("debugfs", &["-w", "-R", &write, &raw.to_string_lossy()])?;
-        // Only the clusters that differ from `below` are written.
+        sh::run("debugfs", &["-w", "-R", &write, &raw_s])?;
+        // debugfs exits 0 even when its command failed: check that the file is there, whole.
+        let stat = sh::run("debugfs", &["-R", &format!("stat layer{k}.bin"), &raw_s])?;
+        let size = format!("Size: {}", u64::from(LAYER_MIB) << 20);
+        if !stat.contains(&size) {
+            bail!(
+                "debugfs did not add layer{k}.bin to {}: {stat}",
+                raw.display()
+            );
+        }
+        // An overlay on the raw image, rebased (safe mode: clusters compared) onto `below`:
+        // it keeps only the clusters that differ. `convert -B` would not compare, and its
+        // layer would hide the whole base.
+        let tmp_s = tmp.to_string_lossy();
+        let below_path = dir.join(below);
         sh::run(
             "qemu-img",
             &[
-                "convert",
+                "create", "-q", "-f", "qcow2", "-b", &raw_s, "-F", "raw", &tmp_s,
+            ],
+        )?;
+        sh::run(
+            "qemu-img",
+            &[
+                "rebase",
                 "-q",
-                "-O",
-                "qcow2",
-                "-B",
-                &dir.join(below).to_string_lossy(),
+                "-b",
+                &below_path.to_string_lossy(),
                 "-F",
                 "qcow2",
-                &raw.to_string_lossy(),
-                &tmp.to_string_lossy(),
+                &tmp_s,
             ],
         )?;
         // The reference by file name alone: resolved next to the image, at every site.
         sh::run(
             "qemu-img",
-            &[
-                "rebase",
-                "-u",
-                "-b",
-                below,
-                "-F",
-                "qcow2",
-                &tmp.to_string_lossy(),
-            ],
+            &["rebase", "-u", "-b", below, "-F", "qcow2", &tmp_s],
         )?;
+        let held = allocated_bytes(&tmp)?;
+        if held > (u64::from(LAYER_MIB) + 4) << 20 {
+            bail!("template layer {name} holds {held} bytes, more than its file and metadata");
+        }
         fs::rename(&tmp, dir.join(name))?;
         Ok(())
     })();
@@ -325,6 +338,20 @@ fn make_layer(dir: &Path, below: &str, k: u32, name: &str) -> Result<()> {
     let _ = fs::remove_file(&file);
     let _ = fs::remove_file(&tmp);
     made
+}
+
+/// The bytes of guest data an image holds itself (not through its backing file).
+fn allocated_bytes(image: &Path) -> Result<u64> {
+    let map = sh::run(
+        "qemu-img",
+        &["map", "--output=json", &image.to_string_lossy()],
+    )?;
+    let extents: Vec<serde_json::Value> = serde_json::from_str(&map)?;
+    Ok(extents
+        .iter()
+        .filter(|e| e["depth"] == 0 && e["data"] == true)
+        .filter_map(|e| e["length"].as_u64())
+        .sum())
 }
 
 /// `mib` MiB of pseudo-random bytes (xorshift), the same for the same `seed`.

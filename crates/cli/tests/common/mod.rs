@@ -152,9 +152,11 @@ impl TestLab {
 
 /// Prints the last `n` lines of `path` that `keep` selects.
 fn print_tail(path: &std::path::Path, n: usize, keep: impl Fn(&str) -> bool) {
-    let Ok(text) = std::fs::read_to_string(path) else {
+    // Lossy: a console holds whatever the guest printed as it died.
+    let Ok(bytes) = std::fs::read(path) else {
         return;
     };
+    let text = String::from_utf8_lossy(&bytes);
     let lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
     eprintln!("--- {} (last {n} lines kept) ---", path.display());
     for l in &lines[lines.len().saturating_sub(n)..] {
