@@ -387,6 +387,9 @@ mod tests {
         assert!(check_settings(&req).is_ok());
         req.settings.test_corrupt_disk_at = Some(0);
         let refusal = check_settings(&req).unwrap_err();
-        assert!(refusal.to_string().contains("test_corrupt_disk_at"), "{refusal}");
+        assert!(
+            refusal.to_string().contains("test_corrupt_disk_at"),
+            "{refusal}"
+        );
     }
 }
