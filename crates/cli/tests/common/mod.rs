@@ -139,12 +139,7 @@ impl TestLab {
             ("/dev/shm", "df", &["-h", "/dev/shm"][..]),
         ] {
             if let Ok(out) = Command::new(program).args(args).output() {
-                let text = String::from_utf8_lossy(&out.stdout);
-                let lines: Vec<&str> = text.lines().collect();
-                eprintln!("--- {what} (last 15 lines) ---");
-                for l in &lines[lines.len().saturating_sub(15)..] {
-                    eprintln!("{l}");
-                }
+                print_last(what, &String::from_utf8_lossy(&out.stdout), 15, |_| true);
             }
         }
     }
@@ -156,9 +151,14 @@ fn print_tail(path: &std::path::Path, n: usize, keep: impl Fn(&str) -> bool) {
     let Ok(bytes) = std::fs::read(path) else {
         return;
     };
-    let text = String::from_utf8_lossy(&bytes);
+    let title = path.display().to_string();
+    print_last(&title, &String::from_utf8_lossy(&bytes), n, keep);
+}
+
+/// Prints, under `title`, the last `n` lines of `text` that `keep` selects.
+fn print_last(title: &str, text: &str, n: usize, keep: impl Fn(&str) -> bool) {
     let lines: Vec<&str> = text.lines().filter(|l| keep(l)).collect();
-    eprintln!("--- {} (last {n} lines kept) ---", path.display());
+    eprintln!("--- {title} (last {n} lines kept) ---");
     for l in &lines[lines.len().saturating_sub(n)..] {
         eprintln!("{l}");
     }
