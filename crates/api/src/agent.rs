@@ -444,6 +444,17 @@ pub struct DiskReport {
     /// Bytes the destination already held (an older copy of the disk), sent as references.
     #[serde(default)]
     pub same_bytes: u64,
+    /// How the source knew what an older copy at the destination holds: `index` (the
+    /// destination read and indexed it) or `bitmap` (untouched since the VM left it; the
+    /// source's dirty bitmaps said what changed). None: no older copy there.
+    #[serde(default)]
+    pub older_copy: Option<String>,
+    /// Why an older copy was indexed rather than matched by bitmap.
+    #[serde(default)]
+    pub older_copy_note: Option<String>,
+    /// How long the destination took to index its older copy.
+    #[serde(default)]
+    pub index_ms: Option<u64>,
     /// Bytes of disk frames handed to the WAN (after the codec and zstd).
     pub frame_bytes: u64,
     /// Snapshots sent.

@@ -106,6 +106,10 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
             first_frames = frames;
         } else {
             assert!(same >= 48 << 20, "{mode}: the older copy was not used: {v}");
+            // The copy the VM left is untouched: the source's dirty bitmaps say what changed,
+            // and the destination reads nothing to index it.
+            assert_eq!(disk["older_copy"], "bitmap", "{mode}: {v}");
+            assert!(disk["index_ms"].is_null(), "{mode}: {v}");
             assert!(
                 frames * 3 < first_frames,
                 "{mode}: the return sent {frames} disk bytes, the first move {first_frames}: {v}"

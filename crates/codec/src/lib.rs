@@ -7,6 +7,8 @@
 //! - [`batch`]: zstd over a batch of records, at a level chosen for the link and the CPU.
 //! - [`disk`]: disk writes as records, their whole blocks through the page codec.
 //! - [`disk_base`]: what the receiver's disks already hold, so unchanged blocks go as SAME.
+//! - [`disk_since`]: what changed on the sender's disks since the receiver's copy was made,
+//!   by QEMU's dirty bitmaps, so the rest goes as SAME without the receiver reading its copy.
 //! - [`seed`]: pages the other side already holds in an earlier image, indexed by content
 //!   there, sent as references to that image.
 //!
@@ -18,6 +20,7 @@ pub mod batch;
 pub mod dictionary;
 pub mod disk;
 pub mod disk_base;
+pub mod disk_since;
 pub mod page;
 pub mod rle;
 pub mod seed;
@@ -28,6 +31,7 @@ pub use batch::{
 };
 pub use disk::{DiskDecoder, DiskEncoder, DiskOp};
 pub use disk_base::{BaseBuilder, DiskBase};
+pub use disk_since::ChangedSince;
 pub use page::{Decoder, Encoder, PageKind, PageStats};
 pub use seed::{index_image, SeedImage, SeedIndex};
 

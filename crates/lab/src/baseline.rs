@@ -540,6 +540,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                 node_name: d.id.clone(),
                 writable: true,
                 name: d.id.clone(),
+                bitmaps: Vec::new(),
             })
             .await?;
         }

@@ -193,8 +193,47 @@ pub struct BlockExportAdd {
     pub node_name: String,
     pub writable: bool,
     pub name: String,
+    /// Dirty bitmaps offered with the export (`{"node": .., "name": ..}`), each as the
+    /// metadata context `qemu:dirty-bitmap:NAME`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub bitmaps: Vec<Value>,
 }
 command!(BlockExportAdd, "block-export-add", Value);
+
+/// `block-export-del`, `hard`: connections are dropped (`safe` fails while there are any).
+#[derive(Debug, Serialize)]
+pub struct BlockExportDel {
+    pub id: String,
+    pub mode: &'static str,
+}
+
+impl BlockExportDel {
+    pub fn hard(id: String) -> Self {
+        BlockExportDel { id, mode: "hard" }
+    }
+}
+command!(BlockExportDel, "block-export-del", Value);
+
+/// `block-dirty-bitmap-add`: a bitmap on `node` that records every write from now on;
+/// a persistent one is kept in the qcow2 image when QEMU closes it.
+#[derive(Debug, Serialize)]
+pub struct BlockDirtyBitmapAdd {
+    pub node: String,
+    pub name: String,
+    pub persistent: bool,
+    /// Bytes per bit (a power of two; QEMU's default is the image's cluster size).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub granularity: Option<u64>,
+}
+command!(BlockDirtyBitmapAdd, "block-dirty-bitmap-add", Value);
+
+/// `block-dirty-bitmap-remove` (from the image too, when persistent).
+#[derive(Debug, Serialize)]
+pub struct BlockDirtyBitmapRemove {
+    pub node: String,
+    pub name: String,
+}
+command!(BlockDirtyBitmapRemove, "block-dirty-bitmap-remove", Value);
 
 /// `blockdev-add` with free-form options (the driver decides which fields exist).
 #[derive(Debug, Serialize)]
@@ -263,6 +302,28 @@ pub struct BlockNode {
     #[serde(default)]
     pub node_name: String,
     pub image: BlockImage,
+    /// The node's dirty bitmaps (a persistent one is listed once the image is active).
+    #[serde(default)]
+    pub dirty_bitmaps: Vec<DirtyBitmap>,
+}
+
+/// One dirty bitmap, as QEMU reports it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DirtyBitmap {
+    pub name: String,
+    /// Bytes marked dirty.
+    pub count: u64,
+    pub granularity: u64,
+    /// Whether writes are being recorded (false: disabled).
+    pub recording: bool,
+    /// In use by an operation (an export, a job), which may not change it.
+    pub busy: bool,
+    #[serde(default)]
+    pub persistent: bool,
+    /// Found marked in use when the image was opened: QEMU did not close it cleanly, so
+    /// writes may be missing from it.
+    #[serde(default)]
+    pub inconsistent: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

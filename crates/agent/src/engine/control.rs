@@ -36,6 +36,11 @@ pub struct DiskPlan {
     /// `disk::backing`), when the disk is an overlay.
     #[serde(default)]
     pub backing_sha256: Option<String>,
+    /// Sessions since whose arrival at the source a dirty bitmap on this disk recorded every
+    /// write (`disk::since`): a destination still holding the copy the VM left at the end of
+    /// one of them need not index it.
+    #[serde(default)]
+    pub tracked_since: Vec<String>,
 }
 
 /// The version of these messages this agent speaks; `Prepare` carries it and the destination
@@ -105,6 +110,17 @@ pub enum Control {
         /// copied (SnapMig). Missing entries are false.
         #[serde(default)]
         top_only: Vec<bool>,
+        /// Per disk of `Prepare`: the session of `tracked_since` whose end this destination's
+        /// copy is untouched since (then no index follows, and the source sends what its
+        /// bitmaps say changed). None: not every disk matched.
+        #[serde(default)]
+        disk_since: Option<Vec<String>>,
+        /// Why the destination's older copy is indexed rather than matched by bitmap, and how
+        /// long the index took.
+        #[serde(default)]
+        disk_base_note: Option<String>,
+        #[serde(default)]
+        disk_index_ms: Option<u64>,
         /// RAM blocks whose every page is zero at the destination before the stream (a fresh
         /// memory file): their zero pages cost the destination nothing until the stream gives
         /// them content ([`crate::engine::load_sieve`]).

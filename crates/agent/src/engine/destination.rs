@@ -20,6 +20,7 @@ use tokio::net::UnixStream;
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::engine::disk::apply::DestinationDisks;
 use crate::engine::disk::backing::backing_of;
+use crate::engine::disk::since;
 use crate::engine::feeder::{self, Feeder};
 use crate::engine::journal::{IncomingRecord, IncomingState, Journal};
 use crate::engine::known_zero::{self, ZeroPages};
@@ -242,28 +243,46 @@ async fn serve(
         },
         None => None,
     };
-    // An older copy of the disks here (the VM was here before): index it for the source.
+    // An older copy of the disks here (the VM was here before): untouched since the VM left,
+    // the source's dirty bitmaps say what changed; otherwise index it for the source.
+    let (mut disk_since, mut disk_base_note, mut disk_index_ms) = (None, None, None);
     let disk_base = match &dst_disks {
         Some(d) => {
-            let key = u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked");
-            let t0 = std::time::Instant::now();
-            let index = d.index(qmp, key).await?;
-            if let Some(index) = &index {
-                tracing::info!(
-                    "session {}: offering the index of the disks' older copy ({} bytes, {} ms)",
-                    session.id(),
-                    index.len(),
-                    t0.elapsed().as_millis()
-                );
+            let found = since::untouched(qmp, &disks).await?;
+            since::forget_markers(qmp, &disks).await;
+            match found {
+                Ok(sessions) => {
+                    tracing::info!(
+                        "session {}: the disks' older copy here is untouched since sessions {sessions:?}: no index",
+                        session.id()
+                    );
+                    disk_since = Some(sessions);
+                    None
+                }
+                Err(why) => {
+                    let key =
+                        u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked");
+                    let t0 = std::time::Instant::now();
+                    let index = d.index(qmp, key).await?;
+                    if let Some(index) = &index {
+                        let ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+                        tracing::info!(
+                            "session {}: offering the index of the disks' older copy ({} bytes, {ms} ms): {why}",
+                            session.id(),
+                            index.len(),
+                        );
+                        (disk_base_note, disk_index_ms) = (Some(why), Some(ms));
+                    }
+                    index
+                }
             }
-            index
         }
         None => None,
     };
     // SnapMig: a fresh overlay here on the same backing image as the source's needs only the
     // source's overlay. (With an older copy here, everything is compared block by block.)
     let mut top_only = Vec::new();
-    if disk_base.is_none() {
+    if disk_base.is_none() && disk_since.is_none() {
         for plan in &disks {
             let same = match (&plan.backing_sha256, backing_of(qmp, &plan.node).await?) {
                 (Some(theirs), Some((path, ours))) => {
@@ -288,6 +307,9 @@ async fn serve(
             seed: seed.as_ref().map(|s| s.report.clone()),
             disk_base_bytes: disk_base.as_ref().map(|b| b.len() as u64),
             top_only,
+            disk_since: disk_since.take(),
+            disk_base_note: disk_base_note.take(),
+            disk_index_ms: disk_index_ms.take(),
             zeroed_blocks: zero.all_zero_blocks(),
         },
     )
@@ -466,6 +488,9 @@ async fn serve(
         }
         let applied_ms = t0.elapsed().as_secs_f64() * 1e3;
         d.stop(qmp).await?;
+        // The disks hold what the source's held at its pause: from here a bitmap records
+        // what changes, for the VM's way back.
+        since::mark_arrival(qmp, &d.nodes(), &session.id().to_string()).await;
         tracing::info!(
             applied_ms,
             stopped_ms = t0.elapsed().as_secs_f64() * 1e3,

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::engine::disk;
-use crate::engine::disk::mirror::{AtDestination, DiskSettings, SourceDisks};
+use crate::engine::disk::mirror::{AtDestination, DiskSettings, OlderCopy, SourceDisks};
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
 use crate::engine::recovery::{self, PeerLink};
@@ -121,7 +121,7 @@ async fn migrate(
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
     let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
     let history_bytes = stream_codec::history_bytes(ram_bytes);
-    let disk_plans = if req.disks.is_empty() {
+    let mut disk_plans = if req.disks.is_empty() {
         Vec::new()
     } else {
         let mut plans = disk::mirror::plan(&qmp, &req.disks).await?;
@@ -202,13 +202,21 @@ async fn migrate(
     let mut disks: Option<SourceDisks> = None;
     let mut disk_base_len: Option<u64> = None;
     let mut disk_top_only: Vec<bool> = Vec::new();
+    let (mut disk_since, mut disk_base_note, mut disk_index_ms) = (None, None, None);
 
     let mut limits = Limits {
         wan_timeout,
         deadline,
         question: None,
     };
+    let mut bitmap_exports = None;
     let result = async {
+        // Dirty bitmaps since the VM arrived here: a destination that still holds the copy it
+        // left need not index it. (Exported from here on: every way out closes them.)
+        if !disk_plans.is_empty() {
+            bitmap_exports =
+                disk::since::offer(&qmp, work_dir, &id.to_string(), &mut disk_plans).await;
+        }
         control::send(
             &session,
             &Control::Prepare {
@@ -230,10 +238,14 @@ async fn migrate(
                 seed,
                 disk_base_bytes,
                 top_only,
+                disk_since: since,
+                disk_base_note: note,
+                disk_index_ms: index_ms,
                 zeroed_blocks,
             }) => {
                 disk_base_len = disk_base_bytes;
                 disk_top_only = top_only;
+                (disk_since, disk_base_note, disk_index_ms) = (since, note, index_ms);
                 (seed, zeroed_blocks)
             }
             Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
@@ -268,8 +280,14 @@ async fn migrate(
             encoder.set_seed(index, offer);
         }
         if !disk_plans.is_empty() {
-            let base = match disk_base_len {
-                Some(bytes) => {
+            let base = match (disk_since.take(), disk_base_len) {
+                (Some(sessions), _) => {
+                    let exports = bitmap_exports
+                        .as_ref()
+                        .context("the destination matched dirty bitmaps this source did not offer")?;
+                    Some(OlderCopy::Since(exports.view(&disk_plans, &sessions).await?))
+                }
+                (None, Some(bytes)) => {
                     status.enter(
                         Phase::DiskCopy,
                         format!(
@@ -290,16 +308,22 @@ async fn migrate(
                         ),
                     )
                     .await??;
-                    Some(
+                    Some(OlderCopy::Index(
                         tokio::task::spawn_blocking(move || {
                             ferry_codec::DiskBase::parse(&blob, &sizes)
                         })
                         .await?
                         .context("the destination's disk index")?,
-                    )
+                    ))
                 }
-                None => None,
+                (None, None) => None,
             };
+            // Bitmaps the destination did not take: their exports go now.
+            if !matches!(base, Some(OlderCopy::Since(_))) {
+                if let Some(e) = bitmap_exports.take() {
+                    e.close(&qmp).await;
+                }
+            }
             status.update(|s| {
                 s.phase = Phase::DiskCopy;
                 s.detail = "bulk copy".into();
@@ -325,6 +349,9 @@ async fn migrate(
                 },
                 AtDestination {
                     base,
+                    base_note: disk_base_note.take(),
+                    index_ms: disk_index_ms.take(),
+                    exports: bitmap_exports.take(),
                     top_only: disk_top_only.clone(),
                 },
                 status.clone(),
@@ -396,6 +423,9 @@ async fn migrate(
             let _ = qmp.execute(&MigrateCancel).await;
             if let Some(d) = &mut disks {
                 d.abort(&qmp).await;
+            }
+            if let Some(e) = bitmap_exports.take() {
+                e.close(&qmp).await;
             }
             let _ = tokio::time::timeout(
                 Duration::from_secs(2),

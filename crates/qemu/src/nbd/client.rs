@@ -193,6 +193,12 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     name: &str,
 ) -> Result<ExportInfo, NbdError> {
+    greet(s).await?;
+    go(s, name).await
+}
+
+/// The start of the fixed-newstyle handshake: the server's greeting and the client's flags.
+pub(super) async fn greet<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> Result<(), NbdError> {
     let magic = s.read_u64().await?;
     if magic != NBDMAGIC {
         return Err(NbdError::BadMagic {
@@ -221,42 +227,86 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         cflags |= FLAG_C_NO_ZEROES;
     }
     s.write_u32(cflags).await?;
-    let go = GoRequest {
+    Ok(())
+}
+
+/// Sends one option with its data.
+pub(super) async fn send_option<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    option: u32,
+    data: &[u8],
+) -> Result<(), NbdError> {
+    s.write_u64(IHAVEOPT).await?;
+    s.write_u32(option).await?;
+    s.write_u32(u32::try_from(data.len()).expect("short option"))
+        .await?;
+    s.write_all(data).await?;
+    s.flush().await?;
+    Ok(())
+}
+
+/// Reads one reply to `option`: its type and data. An error reply is returned as such.
+pub(super) async fn option_reply<S: AsyncRead + Unpin>(
+    s: &mut S,
+    option: u32,
+    name: &str,
+) -> Result<(u32, Vec<u8>), NbdError> {
+    let magic = s.read_u64().await?;
+    if magic != REPLY_MAGIC {
+        return Err(NbdError::BadMagic {
+            what: "option reply",
+            found: magic,
+            expected: REPLY_MAGIC,
+        });
+    }
+    let answered = s.read_u32().await?;
+    let reply = s.read_u32().await?;
+    let len = s.read_u32().await?;
+    if len > MAX_OPTION_BYTES {
+        return Err(NbdError::OptionTooLong {
+            option: answered,
+            len,
+        });
+    }
+    let mut data = vec![0u8; usize::try_from(len).expect("capped")];
+    s.read_exact(&mut data).await?;
+    if answered != option {
+        return Err(NbdError::UnexpectedReply {
+            option: answered,
+            detail: format!("a reply to option {answered} when {option} was asked"),
+        });
+    }
+    if reply & (1 << 31) != 0 {
+        let message = String::from_utf8_lossy(&data).into_owned();
+        if reply == REP_ERR_UNKNOWN {
+            return Err(NbdError::NoSuchExport {
+                name: name.to_owned(),
+                message,
+            });
+        }
+        return Err(NbdError::Refused {
+            option,
+            reply,
+            message,
+        });
+    }
+    Ok((reply, data))
+}
+
+/// NBD_OPT_GO for export `name`: the end of the handshake.
+pub(super) async fn go<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    name: &str,
+) -> Result<ExportInfo, NbdError> {
+    let request = GoRequest {
         name: name.to_owned(),
         infos: vec![INFO_BLOCK_SIZE],
     }
     .encode();
-    s.write_u64(IHAVEOPT).await?;
-    s.write_u32(OPT_GO).await?;
-    s.write_u32(u32::try_from(go.len()).expect("short option"))
-        .await?;
-    s.write_all(&go).await?;
-    s.flush().await?;
-
+    send_option(s, OPT_GO, &request).await?;
     let mut info = None;
     loop {
-        let magic = s.read_u64().await?;
-        if magic != REPLY_MAGIC {
-            return Err(NbdError::BadMagic {
-                what: "option reply",
-                found: magic,
-                expected: REPLY_MAGIC,
-            });
-        }
-        let option = s.read_u32().await?;
-        let reply = s.read_u32().await?;
-        let len = s.read_u32().await?;
-        if len > MAX_OPTION_BYTES {
-            return Err(NbdError::OptionTooLong { option, len });
-        }
-        let mut data = vec![0u8; usize::try_from(len).expect("capped")];
-        s.read_exact(&mut data).await?;
-        if option != OPT_GO {
-            return Err(NbdError::UnexpectedReply {
-                option,
-                detail: format!("a reply to option {option} when {OPT_GO} (GO) was asked"),
-            });
-        }
+        let (reply, data) = option_reply(s, OPT_GO, name).await?;
         match reply {
             REP_INFO => {
                 if data.len() >= 12 && u16::from_be_bytes([data[0], data[1]]) == INFO_EXPORT {
@@ -268,27 +318,13 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             }
             REP_ACK => {
                 return info.ok_or(NbdError::UnexpectedReply {
-                    option,
+                    option: OPT_GO,
                     detail: "GO acknowledged without NBD_INFO_EXPORT".into(),
                 })
             }
-            r if r & (1 << 31) != 0 => {
-                let message = String::from_utf8_lossy(&data).into_owned();
-                if r == REP_ERR_UNKNOWN {
-                    return Err(NbdError::NoSuchExport {
-                        name: name.to_owned(),
-                        message,
-                    });
-                }
-                return Err(NbdError::Refused {
-                    option,
-                    reply: r,
-                    message,
-                });
-            }
             other => {
                 return Err(NbdError::UnexpectedReply {
-                    option,
+                    option: OPT_GO,
                     detail: format!("reply type {other}"),
                 })
             }

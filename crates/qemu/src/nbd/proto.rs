@@ -40,11 +40,14 @@ pub const OPT_ABORT: u32 = 2;
 pub const OPT_LIST: u32 = 3;
 pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
+pub const OPT_STRUCTURED_REPLY: u32 = 8;
+pub const OPT_SET_META_CONTEXT: u32 = 10;
 
 /// Option reply types.
 pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;
+pub const REP_META_CONTEXT: u32 = 4;
 pub const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
 pub const REP_ERR_POLICY: u32 = (1 << 31) | 2;
 pub const REP_ERR_INVALID: u32 = (1 << 31) | 3;
@@ -80,6 +83,16 @@ pub const MAX_OPTION_BYTES: u32 = 64 * 1024;
 /// The largest payload of one request: 32 MiB is what ferry advertises as the maximum block
 /// size, and what QEMU's own server allows.
 pub const MAX_PAYLOAD_BYTES: u32 = 32 * 1024 * 1024;
+/// Structured replies (a client that asked for them: [`super::dirty`]).
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+pub const REPLY_FLAG_DONE: u16 = 1 << 0;
+pub const REPLY_TYPE_NONE: u16 = 0;
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+/// Error chunks have bit 15 set (NBD_REPLY_TYPE_ERROR, _ERROR_OFFSET).
+pub const REPLY_TYPE_ERROR_BIT: u16 = 1 << 15;
+/// NBD_CMD_BLOCK_STATUS.
+pub const CMD_BLOCK_STATUS: u16 = 7;
+
 /// Request and simple-reply header sizes.
 pub const REQUEST_BYTES: usize = 28;
 pub const REPLY_BYTES: usize = 16;

@@ -84,6 +84,7 @@ impl DestinationDisks {
                 node_name: plan.node.clone(),
                 writable: true,
                 name: plan.node.clone(),
+                bitmaps: Vec::new(),
             })
             .await
             .with_context(|| {
@@ -113,6 +114,11 @@ impl DestinationDisks {
             plans: plans.to_vec(),
             socket: Some(socket),
         })
+    }
+
+    /// The disks' node names, in the plan's order.
+    pub fn nodes(&self) -> Vec<String> {
+        self.plans.iter().map(|p| p.node.clone()).collect()
     }
 
     /// When a disk here already holds data (an older copy of the VM's disk, left by an earlier

@@ -28,6 +28,7 @@ use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
 use super::backing::backing_of;
+use super::since::{self, BitmapExports, BitmapView};
 use super::buffer::{Extent, TransmitBuffer};
 use super::SentDigests;
 use super::{
@@ -137,11 +138,23 @@ pub struct DiskSettings {
     pub corrupt_at: Option<u64>,
 }
 
+/// An older copy of the disks at the destination, and how the source knows what it holds.
+pub enum OlderCopy {
+    /// Indexed by content there (CloudNet's follow the sun).
+    Index(DiskBase),
+    /// Untouched since the VM left it: what changed since is in the source's dirty bitmaps.
+    Since(BitmapView),
+}
+
 /// What the destination said it already holds.
 #[derive(Default)]
 pub struct AtDestination {
-    /// An older copy of the disks, indexed.
-    pub base: Option<DiskBase>,
+    pub base: Option<OlderCopy>,
+    /// Why an older copy there was indexed rather than matched by bitmap, and the index's time.
+    pub base_note: Option<String>,
+    pub index_ms: Option<u64>,
+    /// The source QEMU's exports of its bitmaps (closed in the pause or on failure).
+    pub exports: Option<BitmapExports>,
     /// Per disk: the same backing image, under a fresh overlay (copy the overlay only).
     pub top_only: Vec<bool>,
 }
@@ -155,6 +168,9 @@ pub struct SourceDisks {
     servers: Vec<JoinHandle<()>>,
     acks: JoinHandle<()>,
     sender: Option<JoinHandle<Result<(u64, String)>>>,
+    exports: Option<BitmapExports>,
+    /// The session's id: the name of the bitmap that marks the copy left here.
+    session: String,
 }
 
 fn job_id(node: &str) -> String {
@@ -185,6 +201,7 @@ pub async fn plan(qmp: &Qmp, nodes: &[String]) -> Result<Vec<DiskPlan>> {
                 node: node.clone(),
                 size: found.image.virtual_size,
                 backing_sha256: None,
+                tracked_since: Vec::new(),
             })
         })
         .collect()
@@ -210,7 +227,13 @@ impl SourceDisks {
         there: AtDestination,
         status: Shared,
     ) -> Result<SourceDisks> {
-        let AtDestination { base, top_only } = there;
+        let AtDestination {
+            base,
+            base_note,
+            index_ms,
+            exports,
+            top_only,
+        } = there;
         let top_only = &top_only[..];
         let DiskSettings {
             mode,
@@ -243,6 +266,15 @@ impl SourceDisks {
             disks: u32::try_from(plans.len()).expect("at most 255 disks"),
             overlay_only: u32::try_from(top_only.iter().filter(|t| **t).count())
                 .expect("at most 255 disks"),
+            older_copy: base.as_ref().map(|b| {
+                match b {
+                    OlderCopy::Index(_) => "index",
+                    OlderCopy::Since(_) => "bitmap",
+                }
+                .to_owned()
+            }),
+            older_copy_note: base_note,
+            index_ms,
             ..DiskReport::default()
         };
         // With an older copy at the destination, the mirror must not zero the target first
@@ -268,6 +300,8 @@ impl SourceDisks {
             servers,
             acks,
             sender: Some(sender),
+            exports,
+            session: session.id().to_string(),
         };
         if let Err(e) = disks.start_mirrors(qmp, zero_first, top_only).await {
             disks.abort(qmp).await;
@@ -396,6 +430,16 @@ impl SourceDisks {
             "disk mirrors completed at the switchover; the buffer went out"
         );
         remove_targets(qmp, &self.nodes).await;
+        if let Some(e) = self.exports.take() {
+            e.close(qmp).await;
+        }
+        // The copy left here is the VM's until this migration fails: marked, a return finds
+        // it untouched.
+        since::mark_departure(qmp, &self.nodes, &self.session).await;
+        tracing::info!(
+            pause_work_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "the bitmap exports closed and the copy left here marked"
+        );
         Ok(result)
     }
 
@@ -410,6 +454,10 @@ impl SourceDisks {
         }
         cancel_mirrors(qmp, &self.nodes).await;
         remove_targets(qmp, &self.nodes).await;
+        if let Some(e) = self.exports.take() {
+            e.close(qmp).await;
+        }
+        since::unmark_departure(qmp, &self.nodes, &self.session).await;
     }
 }
 
@@ -419,6 +467,7 @@ impl SourceDisks {
 pub async fn abandon(qmp: &Qmp, nodes: &[String]) {
     cancel_mirrors(qmp, nodes).await;
     remove_targets(qmp, nodes).await;
+    since::abandon_exports(qmp, nodes).await;
 }
 
 /// Cancels the mirrors of `nodes` and waits (up to 10 s) until QEMU has none of them: their
@@ -489,7 +538,7 @@ async fn serve_mirror(listener: UnixListener, export: Export, target: Arc<Mirror
 /// that takes the destination's acknowledgements, sharing the digests sent.
 pub(super) fn start_channel(
     sending: Sending,
-    base: Option<DiskBase>,
+    base: Option<OlderCopy>,
 ) -> (JoinHandle<()>, JoinHandle<Result<(u64, String)>>) {
     let digests = Arc::new(SentDigests::default());
     let acks = tokio::spawn(take_acks(
@@ -544,7 +593,7 @@ pub(super) struct Sending {
 async fn send_snapshots(
     sending: Sending,
     digests: Arc<SentDigests>,
-    mut base: Option<DiskBase>,
+    mut base: Option<OlderCopy>,
 ) -> Result<(u64, String)> {
     let Sending {
         buffer,
@@ -564,12 +613,17 @@ async fn send_snapshots(
     while let Some(snap) = buffer.take().await {
         let (seq, bytes) = (snap.seq, snap.bytes());
         let ops: Vec<DiskOp> = match &mut base {
-            Some(base) => {
+            Some(OlderCopy::Index(base)) => {
                 let mut out = Vec::new();
                 for op in snap.into_ops() {
                     base.filter(op, &mut out);
                 }
                 report.same_bytes = base.same_bytes;
+                out
+            }
+            Some(OlderCopy::Since(view)) => {
+                let out = view.filter(snap.into_ops().collect()).await?;
+                report.same_bytes = view.same_bytes();
                 out
             }
             None => snap.into_ops().collect(),

@@ -24,6 +24,7 @@ pub mod backing;
 pub mod buffer;
 pub mod mirror;
 pub mod relay;
+pub mod since;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;

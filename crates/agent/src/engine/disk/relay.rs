@@ -204,6 +204,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
                         node: name,
                         size,
                         backing_sha256: None,
+                        tracked_since: Vec::new(),
                     };
                     break (client, plan, codec);
                 }
@@ -420,6 +421,7 @@ mod tests {
             node: "disk0".into(),
             size: SIZE,
             backing_sha256: None,
+            tracked_since: Vec::new(),
         };
         let disks = DestinationDisks::adopt(client, plan);
         let (a, b) = session_pair().await;
