@@ -126,6 +126,101 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
     assert_eq!(t.site_of("d1"), Site::B);
 }
 
+/// The name of the `ferry-arrived-` bitmap on `vm`'s disk at `site`, if there is one, and
+/// the node it is on.
+fn arrived_bitmap(t: &TestLab, vm: &str, site: Site) -> Option<(String, String)> {
+    use ferry_qemu::commands::QueryNamedBlockNodes;
+    let socket = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let nodes = rt.block_on(async {
+        let qmp = ferry_qemu::Qmp::connect(&socket).await.unwrap();
+        qmp.execute(&QueryNamedBlockNodes { flat: true })
+            .await
+            .unwrap()
+    });
+    nodes.into_iter().find_map(|n| {
+        n.dirty_bitmaps
+            .iter()
+            .find(|b| b.name.starts_with("ferry-arrived-"))
+            .map(|b| (n.node_name.clone(), b.name.clone()))
+    })
+}
+
+fn remove_bitmap(t: &TestLab, vm: &str, site: Site, node: &str, name: &str) {
+    use ferry_qemu::commands::BlockDirtyBitmapRemove;
+    let socket = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let qmp = ferry_qemu::Qmp::connect(&socket).await.unwrap();
+        qmp.execute(&BlockDirtyBitmapRemove {
+            node: node.into(),
+            name: name.into(),
+        })
+        .await
+        .unwrap()
+    });
+}
+
+/// The return trip falls back to reading and indexing the older copy when the source's
+/// bitmap is gone, and when the copy left behind was written after the VM left (its own
+/// bitmap counts the writes); with both markers in place it reads nothing. The guest's
+/// verifier decides each time: a copy trusted wrongly would leave its disk garbage.
+#[test]
+fn a_return_without_its_bitmap_or_to_a_copy_changed_since_indexes_the_older_copy() {
+    let t = TestLab::up("dskbm", FAST_LINK);
+    start_vm_with_disk_writer(&t, "d9", "16", "0.5");
+    let first = json(&t.ok(&["migrate", "d9", "--to", "b", "--json"]));
+    assert_arrived_intact(&first, 1, "first move");
+    assert!(first["outcome"]["disk"]["older_copy"].is_null(), "{first}");
+
+    // The bitmap that tracks the writes at b is gone: a goes back to its index.
+    let (node, name) = arrived_bitmap(&t, "d9", Site::B).expect("an arrived bitmap at b");
+    remove_bitmap(&t, "d9", Site::B, &node, &name);
+    let v = json(&t.ok(&["migrate", "d9", "--to", "a", "--json"]));
+    assert_arrived_intact(&v, 1, "without the bitmap");
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(disk["older_copy"], "index", "{v}");
+    assert!(
+        disk["older_copy_note"]
+            .as_str()
+            .is_some_and(|n| n.contains("the source tracks no writes since an arrival")),
+        "{v}"
+    );
+    assert!(disk["index_ms"].as_u64().is_some(), "{v}");
+    assert!(disk["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
+
+    // The copy the VM left at b is overwritten whole after it left: b's own bitmap counts it.
+    let data = ferry_lab::vm::data_dir(&t.lab, "d9");
+    let image = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with("-b.qcow2"))
+        .unwrap_or_else(|| panic!("no disk image of site b in {}", data.display()));
+    let size = virtual_size(&image);
+    let out = Command::new("qemu-io")
+        .args(["-c", &format!("write -P 0x5a 0 {size}")])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v = json(&t.ok(&["migrate", "d9", "--to", "b", "--json"]));
+    assert_arrived_intact(&v, 1, "to a copy changed since");
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(disk["older_copy"], "index", "{v}");
+    assert!(
+        disk["older_copy_note"]
+            .as_str()
+            .is_some_and(|n| n.contains("changed after the VM left")),
+        "{v}"
+    );
+
+    // Both markers in place again: nothing is read at the destination.
+    let v = json(&t.ok(&["migrate", "d9", "--to", "a", "--json"]));
+    assert_arrived_intact(&v, 1, "with both markers");
+    assert_eq!(v["outcome"]["disk"]["older_copy"], "bitmap", "{v}");
+    assert!(v["outcome"]["disk"]["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
+}
+
 #[test]
 fn a_wan_drop_during_the_disk_copy_resumes_without_starting_over() {
     let t = TestLab::up("dskout", SLOW_LINK);

@@ -59,7 +59,7 @@ fn vms_dir(lab: &Lab) -> PathBuf {
 }
 
 /// Per-VM files that must outlive a migration (disks).
-fn data_dir(lab: &Lab, name: &str) -> PathBuf {
+pub fn data_dir(lab: &Lab, name: &str) -> PathBuf {
     let base = std::env::var_os("FERRY_DATA_DIR")
         .map_or_else(|| PathBuf::from("/var/lib/ferry"), PathBuf::from);
     base.join(&lab.name).join(name)
