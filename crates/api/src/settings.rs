@@ -47,6 +47,9 @@ pub struct MigrationSettings {
     pub disk_mode: DiskMode,
     /// The source's disk transmit buffer, MiB (asynchronous mirroring's bound).
     pub disk_buffer_mib: u64,
+    /// On a return to a host that still holds the copy the VM left there, send what QEMU's
+    /// dirty bitmaps say changed since (off: the destination reads and indexes its copy).
+    pub disk_bitmaps: bool,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -84,6 +87,7 @@ impl Default for MigrationSettings {
             // 16 MiB: XvMotion's per-disk cap on the transmit queue (1.3 s of a 100 Mbit/s
             // link).
             disk_buffer_mib: 16,
+            disk_bitmaps: true,
             test_corrupt_at: None,
             test_corrupt_disk_at: None,
         }

@@ -108,7 +108,18 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             bytes(d.frame_bytes),
             d.snapshots,
         );
-        if d.overlay_only > 0 {
+        match d.older_copy.as_deref() {
+            Some("bitmap") => println!(
+                "                       the destination's older copy was untouched since the VM left: QEMU's dirty bitmaps said what changed, nothing was read there"
+            ),
+            Some(_) => println!(
+                "                       the destination read and indexed its older copy in {} ms ({})",
+                d.index_ms.unwrap_or(0),
+                d.older_copy_note.as_deref().unwrap_or("no bitmap")
+            ),
+            None => {}
+        }
+                if d.overlay_only > 0 {
             println!(
                 "                       {} disk(s) copied as overlay only: the destination held their backing image",
                 d.overlay_only

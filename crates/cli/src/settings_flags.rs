@@ -68,6 +68,11 @@ pub struct SettingsFlags {
     /// ferry, VMs with disks: the source agent's disk transmit buffer, MiB (async mode's bound).
     #[arg(long, default_value_t = defaults().disk_buffer_mib)]
     pub disk_buffer_mib: u64,
+    /// ferry, VMs with disks: on a return to a host that still holds the copy the VM left,
+    /// do not use the dirty bitmaps that say what changed since; the destination reads and
+    /// indexes its copy instead (for comparison).
+    #[arg(long)]
+    pub no_disk_bitmaps: bool,
     /// Give up after this many seconds; the source keeps running.
     #[arg(long, default_value_t = defaults().timeout_s)]
     pub timeout_s: u64,
@@ -95,6 +100,7 @@ impl SettingsFlags {
             seed_from: self.seed_from.clone(),
             disk_mode,
             disk_buffer_mib: self.disk_buffer_mib,
+            disk_bitmaps: !self.no_disk_bitmaps,
             test_corrupt_at: self.test_corrupt_at,
             test_corrupt_disk_at: self.test_corrupt_disk_at,
         };
