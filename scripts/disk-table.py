@@ -22,6 +22,14 @@ def span(xs, fmt):
     return f"{fmt(statistics.median(xs))} ({fmt(min(xs))}-{fmt(max(xs))})"
 
 
+def older_copy(kind, runs):
+    """How the source knew what the destination's older copy holds; an index's read time."""
+    if kind != "index":
+        return kind
+    took = median([(r.get("disk") or {}).get("index_ms") for r in runs])
+    return f"index ({took:.0f} ms)" if took is not None else "index"
+
+
 def main(paths):
     groups = defaultdict(list)
     for path in paths:
@@ -30,20 +38,21 @@ def main(paths):
                 line = line.strip()
                 if line:
                     r = json.loads(line)
-                    key = (r["system"], r.get("disk_mode") or "-", r.get("leg") or "there")
+                    older = (r.get("disk") or {}).get("older_copy") or "-"
+                    key = (r["system"], r.get("disk_mode") or "-", r.get("leg") or "there", older)
                     groups[key].append(r)
     print(
-        "| system | disk mode | leg | runs | total s | WAN MB | disk frames MB | downtime ms "
+        "| system | disk mode | leg | older copy | runs | total s | WAN MB | disk frames MB | downtime ms "
         "| write p50 ms | write p99 ms | write max ms | writes | disk changed % | verify errors |"
     )
-    print("|" + "---|" * 14)
-    for (system, mode, leg), rs in sorted(groups.items()):
+    print("|" + "---|" * 15)
+    for (system, mode, leg, older), rs in sorted(groups.items()):
         done = [r for r in rs if r.get("completed")]
         lat = [r.get("disk_write_latency") or {} for r in done]
         frames = [(r.get("disk") or {}).get("frame_bytes") for r in done]
         ms = lambda k: [l.get(k) / 1000 if l.get(k) is not None else None for l in lat]
         print(
-            f"| {system} | {mode} | {leg} | {len(done)}/{len(rs)} "
+            f"| {system} | {mode} | {leg} | {older_copy(older, done)} | {len(done)}/{len(rs)} "
             f"| {span([r['total_ms'] / 1000 for r in done], lambda x: f'{x:.1f}')} "
             f"| {span([r['wan_bytes'] / 1e6 for r in done], lambda x: f'{x:.0f}')} "
             f"| {span([f / 1e6 if f is not None else None for f in frames], lambda x: f'{x:.1f}')} "

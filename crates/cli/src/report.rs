@@ -119,7 +119,7 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             ),
             None => {}
         }
-                if d.overlay_only > 0 {
+        if d.overlay_only > 0 {
             println!(
                 "                       {} disk(s) copied as overlay only: the destination held their backing image",
                 d.overlay_only

@@ -218,7 +218,10 @@ fn a_return_without_its_bitmap_or_to_a_copy_changed_since_indexes_the_older_copy
     let v = json(&t.ok(&["migrate", "d9", "--to", "a", "--json"]));
     assert_arrived_intact(&v, 1, "with both markers");
     assert_eq!(v["outcome"]["disk"]["older_copy"], "bitmap", "{v}");
-    assert!(v["outcome"]["disk"]["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
+    assert!(
+        v["outcome"]["disk"]["same_bytes"].as_u64().unwrap() >= 32 << 20,
+        "{v}"
+    );
 }
 
 #[test]

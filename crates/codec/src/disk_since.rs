@@ -34,7 +34,10 @@ impl Disk {
 
     fn set_dirty(&mut self, granule: u64) {
         let (word, bit) = (granule / 64, granule % 64);
-        if let Some(w) = usize::try_from(word).ok().and_then(|w| self.dirty.get_mut(w)) {
+        if let Some(w) = usize::try_from(word)
+            .ok()
+            .and_then(|w| self.dirty.get_mut(w))
+        {
             *w |= 1 << bit;
         }
     }

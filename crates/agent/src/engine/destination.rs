@@ -246,9 +246,20 @@ async fn serve(
     // An older copy of the disks here (the VM was here before): untouched since the VM left,
     // the source's dirty bitmaps say what changed; otherwise index it for the source.
     let (mut disk_since, mut disk_base_note, mut disk_index_ms) = (None, None, None);
+    // Each disk's backing chain here (SHA-256 of its files in order), and where it starts.
+    let mut backing = Vec::new();
+    if dst_disks.is_some() {
+        for plan in &disks {
+            backing.push(backing_of(qmp, &plan.node).await?);
+        }
+    }
     let disk_base = match &dst_disks {
         Some(d) => {
-            let found = since::untouched(qmp, &disks).await?;
+            let digests: Vec<Option<String>> = backing
+                .iter()
+                .map(|b| b.as_ref().map(|(_, h)| h.clone()))
+                .collect();
+            let found = since::untouched(qmp, &disks, &digests).await;
             since::forget_markers(qmp, &disks).await;
             match found {
                 Ok(sessions) => {
@@ -260,8 +271,7 @@ async fn serve(
                     None
                 }
                 Err(why) => {
-                    let key =
-                        u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked");
+                    let key = u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked");
                     let t0 = std::time::Instant::now();
                     let index = d.index(qmp, key).await?;
                     if let Some(index) = &index {
@@ -283,10 +293,10 @@ async fn serve(
     // source's overlay. (With an older copy here, everything is compared block by block.)
     let mut top_only = Vec::new();
     if disk_base.is_none() && disk_since.is_none() {
-        for plan in &disks {
-            let same = match (&plan.backing_sha256, backing_of(qmp, &plan.node).await?) {
+        for (plan, ours) in disks.iter().zip(&backing) {
+            let same = match (&plan.backing_sha256, ours) {
                 (Some(theirs), Some((path, ours))) => {
-                    let same = *theirs == ours;
+                    let same = theirs == ours;
                     tracing::info!(
                         "session {}: disk {:?}: backing image {} {} the source's",
                         session.id(),

@@ -213,6 +213,10 @@ async fn migrate(
     let result = async {
         // Dirty bitmaps since the VM arrived here: a destination that still holds the copy it
         // left need not index it. (Exported from here on: every way out closes them.)
+        if !disk_plans.is_empty() {
+            // An earlier attempt cut short may have left exports holding a bitmap busy.
+            disk::since::abandon_exports(&qmp, &req.disks).await;
+        }
         if !disk_plans.is_empty() && req.settings.disk_bitmaps {
             bitmap_exports =
                 disk::since::offer(&qmp, work_dir, &id.to_string(), &mut disk_plans).await;

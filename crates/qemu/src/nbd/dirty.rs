@@ -23,8 +23,9 @@ use super::proto::*;
 
 /// The most one request asks about (the spec's length is a u32; QEMU answers in pieces).
 const MAX_ASK: u64 = 1 << 30;
-/// The most data one reply chunk may carry: 1 MiB of descriptors is 131,072 extents.
-const MAX_CHUNK_BYTES: u32 = 1 << 20;
+/// The most data one reply chunk may carry: QEMU sends at most 131,072 extents of 8 bytes
+/// after the 4-byte context id; this allows twice that.
+const MAX_CHUNK_BYTES: u32 = 4 + 8 * (1 << 18);
 /// Flag bit 0 of a `qemu:dirty-bitmap:` extent: the bitmap is dirty there.
 const DIRTY: u32 = 1;
 

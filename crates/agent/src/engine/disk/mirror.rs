@@ -28,8 +28,8 @@ use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
 use super::backing::backing_of;
-use super::since::{self, BitmapExports, BitmapView};
 use super::buffer::{Extent, TransmitBuffer};
+use super::since::{self, BitmapExports, BitmapView};
 use super::SentDigests;
 use super::{
     codec_options, digest_so_far, hash_op, parse_ack, split_write, zstd_level, Frame, FRAME_RECORDS,
@@ -247,8 +247,16 @@ impl SourceDisks {
         for (i, plan) in plans.iter().enumerate() {
             let sock = work_dir.join(format!("{}.disk{i}.sock", session.id()));
             let _ = std::fs::remove_file(&sock);
-            let listener =
-                UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
+            let listener = match UnixListener::bind(&sock) {
+                Ok(l) => l,
+                Err(e) => {
+                    servers.iter().for_each(JoinHandle::abort);
+                    if let Some(x) = &exports {
+                        x.close(qmp).await;
+                    }
+                    return Err(e).with_context(|| format!("bind {}", sock.display()));
+                }
+            };
             let target = Arc::new(MirrorTarget {
                 buffer: buffer.clone(),
                 disk: u8::try_from(i).expect("at most 255 disks"),
@@ -433,6 +441,8 @@ impl SourceDisks {
         if let Some(e) = self.exports.take() {
             e.close(qmp).await;
         }
+        // Nothing may hold a persistent bitmap busy when QEMU completes the migration.
+        since::none_busy(qmp, &self.nodes).await?;
         // The copy left here is the VM's until this migration fails: marked, a return finds
         // it untouched.
         since::mark_departure(qmp, &self.nodes, &self.session).await;
@@ -457,6 +467,8 @@ impl SourceDisks {
         if let Some(e) = self.exports.take() {
             e.close(qmp).await;
         }
+        // Also what a close cut short left (a failure in the middle of `finish`).
+        since::abandon_exports(qmp, &self.nodes).await;
         since::unmark_departure(qmp, &self.nodes, &self.session).await;
     }
 }
