@@ -152,6 +152,7 @@ impl ChangedSince {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // small test values
 mod tests {
     use super::*;
 

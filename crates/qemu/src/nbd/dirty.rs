@@ -211,7 +211,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
         out: &mut Vec<(u64, u64)>,
     ) -> Result<u64, NbdError> {
         let bad = |detail: String| NbdError::UnexpectedReply { option: 0, detail };
-        if data.len() < 4 || (data.len() - 4) % 8 != 0 {
+        if data.len() < 4 || !(data.len() - 4).is_multiple_of(8) {
             return Err(bad(format!("a block status chunk of {} bytes", data.len())));
         }
         let context = u32::from_be_bytes(data[..4].try_into().expect("4"));
@@ -256,6 +256,7 @@ fn meta_context_request(export: &str, query: &str) -> Vec<u8> {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // small test values
 mod tests {
     use super::*;
     use tokio::io::DuplexStream;
