@@ -276,9 +276,18 @@ impl FakeQemu {
     }
 
     /// The process dies: every socket closes, nothing more is written or answered.
+    /// Its monitor is gone when this returns: a connection refused, never one accepted and
+    /// then reset by a runtime still shutting down.
     pub fn kill(&mut self) {
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+            let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+            match flavor {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                    tokio::task::block_in_place(|| rt.shutdown_timeout(Duration::from_secs(10)));
+                }
+                Ok(_) => rt.shutdown_background(),
+                Err(_) => rt.shutdown_timeout(Duration::from_secs(10)),
+            }
         }
     }
 }
