@@ -43,9 +43,9 @@ def main(paths):
                     groups[key].append(r)
     print(
         "| system | disk mode | leg | older copy | runs | total s | WAN MB | disk frames MB | downtime ms "
-        "| write p50 ms | write p99 ms | write max ms | writes | disk changed % | verify errors |"
+        "| write p50 ms | write p99 ms | write p99.9 ms | write max ms | writes | disk changed % | verify errors |"
     )
-    print("|" + "---|" * 15)
+    print("|" + "---|" * 16)
     for (system, mode, leg, older), rs in sorted(groups.items()):
         done = [r for r in rs if r.get("completed")]
         lat = [r.get("disk_write_latency") or {} for r in done]
@@ -59,6 +59,7 @@ def main(paths):
             f"| {span([r.get('downtime_ms') for r in done], lambda x: f'{x:.0f}')} "
             f"| {span(ms('p50_us'), lambda x: f'{x:.1f}')} "
             f"| {span(ms('p99_us'), lambda x: f'{x:.0f}')} "
+            f"| {span(ms('p999_us'), lambda x: f'{x:.0f}')} "
             f"| {span(ms('max_us'), lambda x: f'{x:.0f}')} "
             f"| {median([l.get('writes') for l in lat]) or '-'} "
             f"| {span([r.get('disk_changed_pct') for r in done], lambda x: f'{x:.1f}')} "

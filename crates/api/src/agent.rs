@@ -435,6 +435,10 @@ pub struct DiskReport {
     /// Disks whose backing image the destination already held: only their overlay was copied.
     #[serde(default)]
     pub overlay_only: u32,
+    /// How QEMU's mirror copied the disks: `background` (no guest write waited for the bulk
+    /// copy; write-blocking once it was done) or `write-blocking` (from the start).
+    #[serde(default)]
+    pub copy: Option<String>,
     /// Data bytes QEMU's mirror wrote into the transmit buffer (bulk copy and guest writes).
     pub written_bytes: u64,
     /// Data bytes replaced by a later write to the same place before they were sent.

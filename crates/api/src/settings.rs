@@ -50,6 +50,10 @@ pub struct MigrationSettings {
     /// On a return to a host that still holds the copy the VM left there, send what QEMU's
     /// dirty bitmaps say changed since (off: the destination reads and indexes its copy).
     pub disk_bitmaps: bool,
+    /// Async and cloudnet modes: QEMU's mirror copies the disk in the background, where no
+    /// guest write waits for the copy, and turns write-blocking once the copy is done (off:
+    /// write-blocking from the start, for comparison).
+    pub disk_background_copy: bool,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -88,6 +92,9 @@ impl Default for MigrationSettings {
             // link).
             disk_buffer_mib: 16,
             disk_bitmaps: true,
+            // On: in write-blocking mode a guest write to a region the bulk copy holds waits
+            // for that copy's room on the WAN (BENCHMARKS.md, "Disks").
+            disk_background_copy: true,
             test_corrupt_at: None,
             test_corrupt_disk_at: None,
         }

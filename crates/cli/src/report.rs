@@ -98,9 +98,10 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
     }
     if let Some(d) = &o.disk {
         println!(
-            "  disks                {} ({} mirroring): {} written by the mirror, {} coalesced before sending, {} as zero ranges, {} already at the destination, {} on the WAN in {} snapshots",
+            "  disks                {} ({} mirroring, {} copy): {} written by the mirror, {} coalesced before sending, {} as zero ranges, {} already at the destination, {} on the WAN in {} snapshots",
             d.disks,
             d.mode.name(),
+            d.copy.as_deref().unwrap_or("write-blocking"),
             bytes(d.written_bytes),
             bytes(d.coalesced_bytes),
             bytes(d.zero_bytes),

@@ -73,6 +73,10 @@ pub struct SettingsFlags {
     /// indexes its copy instead (for comparison).
     #[arg(long)]
     pub no_disk_bitmaps: bool,
+    /// ferry, VMs with disks, async and cloudnet modes: have QEMU's mirror block the guest's
+    /// writes from the start of the copy, not only once it is done (for comparison).
+    #[arg(long)]
+    pub no_disk_background_copy: bool,
     /// Give up after this many seconds; the source keeps running.
     #[arg(long, default_value_t = defaults().timeout_s)]
     pub timeout_s: u64,
@@ -101,6 +105,7 @@ impl SettingsFlags {
             disk_mode,
             disk_buffer_mib: self.disk_buffer_mib,
             disk_bitmaps: !self.no_disk_bitmaps,
+            disk_background_copy: !self.no_disk_background_copy,
             test_corrupt_at: self.test_corrupt_at,
             test_corrupt_disk_at: self.test_corrupt_disk_at,
         };

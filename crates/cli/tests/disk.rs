@@ -91,6 +91,10 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
         assert_disk_before_memory(&v);
         let disk = &v["outcome"]["disk"];
         assert_eq!(disk["mode"], mode, "{v}");
+        // Async and cloudnet copy in the background (no guest write waits for the bulk copy)
+        // and turn write-blocking once it is done; sync's promise holds from the start.
+        let copy = if mode == "sync" { "write-blocking" } else { "background" };
+        assert_eq!(disk["copy"], copy, "{mode}: {v}");
         // At least the writer's 16 MiB file came through the mirror, and went on the WAN.
         assert!(disk["written_bytes"].as_u64().unwrap() >= 16 << 20, "{v}");
         assert!(disk["frame_bytes"].as_u64().unwrap() > 0, "{v}");

@@ -558,6 +558,8 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                 copy_mode: opts
                     .qemu_mirror_write_blocking
                     .then(|| "write-blocking".into()),
+                granularity: None,
+                buf_size: None,
             })
             .await?;
         }

@@ -402,6 +402,9 @@ async fn measured_migration(
         leg,
         changed_pct,
         disk_mode: sc.vm.disk.then(|| match sc.system {
+            System::Ferry(_) if !sc.migrate.settings.disk_background_copy => {
+                format!("{} blocking-copy", sc.migrate.settings.disk_mode.name())
+            }
             System::Ferry(_) => sc.migrate.settings.disk_mode.name().to_owned(),
             System::Qemu(_) if sc.migrate.qemu_mirror_write_blocking => "write-blocking".into(),
             System::Qemu(_) => "background".into(),

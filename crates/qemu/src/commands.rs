@@ -253,8 +253,38 @@ pub struct BlockdevMirror {
     /// to the target before the guest sees it complete).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub copy_mode: Option<String>,
+    /// The bytes one bit of the mirror's dirty bitmap stands for (a power of two, 512 B to
+    /// 64 MiB; QEMU's default is the image's cluster size, or 64 KiB).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub granularity: Option<u64>,
+    /// The bytes the mirror copies ahead at once (default 16 MiB): it bounds both the area a
+    /// bulk pass claims and what it holds in flight.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub buf_size: Option<u64>,
 }
 command!(BlockdevMirror, "blockdev-mirror", Value);
+
+/// `block-job-change` of a mirror (QEMU 8.2+): only background to write-blocking exists.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockJobChangeCopyMode {
+    pub id: String,
+    /// Always `mirror`: the union's tag.
+    #[serde(rename = "type")]
+    pub job_type: &'static str,
+    pub copy_mode: String,
+}
+command!(BlockJobChangeCopyMode, "block-job-change", Value);
+
+/// `query-commands`: the QMP commands this QEMU knows.
+#[derive(Debug, Serialize)]
+pub struct QueryCommands;
+command!(QueryCommands, "query-commands", Vec<CommandInfo>);
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CommandInfo {
+    pub name: String,
+}
 
 /// `block-job-cancel`: for a ready mirror this completes it without pivoting; with `force`
 /// it abandons the job at once.
@@ -272,9 +302,22 @@ pub struct QueryBlockJobs;
 command!(QueryBlockJobs, "query-block-jobs", Vec<BlockJobInfo>);
 
 #[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct BlockJobInfo {
     /// The job's id (`device` for historical reasons).
     pub device: String,
+    /// Progress: `offset` of `len` bytes done; a mirror's `len` grows as the guest dirties
+    /// what was copied, so `len - offset` is what is left now.
+    #[serde(default)]
+    pub len: u64,
+    #[serde(default)]
+    pub offset: u64,
+    #[serde(default)]
+    pub ready: bool,
+    /// A write-blocking mirror whose target holds everything: each guest write now reaches
+    /// the target before it completes (mirror jobs, QEMU 8.2+).
+    #[serde(default)]
+    pub actively_synced: bool,
 }
 
 /// `blockdev-del`.

@@ -28,7 +28,9 @@ use tokio::sync::mpsc;
 
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::engine::disk;
-use crate::engine::disk::mirror::{AtDestination, DiskSettings, OlderCopy, SourceDisks};
+use crate::engine::disk::mirror::{
+    memory_phase_buffer, AtDestination, DiskSettings, OlderCopy, SourceDisks,
+};
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
 use crate::engine::recovery::{self, PeerLink};
@@ -350,6 +352,7 @@ async fn migrate(
                     buffer_bytes: req.settings.disk_buffer_mib.max(1) << 20,
                     codec: req.settings.codec,
                     corrupt_at: req.settings.test_corrupt_disk_at,
+                    background_copy: req.settings.disk_background_copy,
                 },
                 AtDestination {
                     base,
@@ -362,18 +365,21 @@ async fn migrate(
             )
             .await?;
             let d = &*disks.insert(started);
+            let memory_bound = req
+                .link_rate_mbit
+                .map(|rate| memory_phase_buffer(rate, req.settings.downtime_ms));
             // The destination may give up during the copy (its disk full, its QEMU gone): its
             // word is the reason, where the copy would otherwise wait for the WAN timeout.
-            tokio::select! {
-                r = watchdog(&session, status, &limits, d.wait_ready(&qmp)) => r??,
+            let note = tokio::select! {
+                r = watchdog(&session, status, &limits, d.wait_ready(&qmp, memory_bound)) => r??,
                 msg = ctl.recv() => match msg {
                     Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
                     Some(other) => bail!("unexpected message from the destination during the disk copy: {other:?}"),
                     None => bail!("{}", control_ended(&session)),
                 },
-            }
+            };
             d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
-            status.update(|s| s.event(EventKind::DiskReady, ""));
+            status.update(|s| s.event(EventKind::DiskReady, note.clone()));
         }
         // From QEMU's stream on, its end may go out with no other step here: recorded first,
         // so that a restart asks the destination rather than resuming the VM.

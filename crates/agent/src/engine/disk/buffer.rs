@@ -202,6 +202,8 @@ struct State {
     active: Snapshot,
     /// Bytes of snapshots taken but not yet sent.
     in_transit: u64,
+    /// Bytes sent since the buffer was made.
+    sent_total: u64,
     limit: u64,
     closed: bool,
     /// Closed because the migration failed: what it refuses goes nowhere anyway.
@@ -230,6 +232,7 @@ impl TransmitBuffer {
             state: Mutex::new(State {
                 active: Snapshot::default(),
                 in_transit: 0,
+                sent_total: 0,
                 limit,
                 closed: false,
                 abandoned: false,
@@ -344,10 +347,35 @@ impl TransmitBuffer {
         }
     }
 
-    /// A taken snapshot of `bytes` bytes has been handed to the WAN.
+    /// `bytes` of a taken snapshot have been handed to the WAN (all of it or a part).
     pub fn sent(&self, bytes: u64) {
-        self.lock().in_transit -= bytes;
+        let mut s = self.lock();
+        s.in_transit -= bytes;
+        s.sent_total += bytes;
+        drop(s);
         self.changed.notify_waiters();
+    }
+
+    /// Waits until the buffer holds at most `bytes`, or until as much as it held when asked
+    /// has been sent (a guest that writes as fast as the link drains would keep it above
+    /// forever), or until it closes.
+    pub async fn drain_to(&self, bytes: u64) {
+        let until_sent = {
+            let s = self.lock();
+            s.sent_total + s.held()
+        };
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let s = self.lock();
+                if s.held() <= bytes || s.sent_total >= until_sent || s.closed {
+                    return;
+                }
+            }
+            notified.await;
+        }
     }
 
     /// No more writes: the sender ends once the rest is taken.
@@ -533,5 +561,35 @@ mod tests {
         .await;
         assert!(bulk.is_err(), "a fourth bulk write must wait");
         buf.put(0, 1 << 30, 4096, data(4096, 2)).await.unwrap();
+    }
+
+    /// The memory phase waits for the buffer to drain to its bound, but not forever: once as
+    /// much as it held has been sent, however much the guest wrote meanwhile.
+    #[tokio::test]
+    async fn a_drain_ends_at_the_bound_or_once_what_was_held_went() {
+        let buf = TransmitBuffer::new(1 << 20, false);
+        buf.put(0, 0, 65536, data(65536, 1)).await.unwrap();
+        buf.drain_to(65536).await; // already there
+        let snap = buf.take().await.unwrap();
+        let drain = buf.drain_to(4096);
+        tokio::pin!(drain);
+        assert!(pending(drain.as_mut()).await);
+        buf.sent(32768);
+        assert!(pending(drain.as_mut()).await, "half of it went");
+        // The guest writes as much again: the buffer holds more than the bound...
+        buf.put(0, 1 << 20, 65536, data(65536, 2)).await.unwrap();
+        buf.sent(snap.bytes() - 32768);
+        // ...but what it held when asked has gone.
+        assert!(!pending(drain.as_mut()).await);
+        assert!(buf.stats().held > 4096);
+    }
+
+    /// Whether `f` is still waiting after it was polled (and its wake-ups ran).
+    async fn pending(f: std::pin::Pin<&mut impl std::future::Future>) -> bool {
+        tokio::select! {
+            biased;
+            _ = f => false,
+            () = tokio::task::yield_now() => true,
+        }
     }
 }

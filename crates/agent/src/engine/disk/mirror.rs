@@ -11,14 +11,15 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
 use ferry_codec::{BatchCompressor, DiskBase, DiskEncoder, DiskOp};
 use ferry_qemu::commands::{
-    BlockJobCancel, BlockdevAdd, BlockdevDel, BlockdevMirror, QueryBlockJobs, QueryNamedBlockNodes,
+    BlockJobCancel, BlockJobChangeCopyMode, BlockdevAdd, BlockdevDel, BlockdevMirror,
+    QueryBlockJobs, QueryCommands, QueryNamedBlockNodes,
 };
 use ferry_qemu::nbd::{self, proto, Blocks, Export};
 use ferry_qemu::Qmp;
@@ -136,6 +137,8 @@ pub struct DiskSettings {
     pub codec: CodecSettings,
     /// Test hook: see `MigrationSettings::test_corrupt_disk_at`.
     pub corrupt_at: Option<u64>,
+    /// Async and cloudnet: the bulk copy in the background, write-blocking once it is done.
+    pub background_copy: bool,
 }
 
 /// An older copy of the disks at the destination, and how the source knows what it holds.
@@ -164,6 +167,8 @@ pub struct SourceDisks {
     pub buffer: Arc<TransmitBuffer>,
     nodes: Vec<String>,
     mode: DiskMode,
+    /// The mirrors copy in the background until they are ready.
+    background: bool,
     sockets: Vec<PathBuf>,
     servers: Vec<JoinHandle<()>>,
     acks: JoinHandle<()>,
@@ -171,6 +176,59 @@ pub struct SourceDisks {
     exports: Option<BitmapExports>,
     /// The session's id: the name of the bitmap that marks the copy left here.
     session: String,
+}
+
+/// A background copy's mirror marks what the guest rewrites by 4 KiB (QEMU's 64 KiB default
+/// would copy a guest's 4 KiB write 16 times over).
+const BACKGROUND_GRANULARITY: u64 = 4096;
+/// A background copy's window: what a pass of the mirror claims and holds in flight. ferry's
+/// target is local and answers at once when it has room, so a small one costs no speed, and
+/// once the mirror is write-blocking a guest write waits for at most this much of it.
+const BACKGROUND_BUF_SIZE: u64 = 2 << 20;
+/// A background copy that comes no closer to done for this long does not converge (the guest
+/// rewrites blocks faster than the link carries them): the mirror turns write-blocking, which
+/// slows the guest's writes to the link.
+const BACKGROUND_STALL: Duration = Duration::from_secs(10);
+
+/// Whether a background copy's progress has stopped: no new low of the bytes left for
+/// [`BACKGROUND_STALL`].
+#[derive(Default)]
+struct Stall {
+    low: Option<(u64, Instant)>,
+}
+
+impl Stall {
+    fn stalled(&mut self, left: u64, now: Instant) -> bool {
+        match self.low {
+            Some((low, _)) if left >= low => {}
+            // Before QEMU has counted the blocks to copy (while it zeroes the target) there is
+            // no progress to judge.
+            _ if left == 0 => return false,
+            _ => self.low = Some((left, now)),
+        }
+        self.low
+            .is_some_and(|(_, since)| now.duration_since(since) >= BACKGROUND_STALL)
+    }
+}
+
+/// The bytes a mirror job has left to copy now.
+async fn job_left(qmp: &Qmp, job: &str) -> Result<u64> {
+    let jobs = qmp.execute(&QueryBlockJobs).await?;
+    Ok(jobs
+        .iter()
+        .find(|j| j.device == job)
+        .map_or(0, |j| j.len.saturating_sub(j.offset)))
+}
+
+/// Whether this QEMU can turn a background mirror write-blocking (`block-job-change`, 8.2+).
+async fn can_change_copy_mode(qmp: &Qmp) -> bool {
+    match qmp.execute(&QueryCommands).await {
+        Ok(commands) => commands.iter().any(|c| c.name == "block-job-change"),
+        Err(e) => {
+            tracing::warn!("query-commands failed ({e}); the disks are copied write-blocking");
+            false
+        }
+    }
 }
 
 fn job_id(node: &str) -> String {
@@ -240,7 +298,12 @@ impl SourceDisks {
             buffer_bytes,
             codec,
             corrupt_at,
+            background_copy,
         } = settings;
+        // Synchronous mode's promise (a write completes once the destination has it) holds
+        // from the start, so only the other modes copy in the background.
+        let background =
+            background_copy && mode != DiskMode::Sync && can_change_copy_mode(qmp).await;
         let buffer = Arc::new(TransmitBuffer::new(buffer_bytes, mode == DiskMode::Sync));
         let mut servers = Vec::new();
         let mut sockets = Vec::new();
@@ -283,6 +346,7 @@ impl SourceDisks {
             }),
             older_copy_note: base_note,
             index_ms,
+            copy: Some(if background { "background" } else { "write-blocking" }.to_owned()),
             ..DiskReport::default()
         };
         // With an older copy at the destination, the mirror must not zero the target first
@@ -304,6 +368,7 @@ impl SourceDisks {
             buffer,
             nodes: plans.iter().map(|p| p.node.clone()).collect(),
             mode,
+            background,
             sockets,
             servers,
             acks,
@@ -342,23 +407,38 @@ impl SourceDisks {
             .with_context(|| {
                 format!("connecting the source QEMU to ferry's NBD target for {node}")
             })?;
-            qmp.execute(&BlockdevMirror {
+            let mut mirror = BlockdevMirror {
                 job_id: job_id(node),
                 device: node.clone(),
                 target: target_node(node),
                 sync: if top { "top" } else { "full" }.into(),
                 copy_mode: Some("write-blocking".into()),
-            })
-            .await
-            .with_context(|| format!("starting the mirror of {node}"))?;
+                granularity: None,
+                buf_size: None,
+            };
+            if self.background {
+                mirror.copy_mode = Some("background".into());
+                mirror.granularity = Some(BACKGROUND_GRANULARITY);
+                mirror.buf_size = Some(BACKGROUND_BUF_SIZE);
+            }
+            qmp.execute(&mirror)
+                .await
+                .with_context(|| format!("starting the mirror of {node}"))?;
         }
         Ok(())
     }
 
-    /// Waits until every mirror is ready (its bulk copy is in the buffer). Cancel-safe.
-    pub async fn wait_ready(&self, qmp: &Qmp) -> Result<()> {
+    /// Waits until every mirror is ready (its bulk copy is in the buffer) and write-blocking
+    /// (every guest write reaches the buffer), and then until the buffer holds at most
+    /// `memory_bound` (the memory phase's bound: a cut below what it holds would stall the
+    /// guest's writes until the difference crossed). Cancel-safe.
+    /// Returns what to say of the copy (a background copy that stalled).
+    pub async fn wait_ready(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<String> {
+        let mut note = String::new();
+        let mut blocking = !self.background;
         for node in &self.nodes {
             let job = job_id(node);
+            let mut stall = Stall::default();
             loop {
                 if qmp
                     .wait_event(
@@ -379,9 +459,77 @@ impl SourceDisks {
                 if qmp.is_closed() {
                     bail!("the source QEMU went away during the disk copy (its QMP socket closed)");
                 }
+                if !blocking {
+                    let left = job_left(qmp, &job).await?;
+                    if stall.stalled(left, Instant::now()) {
+                        tracing::warn!(
+                            node,
+                            left_bytes = left,
+                            "the background disk copy came no closer to done in {}s (the guest \
+                             writes faster than the link carries): its writes now wait for the \
+                             copy",
+                            BACKGROUND_STALL.as_secs()
+                        );
+                        self.write_blocking(qmp).await?;
+                        blocking = true;
+                        note = format!(
+                            "the background copy stalled with {left} bytes left: write-blocking \
+                             from then on"
+                        );
+                    }
+                }
             }
         }
+        if !blocking {
+            self.write_blocking(qmp).await?;
+        }
+        if self.background {
+            self.wait_actively_synced(qmp).await?;
+        }
+        if let Some(bound) = memory_bound {
+            self.buffer.drain_to(bound).await;
+        }
+        Ok(note)
+    }
+
+    /// Turns every mirror write-blocking.
+    async fn write_blocking(&self, qmp: &Qmp) -> Result<()> {
+        for node in &self.nodes {
+            qmp.execute(&BlockJobChangeCopyMode {
+                id: job_id(node),
+                job_type: "mirror",
+                copy_mode: "write-blocking".into(),
+            })
+            .await
+            .with_context(|| format!("turning the mirror of {node} write-blocking"))?;
+        }
         Ok(())
+    }
+
+    /// Waits until every mirror is write-blocking with nothing left to copy: from then on
+    /// each guest write reaches the buffer before it completes (QEMU has no event for it).
+    async fn wait_actively_synced(&self, qmp: &Qmp) -> Result<()> {
+        let t0 = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            tick.tick().await;
+            let jobs = qmp.execute(&QueryBlockJobs).await?;
+            let mut synced = 0;
+            for node in &self.nodes {
+                let job = job_id(node);
+                let Some(info) = jobs.iter().find(|j| j.device == job) else {
+                    bail!("the mirror of {node} ended before it was in step with the guest");
+                };
+                synced += usize::from(info.actively_synced);
+            }
+            if synced == self.nodes.len() {
+                tracing::info!(
+                    took_ms = t0.elapsed().as_millis(),
+                    "the disk mirrors are write-blocking and in step with the guest"
+                );
+                return Ok(());
+            }
+        }
     }
 
     /// The memory phase begins. CloudNet's schedule turns synchronous here. Asynchronous
@@ -640,8 +788,13 @@ async fn send_snapshots(
             }
             None => snap.into_ops().collect(),
         };
+        // The snapshot's room in the buffer frees frame by frame, in proportion to what went:
+        // a mirror write waiting for room waits for about one frame, not for a whole snapshot
+        // (about half a second of a 100 Mbit/s link during the bulk copy).
+        let mut release = Release::new(bytes, ops.iter().map(buffer_weight).sum());
         let mut ops = ops.into_iter().flat_map(split_write).peekable();
         while let Some(mut op) = ops.next() {
+            release.done(buffer_weight(&op));
             hash_op(&mut hash, &op);
             if let DiskOp::Write { data, .. } = &mut op {
                 flip_for_test(data, data_sent, corrupt_at);
@@ -662,9 +815,10 @@ async fn send_snapshots(
                 report.frame_bytes += frame.len() as u64;
                 session.send(DISK, frame).await?;
                 records.clear();
+                buffer.sent(release.due());
             }
         }
-        buffer.sent(bytes);
+        buffer.sent(release.rest());
         count += 1;
         let b = buffer.stats();
         report.written_bytes = b.written;
@@ -682,9 +836,96 @@ async fn send_snapshots(
     Ok((count, format!("{:x}", hash.finalize())))
 }
 
+/// How much of a snapshot's room an operation stands for: its data, or a range's bookkeeping.
+fn buffer_weight(op: &DiskOp) -> u64 {
+    match op {
+        DiskOp::Write { data, .. } => data.len() as u64,
+        DiskOp::Same { len, .. } => *len,
+        DiskOp::Zeroes { .. } | DiskOp::Trim { .. } => 32,
+        DiskOp::Flush { .. } => 0,
+    }
+}
+
+/// A snapshot's room in the buffer, given back in proportion to the operations sent.
+struct Release {
+    bytes: u64,
+    weight: u64,
+    done: u64,
+    released: u64,
+}
+
+impl Release {
+    fn new(bytes: u64, weight: u64) -> Release {
+        Release {
+            bytes,
+            weight: weight.max(1),
+            done: 0,
+            released: 0,
+        }
+    }
+
+    /// An operation of `weight` is on its way.
+    fn done(&mut self, weight: u64) {
+        self.done = (self.done + weight).min(self.weight);
+    }
+
+    /// The room the operations so far stand for, not given back yet.
+    fn due(&mut self) -> u64 {
+        let total = u128::from(self.bytes) * u128::from(self.done) / u128::from(self.weight);
+        let total = u64::try_from(total).expect("at most the snapshot's bytes");
+        let due = total - self.released;
+        self.released = total;
+        due
+    }
+
+    /// All the room not given back yet (the snapshot went).
+    fn rest(&mut self) -> u64 {
+        let rest = self.bytes - self.released;
+        self.released = self.bytes;
+        rest
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_background_copy_stalls_only_when_it_comes_no_closer_to_done() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut s = Stall::default();
+        // Zeroing the target: nothing counted yet, however long it takes.
+        assert!(!s.stalled(0, at(0)));
+        assert!(!s.stalled(0, at(30)));
+        // Progress, then the guest dirtying as fast as the copy goes.
+        assert!(!s.stalled(100 << 20, at(30)));
+        assert!(!s.stalled(60 << 20, at(35)));
+        assert!(!s.stalled(70 << 20, at(40)));
+        assert!(!s.stalled(60 << 20, at(44)));
+        assert!(s.stalled(65 << 20, at(45)));
+        // A new low starts the wait again.
+        let mut s = Stall::default();
+        assert!(!s.stalled(10 << 20, at(0)));
+        assert!(!s.stalled(9 << 20, at(9)));
+        assert!(!s.stalled(12 << 20, at(18)));
+        assert!(s.stalled(12 << 20, at(19)));
+    }
+
+    #[test]
+    fn a_snapshots_room_is_given_back_in_proportion_and_in_full() {
+        let mut r = Release::new(1000, 400);
+        r.done(100);
+        assert_eq!(r.due(), 250);
+        assert_eq!(r.due(), 0);
+        r.done(300);
+        r.done(50); // more than the weight counted: never more than the snapshot
+        assert_eq!(r.due(), 750);
+        assert_eq!(r.rest(), 0);
+        let mut empty = Release::new(64, 0);
+        assert_eq!(empty.due(), 0);
+        assert_eq!(empty.rest(), 64);
+    }
 
     fn target(flush_commits: bool) -> MirrorTarget {
         MirrorTarget {
