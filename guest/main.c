@@ -10,7 +10,8 @@
  *   host -> guest:  "<id> <command> [key=value ...]"
  *   guest -> host:  "R <id> ok [key=value ...]" or "R <id> err <message>"
  *                   "H <seq> <guest_ms>" every HEARTBEAT_MS, from a real-time thread
- * Commands: ping, mem start|set|verify|stats, burst start|stats, disk start|set|verify|stats.
+ * Commands: ping, mem start|set|verify|stats, burst start|stats,
+ * disk start|set|read|verify|stats.
  */
 #define _GNU_SOURCE
 #include "guest.h"
@@ -243,6 +244,15 @@ static void command(char *line)
                 tty_line("R %s err %s", id, err);
             else
                 tty_line("R %s ok", id);
+        } else if (strcmp(sub, "read") == 0) {
+            double hot = 16;
+            if (opt_num(id, argc, argv, "hot", &hot) < 0)
+                return;
+            if (disk_read(path ? path : "/data/ferry-disk.dat", (uint64_t)hot, err,
+                          sizeof err) != 0)
+                tty_line("R %s err %s", id, err);
+            else
+                tty_line("R %s ok", id);
         } else if (strcmp(sub, "verify") == 0) {
             struct verify_result r;
             if (disk_verify(&r, err, sizeof err) != 0)
@@ -265,7 +275,7 @@ static void command(char *line)
             else
                 tty_line("R %s ok %s", id, out);
         } else {
-            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set verify stats reset-stats inject sum)", id, sub);
+            tty_line("R %s err unknown disk subcommand \"%s\" (known: start set read verify stats reset-stats inject sum)", id, sub);
         }
     } else {
         tty_line("R %s err unknown command \"%s\" (known: ping mem burst disk)", id, cmd);

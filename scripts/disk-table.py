@@ -43,9 +43,9 @@ def main(paths):
                     groups[key].append(r)
     print(
         "| system | disk mode | leg | older copy | runs | total s | WAN MB | disk frames MB | downtime ms "
-        "| write p50 ms | write p99 ms | write p99.9 ms | write max ms | writes | disk changed % | verify errors |"
+        "| write p50 ms | write p99 ms | write p99.9 ms | write max ms | writes | hot reads/s before | during | disk changed % | verify errors |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 18)
     for (system, mode, leg, older), rs in sorted(groups.items()):
         done = [r for r in rs if r.get("completed")]
         lat = [r.get("disk_write_latency") or {} for r in done]
@@ -62,6 +62,8 @@ def main(paths):
             f"| {span(ms('p999_us'), lambda x: f'{x:.0f}')} "
             f"| {span(ms('max_us'), lambda x: f'{x:.0f}')} "
             f"| {median([l.get('writes') for l in lat]) or '-'} "
+            f"| {span([r.get('disk_reads_before_per_s') for r in done], lambda x: f'{x:.0f}')} "
+            f"| {span([l.get('reads_per_s') for l in lat], lambda x: f'{x:.0f}')} "
             f"| {span([r.get('disk_changed_pct') for r in done], lambda x: f'{x:.1f}')} "
             f"| {sum(r.get('verify_errors') or 0 for r in done)} |"
         )

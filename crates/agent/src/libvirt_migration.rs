@@ -38,6 +38,7 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         (s.connections != 1, "connections other than 1"),
         // libvirt's disk copy has no hook of ferry's inside it.
         (s.test_corrupt_disk_at.is_some(), "test_corrupt_disk_at"),
+        (s.test_disk_stall_ms.is_some(), "test_disk_stall_ms"),
     ];
     match unsupported.iter().find(|(set, _)| *set) {
         Some((_, what)) => Err(Refusal::NotWithLibvirt(what.to_string())),

@@ -62,6 +62,10 @@ pub struct MigrationSettings {
     /// the data the source sends, in order) after the source hashed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_corrupt_disk_at: Option<u64>,
+    /// Test hook: a background disk copy counts as stalled after this many milliseconds
+    /// without progress (instead of 10 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_disk_stall_ms: Option<u64>,
 }
 
 impl Default for MigrationSettings {
@@ -97,6 +101,7 @@ impl Default for MigrationSettings {
             disk_background_copy: true,
             test_corrupt_at: None,
             test_corrupt_disk_at: None,
+            test_disk_stall_ms: None,
         }
     }
 }

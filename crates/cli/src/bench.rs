@@ -63,6 +63,10 @@ pub struct BenchArgs {
     /// With a disk: the writer's rate, MiB/s of 4 KiB O_DIRECT|O_DSYNC writes.
     #[arg(long, default_value_t = 0.5)]
     disk_rate_mib_s: f64,
+    /// With a disk: a guest reader rereads random 4 KiB blocks of the file's first this many
+    /// MiB back to back (O_DIRECT): its throughput in the warm-up and during the migration.
+    #[arg(long, default_value_t = 0)]
+    disk_read_hot_mib: u32,
     /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
     /// site running its own libvirtd; --modes names the systems (ferry, virsh,
     /// virsh-parallel-zstd, virsh-sync-writes; default the first three).
@@ -147,6 +151,13 @@ async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
             a.disk_file_mib
         );
     }
+    if a.disk_read_hot_mib > a.disk_file_mib {
+        bail!(
+            "--disk-read-hot-mib {} must be at most the file's --disk-file-mib {}",
+            a.disk_read_hot_mib,
+            a.disk_file_mib
+        );
+    }
     if !(a.disk_rate_mib_s.is_finite() && a.disk_rate_mib_s >= 0.0) {
         bail!(
             "--disk-rate-mib-s {} must be a non-negative number",
@@ -186,6 +197,7 @@ async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
                     disk_writer: DiskWriter {
                         file_mib: a.disk_file_mib,
                         rate_mib_s: a.disk_rate_mib_s,
+                        read_hot_mib: a.disk_read_hot_mib,
                     },
                 };
                 let what = format!("{} {} run {run}", w.pattern, system.name());
@@ -214,6 +226,7 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
     let disk = a.shape.has_disk().then_some(DiskWriter {
         file_mib: a.disk_file_mib,
         rate_mib_s: a.disk_rate_mib_s,
+        read_hot_mib: a.disk_read_hot_mib,
     });
     let workloads = workloads(&a)?;
     ferry_lab::topology::require_root()?;

@@ -27,6 +27,10 @@ pub struct SettingsFlags {
     /// source hashed it, to show that the destination's acknowledgement stops the migration.
     #[arg(long, hide = true)]
     pub test_corrupt_disk_at: Option<u64>,
+    /// Test hook (ferry): take a background disk copy for stalled once it has come no closer
+    /// to done for this many milliseconds (10 s otherwise), to show the turn to write-blocking.
+    #[arg(long, hide = true)]
+    pub test_disk_stall_ms: Option<u64>,
     /// ferry: turn QEMU's return path on (the destination QEMU confirms it loaded the stream
     /// before the source completes; costs a round trip of downtime).
     #[arg(long)]
@@ -108,6 +112,7 @@ impl SettingsFlags {
             disk_background_copy: !self.no_disk_background_copy,
             test_corrupt_at: self.test_corrupt_at,
             test_corrupt_disk_at: self.test_corrupt_disk_at,
+            test_disk_stall_ms: self.test_disk_stall_ms,
         };
         s.validate()?;
         Ok(s)

@@ -85,15 +85,34 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
         ("sync", "a", Site::A),
         ("cloudnet", "b", Site::B),
     ] {
-        let out = t.ok(&["migrate", "d1", "--to", to, "--disk-mode", mode, "--json"]);
-        let v = json(&out);
+        let mut args = vec!["migrate", "d1", "--to", to, "--disk-mode", mode, "--json"];
+        if mode == "async" {
+            // The first move's background copy is taken for stalled at once, as one that a
+            // guest outwrites would be after 10 s: it turns write-blocking mid-copy.
+            args.extend(["--test-disk-stall-ms", "0"]);
+        }
+        let v = json(&t.ok(&args));
         assert_arrived_intact(&v, 4096, mode);
         assert_disk_before_memory(&v);
+        let ready = timeline(&v)
+            .events
+            .into_iter()
+            .find(|e| e.kind == EventKind::DiskReady)
+            .unwrap();
+        assert_eq!(
+            ready.detail.contains("the background copy stalled"),
+            mode == "async",
+            "{mode}: {ready:?}"
+        );
         let disk = &v["outcome"]["disk"];
         assert_eq!(disk["mode"], mode, "{v}");
         // Async and cloudnet copy in the background (no guest write waits for the bulk copy)
         // and turn write-blocking once it is done; sync's promise holds from the start.
-        let copy = if mode == "sync" { "write-blocking" } else { "background" };
+        let copy = if mode == "sync" {
+            "write-blocking"
+        } else {
+            "background"
+        };
         assert_eq!(disk["copy"], copy, "{mode}: {v}");
         // At least the writer's 16 MiB file came through the mirror, and went on the WAN.
         assert!(disk["written_bytes"].as_u64().unwrap() >= 16 << 20, "{v}");

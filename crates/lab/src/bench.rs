@@ -33,6 +33,14 @@ pub struct Workload {
 pub struct DiskWriter {
     pub file_mib: u32,
     pub rate_mib_s: f64,
+    /// A hot-set reader over the file's first this many MiB (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_hot_mib: u32,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 impl Default for DiskWriter {
@@ -40,6 +48,7 @@ impl Default for DiskWriter {
         DiskWriter {
             file_mib: 16,
             rate_mib_s: 0.5,
+            read_hot_mib: 0,
         }
     }
 }
@@ -101,6 +110,13 @@ pub async fn boot_with_workload(
             Duration::from_secs(600),
         )
         .await?;
+        if w.read_hot_mib > 0 {
+            link.call(
+                &format!("disk read hot={}", w.read_hot_mib),
+                Duration::from_secs(30),
+            )
+            .await?;
+        }
     }
     Ok((rec, link))
 }
@@ -148,6 +164,10 @@ pub struct BenchRecord {
     /// migration (from the migrate request to the destination's verifiers).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_writer: Option<DiskWriter>,
+    /// With a hot-set reader: its reads per second before the migration (the warm-up, or the
+    /// time at the other site); `disk_write_latency.reads_per_s` is during it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_reads_before_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_write_latency: Option<guest::DiskLatency>,
     /// On the way back with a disk: percent of its blocks that differ from the copy the VM
@@ -348,6 +368,13 @@ async fn measured_migration(
         (true, Some(_)) => disk_changed_pct(lab, name, to).await?,
         _ => None,
     };
+    // The hot-set reader's throughput since the last reset (the warm-up, or the time at the
+    // other site), without a migration.
+    let disk_reads_before_per_s = if sc.vm.disk && sc.disk_writer.read_hot_mib > 0 {
+        guest::disk_latency(&link).await?.reads_per_s
+    } else {
+        None
+    };
     if sc.vm.disk {
         guest::reset_disk_latency(&link).await?;
     }
@@ -411,6 +438,7 @@ async fn measured_migration(
         }),
         disk_writer: sc.vm.disk.then_some(sc.disk_writer),
         disk_write_latency,
+        disk_reads_before_per_s,
         disk_changed_pct,
     };
     Ok((record, dst_link))

@@ -75,6 +75,14 @@ impl GuestReply {
             .and_then(|v| v.parse().ok())
             .with_context(|| format!("guest reply {:?} has no numeric field {key}", self.text))
     }
+
+    /// A decimal field, or an error naming the field and the reply.
+    pub fn f64(&self, key: &str) -> Result<f64> {
+        self.fields
+            .get(key)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("guest reply {:?} has no decimal field {key}", self.text))
+    }
 }
 
 type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<GuestReply, String>>>>>;
@@ -243,7 +251,8 @@ pub async fn verify(link: &GuestLink, disk: bool) -> Result<VerifyOutcome> {
     Ok(out)
 }
 
-/// The guest's disk write latencies since the last reset (`disk reset-stats`).
+/// The guest's disk write latencies since the last reset (`disk reset-stats`), and what its
+/// hot-set reader read meanwhile.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct DiskLatency {
     pub writes: u64,
@@ -251,6 +260,9 @@ pub struct DiskLatency {
     pub p99_us: u64,
     pub p999_us: u64,
     pub max_us: u64,
+    /// The hot-set reader's 4 KiB reads per second of the guest's time (None: no reader).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reads_per_s: Option<f64>,
 }
 
 /// Starts a new measurement of the guest's disk write latencies.
@@ -269,6 +281,11 @@ pub async fn disk_latency(link: &GuestLink) -> Result<DiskLatency> {
         p99_us: d.u64("lat_p99_us")?,
         p999_us: d.u64("lat_p999_us")?,
         max_us: d.u64("lat_max_us")?,
+        reads_per_s: match (d.u64("reads")?, d.f64("read_s")?) {
+            (0, _) => None,
+            #[allow(clippy::cast_precision_loss)]
+            (reads, secs) => Some(reads as f64 / secs.max(1e-3)),
+        },
     })
 }
 

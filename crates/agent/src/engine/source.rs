@@ -353,6 +353,10 @@ async fn migrate(
                     codec: req.settings.codec,
                     corrupt_at: req.settings.test_corrupt_disk_at,
                     background_copy: req.settings.disk_background_copy,
+                    stall_after: req
+                        .settings
+                        .test_disk_stall_ms
+                        .map_or(disk::mirror::BACKGROUND_STALL, Duration::from_millis),
                 },
                 AtDestination {
                     base,
