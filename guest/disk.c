@@ -37,8 +37,11 @@ static struct {
     uint64_t *lat_us;
     uint64_t lat_max_us;
     uint64_t rng;
-    /* the hot-set reader: its blocks (0: stopped), reads since the last stats reset, and when
-     * that reset was */
+    /* the writer's file, which the reader reads */
+    char path[256];
+    /* the hot-set reader: its blocks (0: none), reads since the last stats reset (atomic: the
+     * reader never takes `lock`, which the writer holds across its writes), and when that reset
+     * was */
     pthread_t reader_thread;
     uint64_t hot_blocks;
     uint64_t reads;
@@ -54,27 +57,23 @@ static void *reader(void *arg)
         return NULL;
     }
     uint64_t rng = 0x2545f4914f6cdd1dull ^ (uint64_t)(now_s() * 1e6);
+    /* `hot_blocks` is set once, before this thread starts; the reader runs until the guest
+     * powers off. */
+    const uint64_t hot = disk.hot_blocks;
     for (;;) {
-        pthread_mutex_lock(&disk.lock);
-        uint64_t hot = disk.hot_blocks;
-        pthread_mutex_unlock(&disk.lock);
-        if (hot == 0)
-            break;
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         ssize_t n = pread(fd, buf, BLOCK_BYTES, (off_t)((rng % hot) * BLOCK_BYTES));
-        pthread_mutex_lock(&disk.lock);
         if (n == (ssize_t)BLOCK_BYTES)
-            disk.reads++;
-        pthread_mutex_unlock(&disk.lock);
+            __atomic_fetch_add(&disk.reads, 1, __ATOMIC_RELAXED);
+        else
+            sleep_ms(1); /* a failing disk must not take the whole vCPU */
     }
-    free(buf);
-    close(fd);
     return NULL;
 }
 
-int disk_read(const char *path, uint64_t hot_mib, char *err, size_t errlen)
+int disk_read(uint64_t hot_mib, char *err, size_t errlen)
 {
     pthread_mutex_lock(&disk.lock);
     if (disk.fd < 0 || disk.hot_blocks > 0) {
@@ -83,22 +82,21 @@ int disk_read(const char *path, uint64_t hot_mib, char *err, size_t errlen)
                                           : "the reader already runs");
         return -1;
     }
-    uint64_t hot = hot_mib * 1024 * 1024 / BLOCK_BYTES;
-    if (hot == 0 || hot > disk.blocks) {
+    uint64_t file_mib = disk.blocks * BLOCK_BYTES >> 20;
+    if (hot_mib == 0 || hot_mib > file_mib) {
         pthread_mutex_unlock(&disk.lock);
         snprintf(err, errlen, "hot=%llu MiB must be at least 1 and at most the file's %llu MiB",
-                 (unsigned long long)hot_mib,
-                 (unsigned long long)(disk.blocks * BLOCK_BYTES >> 20));
+                 (unsigned long long)hot_mib, (unsigned long long)file_mib);
         return -1;
     }
-    int fd = open(path, O_RDONLY | O_DIRECT);
+    int fd = open(disk.path, O_RDONLY | O_DIRECT);
     if (fd < 0) {
         pthread_mutex_unlock(&disk.lock);
-        snprintf(err, errlen, "open %s: %s", path, strerror(errno));
+        snprintf(err, errlen, "open %s: %s", disk.path, strerror(errno));
         return -1;
     }
-    disk.hot_blocks = hot;
-    disk.reads = 0;
+    disk.hot_blocks = hot_mib * 1024 * 1024 / BLOCK_BYTES;
+    __atomic_store_n(&disk.reads, 0, __ATOMIC_RELAXED);
     disk.reads_since = now_s();
     int rc = pthread_create(&disk.reader_thread, NULL, reader, (void *)(intptr_t)fd);
     if (rc != 0) {
@@ -213,6 +211,7 @@ int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t er
     }
     free(chunk);
     disk.fd = fd;
+    snprintf(disk.path, sizeof disk.path, "%s", path);
     disk.blocks = blocks;
     disk.rate_mib_s = rate;
     disk.rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)now_s();
@@ -346,7 +345,7 @@ void disk_reset_stats(void)
         memset(disk.lat_us, 0, LAT_BUCKETS * sizeof *disk.lat_us);
     disk.lat_writes = 0;
     disk.lat_max_us = 0;
-    disk.reads = 0;
+    __atomic_store_n(&disk.reads, 0, __ATOMIC_RELAXED);
     disk.reads_since = now_s();
     pthread_mutex_unlock(&disk.lock);
 }
@@ -364,7 +363,8 @@ void disk_stats(char *out, size_t len)
                  (unsigned long long)disk.lat_writes,
                  (unsigned long long)percentile_us(0.50), (unsigned long long)percentile_us(0.99),
                  (unsigned long long)percentile_us(0.999), (unsigned long long)disk.lat_max_us,
-                 (unsigned long long)disk.reads, now_s() - disk.reads_since);
+                 (unsigned long long)__atomic_load_n(&disk.reads, __ATOMIC_RELAXED),
+                 now_s() - disk.reads_since);
     }
     pthread_mutex_unlock(&disk.lock);
 }

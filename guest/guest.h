@@ -35,7 +35,7 @@ void burst_stats(char *out, size_t len);
 
 int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t errlen);
 int disk_set(double rate, char *err, size_t errlen);
-int disk_read(const char *path, uint64_t hot_mib, char *err, size_t errlen);
+int disk_read(uint64_t hot_mib, char *err, size_t errlen);
 int disk_verify(struct verify_result *r, char *err, size_t errlen);
 int disk_sum(const char *path, char *out, size_t len, char *err, size_t errlen);
 void disk_stats(char *out, size_t len);

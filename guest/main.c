@@ -248,8 +248,7 @@ static void command(char *line)
             double hot = 16;
             if (opt_num(id, argc, argv, "hot", &hot) < 0)
                 return;
-            if (disk_read(path ? path : "/data/ferry-disk.dat", (uint64_t)hot, err,
-                          sizeof err) != 0)
+            if (disk_read((uint64_t)hot, err, sizeof err) != 0)
                 tty_line("R %s err %s", id, err);
             else
                 tty_line("R %s ok", id);

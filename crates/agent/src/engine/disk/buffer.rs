@@ -31,8 +31,8 @@ pub enum Extent {
 
 /// The bytes a zero or trim range holds in the buffer (its bookkeeping, not its length).
 const RANGE_COST: u64 = 32;
-/// Writes at least this long are taken for the mirror's bulk copy (QEMU copies in chunks of
-/// the mirror's granularity, 64 KiB for qcow2; the guest's own writes are usually smaller).
+/// Writes at least this long are taken for the mirror's bulk copy (QEMU's bulk ops run up to
+/// 1 MiB over runs of dirty chunks; the guest's own writes are usually smaller).
 pub const BULK_WRITE: u64 = 64 * 1024;
 
 #[derive(Debug, Clone)]
@@ -354,6 +354,11 @@ impl TransmitBuffer {
         s.sent_total += bytes;
         drop(s);
         self.changed.notify_waiters();
+    }
+
+    /// Bytes sent since the buffer was made.
+    pub fn sent_total(&self) -> u64 {
+        self.lock().sent_total
     }
 
     /// Waits until the buffer holds at most `bytes`, or until as much as it held when asked

@@ -185,11 +185,11 @@ pub struct SourceDisks {
 /// A background copy's mirror marks what the guest rewrites by 4 KiB (QEMU's 64 KiB default
 /// would copy a guest's 4 KiB write 16 times over).
 const BACKGROUND_GRANULARITY: u64 = 4096;
-/// The mirror's window (what a pass claims and holds in flight) stays QEMU's 16 MiB: with a
-/// smaller one (2 MiB was tried) QEMU 10.0.2 crashed on a cancelled copy, 2 times in 10. A
-/// copy op that waits for buffer room is not yet counted in flight (`mirror_co_read`), so a
-/// cancelled job can free its buffer under it; at 16 MiB its 16 ops of 1 MiB all fit and none
-/// waits.
+// The mirror's window (`buf-size`: what a pass claims and holds in flight) stays QEMU's 16 MiB:
+// with a smaller one (2 MiB was tried) QEMU 10.0.2 crashed on a cancelled copy, 2 times in 10.
+// A copy op that waits for buffer room is not yet counted in flight (`mirror_co_read`), so a
+// cancelled job can free its buffer under it; at 16 MiB its 16 ops of 1 MiB all fit and none
+// waits.
 /// A background copy that comes no closer to done for this long does not converge (the guest
 /// rewrites blocks faster than the link carries them): the mirror turns write-blocking, which
 /// slows the guest's writes to the link.
@@ -200,17 +200,33 @@ pub const BACKGROUND_STALL: Duration = Duration::from_secs(10);
 struct Stall {
     after: Duration,
     low: Option<(u64, Instant)>,
+    sent: Option<u64>,
 }
 
 impl Stall {
     fn new(after: Duration) -> Stall {
-        Stall { after, low: None }
+        Stall {
+            after,
+            low: None,
+            sent: None,
+        }
     }
 
-    fn stalled(&mut self, left: u64, now: Instant) -> bool {
+    /// `sent`: the bytes the disk sender has handed to the WAN so far. While it sends nothing
+    /// (the WAN is down, or slower than ever) the copy cannot progress whatever the guest
+    /// does: that is not the guest's doing, and the wait starts again.
+    fn stalled(&mut self, left: u64, sent: u64, now: Instant) -> bool {
         // No wait at all (a test's hook): any copy is taken for stalled at once.
         if self.after.is_zero() {
             return true;
+        }
+        let link_idle = self.sent == Some(sent);
+        self.sent = Some(sent);
+        if link_idle {
+            if let Some((low, _)) = self.low {
+                self.low = Some((low.min(left), now));
+            }
+            return false;
         }
         match self.low {
             Some((low, _)) if left >= low => {}
@@ -463,7 +479,7 @@ impl SourceDisks {
             loop {
                 if !blocking {
                     let left = job_left(qmp, &job).await?;
-                    if stall.stalled(left, Instant::now()) {
+                    if stall.stalled(left, self.buffer.sent_total(), Instant::now()) {
                         tracing::warn!(
                             node,
                             left_bytes = left,
@@ -539,7 +555,10 @@ impl SourceDisks {
             for node in &self.nodes {
                 let job = job_id(node);
                 let Some(info) = jobs.iter().find(|j| j.device == job) else {
-                    bail!("the mirror of {node} ended before it was in step with the guest");
+                    let why = qmp
+                        .find_event("BLOCK_JOB_COMPLETED", |v| v["device"] == job.as_str())
+                        .map_or_else(|| "no reason given".to_owned(), |e| e.data.to_string());
+                    bail!("the mirror of {node} ended before it was in step with the guest: {why}");
                 };
                 synced += usize::from(info.actively_synced);
             }
@@ -917,22 +936,30 @@ mod tests {
         let at = |s: u64| t0 + Duration::from_secs(s);
         let mut s = Stall::new(BACKGROUND_STALL);
         // Zeroing the target: nothing counted yet, however long it takes.
-        assert!(!s.stalled(0, at(0)));
-        assert!(!s.stalled(0, at(30)));
-        // Progress, then the guest dirtying as fast as the copy goes.
-        assert!(!s.stalled(100 << 20, at(30)));
-        assert!(!s.stalled(60 << 20, at(35)));
-        assert!(!s.stalled(70 << 20, at(40)));
-        assert!(!s.stalled(60 << 20, at(44)));
-        assert!(s.stalled(65 << 20, at(45)));
+        assert!(!s.stalled(0, 1, at(0)));
+        assert!(!s.stalled(0, 2, at(30)));
+        // Progress, then the guest dirtying as fast as the copy goes (the link busy).
+        assert!(!s.stalled(100 << 20, 3, at(30)));
+        assert!(!s.stalled(60 << 20, 4, at(35)));
+        assert!(!s.stalled(70 << 20, 5, at(40)));
+        assert!(!s.stalled(60 << 20, 6, at(44)));
+        assert!(s.stalled(65 << 20, 7, at(45)));
         // A new low starts the wait again.
         let mut s = Stall::new(BACKGROUND_STALL);
-        assert!(!s.stalled(10 << 20, at(0)));
-        assert!(!s.stalled(9 << 20, at(9)));
-        assert!(!s.stalled(12 << 20, at(18)));
-        assert!(s.stalled(12 << 20, at(19)));
+        assert!(!s.stalled(10 << 20, 1, at(0)));
+        assert!(!s.stalled(9 << 20, 2, at(9)));
+        assert!(!s.stalled(12 << 20, 3, at(18)));
+        assert!(s.stalled(12 << 20, 4, at(19)));
+        // A WAN outage: nothing sent for 30 s is not the guest outwriting the link, and the
+        // wait starts again when the link carries data.
+        let mut s = Stall::new(BACKGROUND_STALL);
+        assert!(!s.stalled(10 << 20, 1, at(0)));
+        assert!(!s.stalled(10 << 20, 1, at(15)));
+        assert!(!s.stalled(10 << 20, 1, at(30)));
+        assert!(!s.stalled(10 << 20, 2, at(39)));
+        assert!(s.stalled(10 << 20, 3, at(40)));
         // The test hook: no wait at all.
-        assert!(Stall::new(Duration::ZERO).stalled(0, at(0)));
+        assert!(Stall::new(Duration::ZERO).stalled(0, 0, at(0)));
     }
 
     #[test]
