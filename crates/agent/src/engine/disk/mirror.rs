@@ -746,7 +746,17 @@ pub(super) fn start_channel(
         sending.buffer.clone(),
         digests.clone(),
     ));
-    (acks, tokio::spawn(send_snapshots(sending, digests, base)))
+    let session = sending.session.clone();
+    let sender = tokio::spawn(async move {
+        let sent = send_snapshots(sending, digests, base).await;
+        // Nothing would empty the buffer any more: the mirror would wait for room, and the
+        // migration for the mirror, until its deadline. The session's failure ends it now.
+        if let Err(e) = &sent {
+            session.fail(format!("the disk sender stopped: {e:#}"));
+        }
+        sent
+    });
+    (acks, sender)
 }
 
 /// Takes the destination's acknowledgements: a snapshot counts as applied once the digest
