@@ -559,7 +559,6 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
                     .qemu_mirror_write_blocking
                     .then(|| "write-blocking".into()),
                 granularity: None,
-                buf_size: None,
             })
             .await?;
         }

@@ -257,10 +257,6 @@ pub struct BlockdevMirror {
     /// 64 MiB; QEMU's default is the image's cluster size, or 64 KiB).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub granularity: Option<u64>,
-    /// The bytes the mirror copies ahead at once (default 16 MiB): it bounds both the area a
-    /// bulk pass claims and what it holds in flight.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub buf_size: Option<u64>,
 }
 command!(BlockdevMirror, "blockdev-mirror", Value);
 

@@ -7,7 +7,8 @@
 //! background where the mode allows (a guest write only marks the mirror's bitmap, so none
 //! waits for the copy), and in write-blocking mode hands every guest write to the target before
 //! completing it. Once it is ready and write-blocking with nothing left (`actively-synced`)
-//! the destination has (or will have, once the buffer drains) the whole disk. At the switchover (source paused at `pre-switchover`) `block-job-cancel` completes
+//! the destination has (or will have, once the buffer drains) the whole disk. At the
+//! switchover (source paused at `pre-switchover`) `block-job-cancel` completes
 //! the mirrors without pivoting, the buffer closes, and its last snapshots go out.
 
 use std::path::{Path, PathBuf};
@@ -452,7 +453,6 @@ impl SourceDisks {
                 sync: if top { "top" } else { "full" }.into(),
                 copy_mode: Some("write-blocking".into()),
                 granularity: None,
-                buf_size: None,
             };
             if self.background {
                 mirror.copy_mode = Some("background".into());
