@@ -471,6 +471,19 @@ impl SourceDisks {
     /// guest's writes until the difference crossed). Cancel-safe.
     /// Returns what to say of the copy (a background copy that stalled).
     pub async fn wait_ready(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<String> {
+        // Whichever query first finds the socket closed, the reason is the same.
+        self.wait_ready_or_fail(qmp, memory_bound)
+            .await
+            .map_err(|e| {
+                if qmp.is_closed() {
+                    e.context("the source QEMU went away during the disk copy")
+                } else {
+                    e
+                }
+            })
+    }
+
+    async fn wait_ready_or_fail(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<String> {
         let mut note = String::new();
         let mut blocking = !self.background;
         for node in &self.nodes {
@@ -513,7 +526,7 @@ impl SourceDisks {
                     bail!("the mirror of {node} ended before it was ready: {}", e.data);
                 }
                 if qmp.is_closed() {
-                    bail!("the source QEMU went away during the disk copy (its QMP socket closed)");
+                    bail!("its QMP socket closed");
                 }
             }
         }
