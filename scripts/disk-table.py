@@ -22,6 +22,19 @@ def span(xs, fmt):
     return f"{fmt(statistics.median(xs))} ({fmt(min(xs))}-{fmt(max(xs))})"
 
 
+def read_ratio(record):
+    """The reader's rate during the move against before it, percent (this run's own)."""
+    before = record.get("disk_reads_before_per_s")
+    during = (record.get("disk_write_latency") or {}).get("reads_per_s")
+    return 100 * during / before if before and during is not None else None
+
+
+def paced_s(record):
+    """How long pacing held the copy below its unpaced rate; None: not paced."""
+    ms = (record.get("disk") or {}).get("paced_ms")
+    return ms / 1000 if ms is not None else None
+
+
 def older_copy(kind, runs):
     """How the source knew what the destination's older copy holds; an index's read time."""
     if kind != "index":
@@ -43,9 +56,9 @@ def main(paths):
                     groups[key].append(r)
     print(
         "| system | disk mode | leg | older copy | runs | total s | WAN MB | disk frames MB | downtime ms "
-        "| write p50 ms | write p99 ms | write p99.9 ms | write max ms | writes | hot reads/s before | during | disk changed % | verify errors |"
+        "| write p50 ms | write p99 ms | write p99.9 ms | write max ms | writes | hot reads/s before | during | during/before % | paced s | disk changed % | verify errors |"
     )
-    print("|" + "---|" * 18)
+    print("|" + "---|" * 20)
     for (system, mode, leg, older), rs in sorted(groups.items()):
         done = [r for r in rs if r.get("completed")]
         lat = [r.get("disk_write_latency") or {} for r in done]
@@ -64,6 +77,8 @@ def main(paths):
             f"| {median([l.get('writes') for l in lat]) or '-'} "
             f"| {span([r.get('disk_reads_before_per_s') for r in done], lambda x: f'{x:.0f}')} "
             f"| {span([l.get('reads_per_s') for l in lat], lambda x: f'{x:.0f}')} "
+            f"| {span([read_ratio(r) for r in done], lambda x: f'{x:.0f}')} "
+            f"| {span([paced_s(r) for r in done], lambda x: f'{x:.1f}')} "
             f"| {span([r.get('disk_changed_pct') for r in done], lambda x: f'{x:.1f}')} "
             f"| {sum(r.get('verify_errors') or 0 for r in done)} |"
         )

@@ -39,6 +39,8 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         // libvirt's disk copy has no hook of ferry's inside it.
         (s.test_corrupt_disk_at.is_some(), "test_corrupt_disk_at"),
         (s.test_disk_stall_ms.is_some(), "test_disk_stall_ms"),
+        // libvirt runs its own mirror (its speed is libvirt's --bandwidth).
+        (s.disk_pacing_floor_pct.is_some(), "disk_pacing_floor_pct"),
     ];
     match unsupported.iter().find(|(set, _)| *set) {
         Some((_, what)) => Err(Refusal::NotWithLibvirt(what.to_string())),

@@ -459,6 +459,10 @@ pub struct DiskReport {
     /// How long the destination took to index its older copy.
     #[serde(default)]
     pub index_ms: Option<u64>,
+    /// A background copy paced by the guest's IO: how long it ran below its unpaced rate
+    /// (0: never needed). None: not paced.
+    #[serde(default)]
+    pub paced_ms: Option<u64>,
     /// Bytes of disk frames handed to the WAN (after the codec and zstd).
     pub frame_bytes: u64,
     /// Snapshots sent.

@@ -54,6 +54,11 @@ pub struct MigrationSettings {
     /// guest write waits for the copy, and turns write-blocking once the copy is done (off:
     /// write-blocking from the start, for comparison).
     pub disk_background_copy: bool,
+    /// A background copy paced by the guest's IO: while the guest's disk operations run
+    /// slower than before the copy, the copy slows down to this share (percent) of its
+    /// unpaced rate at the least. None: never paced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_pacing_floor_pct: Option<u32>,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
     /// so the destination's digest differs.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -99,6 +104,7 @@ impl Default for MigrationSettings {
             // On: in write-blocking mode a guest write to a region the bulk copy holds waits
             // for that copy's room on the WAN (BENCHMARKS.md, "Disks").
             disk_background_copy: true,
+            disk_pacing_floor_pct: None,
             test_corrupt_at: None,
             test_corrupt_disk_at: None,
             test_disk_stall_ms: None,
@@ -119,6 +125,8 @@ pub enum SettingsError {
     WanTimeout,
     #[error("disk buffer {0} MiB is out of range; use 1 to {MAX_DISK_BUFFER_MIB}")]
     DiskBuffer(u64),
+    #[error("disk pacing floor {0}% is out of range; use 5 to 100")]
+    DiskPacingFloor(u32),
 }
 
 /// The most TCP connections one migration opens (each has its own socket buffers and state).
@@ -145,6 +153,12 @@ impl MigrationSettings {
         }
         if !(1..=MAX_DISK_BUFFER_MIB).contains(&self.disk_buffer_mib) {
             return Err(SettingsError::DiskBuffer(self.disk_buffer_mib));
+        }
+        if let Some(pct) = self
+            .disk_pacing_floor_pct
+            .filter(|p| !(5..=100).contains(p))
+        {
+            return Err(SettingsError::DiskPacingFloor(pct));
         }
         Ok(())
     }
@@ -199,6 +213,10 @@ mod tests {
         assert_eq!(
             bad(|s| s.disk_buffer_mib = 5000),
             "disk buffer 5000 MiB is out of range; use 1 to 4096"
+        );
+        assert_eq!(
+            bad(|s| s.disk_pacing_floor_pct = Some(0)),
+            "disk pacing floor 0% is out of range; use 5 to 100"
         );
     }
 }

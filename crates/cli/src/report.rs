@@ -109,6 +109,12 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             bytes(d.frame_bytes),
             d.snapshots,
         );
+        if let Some(ms) = d.paced_ms {
+            println!(
+                "                       the copy was paced by the guest's IO: {:.1} s below its unpaced rate",
+                ms as f64 / 1000.0
+            );
+        }
         match d.older_copy.as_deref() {
             Some("bitmap") => println!(
                 "                       the destination's older copy was untouched since the VM left: QEMU's dirty bitmaps said what changed, nothing was read there"

@@ -81,6 +81,11 @@ pub struct SettingsFlags {
     /// writes from the start of the copy, not only once it is done (for comparison).
     #[arg(long)]
     pub no_disk_background_copy: bool,
+    /// ferry, VMs with disks, background copy: pace the copy by the guest's disk IO; while
+    /// the guest's operations run slower than before the copy, the copy slows down to this
+    /// percentage of its unpaced rate at the least (5 to 100).
+    #[arg(long)]
+    pub disk_pacing_floor_pct: Option<u32>,
     /// Give up after this many seconds; the source keeps running.
     #[arg(long, default_value_t = defaults().timeout_s)]
     pub timeout_s: u64,
@@ -110,6 +115,7 @@ impl SettingsFlags {
             disk_buffer_mib: self.disk_buffer_mib,
             disk_bitmaps: !self.no_disk_bitmaps,
             disk_background_copy: !self.no_disk_background_copy,
+            disk_pacing_floor_pct: self.disk_pacing_floor_pct,
             test_corrupt_at: self.test_corrupt_at,
             test_corrupt_disk_at: self.test_corrupt_disk_at,
             test_disk_stall_ms: self.test_disk_stall_ms,

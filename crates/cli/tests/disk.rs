@@ -91,6 +91,11 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
             // guest outwrites would be after 10 s: it turns write-blocking mid-copy.
             args.extend(["--test-disk-stall-ms", "0"]);
         }
+        if mode == "cloudnet" {
+            // The last move's copy is paced by the guest's IO (the guest writes 0.5 MiB/s of
+            // 4 KiB blocks, enough to judge).
+            args.extend(["--disk-pacing-floor-pct", "50"]);
+        }
         let v = json(&t.ok(&args));
         assert_arrived_intact(&v, 4096, mode);
         assert_disk_before_memory(&v);
@@ -114,6 +119,7 @@ fn ferry_moves_a_disk_under_guest_writes_in_every_mode() {
             "background"
         };
         assert_eq!(disk["copy"], copy, "{mode}: {v}");
+        assert_eq!(disk["paced_ms"].is_u64(), mode == "cloudnet", "{mode}: {v}");
         // At least the writer's 16 MiB file came through the mirror, and went on the WAN.
         assert!(disk["written_bytes"].as_u64().unwrap() >= 16 << 20, "{v}");
         assert!(disk["frame_bytes"].as_u64().unwrap() > 0, "{v}");

@@ -440,7 +440,10 @@ async fn measured_migration(
             {
                 format!("{} blocking-copy", sc.migrate.settings.disk_mode.name())
             }
-            System::Ferry(_) => sc.migrate.settings.disk_mode.name().to_owned(),
+            System::Ferry(_) => match sc.migrate.settings.disk_pacing_floor_pct {
+                Some(pct) => format!("{} paced {pct}%", sc.migrate.settings.disk_mode.name()),
+                None => sc.migrate.settings.disk_mode.name().to_owned(),
+            },
             System::Qemu(_) if sc.migrate.qemu_mirror_write_blocking => "write-blocking".into(),
             System::Qemu(_) => "background".into(),
         }),

@@ -272,6 +272,39 @@ pub struct BlockJobChangeCopyMode {
 }
 command!(BlockJobChangeCopyMode, "block-job-change", Value);
 
+/// `block-job-set-speed`: a job's rate limit, bytes per second (0: none).
+#[derive(Debug, Serialize)]
+pub struct BlockJobSetSpeed {
+    pub device: String,
+    pub speed: u64,
+}
+command!(BlockJobSetSpeed, "block-job-set-speed", Value);
+
+/// `query-blockstats`: the block layer's accounting of each block backend.
+#[derive(Debug, Serialize)]
+pub struct QueryBlockstats;
+command!(QueryBlockstats, "query-blockstats", Vec<BlockStats>);
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockStats {
+    /// The guest device the backend is attached to (absent for QEMU's own backends).
+    #[serde(default)]
+    pub qdev: Option<String>,
+    pub stats: BlockDeviceStats,
+}
+
+/// Counters since the backend was created.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct BlockDeviceStats {
+    pub rd_operations: u64,
+    pub wr_operations: u64,
+    pub flush_operations: u64,
+    pub rd_total_time_ns: u64,
+    pub wr_total_time_ns: u64,
+    pub flush_total_time_ns: u64,
+}
+
 /// `query-commands`: the QMP commands this QEMU knows.
 #[derive(Debug, Serialize)]
 pub struct QueryCommands;

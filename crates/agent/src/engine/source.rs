@@ -130,6 +130,17 @@ async fn migrate(
         disk::mirror::add_backing(&qmp, &mut plans).await?;
         plans
     };
+    // Pacing's baseline: the guest's disk IO from here until its copy starts (while the
+    // session connects and the destination prepares).
+    let disk_io_before = if disk_plans.is_empty() || req.settings.disk_pacing_floor_pct.is_none() {
+        None
+    } else {
+        disk::pacing::guest_io(&qmp)
+            .await
+            .map_err(|e| tracing::warn!("query-blockstats failed ({e:#}): no disk pacing"))
+            .ok()
+            .map(|io| (Instant::now(), io))
+    };
 
     // The session and its connections.
     let id = SessionId::random();
@@ -357,6 +368,11 @@ async fn migrate(
                         .settings
                         .test_disk_stall_ms
                         .map_or(disk::mirror::BACKGROUND_STALL, Duration::from_millis),
+                    pacing_floor: req
+                        .settings
+                        .disk_pacing_floor_pct
+                        .map(|p| f64::from(p) / 100.0),
+                    io_before: disk_io_before,
                 },
                 AtDestination {
                     base,
@@ -374,7 +390,7 @@ async fn migrate(
                 .map(|rate| memory_phase_buffer(rate, req.settings.downtime_ms));
             // The destination may give up during the copy (its disk full, its QEMU gone): its
             // word is the reason, where the copy would otherwise wait for the WAN timeout.
-            let note = tokio::select! {
+            let ready = tokio::select! {
                 r = watchdog(&session, status, &limits, d.wait_ready(&qmp, memory_bound)) => r??,
                 msg = ctl.recv() => match msg {
                     Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
@@ -383,7 +399,12 @@ async fn migrate(
                 },
             };
             d.memory_phase(req.link_rate_mbit, req.settings.downtime_ms);
-            status.update(|s| s.event(EventKind::DiskReady, note.clone()));
+            status.update(|s| {
+                if let Some(d) = &mut s.disk {
+                    d.paced_ms = ready.paced.map(|p| u64::try_from(p.as_millis()).unwrap_or(u64::MAX));
+                }
+                s.event(EventKind::DiskReady, ready.note.clone());
+            });
         }
         // From QEMU's stream on, its end may go out with no other step here: recorded first,
         // so that a restart asks the destination rather than resuming the VM.

@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 
 use super::backing::backing_of;
 use super::buffer::{Extent, TransmitBuffer};
+use super::pacing::{pacing_baseline, GuestIo, Pacer, Pacing};
 use super::since::{self, BitmapExports, BitmapView};
 use super::SentDigests;
 use super::{
@@ -143,6 +144,10 @@ pub struct DiskSettings {
     pub background_copy: bool,
     /// How long a background copy may come no closer to done ([`BACKGROUND_STALL`]).
     pub stall_after: Duration,
+    /// Pace a background copy by the guest's IO, down to this share of its unpaced rate.
+    pub pacing_floor: Option<f64>,
+    /// The guest's disk counters some time before the copy (pacing's baseline).
+    pub io_before: Option<(Instant, GuestIo)>,
 }
 
 /// An older copy of the disks at the destination, and how the source knows what it holds.
@@ -166,6 +171,14 @@ pub struct AtDestination {
     pub top_only: Vec<bool>,
 }
 
+/// How the bulk copy went, once it is done.
+pub struct Ready {
+    /// What to say of it (empty: nothing unusual).
+    pub note: String,
+    /// How long pacing held it below its unpaced rate; None: not paced.
+    pub paced: Option<Duration>,
+}
+
 /// The disks of one migration, source side.
 pub struct SourceDisks {
     pub buffer: Arc<TransmitBuffer>,
@@ -174,6 +187,9 @@ pub struct SourceDisks {
     /// The mirrors copy in the background until they are ready.
     background: bool,
     stall_after: Duration,
+    pacing_floor: Option<f64>,
+    /// The guest's disk counters before the copy and at its start (pacing's baseline).
+    baseline: Option<[(Instant, GuestIo); 2]>,
     sockets: Vec<PathBuf>,
     servers: Vec<JoinHandle<()>>,
     acks: JoinHandle<()>,
@@ -261,7 +277,7 @@ async fn can_change_copy_mode(qmp: &Qmp) -> bool {
     }
 }
 
-fn job_id(node: &str) -> String {
+pub(super) fn job_id(node: &str) -> String {
     format!("ferry-mirror-{node}")
 }
 
@@ -330,6 +346,8 @@ impl SourceDisks {
             corrupt_at,
             background_copy,
             stall_after,
+            pacing_floor,
+            io_before,
         } = settings;
         // Synchronous mode's promise (a write completes once the destination has it) holds
         // from the start, so only the other modes copy in the background.
@@ -402,12 +420,18 @@ impl SourceDisks {
             },
             base,
         );
+        let baseline = match (pacing_floor.filter(|_| background), io_before) {
+            (Some(_), Some(before)) => pacing_baseline(qmp, before).await,
+            _ => None,
+        };
         let mut disks = SourceDisks {
             buffer,
             nodes: plans.iter().map(|p| p.node.clone()).collect(),
             mode,
             background,
             stall_after,
+            pacing_floor,
+            baseline,
             sockets,
             servers,
             acks,
@@ -469,8 +493,8 @@ impl SourceDisks {
     /// (every guest write reaches the buffer), and then until the buffer holds at most
     /// `memory_bound` (the memory phase's bound: a cut below what it holds would stall the
     /// guest's writes until the difference crossed). Cancel-safe.
-    /// Returns what to say of the copy (a background copy that stalled).
-    pub async fn wait_ready(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<String> {
+    /// Returns what to say of the copy (a background copy that stalled or was paced).
+    pub async fn wait_ready(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<Ready> {
         // Whichever query first finds the socket closed, the reason is the same.
         self.wait_ready_or_fail(qmp, memory_bound)
             .await
@@ -483,14 +507,19 @@ impl SourceDisks {
             })
     }
 
-    async fn wait_ready_or_fail(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<String> {
-        let mut note = String::new();
+    async fn wait_ready_or_fail(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<Ready> {
+        let mut notes = Vec::new();
+        let mut paced = None;
         let mut blocking = !self.background;
+        let mut pacing = self.pacing();
         for node in &self.nodes {
             let job = job_id(node);
             let mut stall = Stall::new(self.stall_after);
             loop {
                 if !blocking {
+                    if let Some(p) = &mut pacing {
+                        p.look(qmp, &self.nodes, self.buffer.sent_total()).await?;
+                    }
                     let left = job_left(qmp, &job).await?;
                     if stall.stalled(left, self.buffer.sent_total(), Instant::now()) {
                         tracing::warn!(
@@ -502,11 +531,14 @@ impl SourceDisks {
                             self.stall_after
                         );
                         self.write_blocking(qmp).await?;
+                        if let Some(p) = &mut pacing {
+                            p.end(qmp, &self.nodes).await?;
+                        }
                         blocking = true;
-                        note = format!(
+                        notes.push(format!(
                             "the background copy stalled with {left} bytes left: write-blocking \
                              from then on"
-                        );
+                        ));
                     }
                 }
                 if qmp
@@ -533,13 +565,35 @@ impl SourceDisks {
         if !blocking {
             self.write_blocking(qmp).await?;
         }
+        if let Some(mut p) = pacing {
+            // Nothing is paced once the bulk copy is done: what is left is the guest's own.
+            p.end(qmp, &self.nodes).await?;
+            notes.extend(p.pacer.summary());
+            paced = Some(p.pacer.paced());
+        }
         if self.background {
             self.wait_actively_synced(qmp).await?;
         }
         if let Some(bound) = memory_bound {
             self.buffer.drain_to(bound).await;
         }
-        Ok(note)
+        Ok(Ready {
+            note: notes.join("; "),
+            paced,
+        })
+    }
+
+    /// The pacing of a background copy, if asked for and the guest uses its disks enough to
+    /// judge.
+    fn pacing(&self) -> Option<Pacing> {
+        let floor = self.pacing_floor?;
+        let [before, at_start] = self.baseline?;
+        let pacer = Pacer::new(before, at_start, floor);
+        if !pacer.active() {
+            tracing::info!("the guest barely uses its disks: the disk copy is not paced");
+            return None;
+        }
+        Some(Pacing::new(pacer))
     }
 
     /// Turns every mirror write-blocking.
@@ -888,7 +942,14 @@ async fn send_snapshots(
         report.coalesced_bytes = b.coalesced;
         report.held_bytes = b.held;
         report.snapshots = count;
-        status.update(|s| s.disk = Some(report.clone()));
+        status.update(|s| {
+            // The copy's control loop, not this sender, knows how it was paced.
+            let paced_ms = s.disk.as_ref().and_then(|d| d.paced_ms);
+            s.disk = Some(DiskReport {
+                paced_ms,
+                ..report.clone()
+            });
+        });
     }
     session
         .send(

@@ -1,0 +1,383 @@
+//! Pacing a background disk copy by the guest's own IO (IOFollow's scheduling, in QEMU's terms):
+//! while the guest's disk operations run slower than before the copy began, the mirror's
+//! speed is cut; while they do not, it is raised again, up to unlimited.
+//!
+//! The signal is QEMU's block accounting (`query-blockstats`) over all of the guest's disk
+//! devices: operations per second, and the time they were outstanding per second (their
+//! average queue depth, by Little's law). The copy's reference rate is what the disk sender
+//! drained while the copy ran unpaced. The lever is the mirror's `speed`, which limits only
+//! its bulk copy; the guest's own writes are never paced.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use ferry_qemu::commands::{BlockJobSetSpeed, QueryBlockstats};
+use ferry_qemu::Qmp;
+
+use super::mirror::job_id;
+
+/// How often the pacer looks.
+pub const PACING_INTERVAL: Duration = Duration::from_millis(500);
+/// The guest counts as slowed when it completes fewer operations than this share of its rate
+/// before the copy.
+const SLOWED_OPS: f64 = 0.85;
+/// ... or when its operations wait this many times longer on average than before (and at
+/// least [`SLOWED_LATENCY_FLOOR_NS`]).
+const SLOWED_LATENCY: f64 = 2.0;
+const SLOWED_LATENCY_FLOOR_NS: f64 = 5e6;
+/// A cut multiplies the speed by this; a calm interval adds this share of the reference.
+const CUT: f64 = 0.7;
+const RAISE: f64 = 0.1;
+/// Fewer operations per second than this before the copy: the guest is not using its disks
+/// and its slowdown cannot be told from its own pauses; nothing is paced.
+const MIN_BASELINE_OPS: f64 = 20.0;
+
+/// The guest's disk activity so far, summed over its devices (QEMU's counters since boot).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GuestIo {
+    pub ops: u64,
+    /// Nanoseconds the operations were outstanding, summed.
+    pub busy_ns: u64,
+}
+
+/// The guest's activity over one interval.
+#[derive(Debug, Clone, Copy)]
+struct Rate {
+    ops_per_s: f64,
+    /// Average nanoseconds per operation.
+    latency_ns: f64,
+}
+
+impl Rate {
+    fn between(a: GuestIo, b: GuestIo, dt: Duration) -> Option<Rate> {
+        let s = dt.as_secs_f64();
+        let ops = b.ops.checked_sub(a.ops)?;
+        if s <= 0.0 {
+            return None;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let latency_ns = if ops == 0 {
+            0.0
+        } else {
+            b.busy_ns.saturating_sub(a.busy_ns) as f64 / ops as f64
+        };
+        #[allow(clippy::cast_precision_loss)]
+        Some(Rate {
+            ops_per_s: ops as f64 / s,
+            latency_ns,
+        })
+    }
+}
+
+/// A speed for the mirrors: bytes per second, or unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Speed {
+    Limited(u64),
+    Unlimited,
+}
+
+impl Speed {
+    /// QEMU's `speed` argument (0: unlimited).
+    pub fn qemu(self) -> u64 {
+        match self {
+            Speed::Limited(b) => b.max(1),
+            Speed::Unlimited => 0,
+        }
+    }
+}
+
+/// The pacing loop's state (no IO here: the caller samples and applies).
+pub struct Pacer {
+    /// The guest before the copy; None: too idle to judge.
+    baseline: Option<Rate>,
+    /// The lowest speed, as a share of the reference.
+    floor: f64,
+    last: Option<(Instant, GuestIo, u64)>,
+    /// Bytes per second the sender drained while the copy ran unpaced.
+    reference: Option<f64>,
+    unpaced_since: Option<(Instant, u64)>,
+    speed: Option<f64>,
+    paced: Duration,
+    lowest: f64,
+}
+
+impl Pacer {
+    /// `before`: the guest's counters some time before the copy and at its start.
+    pub fn new(before: (Instant, GuestIo), at_start: (Instant, GuestIo), floor: f64) -> Pacer {
+        let baseline = Rate::between(before.1, at_start.1, at_start.0 - before.0)
+            .filter(|r| r.ops_per_s >= MIN_BASELINE_OPS);
+        Pacer {
+            baseline,
+            floor: floor.clamp(0.05, 1.0),
+            last: None,
+            reference: None,
+            unpaced_since: None,
+            speed: None,
+            paced: Duration::ZERO,
+            lowest: 1.0,
+        }
+    }
+
+    /// Whether there is a baseline to pace by.
+    pub fn active(&self) -> bool {
+        self.baseline.is_some()
+    }
+
+    /// One look: the guest's counters and the bytes the disk sender has sent. Returns the new
+    /// speed when it changes.
+    pub fn tick(&mut self, now: Instant, io: GuestIo, sent: u64) -> Option<Speed> {
+        let baseline = self.baseline?;
+        let Some((then, last_io, _)) = self.last.replace((now, io, sent)) else {
+            self.unpaced_since = Some((now, sent));
+            return None;
+        };
+        let dt = now.duration_since(then);
+        if self.speed.is_some() {
+            self.paced += dt;
+        }
+        // While unpaced, the sender's rate so far is the reference.
+        if self.speed.is_none() {
+            if let Some((since, sent0)) = self.unpaced_since {
+                let s = now.duration_since(since).as_secs_f64();
+                if s >= PACING_INTERVAL.as_secs_f64() {
+                    #[allow(clippy::cast_precision_loss)]
+                    let rate = sent.saturating_sub(sent0) as f64 / s;
+                    if rate > 0.0 {
+                        self.reference = Some(rate);
+                    }
+                }
+            }
+        }
+        let reference = self.reference?;
+        let now_rate = Rate::between(last_io, io, dt)?;
+        let slowed = now_rate.ops_per_s < SLOWED_OPS * baseline.ops_per_s
+            || now_rate.latency_ns
+                > (SLOWED_LATENCY * baseline.latency_ns).max(SLOWED_LATENCY_FLOOR_NS);
+        let floor = self.floor * reference;
+        let next = match (slowed, self.speed) {
+            (true, None) => Some(reference * CUT),
+            (true, Some(s)) => Some(s * CUT),
+            (false, Some(s)) if s + RAISE * reference >= reference => None,
+            (false, Some(s)) => Some(s + RAISE * reference),
+            (false, None) => return None,
+        }
+        .map(|s| s.max(floor));
+        if next == self.speed {
+            return None;
+        }
+        self.speed = next;
+        match next {
+            Some(s) => {
+                self.lowest = self.lowest.min(s / reference);
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                Some(Speed::Limited(s as u64))
+            }
+            None => {
+                self.unpaced_since = Some((now, sent));
+                Some(Speed::Unlimited)
+            }
+        }
+    }
+
+    /// How long the copy ran below its unpaced rate.
+    pub fn paced(&self) -> Duration {
+        self.paced
+    }
+
+    /// What to say of the pacing, if it slowed the copy at all.
+    pub fn summary(&self) -> Option<String> {
+        (self.paced > Duration::ZERO).then(|| {
+            format!(
+                "paced for {:.1} s by the guest's IO, down to {:.0}% of the unpaced rate",
+                self.paced.as_secs_f64(),
+                self.lowest * 100.0
+            )
+        })
+    }
+}
+
+/// The shortest look at the guest's IO before a paced copy starts.
+const PACING_BASELINE: Duration = Duration::from_secs(1);
+
+/// The guest's IO from `before` to now, at least [`PACING_BASELINE`] of it (the copy waits
+/// for the rest): what pacing compares the guest with. None: QEMU did not say.
+pub async fn pacing_baseline(
+    qmp: &Qmp,
+    before: (Instant, GuestIo),
+) -> Option<[(Instant, GuestIo); 2]> {
+    tokio::time::sleep_until((before.0 + PACING_BASELINE).into()).await;
+    match guest_io(qmp).await {
+        Ok(io) => Some([before, (Instant::now(), io)]),
+        Err(e) => {
+            tracing::warn!("query-blockstats failed ({e:#}): the disk copy is not paced");
+            None
+        }
+    }
+}
+
+/// The guest's disk activity so far: QEMU's accounting summed over the guest's devices.
+pub async fn guest_io(qmp: &Qmp) -> Result<GuestIo> {
+    let all = qmp.execute(&QueryBlockstats).await?;
+    Ok(all
+        .iter()
+        .filter(|b| b.qdev.as_deref().is_some_and(|q| !q.is_empty()))
+        .fold(GuestIo::default(), |io, b| {
+            let s = &b.stats;
+            GuestIo {
+                ops: io.ops + s.rd_operations + s.wr_operations + s.flush_operations,
+                busy_ns: io.busy_ns
+                    + s.rd_total_time_ns
+                    + s.wr_total_time_ns
+                    + s.flush_total_time_ns,
+            }
+        }))
+}
+
+/// A background copy's pacing in progress: the [`Pacer`] and the QEMU it drives.
+pub struct Pacing {
+    pub pacer: Pacer,
+    last_look: Option<Instant>,
+    limited: bool,
+}
+
+impl Pacing {
+    pub fn new(pacer: Pacer) -> Pacing {
+        Pacing {
+            pacer,
+            last_look: None,
+            limited: false,
+        }
+    }
+
+    /// Looks at the guest once per [`PACING_INTERVAL`] and sets the mirrors' speed.
+    pub async fn look(&mut self, qmp: &Qmp, nodes: &[String], sent: u64) -> Result<()> {
+        let now = Instant::now();
+        if self
+            .last_look
+            .is_some_and(|t| now.duration_since(t) < PACING_INTERVAL)
+        {
+            return Ok(());
+        }
+        self.last_look = Some(now);
+        let io = guest_io(qmp).await?;
+        if let Some(speed) = self.pacer.tick(now, io, sent) {
+            tracing::debug!(?speed, "disk copy pacing");
+            self.set(qmp, nodes, speed).await?;
+        }
+        Ok(())
+    }
+
+    /// The copy is done: its speed unlimited again.
+    pub async fn end(&mut self, qmp: &Qmp, nodes: &[String]) -> Result<()> {
+        if self.limited {
+            self.set(qmp, nodes, Speed::Unlimited).await?;
+        }
+        Ok(())
+    }
+
+    async fn set(&mut self, qmp: &Qmp, nodes: &[String], speed: Speed) -> Result<()> {
+        for node in nodes {
+            qmp.execute(&BlockJobSetSpeed {
+                device: job_id(node),
+                speed: speed.qemu(),
+            })
+            .await
+            .with_context(|| format!("setting the speed of the mirror of {node}"))?;
+        }
+        self.limited = speed != Speed::Unlimited;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A guest doing `ops_per_s` operations of `latency_ms` each, sampled over `dt`.
+    fn io(prev: GuestIo, ops_per_s: u64, latency_ms: u64, dt: Duration) -> GuestIo {
+        let ops = ops_per_s * u64::try_from(dt.as_millis()).unwrap() / 1000;
+        GuestIo {
+            ops: prev.ops + ops,
+            busy_ns: prev.busy_ns + ops * latency_ms * 1_000_000,
+        }
+    }
+
+    struct Run {
+        pacer: Pacer,
+        t: Instant,
+        io: GuestIo,
+        sent: u64,
+    }
+
+    impl Run {
+        /// A guest at 1000 ops/s of 1 ms before the copy; the sender drains 10 MB/s.
+        fn new(floor: f64) -> Run {
+            let t0 = Instant::now();
+            let a = GuestIo::default();
+            let b = io(a, 1000, 1, 1000 * MS);
+            let t = t0 + 1000 * MS;
+            Run {
+                pacer: Pacer::new((t0, a), (t, b), floor),
+                t,
+                io: b,
+                sent: 0,
+            }
+        }
+
+        fn tick(&mut self, ops_per_s: u64, latency_ms: u64) -> Option<Speed> {
+            self.t += PACING_INTERVAL;
+            self.io = io(self.io, ops_per_s, latency_ms, PACING_INTERVAL);
+            self.sent += 5_000_000;
+            self.pacer.tick(self.t, self.io, self.sent)
+        }
+    }
+
+    #[test]
+    fn a_guest_unslowed_by_the_copy_leaves_it_unpaced() {
+        let mut r = Run::new(0.5);
+        for _ in 0..20 {
+            assert_eq!(r.tick(990, 1), None);
+        }
+        assert_eq!(r.pacer.summary(), None);
+    }
+
+    #[test]
+    fn a_slowed_guest_cuts_the_speed_down_to_the_floor_and_a_calm_one_raises_it_back() {
+        let mut r = Run::new(0.5);
+        assert_eq!(
+            r.tick(1000, 1),
+            None,
+            "the first look only sets the reference"
+        );
+        assert_eq!(r.tick(500, 1), Some(Speed::Limited(7_000_000)));
+        assert_eq!(r.tick(500, 1), Some(Speed::Limited(5_000_000)));
+        assert_eq!(r.tick(500, 1), None, "at the floor");
+        assert_eq!(r.tick(1000, 1), Some(Speed::Limited(6_000_000)));
+        for _ in 0..3 {
+            assert!(matches!(r.tick(1000, 1), Some(Speed::Limited(_))));
+        }
+        assert_eq!(r.tick(1000, 1), Some(Speed::Unlimited));
+        let s = r.pacer.summary().expect("it paced");
+        assert!(s.contains("down to 50%"), "{s}");
+    }
+
+    #[test]
+    fn slower_operations_count_as_slowed_even_at_the_same_rate() {
+        let mut r = Run::new(0.5);
+        r.tick(1000, 1);
+        assert_eq!(r.tick(1000, 8), Some(Speed::Limited(7_000_000)));
+    }
+
+    #[test]
+    fn an_idle_guest_is_never_paced() {
+        let t0 = Instant::now();
+        let a = GuestIo::default();
+        let b = io(a, 10, 1, 1000 * MS);
+        let mut p = Pacer::new((t0, a), (t0 + 1000 * MS, b), 0.5);
+        assert!(!p.active());
+        assert_eq!(p.tick(t0 + 1500 * MS, io(b, 0, 0, 500 * MS), 1 << 20), None);
+        assert_eq!(p.tick(t0 + 2000 * MS, io(b, 0, 0, 500 * MS), 2 << 20), None);
+    }
+}
