@@ -435,6 +435,9 @@ pub struct DiskReport {
     /// Disks whose backing image the destination already held: only their overlay was copied.
     #[serde(default)]
     pub overlay_only: u32,
+    /// Disk images the destination made for the migration (it had none at their paths).
+    #[serde(default)]
+    pub images_made: u32,
     /// How QEMU's mirror copied the disks: `background` (no guest write waited for the bulk
     /// copy; write-blocking once it was done) or `write-blocking` (from the start).
     #[serde(default)]

@@ -35,9 +35,9 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
     let name = "bare1";
     // Its monitor outside the agent's `[qemu] qmp_dir`: `--qmp` names it.
     let spec = bare::spec(name, Path::new(HOST_DIR).join(format!("{name}.qmp")), 90);
-    // The VM's disk: its owner's image at site a; at site b an empty one of the same size at
-    // the same path, made after a first attempt without it.
-    let size = bare::prepare(&t, &spec);
+    // The VM's disk: its owner's image at site a; none at site b, where the destination agent
+    // makes one at the same path.
+    bare::prepare(&t, &spec);
     let source_pid = bare::start_at_a(&t, &spec);
     let link = common::guest_at(
         &rt,
@@ -90,28 +90,42 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         text(&out)
     );
 
-    // A destination without the disk's storage: QEMU there names the image it lacks.
-    let out = migrate(&[]);
+    let mut argv = vec![ferry_qemu::qemu_program()];
+    argv.extend(spec.argv());
+    let argv_file = |file: &str, argv: Vec<String>| {
+        std::fs::write(t.lab.host_dir(Site::A).join(file), argv.join("\n")).unwrap();
+        format!("{HOST_DIR}/{file}")
+    };
+
+    // A destination without the disk's directory (an unmounted volume, say): its agent makes
+    // no image there and names it.
+    let elsewhere = argv_file(
+        "elsewhere-argv",
+        argv.iter()
+            .map(|a| a.replace(HOST_DIR, "/run/ferry-nowhere"))
+            .collect(),
+    );
+    let out = migrate(&["--destination-argv-file", &elsewhere]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains(&format!("{HOST_DIR}/{name}.qcow2")),
+        String::from_utf8_lossy(&out.stderr).contains(&format!(
+            "making disk \"disk0\"'s image: /run/ferry-nowhere/{name}.qcow2: its directory \
+             /run/ferry-nowhere is not on this host"
+        )),
         "{}",
         text(&out)
     );
-    bare::empty_disk(&t, Site::B, name, size);
 
     // A destination that cannot have the VM (its kernel is not on that host): QEMU's own
     // words come back, the source keeps running, nothing is left at the destination.
-    let mut argv = vec![ferry_qemu::qemu_program()];
     let img = ferry_lab::vm::ensure_image().unwrap();
     let kernel = img.kernel.to_string_lossy().into_owned();
-    argv.extend(
-        spec.argv()
-            .into_iter()
-            .map(|a| a.replace(&kernel, "/nonexistent/vmlinuz")),
+    let bad_argv = argv_file(
+        "bad-argv",
+        argv.iter()
+            .map(|a| a.replace(&kernel, "/nonexistent/vmlinuz"))
+            .collect(),
     );
-    std::fs::write(t.lab.host_dir(Site::A).join("bad-argv"), argv.join("\n")).unwrap();
-    let bad_argv = format!("{HOST_DIR}/bad-argv");
     let out = migrate(&["--destination-argv-file", &bad_argv]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -129,6 +143,11 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     assert!(left.is_empty(), "left at the destination: {left:?}");
+    // The image made for it went with it.
+    assert!(
+        !bare::disk(&t, Site::B, name).exists(),
+        "the image made for a failed migration is left"
+    );
     let v = rt.block_on(ferry_lab::guest::verify(&link, true)).unwrap();
     assert_eq!(
         v.errors(),
@@ -136,14 +155,15 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         "the source guest's memory and disk after the failures"
     );
 
-    // The move itself: nothing was started at site b; its agent starts the VM from the
-    // source QEMU's command line, and the disk is copied into the image there.
+    // The move itself: nothing was started at site b; its agent makes the disk's image and
+    // starts the VM from the source QEMU's command line, and the disk is copied into it.
     let out = migrate(&["--json"]);
     assert!(out.status.success(), "{}", text(&out));
     let v = common::json(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(v["outcome"]["completed"], true, "{v}");
     assert!(v["outcome"]["downtime_ms"].as_f64().unwrap() > 0.0, "{v}");
     assert_eq!(v["outcome"]["disk"]["disks"], 1, "{v}");
+    assert_eq!(v["outcome"]["disk"]["images_made"], 1, "{v}");
     let tl = common::timeline(&v);
     let kinds: Vec<_> = tl.events.iter().map(|e| e.kind).collect();
     for kind in [

@@ -402,6 +402,14 @@ pub struct DirtyBitmap {
 #[serde(rename_all = "kebab-case")]
 pub struct BlockImage {
     pub virtual_size: u64,
+    /// The image's format (`qcow2`, `raw`, ...).
+    #[serde(default)]
+    pub format: Option<String>,
+    /// The backing file as the image names it (relative names are relative to the image).
+    #[serde(default)]
+    pub backing_filename: Option<String>,
+    #[serde(default)]
+    pub backing_filename_format: Option<String>,
     /// Bytes the image file takes on the host (what is allocated).
     #[serde(default)]
     pub actual_size: Option<u64>,

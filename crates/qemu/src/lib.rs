@@ -9,6 +9,7 @@
 //!   re-emitted byte for byte.
 //! - [`nbd`]: NBD server (the disk mirror's target) and client (the destination's export).
 
+pub mod blockdev_args;
 pub mod commands;
 pub mod incoming;
 pub mod launch;

@@ -41,6 +41,20 @@ pub struct DiskPlan {
     /// one of them need not index it.
     #[serde(default)]
     pub tracked_since: Vec<String>,
+    /// What the destination needs to make the disk's image where it has none. None: an
+    /// older source.
+    #[serde(default)]
+    pub image: Option<ImageShape>,
+}
+
+/// A disk image's format and its backing file as the image names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageShape {
+    pub format: String,
+    #[serde(default)]
+    pub backing: Option<String>,
+    #[serde(default)]
+    pub backing_format: Option<String>,
 }
 
 /// The version of these messages this agent speaks; `Prepare` carries it and the destination
@@ -126,6 +140,9 @@ pub enum Control {
         /// them content ([`crate::engine::load_sieve`]).
         #[serde(default)]
         zeroed_blocks: Vec<String>,
+        /// Disk images the destination made for this migration (it had none at their paths).
+        #[serde(default)]
+        images_made: u32,
     },
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
     /// disk channel, and their operations hash to this SHA-256.

@@ -18,6 +18,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::disk;
 use crate::engine::disk::apply::DestinationDisks;
 use crate::engine::disk::backing::backing_of;
 use crate::engine::disk::since;
@@ -79,11 +80,12 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
         if let Some(qmp) = &qmp {
             let _ = qmp.execute(&Quit).await;
         }
-        if let Some((arrival, pid)) = launched {
+        if let Some((arrival, pid, made)) = launched {
             if let Some(pid) = pid {
                 launcher::kill(pid);
             }
             launcher::clean_up(&arrival.socket, &arrival.pidfile);
+            disk::image::remove(&made);
         }
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
@@ -116,7 +118,8 @@ pub struct Dirs {
 }
 
 /// A QEMU this agent started for the VM arriving (its monitor's place, its pid).
-type Launched = Option<(Arrival, Option<u32>)>;
+/// And the disk images it made for it.
+type Launched = Option<(Arrival, Option<u32>, Vec<PathBuf>)>;
 
 async fn serve(
     session: &Session,
@@ -181,7 +184,8 @@ async fn serve(
             let arrival = dirs.monitors.claim(&vm).await?;
             let socket = arrival.socket.clone();
             let record = record(&socket)?;
-            let (arrival, pid) = launched.insert((arrival, None));
+            let (arrival, pid, made) = launched.insert((arrival, None, Vec::new()));
+            *made = disk::image::make_missing(&argv, &disks).await?;
             *pid = launcher::start(&argv, &arrival.socket, &arrival.pidfile)
                 .await?
                 .pid;
@@ -321,6 +325,9 @@ async fn serve(
             disk_base_note: disk_base_note.take(),
             disk_index_ms: disk_index_ms.take(),
             zeroed_blocks: zero.all_zero_blocks(),
+            images_made: launched.as_ref().map_or(0, |(_, _, made)| {
+                u32::try_from(made.len()).unwrap_or(u32::MAX)
+            }),
         },
     )
     .await?;

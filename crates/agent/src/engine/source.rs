@@ -215,6 +215,7 @@ async fn migrate(
     let mut disks: Option<SourceDisks> = None;
     let mut disk_base_len: Option<u64> = None;
     let mut disk_top_only: Vec<bool> = Vec::new();
+    let mut disk_images_made = 0;
     let (mut disk_since, mut disk_base_note, mut disk_index_ms) = (None, None, None);
 
     let mut limits = Limits {
@@ -259,7 +260,9 @@ async fn migrate(
                 disk_base_note: note,
                 disk_index_ms: index_ms,
                 zeroed_blocks,
+                images_made,
             }) => {
+                disk_images_made = images_made;
                 disk_base_len = disk_base_bytes;
                 disk_top_only = top_only;
                 (disk_since, disk_base_note, disk_index_ms) = (since, note, index_ms);
@@ -380,6 +383,7 @@ async fn migrate(
                     index_ms: disk_index_ms.take(),
                     exports: bitmap_exports.take(),
                     top_only: disk_top_only.clone(),
+                    images_made: disk_images_made,
                 },
                 status.clone(),
             )

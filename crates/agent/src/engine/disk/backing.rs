@@ -92,7 +92,7 @@ fn backing_chain(image: &BlockImage) -> Option<Vec<PathBuf>> {
 }
 
 /// One digest of the chain's files' hashes, in order.
-fn chain_digest(hashes: &[String]) -> String {
+pub(super) fn chain_digest(hashes: &[String]) -> String {
     let mut h = Sha256::new();
     for hash in hashes {
         h.update(hash.as_bytes());

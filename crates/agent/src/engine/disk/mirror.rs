@@ -39,7 +39,7 @@ use super::{
     codec_options, digest_so_far, hash_op, parse_ack, split_write, zstd_level, Frame, FRAME_RECORDS,
 };
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
-use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
+use crate::engine::control::{DiskPlan, ImageShape, DISK, DISK_ACK};
 use crate::engine::status::Shared;
 
 /// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
@@ -169,6 +169,8 @@ pub struct AtDestination {
     pub exports: Option<BitmapExports>,
     /// Per disk: the same backing image, under a fresh overlay (copy the overlay only).
     pub top_only: Vec<bool>,
+    /// Images the destination made (it had none).
+    pub images_made: u32,
 }
 
 /// How the bulk copy went, once it is done.
@@ -306,6 +308,11 @@ pub async fn plan(qmp: &Qmp, nodes: &[String]) -> Result<Vec<DiskPlan>> {
                 size: found.image.virtual_size,
                 backing_sha256: None,
                 tracked_since: Vec::new(),
+                image: found.image.format.clone().map(|format| ImageShape {
+                    format,
+                    backing: found.image.backing_filename.clone(),
+                    backing_format: found.image.backing_filename_format.clone(),
+                }),
             })
         })
         .collect()
@@ -337,6 +344,7 @@ impl SourceDisks {
             index_ms,
             exports,
             top_only,
+            images_made,
         } = there;
         let top_only = &top_only[..];
         let DiskSettings {
@@ -395,6 +403,7 @@ impl SourceDisks {
             }),
             older_copy_note: base_note,
             index_ms,
+            images_made,
             copy: Some(
                 if background {
                     "background"

@@ -22,6 +22,7 @@
 pub mod apply;
 pub mod backing;
 pub mod buffer;
+pub mod image;
 pub mod mirror;
 pub mod pacing;
 pub mod relay;

@@ -205,6 +205,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
                         size,
                         backing_sha256: None,
                         tracked_since: Vec::new(),
+                        image: None,
                     };
                     break (client, plan, codec);
                 }
@@ -422,6 +423,7 @@ mod tests {
             size: SIZE,
             backing_sha256: None,
             tracked_since: Vec::new(),
+            image: None,
         };
         let disks = DestinationDisks::adopt(client, plan);
         let (a, b) = session_pair().await;
