@@ -30,7 +30,7 @@ fn the_controller_moves_a_qemu_vm_started_by_hand_there_and_back() {
     let name = "bareq";
     let monitor = PathBuf::from(ferry_lab::agents::qmp_dir()).join(format!("{name}.qmp"));
     let spec = bare::spec(name, monitor, 91);
-    let size = bare::prepare(&t, &spec);
+    bare::prepare(&t, &spec);
     let source_pid = bare::start_at_a(&t, &spec);
     let link = common::guest_at(
         &rt,
@@ -54,13 +54,15 @@ fn the_controller_moves_a_qemu_vm_started_by_hand_there_and_back() {
         text(&out)
     );
 
-    // Site b has no image for its disk: QEMU there names what it lacks, the migration fails
-    // and the VM runs on at site a, intact.
+    // Site b has a file at the disk's path that is no qcow2 image: QEMU there says so, the
+    // migration fails, the VM runs on at site a, intact, and the file (not ferry's) stays.
+    let at_b = bare::disk(&t, Site::B, name);
+    std::fs::write(&at_b, b"").unwrap();
     let out = fleet(&t, &["migrate", name, "--to-site", "b", "--copy-storage"]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(
-        said.contains("failed") && said.contains(&format!("{name}.qcow2")),
+        said.contains("failed") && said.contains("qcow2"),
         "{}",
         text(&out)
     );
@@ -73,11 +75,12 @@ fn the_controller_moves_a_qemu_vm_started_by_hand_there_and_back() {
             .is_none(),
         "nothing is left in site b's monitor directory"
     );
+    assert!(at_b.exists(), "a file ferry did not make was removed");
     wait_for(&t, "vms", |v| runs_at(v, name, "site-a"));
 
-    // With the image there: the VM moves, the source QEMU quits (its monitor goes with it),
-    // and site b's agent lists the VM it started.
-    bare::empty_disk(&t, Site::B, name, size);
+    // Without it, site b's agent makes the image at the same path. The VM moves, the source
+    // QEMU quits (its monitor goes with it), and site b's agent lists the VM it started.
+    std::fs::remove_file(&at_b).unwrap();
     let out = common::succeeded(
         "ferry fleet migrate",
         &fleet(&t, &["migrate", name, "--to-site", "b", "--copy-storage"]),

@@ -88,18 +88,6 @@ pub fn disk(t: &TestLab, site: Site, name: &str) -> PathBuf {
     t.lab.host_dir(site).join(format!("{name}.qcow2"))
 }
 
-/// An empty image of `size` bytes for the VM's disk at `site`.
-pub fn empty_disk(t: &TestLab, site: Site, name: &str, size: u64) {
-    let path = disk(t, site, name);
-    super::qemu_img(&[
-        "create",
-        "-f",
-        "qcow2",
-        &path.to_string_lossy(),
-        &size.to_string(),
-    ]);
-}
-
 /// Starts the VM at site a as its owner would; its pid.
 pub fn start_at_a(t: &TestLab, spec: &VmSpec) -> u32 {
     let out = t
