@@ -423,16 +423,6 @@ fn assert_failed_and_the_source_runs_with_its_disk(
     }
 }
 
-/// Kills `site`'s agent with SIGKILL.
-fn kill_agent(t: &TestLab, site: Site) {
-    let agent_config = ferry_lab::agents::config_path(&t.lab, site);
-    let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &agent_config.to_string_lossy()])
-        .status()
-        .unwrap();
-    assert!(killed.success(), "the agent of site {site:?} was not found");
-}
-
 /// Kills the QEMU of `vm` at `site` with SIGKILL.
 fn kill_qemu(t: &TestLab, vm: &str, site: Site) {
     let qmp = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
@@ -465,7 +455,7 @@ fn the_destination_agent_killed_during_the_disk_copy_fails_it_and_the_source_kee
     let t = TestLab::up("dskkil", SLOW_LINK);
     start_vm_with_disk_writer(&t, "d4", "24", "0.2");
     let child = migrate_until_the_disk_copy(&t, "d4", &["--wan-timeout-s", "5"]);
-    kill_agent(&t, Site::B);
+    ferry_lab::agents::kill(&t.lab, Site::B).unwrap();
     let out = child.wait_with_output().unwrap();
     assert_failed_and_the_source_runs_with_its_disk(&t, "d4", &out, "the WAN timeout");
 }
@@ -483,7 +473,7 @@ fn agents_restarted_during_the_disk_copy_fail_it_and_the_next_attempt_commits() 
     // The source agent: its record says `preparing`. The restarted agent lists the migration
     // again, failed, and `ferry migrate` follows it there.
     let child = migrate_until_the_disk_copy(&t, "d7", &["--wan-timeout-s", "5"]);
-    kill_agent(&t, Site::A);
+    ferry_lab::agents::kill(&t.lab, Site::A).unwrap();
     ferry_lab::agents::restart(&t.lab, Site::A, ferry).unwrap();
     let out = child.wait_with_output().unwrap();
     assert_failed_and_the_source_runs_with_its_disk(
@@ -500,7 +490,7 @@ fn agents_restarted_during_the_disk_copy_fail_it_and_the_next_attempt_commits() 
     // and tells the source, which asks once the session is silent (the WAN timeout, 120 s
     // here, is not waited for).
     let child = migrate_until_the_disk_copy(&t, "d7", &[]);
-    kill_agent(&t, Site::B);
+    ferry_lab::agents::kill(&t.lab, Site::B).unwrap();
     ferry_lab::agents::restart(&t.lab, Site::B, ferry).unwrap();
     let out = child.wait_with_output().unwrap();
     assert_failed_and_the_source_runs_with_its_disk(

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Output};
+use std::process::{Child, Output};
 use std::time::Duration;
 
 use common::{json, timeline, TestLab};
@@ -330,12 +330,7 @@ fn killing_the_destination_agent_before_the_commit_keeps_the_source_running() {
     let t = TestLab::up("kil", SLOW_LINK);
     start_vm(&t, "f3", "48");
     let child = migrate_in_background(&t, "f3", &["--wan-timeout-s", "5"], Duration::from_secs(2));
-    let agent_config = ferry_lab::agents::config_path(&t.lab, Site::B);
-    let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &agent_config.to_string_lossy()])
-        .status()
-        .unwrap();
-    assert!(killed.success(), "the destination agent was not found");
+    ferry_lab::agents::kill(&t.lab, Site::B).unwrap();
     let out = child.wait_with_output().unwrap();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");

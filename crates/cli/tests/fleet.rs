@@ -147,7 +147,7 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
     }
 
     // Site a's agent stops: the controller marks it down, and a move there is refused.
-    kill_agent(&t, Site::A);
+    ferry_lab::agents::kill(&t.lab, Site::A).unwrap();
     wait_for(&t, "hosts", |h| {
         h.iter()
             .any(|h| h["name"] == "site-a" && h["state"] == "down")
@@ -172,19 +172,6 @@ fn metrics(rt: &tokio::runtime::Runtime, socket: &std::path::Path) -> String {
         assert_eq!(status, 200);
         String::from_utf8(body.to_vec()).unwrap()
     })
-}
-
-/// Kills `site`'s agent (as a crash would).
-fn kill_agent(t: &TestLab, site: Site) {
-    let out = std::process::Command::new("pkill")
-        .args(["-KILL", "-f"])
-        .arg(format!(
-            "agent --config {}",
-            ferry_lab::agents::config_path(&t.lab, site).display()
-        ))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "no agent to kill: {out:?}");
 }
 
 /// `ferry fleet ARGS` against the controller at `site`.

@@ -348,12 +348,7 @@ fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() 
     for site in [Site::A, Site::B] {
         let child = migrate();
         until_memory_flows();
-        let config = ferry_lab::agents::config_path(&t.lab, site);
-        let killed = std::process::Command::new("pkill")
-            .args(["-KILL", "-f", &config.to_string_lossy()])
-            .status()
-            .unwrap();
-        assert!(killed.success(), "the agent of {site:?}");
+        ferry_lab::agents::kill(&t.lab, site).unwrap();
         ferry_lab::agents::restart(&t.lab, site, ferry).unwrap();
         let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

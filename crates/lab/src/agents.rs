@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -109,6 +109,28 @@ pub fn log_path(lab: &Lab, site: Site) -> std::path::PathBuf {
     lab.dir().join(format!("agent-{}.log", site.name()))
 }
 
+/// Kills `site`'s agent with SIGKILL (as a crash would) and waits until it is gone: `pkill`
+/// only sends the signal, and a successor started before the kernel has torn the old process
+/// down finds its peer port still taken.
+pub fn kill(lab: &Lab, site: Site) -> Result<()> {
+    let pattern = format!("agent --config {}", config_path(lab, site).display());
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &pattern])
+        .status()
+        .context("run pkill")?;
+    anyhow::ensure!(killed.success(), "no agent of site {} to kill", site.name());
+    // A zombie has no command line, so `pgrep -f` stops matching once the process has exited
+    // and its sockets are closed.
+    wait_until(Duration::from_secs(10), || {
+        !Command::new("pgrep")
+            .args(["-f", &pattern])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+    .with_context(|| format!("the agent of site {} did not exit", site.name()))
+}
+
 /// Starts `site`'s agent again from the config it ran with (as after a crash, or an upgrade:
 /// only what it keeps on disk is left) and waits until its API answers. Returns its pid.
 pub fn restart(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
@@ -145,6 +167,22 @@ fn spawn(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
     wait_until(Duration::from_secs(10), || {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     })
-    .with_context(|| format!("agent {name} did not come up; see {}", log_path.display()))?;
+    .with_context(|| {
+        format!(
+            "agent {name} did not come up: {}",
+            log_tail(&log_path, 3).join(" | ")
+        )
+    })?;
     Ok(pid)
+}
+
+/// The last `n` lines of the log at `path` (none if it cannot be read): what a process that
+/// did not come up said, for the error, since a failed `up` removes the lab and its logs.
+pub(crate) fn log_tail(path: &Path, n: usize) -> Vec<String> {
+    let log = fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..]
+        .iter()
+        .map(|l| (*l).to_owned())
+        .collect()
 }

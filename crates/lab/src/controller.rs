@@ -139,12 +139,10 @@ pub fn start(
     })
     .with_context(|| {
         // The lab is taken down after a failed `up`, its logs with it: say what the log said.
-        let log = fs::read_to_string(&log_path).unwrap_or_default();
-        let last: Vec<&str> = log.lines().rev().take(3).collect();
         format!(
             "the controller at site {} did not come up: {}",
             site.name(),
-            last.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            crate::agents::log_tail(&log_path, 3).join(" | ")
         )
     })?;
     Ok(pid)

@@ -130,7 +130,10 @@ impl TestLab {
         }
         for site in [Site::A, Site::B] {
             let log = ferry_lab::agents::log_path(&self.lab, site);
-            print_tail(&log, 30, |l| l.contains("WARN") || l.contains("ERROR"));
+            // `ferry: ` begins the error an agent exits with (its chain, printed once).
+            print_tail(&log, 30, |l| {
+                l.contains("WARN") || l.contains("ERROR") || l.starts_with("ferry: ")
+            });
         }
         // The host's view: a process the kernel killed (memory) or that faulted, a full tmpfs
         // under the guests' memory files.
