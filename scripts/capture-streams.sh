@@ -5,8 +5,13 @@
 #   idle:    a q35 VM with 64 MiB that never ran: one pass, mostly zero pages.
 #   running: the same VM running its firmware, migrated at 2 MB/s so that QEMU makes
 #            several passes (SECTION_PART items, pages sent again).
+#   multifd/running: running, as above, with the multifd capability on and two channels;
+#   multifd/zstd: idle, two channels, QEMU compressing their pages with zstd. Each connection
+#            QEMU opens is kept apart: NAME.main (the main stream), NAME.0 and NAME.1 (the
+#            channels, named by the id in their first packet).
 #
-# Streams are written with `migrate exec:cat > FILE` and stored zstd-compressed.
+# Streams are written with `migrate exec:cat > FILE` (multifd: `migrate unix:` to a listener
+# that keeps each connection) and stored zstd-compressed.
 set -euo pipefail
 out=${1:-$(dirname "$0")/../crates/qemu/tests/streams}
 mkdir -p "$out"
@@ -48,5 +53,69 @@ PY
     kill "$pid"; wait "$pid" 2>/dev/null || true
     zstd -q -19 -f --rm "$out/$name.qemu"
 }
+capture_multifd() { # name running compression
+    local name=$1 running=$2 compression=$3 sock
+    sock=$(mktemp -u /tmp/ferry-capture.XXXXXX)
+    "$qemu" -machine q35,accel=tcg -m 64M -nodefaults -display none -S \
+        -qmp "unix:$sock,server=on,wait=off" &
+    local pid=$!
+    python3 - "$sock" "$out/$name" "$running" "$compression" <<'PY'
+import json, os, socket, sys, threading, time
+path, out, running, compression = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+listen_path = out + ".sock"
+listener = socket.socket(socket.AF_UNIX); listener.bind(listen_path); listener.listen(8)
+dumps = []
+def keep(conn):
+    data = bytearray()
+    while chunk := conn.recv(1 << 20):
+        data += chunk
+    # The main stream starts with QEMU's magic; a channel's first packet says its id.
+    kind = "main" if data[:4] == b"QEVM" else str(data[24])
+    with open(f"{out}.{kind}.qemu", "wb") as f:
+        f.write(data)
+def accept():
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        t = threading.Thread(target=keep, args=(conn,)); t.start(); dumps.append(t)
+threading.Thread(target=accept, daemon=True).start()
+for _ in range(100):
+    try:
+        s = socket.socket(socket.AF_UNIX); s.connect(path); break
+    except OSError:
+        time.sleep(0.1)
+f = s.makefile("rw")
+f.readline()
+def q(cmd, **args):
+    f.write(json.dumps({"execute": cmd, "arguments": args}) + "\n"); f.flush()
+    while True:
+        r = json.loads(f.readline())
+        if "return" in r or "error" in r:
+            if "error" in r: sys.exit(f"{cmd}: {r['error']}")
+            return r["return"]
+q("qmp_capabilities")
+q("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": True}])
+q("migrate-set-parameters", **{"multifd-channels": 2, "multifd-compression": compression})
+if running:
+    q("cont"); time.sleep(1)
+    q("migrate-set-parameters", **{"max-bandwidth": 2_000_000})
+q("migrate", uri=f"unix:{listen_path}")
+while (st := q("query-migrate"))["status"] not in ("completed", "failed"):
+    time.sleep(0.1)
+if st["status"] != "completed": sys.exit(f"migration {st['status']}")
+# QEMU has closed every connection once the migration completed.
+listener.close(); os.unlink(listen_path)
+for t in dumps:
+    t.join()
+print(f"{out}: {st['ram']['transferred']} bytes, {st['ram']['dirty-sync-count']} passes, {len(dumps)} connections")
+PY
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+    for f in "$out/$name".*.qemu; do zstd -q -19 -f --rm "$f"; done
+}
 capture idle 0
 capture running 1
+mkdir -p "$out/multifd"
+capture_multifd multifd/running 1 none
+capture_multifd multifd/zstd 0 zstd

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fuzzes ferry's decoders (fuzz/fuzz_targets: the frame, the migration stream, control
-# messages, the codec, disk frames, indexes, the NBD server, the API's JSON) with libFuzzer,
+# Fuzzes ferry's decoders (fuzz/fuzz_targets: the frame, the migration stream, multifd
+# channels, control messages, the codec, disk frames, indexes, the NBD server, the API's JSON)
+# with libFuzzer,
 # each for SECONDS (default 60), keeping each target's corpus in fuzz/corpus/<target> between
 # runs (seeded from the repository's captured QEMU streams). A crash stops the script with
 # the input saved in fuzz/artifacts/<target>/.
@@ -31,7 +32,13 @@ seed() {
     case "$1" in
         migration_stream)
             # The head of each captured stream, after a chunk-size byte.
-            for f in crates/qemu/tests/streams/*.qemu.zst; do
+            for f in crates/qemu/tests/streams/*.qemu.zst crates/qemu/tests/streams/multifd/*.main.qemu.zst; do
+                { printf '\x07'; zstd -dc "$f" 2>/dev/null | head -c 65536 || true; } >"$dir/$(basename "$(dirname "$f")")-$(basename "$f" .qemu.zst)"
+            done
+            ;;
+        multifd_channel)
+            # The head of each captured multifd channel (its init and first packets).
+            for f in crates/qemu/tests/streams/multifd/*.[0-9].qemu.zst; do
                 { printf '\x07'; zstd -dc "$f" 2>/dev/null | head -c 65536 || true; } >"$dir/$(basename "$f" .qemu.zst)"
             done
             ;;

@@ -479,7 +479,7 @@ impl StreamParser {
     }
 
     /// The RAM section's setup body: total size with `MEM_SIZE`, the block list, then records
-    /// until `EOS` (QEMU writes none between), then the footer. Returns `None` if incomplete.
+    /// until `EOS` (none but a multifd flush), then the footer. Returns `None` if incomplete.
     fn ram_setup(&mut self, cur: &mut Cursor) -> Result<Option<()>, StreamError> {
         let Some(word) = cur.be64() else {
             return Ok(None);
@@ -511,15 +511,22 @@ impl StreamParser {
         if sum != total {
             return Err(StreamError::BadBlockList { total });
         }
-        // The setup ends with its own EOS and footer.
-        let Some(eos) = cur.be64() else {
-            return Ok(None);
-        };
-        if eos != flag::EOS {
-            return Err(StreamError::UnsupportedRamFlags {
-                flags: eos,
-                at: self.position + cur.at as u64 - 8,
-            });
+        // The setup ends with its own EOS and footer; with multifd, QEMU flushes its channels
+        // first (a `MULTIFD_FLUSH` record).
+        loop {
+            let Some(word) = cur.be64() else {
+                return Ok(None);
+            };
+            match word {
+                flag::EOS => break,
+                flag::MULTIFD_FLUSH => continue,
+                _ => {
+                    return Err(StreamError::UnsupportedRamFlags {
+                        flags: word,
+                        at: self.position + cur.at as u64 - 8,
+                    })
+                }
+            }
         }
         let (Some(marker), Some(_id)) = (cur.u8(), cur.be32()) else {
             return Ok(None);
