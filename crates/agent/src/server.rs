@@ -91,6 +91,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             registry: migrations.clone(),
             claims: Mutex::default(),
             relays: Mutex::default(),
+            streams: Mutex::default(),
             failures: Mutex::default(),
             overlay: overlay.clone(),
         })
@@ -337,6 +338,7 @@ impl Agent {
                     version,
                     kind,
                     coded,
+                    multifd,
                     from,
                     slot,
                 })) => {
@@ -346,6 +348,7 @@ impl Agent {
                             version,
                             kind,
                             coded,
+                            multifd,
                             from,
                             slot,
                         },

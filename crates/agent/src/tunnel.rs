@@ -26,9 +26,11 @@
 //! A connection to the migration socket that starts with QEMU's stream header ("QEVM") is
 //! QEMU's main stream: it crosses coded, and the destination QEMU reads only what the source's
 //! digests confirm ([`crate::engine::tunnel_stream`]); the source agent lists it among its migrations,
-//! named after the QEMU at the other end of the socket. The NBD disk copy is answered at the
-//! source and crosses as coded disk snapshots ([`crate::engine::disk::relay`]). Every other
-//! connection (libvirt's RPC, QEMU's multifd channels) crosses as it is.
+//! named after the QEMU at the other end of the socket. One that starts with the multifd magic
+//! is one of QEMU's multifd channels (libvirt's `--parallel`): coded and gated the same way,
+//! its figures added to the main stream's migration when it ends. The NBD disk copy is
+//! answered at the source and crosses as coded disk snapshots
+//! ([`crate::engine::disk::relay`]). Every other connection (libvirt's RPC) crosses as it is.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -114,6 +116,9 @@ pub struct Tunnels {
     /// The transmit buffers of the disk relays by peer and directory: when QEMU's memory
     /// stream starts there, their bound tightens to what crosses within the pause.
     pub relays: Mutex<HashMap<SlotKey, Vec<Weak<TransmitBuffer>>>>,
+    /// The migration whose main stream last started in each directory: its multifd channels
+    /// add their figures to it as they end.
+    pub streams: Mutex<HashMap<SlotKey, Shared>>,
     /// Why the last tunnel to each peer failed (the destination's own words, which libvirt
     /// only sees as a closed connection).
     pub failures: Mutex<HashMap<String, String>>,
@@ -137,6 +142,8 @@ pub struct Carried {
     pub version: u32,
     pub kind: TunnelKind,
     pub coded: bool,
+    /// A coded migration tunnel carries one of QEMU's multifd channels.
+    pub multifd: bool,
     /// The source agent's name.
     pub from: Option<String>,
     /// The tunnel directory the connection came to at the source.
@@ -244,7 +251,7 @@ impl Tunnels {
         kind: TunnelKind,
     ) -> Result<()> {
         let (peer_name, peer) = &self.peers[peer];
-        // QEMU's main stream starts with its header; multifd channels and the rest do not.
+        // QEMU's main stream starts with its header, a multifd channel with the multifd magic.
         let mut first = Vec::new();
         if kind == TunnelKind::Migration {
             (&mut conn)
@@ -253,8 +260,10 @@ impl Tunnels {
                 .await
                 .context("reading the first bytes of the migration socket")?;
         }
-        // QEMU's main stream crosses coded; so do disk writes, through the relay.
-        let coded = first == ferry_qemu::stream::MAGIC || kind == TunnelKind::Nbd;
+        // QEMU's main stream and its channels cross coded; so do disk writes, through the
+        // relay.
+        let multifd = kind == TunnelKind::Migration && first == ferry_qemu::multifd::MAGIC;
+        let coded = first == ferry_qemu::stream::MAGIC || multifd || kind == TunnelKind::Nbd;
         let addr = tokio::net::lookup_host(&peer.address)
             .await
             .with_context(|| format!("peer {peer_name:?}: address {:?}", peer.address))?
@@ -281,6 +290,7 @@ impl Tunnels {
                 version: CONTROL_VERSION,
                 kind,
                 coded,
+                multifd,
                 from: Some(self.own_name.clone()),
                 slot,
             },
@@ -326,6 +336,32 @@ impl Tunnels {
                 .push(relay.buffer());
             let carried = relay.run(conn, &session, settings.codec, status);
             within_wan_timeout(&session, carried).await
+        } else if multifd {
+            size_window(&session, link_events, peer.rate_mbit, None);
+            let (read, write) = conn.into_split();
+            let carried = tunnel_stream::channel_source(first, read, write, &session, link);
+            let report = within_wan_timeout(&session, carried).await;
+            match &report {
+                Ok(report) => {
+                    tracing::info!(
+                        "multifd channel {} to {peer_name}: {} bytes from QEMU, {} on the WAN",
+                        report.id,
+                        report.stream_bytes,
+                        report.wire_bytes
+                    );
+                    let main = self
+                        .streams
+                        .lock()
+                        .expect("streams lock")
+                        .get(&(peer_name.clone(), slot))
+                        .cloned();
+                    if let Some(main) = main {
+                        main.update(|s| s.multifd.push(report.clone()));
+                    }
+                }
+                Err(e) => tracing::warn!("multifd channel to {peer_name}: {e:#}"),
+            }
+            report.map(|_| ())
         } else if coded {
             let driven = claimed.is_some();
             let (status, corrupt_at, downtime_ms, group) = match claimed {
@@ -343,6 +379,11 @@ impl Tunnels {
                 ),
             };
             self.memory_phase(peer_name, slot, link, downtime_ms);
+            // Its multifd channels, if any, report here as they end.
+            self.streams
+                .lock()
+                .expect("streams lock")
+                .insert((peer_name.clone(), slot), status.clone());
             size_window(&session, link_events, peer.rate_mbit, Some(status.clone()));
             let (read, write) = conn.into_split();
             let carried = tunnel_stream::source(
@@ -522,6 +563,7 @@ pub async fn serve_destination(session: Session, carried: Carried, here: Reachab
         version,
         kind,
         coded,
+        multifd,
         from,
         slot,
     } = carried;
@@ -564,7 +606,9 @@ pub async fn serve_destination(session: Session, carried: Carried, here: Reachab
                 within_wan_timeout(&session, tunnel_stream::destination(&session, read, write))
                     .await;
             // QEMU has the whole verified stream: the VM resumes here next.
-            if let (Ok(()), Some(overlay), Some(from)) = (&delivered, &overlay, &from) {
+            if let (Ok(()), false, Some(overlay), Some(from)) =
+                (&delivered, multifd, &overlay, &from)
+            {
                 overlay.arrived(from).await;
             }
             delivered
@@ -683,10 +727,10 @@ async fn pipe(
 }
 
 /// Runs `work`, failing it when `session` has had no connection for [`WAN_TIMEOUT`].
-async fn within_wan_timeout(
+async fn within_wan_timeout<T>(
     session: &Session,
-    work: impl std::future::Future<Output = Result<()>>,
-) -> Result<()> {
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
     let watchdog = async {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;

@@ -393,6 +393,24 @@ pub struct MigrationStatus {
     /// With disks: what the disk path did.
     #[serde(default)]
     pub disk: Option<DiskReport>,
+    /// QEMU's multifd channels beside the main stream (libvirt's `--parallel`), each coded
+    /// and digest-gated on its own, as each ended.
+    #[serde(default)]
+    pub multifd: Vec<MultifdChannelReport>,
+}
+
+/// One of QEMU's multifd channels through ferry (source side).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MultifdChannelReport {
+    /// The channel's number, from its first packet.
+    pub id: u8,
+    /// Bytes read from the source QEMU on it.
+    pub stream_bytes: u64,
+    /// Bytes its session put on the WAN.
+    pub wire_bytes: u64,
+    /// SHA-256 of the channel's bytes, as both ends computed it.
+    pub digest: String,
+    pub codec: CodecReport,
 }
 
 impl MigrationStatus {
@@ -423,6 +441,7 @@ impl MigrationStatus {
             codec: None,
             digest: None,
             disk: None,
+            multifd: Vec::new(),
         }
     }
 }

@@ -18,7 +18,13 @@ const FAST_LINK: &[&str] = &["--libvirt", "--rate-mbit", "1000", "--rtt-ms", "10
 /// Site a's agent's latest migration of `name`, which must have committed under a stream
 /// digest.
 fn committed_at_a(t: &TestLab, name: &str) -> serde_json::Value {
-    let all = t.migrations(Site::A);
+    committed_at(t, Site::A, name)
+}
+
+/// The latest migration of `name` at `site`'s agent, which must have committed under a stream
+/// digest.
+fn committed_at(t: &TestLab, site: Site, name: &str) -> serde_json::Value {
+    let all = t.migrations(site);
     let m = all
         .iter()
         .rev()
@@ -121,6 +127,69 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
             .expect("libvirt's figures");
     assert!(pause_us > 0 && pause_us < 10_000_000, "{m}");
     assert!(m["qemu"]["transferred"].as_u64().unwrap() > 32 << 20, "{m}");
+
+    // And back with libvirt's `--parallel`: QEMU's pages go on two multifd channels beside the
+    // main stream, each coded and digest-gated through the agents.
+    let tunnels = "/run/ferry-host/tunnels/site-a";
+    common::succeeded(
+        "virsh",
+        &t.virsh(
+            Site::B,
+            &[
+                "migrate",
+                "--live",
+                "--p2p",
+                "--parallel",
+                "--parallel-connections",
+                "2",
+                name,
+                "--desturi",
+                &format!("qemu+unix:///system?socket={tunnels}/rpc.sock"),
+                "--migrateuri",
+                &format!("unix://{tunnels}/mig.sock"),
+            ],
+        ),
+    );
+    assert_eq!(t.domstate(Site::A, name).as_deref(), Some("running"));
+    assert_eq!(
+        verify(&t, &rt, Site::A, name, false),
+        0,
+        "the guest's memory back at site a"
+    );
+    // Each channel adds its figures to the main stream's migration once the destination
+    // said its QEMU read all of it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let m = loop {
+        let m = committed_at(&t, Site::B, name);
+        let ended = m["multifd"].as_array().map_or(0, Vec::len);
+        if ended == 2 || std::time::Instant::now() > deadline {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let channels = m["multifd"].as_array().expect("multifd channels");
+    assert_eq!(channels.len(), 2, "{m}");
+    let mut ids: Vec<u64> = channels.iter().map(|c| c["id"].as_u64().unwrap()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [0, 1], "{m}");
+    let pages: u64 = channels
+        .iter()
+        .map(|c| c["codec"]["pages"].as_u64().unwrap())
+        .sum();
+    assert!(
+        pages > 8192,
+        "the guest's pages went through the codec on the channels: {m}"
+    );
+    for c in channels {
+        assert!(c["digest"].as_str().is_some_and(|d| d.len() == 64), "{c}");
+        let (qemu, wire) = (
+            c["stream_bytes"].as_u64().unwrap(),
+            c["wire_bytes"].as_u64().unwrap(),
+        );
+        assert!(wire < qemu, "a channel crossed uncompressed: {c}");
+    }
+    // The main stream carried the devices and markers, not the pages.
+    assert_eq!(m["codec"]["pages"], 0, "{m}");
 }
 
 #[test]

@@ -200,6 +200,8 @@ pub struct StreamParser {
     /// Section id of "ram" once started; whether its END has passed.
     ram_section: Option<u32>,
     ram_ended: bool,
+    /// A multifd flush was seen: QEMU sends the pages on its multifd channels.
+    multifd: bool,
 }
 
 impl Default for StreamParser {
@@ -261,7 +263,15 @@ impl StreamParser {
             current_block: None,
             ram_section: None,
             ram_ended: false,
+            multifd: false,
         }
+    }
+
+    /// Whether QEMU sends the pages on multifd channels (a multifd flush has been seen; QEMU
+    /// writes one in the RAM setup): this stream then carries little, and the destination
+    /// QEMU's channels wait for each of its flushes.
+    pub fn multifd(&self) -> bool {
+        self.multifd
     }
 
     /// Bytes consumed so far.
@@ -519,7 +529,7 @@ impl StreamParser {
             };
             match word {
                 flag::EOS => break,
-                flag::MULTIFD_FLUSH => continue,
+                flag::MULTIFD_FLUSH => self.multifd = true,
                 _ => {
                     return Err(StreamError::UnsupportedRamFlags {
                         flags: word,
@@ -609,6 +619,7 @@ impl StreamParser {
         if flags & flag::EOS != 0 {
             self.state = State::Footer { id };
         }
+        self.multifd |= flags & flag::MULTIFD_FLUSH != 0;
         Ok(Some(Step::Ram(RamRecord {
             offset,
             flags,

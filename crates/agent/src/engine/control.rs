@@ -69,7 +69,9 @@ pub struct ImageShape {
 /// 6: swap tunnels (memory lent to a peer's VM, [`crate::lend`]).
 /// 7: `Verdict` and `VerdictIs` (a source in doubt asks the destination what became of a
 /// session).
-pub const CONTROL_VERSION: u32 = 7;
+/// 8: `Tunnel.multifd`: QEMU's multifd channels cross coded (a version-7 peer would take one
+/// for a main stream).
+pub const CONTROL_VERSION: u32 = 8;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -186,6 +188,10 @@ pub enum Control {
         /// are.
         #[serde(default)]
         coded: bool,
+        /// With `coded` on a migration tunnel: the connection is one of QEMU's multifd
+        /// channels, not its main stream.
+        #[serde(default)]
+        multifd: bool,
         /// The source agent's name (its certificate's): at the switchover the destination
         /// re-points the pools' MACs moving from there ([`crate::overlay`]).
         #[serde(default)]

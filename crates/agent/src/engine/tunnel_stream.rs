@@ -6,7 +6,7 @@
 //! ```text
 //!  source agent                                          destination agent
 //!  QEMU -> parse -> SHA-256 -> codec ======STREAM======> decode -> held
-//!  when QEMU has nothing more right now, in its tail
+//!  when QEMU has nothing more right now, in its tail, with multifd,
 //!  or every CHECKPOINT_BYTES:  Checkpoint{n, sha256} ==> the held bytes up to n hash to sha256?
 //!                                                        yes: QEMU reads them; no: abort
 //!  QEMU's end of stream:       End{n, sha256} ========> the last bytes; QEMU's input ends
@@ -22,6 +22,13 @@
 //! Both ends use the codec with every technique on and the largest page history (what a page
 //! history holds is bounded by the guest's memory anyway); the zstd level follows the peer's
 //! configured rate.
+//!
+//! QEMU's multifd channels (libvirt's `--parallel`) cross the same way, each in a session of
+//! its own ([`channel_source`]; the destination's side is the same [`destination`]): parsed as
+//! multifd packets, their pages coded, checkpointed and gated. The main stream's gate alone
+//! would not do: QEMU loads the pages from the channels, and a channel's corrupted bytes must
+//! never reach it. Nor can QEMU finish loading while a channel's last packets are held back,
+//! so the commit point stays the main stream's end.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,8 +36,10 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{Bytes, BytesMut};
+use ferry_api::agent::MultifdChannelReport;
 use ferry_api::agent::{CodecSettings, MigrationState, Phase};
 use ferry_api::EventKind;
+use ferry_qemu::multifd::{self, ChannelParser};
 use ferry_qemu::stream::StreamParser;
 use ferry_wire::{ChannelId, Received, Session};
 use sha2::{Digest, Sha256};
@@ -74,6 +83,7 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
     } = source;
     let tail = AtomicBool::new(false);
     let pump = pump(
+        Parser::Main(StreamParser::new()),
         first,
         from_qemu,
         session,
@@ -109,27 +119,74 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
             format!("{total} bytes, sha256 {sha256}"),
         );
     });
-    control::send(
+    let fed_unix_us = end_and_deliver(session, total, sha256).await?;
+    status.update(|s| {
+        s.event(
+            EventKind::StreamFed,
+            format!("digests matched; the destination QEMU read the stream (at {fed_unix_us} µs)"),
+        )
+    });
+    Ok(())
+}
+
+/// The source's side of one of QEMU's multifd channels (its first bytes, the start of its
+/// init packet, already read): parsed, hashed, coded and checkpointed like the main stream,
+/// ended with `End`. Returns the channel's figures once the destination says its QEMU read the
+/// whole verified channel. `held_open`: the connection's other half, kept open until then
+/// (QEMU writes nothing back on a channel).
+pub async fn channel_source(
+    first: Vec<u8>,
+    from_qemu: OwnedReadHalf,
+    held_open: OwnedWriteHalf,
+    session: &Session,
+    link_rate_mbit: f64,
+) -> Result<MultifdChannelReport> {
+    // The channel's own figures; the main stream's status gets them at the end.
+    let status = Shared::new(ferry_api::agent::MigrationStatus::starting(
+        session.id().to_string(),
+        "(a multifd channel)".into(),
+        now_ms(),
+    ));
+    let id = std::sync::atomic::AtomicU8::new(0);
+    let tail = AtomicBool::new(false);
+    let pump = pump(
+        Parser::Channel(ChannelParser::new(), &id),
+        first,
+        from_qemu,
         session,
-        &Control::End {
-            bytes: total,
-            sha256,
+        &status,
+        link_rate_mbit,
+        None,
+        &tail,
+    );
+    let (total, sha256) = tokio::select! {
+        r = pump => r?,
+        msg = control::recv(session) => match msg? {
+            Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+            other => bail!("unexpected message from the destination during a multifd channel: {other:?}"),
         },
-    )
-    .await?;
+    };
+    end_and_deliver(session, total, sha256.clone()).await?;
+    drop(held_open);
+    let done = status.get();
+    Ok(MultifdChannelReport {
+        id: id.load(Ordering::Relaxed),
+        stream_bytes: total,
+        wire_bytes: done.wire.bytes_out,
+        digest: sha256,
+        codec: done.codec.unwrap_or_default(),
+    })
+}
+
+/// Sends the stream's `End` (its length and digest) and waits for the destination's word that
+/// its QEMU read all of it; returns when that was (wall clock, µs).
+async fn end_and_deliver(session: &Session, bytes: u64, sha256: String) -> Result<i64> {
+    control::send(session, &Control::End { bytes, sha256 }).await?;
     match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
         .await
         .context("no word from the destination within 60s of the stream's end")??
     {
-        Control::Delivered { fed_unix_us } => {
-            status.update(|s| {
-                s.event(
-                    EventKind::StreamFed,
-                    format!("digests matched; the destination QEMU read the stream (at {fed_unix_us} µs)"),
-                )
-            });
-            Ok(())
-        }
+        Control::Delivered { fed_unix_us } => Ok(fed_unix_us),
         Control::Abort { reason } => bail!("the destination aborted: {reason}"),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
     }
@@ -180,9 +237,86 @@ struct Hold<'a> {
     tail: &'a AtomicBool,
 }
 
-/// Reads, parses, hashes and codes QEMU's stream until its end; returns its length and
-/// digest.
+/// What a tunnelled connection from QEMU carries.
+enum Parser<'a> {
+    /// QEMU's main stream.
+    Main(StreamParser),
+    /// One of its multifd channels; the channel's id goes into the atomic once read.
+    Channel(ChannelParser, &'a std::sync::atomic::AtomicU8),
+}
+
+impl Parser<'_> {
+    /// Parses every whole item at the front of `input`, giving each one's bytes (as QEMU
+    /// wrote them, in `item_bytes`) to `hash_and_count` and then to the encoder, whose full
+    /// batches go to `out`.
+    fn drain(
+        &mut self,
+        input: &mut BytesMut,
+        item_bytes: &mut BytesMut,
+        encoder: &mut StreamEncoder,
+        out: &mut BytesMut,
+        mut hash_and_count: impl FnMut(&mut BytesMut),
+    ) -> Result<()> {
+        match self {
+            Parser::Main(parser) => {
+                while let Some(item) = parser.next_item(input)? {
+                    item_bytes.clear();
+                    item.encode(item_bytes);
+                    hash_and_count(item_bytes);
+                    encoder.push(&item, item_bytes);
+                    if encoder.is_full() {
+                        encoder.flush(out);
+                    }
+                }
+            }
+            Parser::Channel(parser, id) => {
+                while let Some(item) = parser.next_item(input)? {
+                    if let multifd::Item::Init(init) = &item {
+                        id.store(init.id, Ordering::Relaxed);
+                    }
+                    item_bytes.clear();
+                    item.encode(item_bytes);
+                    hash_and_count(item_bytes);
+                    encoder.push_channel(&item, item_bytes);
+                    if encoder.is_full() {
+                        encoder.flush(out);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&self, left: usize) -> Result<()> {
+        match self {
+            Parser::Main(parser) => parser.finish(left).context("QEMU's stream"),
+            Parser::Channel(parser, _) => parser.finish(left).context("QEMU's multifd channel"),
+        }
+    }
+
+    /// The stream is in its tail (the VM paused, its device state going out).
+    fn in_tail(&self) -> bool {
+        matches!(self, Parser::Main(parser) if parser.in_tail())
+    }
+
+    /// Whether every pause in QEMU's writing gets a checkpoint, however few bytes are
+    /// unchecked. With multifd the destination QEMU cannot wait for 1 MiB: its main loop reads
+    /// each new connection's first bytes before it accepts the next, and its channels stop at
+    /// each pass's sync until the main stream's flush (a few bytes) arrives, and the main
+    /// stream's loader until every channel's sync packet does.
+    fn checkpoints_each_pause(&self) -> bool {
+        match self {
+            Parser::Main(parser) => parser.multifd(),
+            Parser::Channel(..) => true,
+        }
+    }
+}
+
+/// Reads, parses, hashes and codes QEMU's stream (or channel) until its end; returns its
+/// length and digest.
+#[allow(clippy::too_many_arguments)]
 async fn pump(
+    mut parser: Parser<'_>,
     first: Vec<u8>,
     from_qemu: OwnedReadHalf,
     session: &Session,
@@ -191,7 +325,6 @@ async fn pump(
     corrupt_at: Option<u64>,
     tail: &AtomicBool,
 ) -> Result<(u64, String)> {
-    let mut parser = StreamParser::new();
     let mut encoder = StreamEncoder::new(CODEC, HISTORY_CAP, link_rate_mbit);
     let mut input = BytesMut::from(&first[..]);
     let (mut item_bytes, mut out) = (BytesMut::new(), BytesMut::new());
@@ -205,19 +338,19 @@ async fn pump(
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (false, true),
             Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
         };
-        while let Some(item) = parser.next_item(&mut input)? {
-            item_bytes.clear();
-            item.encode(&mut item_bytes);
-            hash.update(&item_bytes);
-            crate::engine::source::corrupt_for_test(&mut item_bytes, total, corrupt_at);
-            total += item_bytes.len() as u64;
-            encoder.push(&item, &item_bytes);
-            if encoder.is_full() {
-                encoder.flush(&mut out);
-            }
-        }
+        parser.drain(
+            &mut input,
+            &mut item_bytes,
+            &mut encoder,
+            &mut out,
+            |item_bytes| {
+                hash.update(&item_bytes[..]);
+                crate::engine::source::corrupt_for_test(item_bytes, total, corrupt_at);
+                total += item_bytes.len() as u64;
+            },
+        )?;
         if eof {
-            parser.finish(input.len()).context("QEMU's stream")?;
+            parser.finish(input.len())?;
         }
         if parser.in_tail() {
             tail.store(true, Ordering::Release);
@@ -225,7 +358,10 @@ async fn pump(
         let unchecked = total - checkpointed;
         let checkpoint = !eof
             && unchecked > 0
-            && ((drained && (parser.in_tail() || unchecked >= CHECKPOINT_BYTES))
+            && ((drained
+                && (parser.in_tail()
+                    || parser.checkpoints_each_pause()
+                    || unchecked >= CHECKPOINT_BYTES))
                 || unchecked >= MAX_UNCHECKED_BYTES);
         if drained || checkpoint {
             encoder.flush(&mut out);

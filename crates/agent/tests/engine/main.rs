@@ -699,7 +699,7 @@ async fn exchange(session: &ferry_wire::Session, message: &serde_json::Value) ->
 async fn ask_b(session: &ferry_wire::Session) {
     let question = serde_json::json!({
         "type": "verdict",
-        "version": 7,
+        "version": ferry_agent::engine::control::CONTROL_VERSION,
         "of": ferry_wire::SessionId::random().to_string(),
     });
     let answer = exchange(session, &question).await;
