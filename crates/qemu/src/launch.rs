@@ -5,7 +5,7 @@
 //! `incoming` set, starts the destination of a migration: QEMU requires both ends to have the
 //! same devices, so both are always built from one spec.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -167,7 +167,7 @@ impl VmSpec {
             let backend = format!(
                 "memory-backend-file,id=ram0,size={}M,mem-path={},share=on",
                 self.mem_mib,
-                file.display()
+                option_value(file)
             );
             push(&["-object", &backend, "-machine", "memory-backend=ram0"]);
         }
@@ -188,7 +188,7 @@ impl VmSpec {
         for d in &self.disks {
             let file = format!(
                 "driver=file,filename={},node-name={}-file,cache.direct=off",
-                d.path.display(),
+                option_value(&d.path),
                 d.id
             );
             let fmt = format!("driver={},file={}-file,node-name={}", d.format, d.id, d.id);
@@ -202,13 +202,13 @@ impl VmSpec {
         }
         let mut chardev = format!(
             "socket,id=ser0,path={},server=on,wait=off",
-            self.serial_socket.display()
+            option_value(&self.serial_socket)
         );
         if let Some(log) = &self.serial_log {
-            chardev.push_str(&format!(",logfile={},logappend=on", log.display()));
+            chardev.push_str(&format!(",logfile={},logappend=on", option_value(log)));
         }
         push(&["-chardev", &chardev, "-serial", "chardev:ser0"]);
-        let qmp = format!("unix:{},server=on,wait=off", self.qmp_socket.display());
+        let qmp = format!("unix:{},server=on,wait=off", option_value(&self.qmp_socket));
         push(&["-qmp", &qmp]);
         if let Some(inc) = &self.incoming {
             push(&["-incoming", inc]);
@@ -221,9 +221,32 @@ impl VmSpec {
     }
 }
 
+/// A path as a value in QEMU's key=value options: a comma would end it, so it is doubled.
+fn option_value(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_path_with_a_comma_stays_one_value() {
+        let mut spec = spec();
+        spec.disks[0].path = "/img/a,b.qcow2".into();
+        let argv = spec.argv();
+        assert!(
+            argv.contains(
+                &"driver=file,filename=/img/a,,b.qcow2,node-name=disk0-file,cache.direct=off"
+                    .to_owned()
+            ),
+            "{argv:?}"
+        );
+        assert_eq!(
+            crate::blockdev_args::image_file(&argv, "disk0"),
+            Some("/img/a,b.qcow2".into())
+        );
+    }
 
     fn spec() -> VmSpec {
         VmSpec {
