@@ -60,32 +60,36 @@ async fn make_one(argv: &[String], plan: &DiskPlan) -> Result<Option<PathBuf>> {
     let size = plan.size.to_string();
     let path_s = path.to_string_lossy().into_owned();
     let mut args = vec!["create", "-q", "-f", &shape.format];
+    // The chain here, when it is the source's: the backing file's format as found here.
     let same_chain = match (&shape.backing, &plan.backing_sha256) {
         (Some(backing), Some(theirs)) => {
             let here = dir.join(backing);
-            match chain_digest_of(&here).await {
-                Ok(ours) if &ours == theirs => true,
+            match chain_of(&here).await {
+                Ok(ours) if &ours.digest == theirs => Some(ours.format),
                 Ok(_) => {
                     tracing::info!(
                         "{}: the backing chain here differs from the source's: a whole image",
                         here.display()
                     );
-                    false
+                    None
                 }
                 Err(e) => {
                     tracing::info!("{}: {e:#}: a whole image", here.display());
-                    false
+                    None
                 }
             }
         }
-        _ => false,
+        _ => None,
     };
-    if same_chain {
+    if let Some(found_format) = &same_chain {
         let backing = shape.backing.as_deref().expect("matched above");
         args.extend(["-b", backing]);
-        if let Some(f) = &shape.backing_format {
-            args.extend(["-F", f]);
-        }
+        // qemu-img refuses an overlay without its backing file's format; an older source
+        // image may not record it, so the format found here stands in.
+        args.extend([
+            "-F",
+            shape.backing_format.as_deref().unwrap_or(found_format),
+        ]);
     }
     args.extend([path_s.as_str(), size.as_str()]);
     qemu_img(&args).await?;
@@ -93,7 +97,7 @@ async fn make_one(argv: &[String], plan: &DiskPlan) -> Result<Option<PathBuf>> {
         "made {} ({}{})",
         path.display(),
         shape.format,
-        if same_chain {
+        if same_chain.is_some() {
             format!(" on {}", shape.backing.as_deref().unwrap_or_default())
         } else {
             String::new()
@@ -102,9 +106,16 @@ async fn make_one(argv: &[String], plan: &DiskPlan) -> Result<Option<PathBuf>> {
     Ok(Some(path))
 }
 
-/// The digest of the chain from `image` down (the image itself and every backing file below
-/// it), as the source computes it for the files below its overlay.
-async fn chain_digest_of(image: &Path) -> Result<String> {
+/// A backing chain on this host, from its top image down.
+struct Chain {
+    /// The digest of the chain (the image itself and every backing file below it), as the
+    /// source computes it for the files below its overlay.
+    digest: String,
+    /// The top image's format, as `qemu-img` finds it.
+    format: String,
+}
+
+async fn chain_of(image: &Path) -> Result<Chain> {
     let info = qemu_img(&[
         "info",
         "-U",
@@ -122,7 +133,14 @@ async fn chain_digest_of(image: &Path) -> Result<String> {
             .context("qemu-img info: a layer without its filename")?;
         hashes.push(content_sha256(Path::new(file)).await?);
     }
-    Ok(chain_digest(&hashes))
+    let format = chain
+        .first()
+        .and_then(|top| top["format"].as_str())
+        .context("qemu-img info: no format for the image")?;
+    Ok(Chain {
+        digest: chain_digest(&hashes),
+        format: format.to_owned(),
+    })
 }
 
 async fn qemu_img(args: &[&str]) -> Result<String> {
@@ -197,6 +215,39 @@ mod tests {
         info["backing-filename"].as_str().map(str::to_owned)
     }
 
+    /// A source image that does not record its backing file's format: the overlay made here
+    /// names the format this host finds (qemu-img refuses one without).
+    #[tokio::test]
+    async fn an_overlay_whose_source_names_no_backing_format_gets_the_one_found_here() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.qcow2");
+        let size = SIZE.to_string();
+        qemu_img_ok(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            &base.to_string_lossy(),
+            &size,
+        ]);
+        let ours = chain_of(&base).await.unwrap();
+        assert_eq!(ours.format, "qcow2");
+        let top = dir.path().join("top.qcow2");
+        let mut plan = plan(Some(ours.digest));
+        plan.image.as_mut().unwrap().backing_format = None;
+        let made = make_missing(&argv(&top), &[plan]).await.unwrap();
+        assert_eq!(made, vec![top.clone()]);
+        let info: serde_json::Value = serde_json::from_str(&qemu_img_ok(&[
+            "info",
+            "-U",
+            "--output=json",
+            &top.to_string_lossy(),
+        ]))
+        .unwrap();
+        assert_eq!(info["backing-filename"], "base.qcow2", "{info}");
+        assert_eq!(info["backing-filename-format"], "qcow2", "{info}");
+    }
+
     #[tokio::test]
     async fn a_missing_overlay_is_made_on_the_same_chain_by_the_same_name_and_else_whole() {
         let dir = tempfile::tempdir().unwrap();
@@ -209,7 +260,7 @@ mod tests {
             &base.to_string_lossy(),
             &SIZE.to_string(),
         ]);
-        let ours = chain_digest_of(&base).await.unwrap();
+        let ours = chain_of(&base).await.unwrap().digest;
         let top = dir.path().join("top.qcow2");
 
         let made = make_missing(&argv(&top), &[plan(Some(ours.clone()))])
