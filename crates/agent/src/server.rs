@@ -92,6 +92,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             claims: Mutex::default(),
             relays: Mutex::default(),
             streams: Mutex::default(),
+            channels: Mutex::default(),
             failures: Mutex::default(),
             overlay: overlay.clone(),
         })

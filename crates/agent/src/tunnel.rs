@@ -34,6 +34,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -119,6 +120,8 @@ pub struct Tunnels {
     /// The migration whose main stream last started in each directory: its multifd channels
     /// add their figures to it as they end.
     pub streams: Mutex<HashMap<SlotKey, Shared>>,
+    /// The multifd channels crossing from each directory now: they share one send window.
+    pub channels: Mutex<HashMap<SlotKey, Arc<AtomicUsize>>>,
     /// Why the last tunnel to each peer failed (the destination's own words, which libvirt
     /// only sees as a closed connection).
     pub failures: Mutex<HashMap<String, String>>,
@@ -321,6 +324,7 @@ impl Tunnels {
                 link_events,
                 peer.rate_mbit,
                 claimed.as_ref().map(|c| c.status.clone()),
+                None,
             );
             let defaults = MigrationSettings::default();
             let settings = settings.unwrap_or(&defaults);
@@ -337,7 +341,18 @@ impl Tunnels {
             let carried = relay.run(conn, &session, settings.codec, status);
             within_wan_timeout(&session, carried).await
         } else if multifd {
-            size_window(&session, link_events, peer.rate_mbit, None);
+            // QEMU opens its channels together, before the first connection has measured the
+            // round trip: by then each knows how many share the window.
+            let live = self
+                .channels
+                .lock()
+                .expect("channels lock")
+                .entry((peer_name.clone(), slot))
+                .or_default()
+                .clone();
+            live.fetch_add(1, Ordering::Relaxed);
+            let _counted = Decrement(live.clone());
+            size_window(&session, link_events, peer.rate_mbit, None, Some(live));
             let (read, write) = conn.into_split();
             let carried = tunnel_stream::channel_source(first, read, write, &session, link);
             let report = within_wan_timeout(&session, carried).await;
@@ -384,7 +399,13 @@ impl Tunnels {
                 .lock()
                 .expect("streams lock")
                 .insert((peer_name.clone(), slot), status.clone());
-            size_window(&session, link_events, peer.rate_mbit, Some(status.clone()));
+            size_window(
+                &session,
+                link_events,
+                peer.rate_mbit,
+                Some(status.clone()),
+                None,
+            );
             let (read, write) = conn.into_split();
             let carried = tunnel_stream::source(
                 tunnel_stream::Source {
@@ -485,18 +506,28 @@ impl Tunnels {
 /// What is buffered here still has to cross after QEMU stops the VM: the session's window
 /// becomes ferry's own (twice the link's bandwidth-delay product) once the first connection
 /// measured the round trip, not the default 4 MiB (a third of a second at 100 Mbit/s).
+///
+/// `shared_by`: the multifd channels of one migration split one window between them, or what
+/// they buffer when QEMU stops the VM (and what QEMU takes for the link's rate) would grow
+/// with their number.
 fn size_window(
     session: &Session,
     mut link_events: tokio::sync::mpsc::UnboundedReceiver<LinkEvent>,
     rate_mbit: Option<f64>,
     recording: Option<Shared>,
+    shared_by: Option<Arc<AtomicUsize>>,
 ) {
     let sizing = session.clone();
     tokio::spawn(async move {
         while let Some(event) = link_events.recv().await {
             if let LinkEvent::Connected { rtt, .. } = event {
                 let rtt_ms = rtt.as_secs_f64() * 1e3;
-                sizing.set_send_limit(crate::engine::source::send_window(rate_mbit, rtt_ms));
+                let mut window = crate::engine::source::send_window(rate_mbit, rtt_ms);
+                if let Some(sharing) = &shared_by {
+                    let channels = sharing.load(Ordering::Relaxed).max(1);
+                    window = (window / channels).max(MIN_CHANNEL_WINDOW);
+                }
+                sizing.set_send_limit(window);
                 if let Some(status) = recording {
                     status.update(|s| s.wire.rtt_ms = Some(rtt_ms));
                 }
@@ -724,6 +755,18 @@ async fn pipe(
         }
     };
     within_wan_timeout(session, both).await
+}
+
+/// The least send window a multifd channel gets, however many share one.
+const MIN_CHANNEL_WINDOW: usize = 128 << 10;
+
+/// Takes one off a count when dropped.
+struct Decrement(Arc<AtomicUsize>);
+
+impl Drop for Decrement {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Runs `work`, failing it when `session` has had no connection for [`WAN_TIMEOUT`].

@@ -69,7 +69,8 @@ pub struct BenchArgs {
     disk_read_hot_mib: u32,
     /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
     /// site running its own libvirtd; --modes names the systems (ferry, virsh,
-    /// virsh-parallel-zstd, virsh-sync-writes; default the first three).
+    /// virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh migrate --parallel` at
+    /// the agents' tunnels, virsh-sync-writes; default the first three).
     #[arg(long)]
     libvirt: bool,
     /// Virtual cloud pools: a pool VM's client (TCP stall, pings lost) across moves to site b

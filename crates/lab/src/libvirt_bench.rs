@@ -20,6 +20,7 @@ use crate::bench::{DiskWriter, Workload};
 use crate::guest::{GuestLink, Heartbeats};
 use crate::image::Image;
 use crate::libvirt::{self, virsh, virsh_command};
+use crate::pki;
 use crate::topology::{Lab, Site};
 
 /// Who migrates the domain.
@@ -31,16 +32,20 @@ pub enum LibvirtSystem {
     Plain,
     /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
     ParallelZstd,
+    /// A user's own `virsh migrate --live --p2p --parallel` (multifd, four channels, no
+    /// compression) at the source agent's tunnels: each channel coded and gated by ferry.
+    ParallelViaFerry,
     /// Plain, with the disk mirror in write-blocking mode (`--copy-storage-synchronous-writes`:
     /// each guest write waits for the destination), libvirt's way to make a copy converge.
     SyncWrites,
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 4] = [
+    pub const ALL: [LibvirtSystem; 5] = [
         LibvirtSystem::Ferry,
         LibvirtSystem::Plain,
         LibvirtSystem::ParallelZstd,
+        LibvirtSystem::ParallelViaFerry,
         LibvirtSystem::SyncWrites,
     ];
 
@@ -56,6 +61,7 @@ impl LibvirtSystem {
             LibvirtSystem::Ferry => "ferry",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
+            LibvirtSystem::ParallelViaFerry => "virsh-parallel-via-ferry",
             LibvirtSystem::SyncWrites => "virsh-sync-writes",
         }
     }
@@ -274,6 +280,43 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
             .args(direct())
             .args(["--parallel", "--compressed", "--comp-methods", "zstd"])
             .spawn_piped()?,
+        LibvirtSystem::ParallelViaFerry => {
+            // The paths the source agent's tunnels listen on (the same inside every site).
+            let tunnels = format!(
+                "{}/tunnels/{}",
+                crate::topology::HOST_DIR,
+                pki::agent_name(Site::B)
+            );
+            virsh_command(lab, Site::A)
+                .args([
+                    "migrate",
+                    "--live",
+                    "--p2p",
+                    "--persistent",
+                    "--undefinesource",
+                    "--auto-converge",
+                    "--parallel",
+                    "--parallel-connections",
+                    "4",
+                    name,
+                    "--desturi",
+                    &format!("qemu+unix:///system?socket={tunnels}/rpc.sock"),
+                    "--migrateuri",
+                    &format!("unix://{tunnels}/mig.sock"),
+                ])
+                .args(
+                    disk.then(|| {
+                        [
+                            "--copy-storage-all".to_owned(),
+                            "--disks-uri".to_owned(),
+                            format!("unix://{tunnels}/nbd.sock"),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+                )
+                .spawn_piped()?
+        }
         LibvirtSystem::SyncWrites => virsh_command(lab, Site::A)
             .args(direct())
             .args(disk.then_some("--copy-storage-synchronous-writes"))
