@@ -279,6 +279,16 @@ async fn can_change_copy_mode(qmp: &Qmp) -> bool {
     }
 }
 
+/// Whichever QMP command of the disk copy first finds QEMU's socket closed (starting a mirror,
+/// polling a job), the reason is the same.
+fn name_a_lost_qemu(qmp: &Qmp, e: anyhow::Error) -> anyhow::Error {
+    if qmp.is_closed() {
+        e.context("the source QEMU went away during the disk copy")
+    } else {
+        e
+    }
+}
+
 pub(super) fn job_id(node: &str) -> String {
     format!("ferry-mirror-{node}")
 }
@@ -450,7 +460,7 @@ impl SourceDisks {
         };
         if let Err(e) = disks.start_mirrors(qmp, zero_first, top_only).await {
             disks.abort(qmp).await;
-            return Err(e);
+            return Err(name_a_lost_qemu(qmp, e));
         }
         Ok(disks)
     }
@@ -504,16 +514,9 @@ impl SourceDisks {
     /// guest's writes until the difference crossed). Cancel-safe.
     /// Returns what to say of the copy (a background copy that stalled or was paced).
     pub async fn wait_ready(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<Ready> {
-        // Whichever query first finds the socket closed, the reason is the same.
         self.wait_ready_or_fail(qmp, memory_bound)
             .await
-            .map_err(|e| {
-                if qmp.is_closed() {
-                    e.context("the source QEMU went away during the disk copy")
-                } else {
-                    e
-                }
-            })
+            .map_err(|e| name_a_lost_qemu(qmp, e))
     }
 
     async fn wait_ready_or_fail(&self, qmp: &Qmp, memory_bound: Option<u64>) -> Result<Ready> {
