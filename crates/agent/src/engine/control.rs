@@ -71,7 +71,7 @@ pub struct ImageShape {
 /// session).
 /// 8: `Tunnel.multifd`: QEMU's multifd channels cross coded (a version-7 peer would take one
 /// for a main stream).
-pub const CONTROL_VERSION: u32 = 8;
+pub const CONTROL_VERSION: u32 = 9;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,13 +147,13 @@ pub enum Control {
         images_made: u32,
     },
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
-    /// disk channel, and their operations hash to this SHA-256.
-    DiskEnd { snapshots: u64, sha256: String },
-    /// Source: QEMU wrote its whole stream: this many bytes, with this SHA-256.
-    End { bytes: u64, sha256: String },
-    /// Source, on a tunnelled stream: the stream's first `bytes` have this SHA-256 (the
+    /// disk channel, and their operations have this digest ([`crate::engine::digest`]).
+    DiskEnd { snapshots: u64, digest: String },
+    /// Source: QEMU wrote its whole stream: this many bytes, with this digest.
+    End { bytes: u64, digest: String },
+    /// Source, on a tunnelled stream: the stream's first `bytes` have this digest (the
     /// destination QEMU may read them once they match: [`crate::engine::tunnel_stream`]).
-    Checkpoint { bytes: u64, sha256: String },
+    Checkpoint { bytes: u64, digest: String },
     /// Destination, on a tunnelled stream: every digest matched and QEMU read the whole stream
     /// (wall clock, µs); libvirt decides the rest.
     Delivered { fed_unix_us: i64 },

@@ -13,11 +13,11 @@ use ferry_api::agent::DestinationSwitchover;
 use ferry_qemu::commands::{Cont, MigrateIncoming, QueryMigrate, QueryStatus, Quit};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
-use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::disk;
 use crate::engine::disk::apply::DestinationDisks;
 use crate::engine::disk::backing::backing_of;
@@ -389,7 +389,7 @@ async fn serve(
     let mut disk_end: Option<(u64, String)> = None;
 
     // The stream, until the source's End and every byte it announces have arrived.
-    let mut hash = Sha256::new();
+    let mut hash = StreamDigest::new();
     // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
     let mut received = 0u64;
     let mut decoded = BytesMut::with_capacity(128 << 10);
@@ -429,8 +429,8 @@ async fn serve(
                 disk_applied = Some(r.context("applying the disk writes")?);
             }
             msg = control::recv(session) => match msg? {
-                Control::End { bytes, sha256 } => end = Some((bytes, sha256)),
-                Control::DiskEnd { snapshots, sha256 } => disk_end = Some((snapshots, sha256)),
+                Control::End { bytes, digest } => end = Some((bytes, digest)),
+                Control::DiskEnd { snapshots, digest } => disk_end = Some((snapshots, digest)),
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
                 other => bail!("unexpected control message during the stream: {other:?}"),
             },
@@ -450,9 +450,9 @@ async fn serve(
         return Err(load_failure(qmp, e).await);
     }
     let (_, source_digest) = end.expect("loop ends with End");
-    let digest = format!("{:x}", hash.finalize());
+    let digest = hash.hex();
     if digest != source_digest {
-        bail!("stream digest mismatch: source sha256 {source_digest}, destination sha256 {digest}");
+        bail!("stream digest mismatch: source {ALGORITHM} {source_digest}, destination {digest}");
     }
     let fed_unix_us = unix_us();
     tracing::info!(
@@ -499,8 +499,8 @@ async fn serve(
         };
         if (snapshots, &digest) != (source_snapshots, &source_digest) {
             bail!(
-                "disk digest mismatch: source {source_snapshots} snapshots, sha256 {source_digest}; \
-                 destination {snapshots} snapshots, sha256 {digest}"
+                "disk digest mismatch: source {source_snapshots} snapshots, {ALGORITHM} {source_digest}; \
+                 destination {snapshots} snapshots, {digest}"
             );
         }
         let applied_ms = t0.elapsed().as_secs_f64() * 1e3;

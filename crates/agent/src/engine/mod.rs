@@ -18,7 +18,8 @@
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`tunnel_stream`]: QEMU's stream in a libvirt tunnel: coded, and fed to QEMU only under
 //!   matching digests.
-//! - [`control`]: the messages between the two sides, versioned.
+//! - [`control`]: the messages between the two sides, versioned; [`digest`]: the end-to-end
+//!   digest both ends compute of what QEMU wrote.
 //! - [`journal`]: each migration's record on disk, at the points that decide what a restart
 //!   must do; [`recovery`]: what an agent that restarts does with the records it finds, and
 //!   the verdicts a source in doubt asks for.
@@ -26,6 +27,7 @@
 
 pub mod control;
 pub mod destination;
+pub mod digest;
 pub mod disk;
 pub mod feeder;
 pub mod journal;

@@ -21,12 +21,12 @@ use ferry_qemu::Qmp;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
-use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
 use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::disk;
 use crate::engine::disk::mirror::{
     memory_phase_buffer, AtDestination, DiskSettings, OlderCopy, SourceDisks,
@@ -417,7 +417,7 @@ async fn migrate(
         journal
             .write_outgoing(&record)
             .context("recording the stream's start")?;
-        let (bytes, sha256) = stream(
+        let (bytes, digest) = stream(
             req,
             status,
             &qmp,
@@ -435,11 +435,11 @@ async fn migrate(
             &session,
             &Control::End {
                 bytes,
-                sha256: sha256.clone(),
+                digest: digest.clone(),
             },
         )
         .await?;
-        Ok(sha256)
+        Ok(digest)
     }
     .await;
     let settle = |state: OutgoingState, reason: Option<String>| {
@@ -751,7 +751,7 @@ async fn stream(
         let mut item_bytes = BytesMut::with_capacity(CHUNK);
         // What goes on the stream channel: QEMU's bytes, or the codec's batches.
         let mut out = BytesMut::with_capacity(CHUNK * 2);
-        let mut hash = Sha256::new();
+        let mut hash = StreamDigest::new();
         let mut total = 0u64;
         // Bytes handed to the stream channel.
         let mut stream_sent = 0u64;
@@ -834,7 +834,7 @@ async fn stream(
                 });
             }
             if eof {
-                return Ok::<_, anyhow::Error>((total, format!("{:x}", hash.finalize())));
+                return Ok::<_, anyhow::Error>((total, hash.hex()));
             }
             if drained {
                 from_qemu
@@ -861,8 +861,8 @@ async fn stream(
             .is_none()
         {}
         status.enter(Phase::Switchover, "completing the disk mirrors");
-        let (snapshots, sha256) = disks.finish(qmp).await?;
-        control::send(session, &Control::DiskEnd { snapshots, sha256 }).await?;
+        let (snapshots, digest) = disks.finish(qmp).await?;
+        control::send(session, &Control::DiskEnd { snapshots, digest }).await?;
         qmp.execute(&MigrateContinue {
             state: "pre-switchover".into(),
         })
@@ -874,7 +874,7 @@ async fn stream(
     let pump = watchdog(session, status, limits, pump);
     tokio::pin!(pump);
     let mut switched = !has_disks;
-    let (bytes, sha256) = loop {
+    let (bytes, digest) = loop {
         tokio::select! {
             r = &mut pump => break r??,
             r = &mut disk_switchover, if !switched => {
@@ -916,13 +916,13 @@ async fn stream(
         let rp = s.return_path_bytes;
         s.event(
             EventKind::StreamEnded,
-            format!("{bytes} bytes, sha256 {sha256}, return path {rp} bytes"),
+            format!("{bytes} bytes, {ALGORITHM} {digest}, return path {rp} bytes"),
         );
     });
     if !status.close_cancel() {
         bail!("cancelled by the user");
     }
-    Ok((bytes, sha256))
+    Ok((bytes, digest))
 }
 
 /// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item

@@ -5,11 +5,11 @@
 //!
 //! ```text
 //!  source agent                                          destination agent
-//!  QEMU -> parse -> SHA-256 -> codec ======STREAM======> decode -> held
+//!  QEMU -> parse -> digest -> codec ======STREAM======> decode -> held
 //!  when QEMU has nothing more right now, in its tail, with multifd,
-//!  or every CHECKPOINT_BYTES:  Checkpoint{n, sha256} ==> the held bytes up to n hash to sha256?
+//!  or every CHECKPOINT_BYTES:  Checkpoint{n, digest} ==> the held bytes up to n hash to digest?
 //!                                                        yes: QEMU reads them; no: abort
-//!  QEMU's end of stream:       End{n, sha256} ========> the last bytes; QEMU's input ends
+//!  QEMU's end of stream:       End{n, digest} ========> the last bytes; QEMU's input ends
 //!                                           <========== Delivered
 //!  QEMU <----------------------------------RETURN_PATH== QEMU
 //! ```
@@ -42,11 +42,11 @@ use ferry_api::EventKind;
 use ferry_qemu::multifd::{self, ChannelParser};
 use ferry_qemu::stream::StreamParser;
 use ferry_wire::{ChannelId, Received, Session};
-use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::engine::control::{self, Control, RETURN_PATH, STREAM};
+use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::feeder::{self, Feeder};
 use crate::engine::status::{now_ms, Events, Shared};
 use crate::engine::stream_codec::{StreamDecoder, StreamEncoder, HISTORY_CAP};
@@ -94,7 +94,7 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
     );
     let hold = group.map(|group| Hold { group, tail: &tail });
     let return_path = return_path_into(to_qemu, session, status, hold);
-    let (total, sha256) = tokio::select! {
+    let (total, digest) = tokio::select! {
         r = pump => r?,
         r = return_path => {
             r?;
@@ -113,13 +113,13 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
     }
     status.update(|s| {
         s.phase = Phase::AwaitingCommit;
-        s.digest = Some(sha256.clone());
+        s.digest = Some(digest.clone());
         s.event(
             EventKind::StreamEnded,
-            format!("{total} bytes, sha256 {sha256}"),
+            format!("{total} bytes, {ALGORITHM} {digest}"),
         );
     });
-    let fed_unix_us = end_and_deliver(session, total, sha256).await?;
+    let fed_unix_us = end_and_deliver(session, total, digest).await?;
     status.update(|s| {
         s.event(
             EventKind::StreamFed,
@@ -159,29 +159,29 @@ pub async fn channel_source(
         None,
         &tail,
     );
-    let (total, sha256) = tokio::select! {
+    let (total, digest) = tokio::select! {
         r = pump => r?,
         msg = control::recv(session) => match msg? {
             Control::Abort { reason } => bail!("the destination aborted: {reason}"),
             other => bail!("unexpected message from the destination during a multifd channel: {other:?}"),
         },
     };
-    end_and_deliver(session, total, sha256.clone()).await?;
+    end_and_deliver(session, total, digest.clone()).await?;
     drop(held_open);
     let done = status.get();
     Ok(MultifdChannelReport {
         id: id.load(Ordering::Relaxed),
         stream_bytes: total,
         wire_bytes: done.wire.bytes_out,
-        digest: sha256,
+        digest,
         codec: done.codec.unwrap_or_default(),
     })
 }
 
 /// Sends the stream's `End` (its length and digest) and waits for the destination's word that
 /// its QEMU read all of it; returns when that was (wall clock, µs).
-async fn end_and_deliver(session: &Session, bytes: u64, sha256: String) -> Result<i64> {
-    control::send(session, &Control::End { bytes, sha256 }).await?;
+async fn end_and_deliver(session: &Session, bytes: u64, digest: String) -> Result<i64> {
+    control::send(session, &Control::End { bytes, digest }).await?;
     match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
         .await
         .context("no word from the destination within 60s of the stream's end")??
@@ -328,7 +328,7 @@ async fn pump(
     let mut encoder = StreamEncoder::new(CODEC, HISTORY_CAP, link_rate_mbit);
     let mut input = BytesMut::from(&first[..]);
     let (mut item_bytes, mut out) = (BytesMut::new(), BytesMut::new());
-    let mut hash = Sha256::new();
+    let mut hash = StreamDigest::new();
     let (mut total, mut checkpointed) = (0u64, 0u64);
     loop {
         input.reserve(CHUNK);
@@ -371,12 +371,12 @@ async fn pump(
             session.send(STREAM, frame).await?;
         }
         if checkpoint {
-            let sha256 = format!("{:x}", hash.clone().finalize());
+            let digest = hash.hex();
             control::send(
                 session,
                 &Control::Checkpoint {
                     bytes: total,
-                    sha256,
+                    digest,
                 },
             )
             .await?;
@@ -389,7 +389,7 @@ async fn pump(
         });
         record_wire(status, session);
         if eof {
-            return Ok((total, format!("{:x}", hash.finalize())));
+            return Ok((total, hash.hex()));
         }
         if drained {
             from_qemu
@@ -490,8 +490,8 @@ pub async fn destination(
                     Received::Barrier => {}
                 },
                 msg = control::recv(session) => match msg? {
-                    Control::Checkpoint { bytes, sha256 } => gate.expect(bytes, sha256, false)?,
-                    Control::End { bytes, sha256 } => gate.expect(bytes, sha256, true)?,
+                    Control::Checkpoint { bytes, digest } => gate.expect(bytes, digest, false)?,
+                    Control::End { bytes, digest } => gate.expect(bytes, digest, true)?,
                     Control::Abort { reason } => bail!("the source aborted: {reason}"),
                     other => bail!("unexpected control message during the stream: {other:?}"),
                 },
@@ -571,10 +571,10 @@ pub const EXPECTED_CAP: usize = 4096;
 pub struct Gate {
     /// Bytes released (verified) so far, and their running hash.
     released: u64,
-    hash: Sha256,
+    hash: StreamDigest,
     /// Decoded bytes after `released`.
     held: BytesMut,
-    /// Digests announced by the source, in order: (stream length, SHA-256, whether it is the
+    /// Digests announced by the source, in order: (stream length, digest, whether it is the
     /// end).
     expected: VecDeque<(u64, String, bool)>,
     /// Set once the end is verified.
@@ -602,7 +602,7 @@ impl Gate {
     }
 
     /// Takes a digest of the first `bytes` of the stream.
-    pub fn expect(&mut self, bytes: u64, sha256: String, end: bool) -> Result<()> {
+    pub fn expect(&mut self, bytes: u64, digest: String, end: bool) -> Result<()> {
         ensure!(
             self.expected.len() < EXPECTED_CAP,
             "the source announced more than {EXPECTED_CAP} digests ahead of the stream"
@@ -612,7 +612,7 @@ impl Gate {
             bytes >= last && !self.expected.back().is_some_and(|e| e.2),
             "digest for {bytes} stream bytes after one for {last}"
         );
-        self.expected.push_back((bytes, sha256, end));
+        self.expected.push_back((bytes, digest, end));
         // An end that is already exceeded is an error now, not when more bytes come.
         self.arrived(&[])
     }
@@ -622,16 +622,16 @@ impl Gate {
     pub fn release(&mut self) -> Result<Bytes> {
         // Every length below counts from `released` as it was on entry.
         let mut upto = 0usize;
-        while let Some((bytes, sha256, end)) = self.expected.front() {
+        while let Some((bytes, digest, end)) = self.expected.front() {
             let len = usize::try_from(bytes - self.released).expect("held in memory");
             if len > self.held.len() {
                 break;
             }
             self.hash.update(&self.held[upto..len]);
-            let ours = format!("{:x}", self.hash.clone().finalize());
+            let ours = self.hash.hex();
             ensure!(
-                &ours == sha256,
-                "stream digest mismatch at byte {bytes}: the source hashed {sha256}, this end {ours}"
+                &ours == digest,
+                "stream digest mismatch at byte {bytes}: the source hashed {digest}, this end {ours}"
             );
             upto = len;
             self.done = *end;
@@ -652,7 +652,7 @@ mod tests {
     use super::*;
 
     fn sha(bytes: &[u8]) -> String {
-        format!("{:x}", Sha256::digest(bytes))
+        StreamDigest::of(bytes)
     }
 
     #[test]

@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use ferry_api::agent::{CodecSettings, MigrationState, Phase};
 use ferry_api::settings::MigrationSettings;
-use sha2::{Digest, Sha256};
 
 use agents::{captured_stream, Pair};
 use fake_qemu::Gates;
@@ -102,7 +101,7 @@ fn assert_committed(pair: &Pair, status: &ferry_api::agent::MigrationStatus) {
     assert!(destination.running(), "{destination:?}");
     assert!(source.ran("quit"), "{source:?}");
     assert!(!source.ran("cont"), "{source:?}");
-    let digest = format!("{:x}", Sha256::digest(&*captured_stream()));
+    let digest = blake3::hash(&captured_stream()).to_hex().to_string();
     assert_eq!(
         status.digest.as_deref(),
         Some(digest.as_str()),
@@ -855,7 +854,7 @@ async fn a_session_that_opens_out_of_order_is_refused_and_touches_no_qemu() {
     // The stream's end before any Prepare: the destination answers with an Abort naming what
     // it got, and never contacts its QEMU.
     let (session, _connections, _events) = open_session(&pair, &tls);
-    let end = serde_json::json!({ "type": "end", "bytes": 0, "sha256": "00" });
+    let end = serde_json::json!({ "type": "end", "bytes": 0, "digest": "00" });
     let answer = exchange(&session, &end).await;
     assert_eq!(answer["type"], "abort", "{answer}");
     let reason = answer["reason"].as_str().unwrap_or_default();

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::engine::digest::StreamDigest;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::CodecSettings;
@@ -20,7 +21,6 @@ use ferry_qemu::commands::{BlockExportAdd, NbdServerStart, NbdServerStop, QueryN
 use ferry_qemu::nbd::{Client, Command, Pending};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
-use sha2::{Digest, Sha256};
 use tokio::net::UnixStream;
 use tokio::task::JoinSet;
 
@@ -177,7 +177,7 @@ impl DestinationDisks {
         };
         let mut decoder = DiskDecoder::new(codec_options(codec));
         let mut zstd = BatchDecompressor::new(super::MAX_FRAME_RECORDS);
-        let mut hash = Sha256::new();
+        let mut hash = StreamDigest::new();
         // The latest snapshot a frame arrived for, and whether its last frame did.
         let mut last: Option<(u64, bool)> = None;
         loop {
@@ -211,7 +211,7 @@ impl DestinationDisks {
                     flushed_ms = t0.elapsed().as_secs_f64() * 1e3,
                     "disk channel ended; every disk flushed"
                 );
-                return Ok((frame.seq, format!("{:x}", hash.finalize())));
+                return Ok((frame.seq, hash.hex()));
             }
             // A snapshot's frames come together, snapshots in increasing order: anything else
             // is a confused source, and would leave snapshots open here for good.

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::engine::digest::StreamDigest;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
@@ -26,7 +27,6 @@ use ferry_qemu::commands::{
 use ferry_qemu::nbd::{self, proto, Blocks, Export};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
-use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
@@ -896,7 +896,7 @@ async fn send_snapshots(
     let mut encoder = DiskEncoder::new(codec_options(codec));
     let level = zstd_level(codec);
     let mut zstd = BatchCompressor::default();
-    let mut hash = Sha256::new();
+    let mut hash = StreamDigest::new();
     let mut count = 0u64;
     let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));
     while let Some(snap) = buffer.take().await {
@@ -969,7 +969,7 @@ async fn send_snapshots(
             Frame::encode(count, LAST_OF_ALL, &[], None, &mut zstd),
         )
         .await?;
-    Ok((count, format!("{:x}", hash.finalize())))
+    Ok((count, hash.hex()))
 }
 
 /// How much of a snapshot's room an operation stands for: its data, or a range's bookkeeping.

@@ -31,11 +31,11 @@ pub mod since;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use crate::engine::digest::StreamDigest;
 use anyhow::{bail, Result};
 use bytes::{BufMut, Bytes, BytesMut};
 use ferry_api::agent::CodecSettings;
 use ferry_codec::{BatchCompressor, DiskOp, Options};
-use sha2::{Digest, Sha256};
 
 const LAST_OF_SNAPSHOT: u8 = 1;
 const LAST_OF_ALL: u8 = 2;
@@ -173,17 +173,17 @@ impl SentDigests {
 }
 
 /// The digest of what `h` has hashed so far.
-pub fn digest_so_far(h: &Sha256) -> Digest32 {
-    h.clone().finalize().into()
+pub fn digest_so_far(h: &StreamDigest) -> Digest32 {
+    h.bytes()
 }
 
 /// Adds one operation to a digest both ends compute the same way.
-pub fn hash_op(h: &mut Sha256, op: &DiskOp) {
+pub fn hash_op(h: &mut StreamDigest, op: &DiskOp) {
     match op {
         DiskOp::Write { disk, offset, data } => {
-            h.update([1, *disk]);
-            h.update(offset.to_le_bytes());
-            h.update((data.len() as u64).to_le_bytes());
+            h.update(&[1, *disk]);
+            h.update(&offset.to_le_bytes());
+            h.update(&(data.len() as u64).to_le_bytes());
             h.update(data);
         }
         DiskOp::Zeroes {
@@ -192,20 +192,20 @@ pub fn hash_op(h: &mut Sha256, op: &DiskOp) {
             len,
             may_trim,
         } => {
-            h.update([2, *disk, u8::from(*may_trim)]);
-            h.update(offset.to_le_bytes());
-            h.update(len.to_le_bytes());
+            h.update(&[2, *disk, u8::from(*may_trim)]);
+            h.update(&offset.to_le_bytes());
+            h.update(&len.to_le_bytes());
         }
         DiskOp::Trim { disk, offset, len } => {
-            h.update([3, *disk]);
-            h.update(offset.to_le_bytes());
-            h.update(len.to_le_bytes());
+            h.update(&[3, *disk]);
+            h.update(&offset.to_le_bytes());
+            h.update(&len.to_le_bytes());
         }
-        DiskOp::Flush { disk } => h.update([4, *disk]),
+        DiskOp::Flush { disk } => h.update(&[4, *disk]),
         DiskOp::Same { disk, offset, len } => {
-            h.update([5, *disk]);
-            h.update(offset.to_le_bytes());
-            h.update(len.to_le_bytes());
+            h.update(&[5, *disk]);
+            h.update(&offset.to_le_bytes());
+            h.update(&len.to_le_bytes());
         }
     }
 }

@@ -114,8 +114,8 @@ impl RelaySource {
             buffer.stop_acknowledging();
             return Err(e);
         }
-        let (snapshots, sha256) = (&mut sender.0).await.context("the disk sender task")??;
-        control::send(session, &Control::DiskEnd { snapshots, sha256 }).await?;
+        let (snapshots, digest) = (&mut sender.0).await.context("the disk sender task")??;
+        control::send(session, &Control::DiskEnd { snapshots, digest }).await?;
         drop(acks);
         Ok(())
     }
@@ -232,7 +232,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
         tokio::select! {
             r = &mut apply => break r?,
             msg = control::recv(session), if end.is_none() => match msg? {
-                Control::DiskEnd { snapshots, sha256 } => end = Some((snapshots, sha256)),
+                Control::DiskEnd { snapshots, digest } => end = Some((snapshots, digest)),
                 Control::Abort { reason } => bail!("{reason}"),
                 other => bail!("unexpected control message in a disk relay: {other:?}"),
             },
@@ -241,7 +241,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
     let end = match end {
         Some(end) => end,
         None => match control::recv(session).await? {
-            Control::DiskEnd { snapshots, sha256 } => (snapshots, sha256),
+            Control::DiskEnd { snapshots, digest } => (snapshots, digest),
             Control::Abort { reason } => bail!("{reason}"),
             other => bail!("unexpected control message in a disk relay: {other:?}"),
         },
@@ -249,7 +249,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
     disks.disconnect().await;
     if end != applied {
         bail!(
-            "the disk writes applied here differ from those sent ({} snapshots, sha256 {}; the source sent {} with {})",
+            "the disk writes applied here differ from those sent ({} snapshots, {}; the source sent {} with {})",
             applied.0,
             applied.1,
             end.0,
