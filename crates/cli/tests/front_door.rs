@@ -75,6 +75,7 @@ fn bench_prints_the_contract_fields() {
         "iterations",
         "floor_bytes",
         "floor_ms",
+        "cpu",
     ] {
         assert!(v.get(field).is_some(), "bench JSON lacks {field}: {v}");
     }
@@ -88,6 +89,16 @@ fn bench_prints_the_contract_fields() {
         floor > 1_000_000 && floor < v["wan_bytes"].as_u64().unwrap(),
         "{v}"
     );
+    // Both QEMUs worked during the migration, and the figure per GB on the WAN adds them up.
+    let cpu = &v["cpu"];
+    let (src, dst) = (
+        cpu["source_qemu_s"].as_f64().unwrap(),
+        cpu["destination_qemu_s"].as_f64().unwrap(),
+    );
+    assert!(src > 0.0 && dst > 0.0, "{cpu}");
+    let per_gb = cpu["per_wan_gb_s"].as_f64().unwrap();
+    let wan_gb = v["wan_bytes"].as_f64().unwrap() / 1e9;
+    assert!(per_gb * wan_gb >= (src + dst) * 0.999, "{cpu}");
     assert!(t.namespaces().is_empty(), "the bench left its lab up");
 }
 

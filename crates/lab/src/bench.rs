@@ -138,6 +138,8 @@ pub struct BenchRecord {
     pub verify_errors: Option<u64>,
     pub floor_bytes: u64,
     pub floor_ms: f64,
+    /// CPU seconds the QEMUs and the agents spent during the migration, and per GB on the WAN.
+    pub cpu: crate::cpu::MigrationCpu,
     pub accel: Accel,
     pub run: u32,
     /// ferry: the TCP connections it used.
@@ -378,7 +380,13 @@ async fn measured_migration(
     if sc.vm.disk {
         guest::reset_disk_latency(&link).await?;
     }
-    let result = baseline::migrate(lab, name, to, &opts, link, &tx, &timeline).await;
+    let (result, cpu) = crate::cpu::measure(
+        lab,
+        name,
+        to.other(),
+        baseline::migrate(lab, name, to, &opts, link, &tx, &timeline),
+    )
+    .await;
     let leg = changed_pct.map(|_| "return".to_owned());
     if let Some(dir) = &sc.timeline_dir {
         let stem = format!(
@@ -406,6 +414,7 @@ async fn measured_migration(
         // starts after it.
         guest::reset_disk_latency(&dst_link).await?;
     }
+    let cpu = cpu.with_wan_bytes(outcome.wan_bytes);
     let record = BenchRecord {
         system: sc.system.name(),
         workload: sc.workload.pattern.clone(),
@@ -426,6 +435,7 @@ async fn measured_migration(
         verify_errors,
         floor_bytes,
         floor_ms: floor::floor_ms(floor_bytes, sc.link.rate_mbit),
+        cpu,
         accel: sc.vm.accel,
         run: sc.run,
         connections: matches!(sc.system, System::Ferry(_))

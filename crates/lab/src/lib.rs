@@ -19,6 +19,7 @@ pub mod agents;
 pub mod baseline;
 pub mod bench;
 pub mod controller;
+pub mod cpu;
 pub mod ferry_path;
 pub mod fleet_cost_bench;
 pub mod floor;
