@@ -432,6 +432,7 @@ async fn start(agent: &Arc<Agent>, work: FleetWork) -> Result<MigrationStatus, R
                 to: work.to,
                 copy_storage: work.copy_storage,
                 link_rate_mbit: None,
+                parallel: None,
                 settings: work.settings,
             };
             server::start_libvirt_migration(agent, req, Some(work.fleet_id), work.group).await

@@ -42,9 +42,15 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         // libvirt runs its own mirror (its speed is libvirt's --bandwidth).
         (s.disk_pacing_floor_pct.is_some(), "disk_pacing_floor_pct"),
     ];
-    match unsupported.iter().find(|(set, _)| *set) {
-        Some((_, what)) => Err(Refusal::NotWithLibvirt(what.to_string())),
-        None => Ok(()),
+    if let Some((_, what)) = unsupported.iter().find(|(set, _)| *set) {
+        return Err(Refusal::NotWithLibvirt(what.to_string()));
+    }
+    match req.parallel {
+        // QEMU's multifd-channels is a u8 and needs one at least.
+        Some(n) if !(1..=255).contains(&n) => Err(Refusal::Malformed(format!(
+            "parallel: {n} channels; QEMU takes 1 to 255"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -241,6 +247,18 @@ async fn drive(
             files.join(", ")
         );
     }
+    // What the tunnels saw fail (a digest that did not match, the destination's abort) is
+    // why, where libvirt only saw its connection close.
+    let tunnels_saw: Vec<String> = status
+        .get()
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::Failed)
+        .map(|e| e.detail.clone())
+        .collect();
+    if !tunnels_saw.is_empty() {
+        why = format!("{why}; the agents: {}", tunnels_saw.join("; "));
+    }
     match stopped_by {
         Some(reason) => anyhow::bail!("{reason} (libvirt: {why})"),
         None => anyhow::bail!("libvirt: {why}"),
@@ -304,6 +322,15 @@ fn migrate_args(
     }
     if req.settings.converge {
         args.push("--auto-converge".into());
+    }
+    if let Some(channels) = req.parallel {
+        // Each channel connects to the same migration socket; the tunnel tells them from the
+        // main stream by their first bytes.
+        args.extend([
+            "--parallel".into(),
+            "--parallel-connections".into(),
+            channels.to_string(),
+        ]);
     }
     if let Some(mbit) = link_rate_mbit {
         // libvirt takes MiB/s; at least 1.
@@ -392,6 +419,20 @@ mod tests {
         let refusal = check_settings(&req).unwrap_err();
         assert!(
             refusal.to_string().contains("test_corrupt_disk_at"),
+            "{refusal}"
+        );
+        req.settings.test_corrupt_disk_at = None;
+        for (channels, ok) in [(0, false), (1, true), (4, true), (255, true), (256, false)] {
+            req.parallel = Some(channels);
+            assert_eq!(check_settings(&req).is_ok(), ok, "{channels}");
+        }
+        let refusal = check_settings(&LibvirtMigrationRequest {
+            parallel: Some(0),
+            ..req.clone()
+        })
+        .unwrap_err();
+        assert!(
+            refusal.to_string().contains("parallel: 0 channels"),
             "{refusal}"
         );
     }

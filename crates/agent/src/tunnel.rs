@@ -42,6 +42,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::MigrationStatus;
 use ferry_api::settings::MigrationSettings;
+use ferry_api::EventKind;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
@@ -53,7 +54,7 @@ use crate::engine::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_
 use crate::engine::disk::buffer::TransmitBuffer;
 use crate::engine::disk::mirror::memory_phase_buffer;
 use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
-use crate::engine::status::{now_ms, Registry, Shared};
+use crate::engine::status::{now_ms, Events, Registry, Shared};
 use crate::engine::tunnel_stream;
 use crate::group::GroupLink;
 use crate::lend::{Lender, Loan};
@@ -354,8 +355,17 @@ impl Tunnels {
             let _counted = Decrement(live.clone());
             size_window(&session, link_events, peer.rate_mbit, None, Some(live));
             let (read, write) = conn.into_split();
-            let carried = tunnel_stream::channel_source(first, read, write, &session, link);
+            // A driven migration's test hook flips a bit of every stream it reaches.
+            let corrupt_at = claimed.as_ref().and_then(|c| c.settings.test_corrupt_at);
+            let carried =
+                tunnel_stream::channel_source(first, read, write, &session, link, corrupt_at);
             let report = within_wan_timeout(&session, carried).await;
+            let main = self
+                .streams
+                .lock()
+                .expect("streams lock")
+                .get(&(peer_name.clone(), slot))
+                .cloned();
             match &report {
                 Ok(report) => {
                     tracing::info!(
@@ -364,17 +374,19 @@ impl Tunnels {
                         report.stream_bytes,
                         report.wire_bytes
                     );
-                    let main = self
-                        .streams
-                        .lock()
-                        .expect("streams lock")
-                        .get(&(peer_name.clone(), slot))
-                        .cloned();
                     if let Some(main) = main {
                         main.update(|s| s.multifd.push(report.clone()));
                     }
                 }
-                Err(e) => tracing::warn!("multifd channel to {peer_name}: {e:#}"),
+                Err(e) => {
+                    tracing::warn!("multifd channel to {peer_name}: {e:#}");
+                    // libvirt only sees the connection close: the migration says why.
+                    if let Some(main) = main {
+                        main.update(|s| {
+                            s.event(EventKind::Failed, format!("a multifd channel: {e:#}"));
+                        });
+                    }
+                }
             }
             report.map(|_| ())
         } else if coded {

@@ -51,6 +51,11 @@ pub struct LibvirtMigrationRequest {
     /// `rate_mbit` in the agent's config.
     #[serde(default)]
     pub link_rate_mbit: Option<f64>,
+    /// QEMU's multifd channels: libvirt's `--parallel --parallel-connections N` (1 to 255).
+    /// The agents carry each channel as its own stream, coded and digest-gated like the main
+    /// one. Default: QEMU's single stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<u32>,
     /// How the migration runs (flattened). libvirt's path uses the downtime target, converge
     /// (auto-converge), the timeout and the disk mode (async, or sync: libvirt's synchronous
     /// writes); settings it cannot honour are refused.

@@ -60,7 +60,8 @@ pub struct MigrationSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_pacing_floor_pct: Option<u32>,
     /// Test hook: flip one bit of the stream at this byte offset after the source hashed it,
-    /// so the destination's digest differs.
+    /// so the destination's digest differs (in a libvirt migration, of each of QEMU's streams
+    /// that reaches it: the main one and each multifd channel).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_corrupt_at: Option<u64>,
     /// Test hook: flip one bit of the disks' written data at this byte offset (counted over

@@ -51,6 +51,11 @@ pub struct MigrateArgs {
     /// Otherwise they are on storage both hosts share.
     #[arg(long, requires = "libvirt")]
     copy_storage: bool,
+    /// With --libvirt: QEMU's multifd, in this many channels (libvirt's --parallel
+    /// --parallel-connections; 1 to 255). The agents code each channel as they do the main
+    /// stream.
+    #[arg(long, value_name = "CHANNELS", requires = "libvirt")]
+    parallel: Option<u32>,
     /// With --qmp: start the destination from this command line (one argument per line,
     /// program first) instead of the source QEMU's own.
     #[arg(long, value_name = "FILE", requires = "qmp")]
@@ -143,6 +148,7 @@ async fn run_libvirt(a: MigrateArgs, domain: String) -> Result<ExitCode> {
         to: a.to.clone(),
         copy_storage: a.copy_storage,
         link_rate_mbit: None,
+        parallel: a.parallel,
         settings: a.settings.settings()?,
     };
     let started = Start::now();

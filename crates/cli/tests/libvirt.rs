@@ -156,23 +156,29 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
         0,
         "the guest's memory back at site a"
     );
-    // Each channel adds its figures to the main stream's migration once the destination
-    // said its QEMU read all of it.
+    assert_channels_coded(&t, Site::B, name, 2);
+}
+
+/// The latest migration of `name` at `site` carried QEMU's pages on `channels` multifd
+/// channels, each coded (fewer bytes on the WAN than QEMU wrote) and with its own digest, and
+/// its main stream carried none. Each channel adds its figures to the main stream's migration
+/// once the destination said its QEMU read all of it, so they may come after the commit.
+fn assert_channels_coded(t: &TestLab, site: Site, name: &str, channels: usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let m = loop {
-        let m = committed_at(&t, Site::B, name);
+        let m = committed_at(t, site, name);
         let ended = m["multifd"].as_array().map_or(0, Vec::len);
-        if ended == 2 || std::time::Instant::now() > deadline {
+        if ended == channels || std::time::Instant::now() > deadline {
             break m;
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let channels = m["multifd"].as_array().expect("multifd channels");
-    assert_eq!(channels.len(), 2, "{m}");
-    let mut ids: Vec<u64> = channels.iter().map(|c| c["id"].as_u64().unwrap()).collect();
+    let listed = m["multifd"].as_array().expect("multifd channels");
+    assert_eq!(listed.len(), channels, "{m}");
+    let mut ids: Vec<u64> = listed.iter().map(|c| c["id"].as_u64().unwrap()).collect();
     ids.sort_unstable();
-    assert_eq!(ids, [0, 1], "{m}");
-    let pages: u64 = channels
+    assert_eq!(ids, (0..channels as u64).collect::<Vec<_>>(), "{m}");
+    let pages: u64 = listed
         .iter()
         .map(|c| c["codec"]["pages"].as_u64().unwrap())
         .sum();
@@ -180,7 +186,7 @@ fn virsh_migrate_with_unix_sockets_goes_through_the_agents() {
         pages > 8192,
         "the guest's pages went through the codec on the channels: {m}"
     );
-    for c in channels {
+    for c in listed {
         assert!(c["digest"].as_str().is_some_and(|d| d.len() == 64), "{c}");
         let (qemu, wire) = (
             c["stream_bytes"].as_u64().unwrap(),
@@ -234,6 +240,20 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("site-x"), "{err}");
+    let out = ferry(&[
+        "migrate",
+        "--libvirt",
+        name,
+        "--to",
+        "site-b",
+        "--parallel",
+        "0",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("parallel: 0 channels; QEMU takes 1 to 255"),
+        "{err}"
+    );
 
     // A destination without the disk's storage: libvirt's own words name it, the domain keeps
     // running at site a and nothing is defined at site b.
@@ -271,7 +291,8 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     ferry_lab::libvirt::start(&t.lab, Site::B).unwrap();
     stayed_at_a(&t, name, &err);
 
-    // A stream corrupted on its way: the destination's digest check refuses it, libvirt's
+    // A multifd channel corrupted on its way (with two channels the main stream carries no
+    // pages and stays short of the byte): the destination's digest check refuses it, libvirt's
     // migration fails, the domain keeps running at site a and nothing is left at site b.
     let out = ferry(&[
         "migrate",
@@ -280,17 +301,25 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
         "--to",
         "site-b",
         "--copy-storage",
+        "--parallel",
+        "2",
         "--test-corrupt-at",
         "3000000",
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{err}");
+    // libvirt saw its connection close; the agents say why.
+    assert!(
+        err.contains("a multifd channel") && err.contains("digest mismatch"),
+        "{err}"
+    );
     stayed_at_a(&t, name, &err);
     // (through the link the test holds: a serial socket takes one client)
     let errors = rt.block_on(async { ferry_lab::guest::verify(&link, true).await.unwrap() });
     assert_eq!(errors.errors(), 0, "the source after the failed attempt");
 
-    // The real move, disk copied: the domain runs at site b, defined there, gone from site a.
+    // The real move, disk copied, memory on two multifd channels: the domain runs at site b,
+    // defined there, gone from site a.
     let wan_before = wan_bytes(&t);
     let out = ferry(&[
         "migrate",
@@ -299,6 +328,8 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
         "--to",
         "site-b",
         "--copy-storage",
+        "--parallel",
+        "2",
         "--json",
     ]);
     let v = common::json(&String::from_utf8_lossy(&out.stdout));
@@ -327,7 +358,7 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     );
     let wan = wan_bytes(&t) - wan_before;
     assert!(wan > 32 << 20, "only {wan} bytes crossed the WAN");
-    committed_at_a(&t, name);
+    assert_channels_coded(&t, Site::A, name, 2);
     // The disk crossed through the relay, coded: the guest's data and the image's zeroes.
     let disk = &v["outcome"]["disk"];
     assert_eq!(disk["disks"], 1, "{v}");

@@ -948,11 +948,14 @@ async fn send_stream(
     Ok(sent)
 }
 
-pub(crate) fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) {
-    if let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) {
-        item[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
-        tracing::warn!("test hook: flipped a bit of the stream at byte {at}");
-    }
+/// Returns whether it flipped a bit of this item.
+pub(crate) fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) -> bool {
+    let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) else {
+        return false;
+    };
+    item[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
+    tracing::warn!("test hook: flipped a bit of the stream at byte {at}");
+    true
 }
 
 async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Result<()> {

@@ -266,6 +266,14 @@ impl StreamEncoder {
         }
     }
 
+    /// Adds one item of a multifd channel as QEMU's bytes, its pages not coded (the test
+    /// hook's altered packet: the pages would be coded from the item as parsed).
+    pub fn push_channel_as_is(&mut self, qemu: &[u8]) {
+        self.report.bytes_in += qemu.len() as u64;
+        self.batch_qemu += qemu.len();
+        self.push_opaque(qemu);
+    }
+
     fn push_opaque(&mut self, bytes: &[u8]) {
         let at = match self.open_opaque {
             Some(at) => at,

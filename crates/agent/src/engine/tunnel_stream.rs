@@ -133,13 +133,14 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
 /// init packet, already read): parsed, hashed, coded and checkpointed like the main stream,
 /// ended with `End`. Returns the channel's figures once the destination says its QEMU read the
 /// whole verified channel. `held_open`: the connection's other half, kept open until then
-/// (QEMU writes nothing back on a channel).
+/// (QEMU writes nothing back on a channel). `corrupt_at`: the test hook's byte of the channel.
 pub async fn channel_source(
     first: Vec<u8>,
     from_qemu: OwnedReadHalf,
     held_open: OwnedWriteHalf,
     session: &Session,
     link_rate_mbit: f64,
+    corrupt_at: Option<u64>,
 ) -> Result<MultifdChannelReport> {
     // The channel's own figures; the main stream's status gets them at the end.
     let status = Shared::new(ferry_api::agent::MigrationStatus::starting(
@@ -156,7 +157,7 @@ pub async fn channel_source(
         session,
         &status,
         link_rate_mbit,
-        None,
+        corrupt_at,
         &tail,
     );
     let (total, digest) = tokio::select! {
@@ -248,14 +249,14 @@ enum Parser<'a> {
 impl Parser<'_> {
     /// Parses every whole item at the front of `input`, giving each one's bytes (as QEMU
     /// wrote them, in `item_bytes`) to `hash_and_count` and then to the encoder, whose full
-    /// batches go to `out`.
+    /// batches go to `out`. `hash_and_count` says whether the test hook altered the bytes.
     fn drain(
         &mut self,
         input: &mut BytesMut,
         item_bytes: &mut BytesMut,
         encoder: &mut StreamEncoder,
         out: &mut BytesMut,
-        mut hash_and_count: impl FnMut(&mut BytesMut),
+        mut hash_and_count: impl FnMut(&mut BytesMut) -> bool,
     ) -> Result<()> {
         match self {
             Parser::Main(parser) => {
@@ -276,8 +277,13 @@ impl Parser<'_> {
                     }
                     item_bytes.clear();
                     item.encode(item_bytes);
-                    hash_and_count(item_bytes);
-                    encoder.push_channel(&item, item_bytes);
+                    if hash_and_count(item_bytes) {
+                        // The packet's pages are coded from the parsed item: altered bytes
+                        // must cross as they are.
+                        encoder.push_channel_as_is(item_bytes);
+                    } else {
+                        encoder.push_channel(&item, item_bytes);
+                    }
                     if encoder.is_full() {
                         encoder.flush(out);
                     }
@@ -345,8 +351,10 @@ async fn pump(
             &mut out,
             |item_bytes| {
                 hash.update(&item_bytes[..]);
-                crate::engine::source::corrupt_for_test(item_bytes, total, corrupt_at);
+                let altered =
+                    crate::engine::source::corrupt_for_test(item_bytes, total, corrupt_at);
                 total += item_bytes.len() as u64;
+                altered
             },
         )?;
         if eof {
