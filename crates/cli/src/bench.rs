@@ -68,9 +68,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     disk_read_hot_mib: u32,
     /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
-    /// site running its own libvirtd; --modes names the systems (ferry, virsh,
-    /// virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh migrate --parallel` at
-    /// the agents' tunnels, virsh-sync-writes; default the first three).
+    /// site running its own libvirtd; --modes names the systems (ferry, ferry-parallel: with
+    /// `--parallel 4`, virsh, virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh
+    /// migrate --parallel` at the agents' tunnels, virsh-sync-writes; default ferry, virsh and
+    /// virsh-parallel-zstd).
     #[arg(long)]
     libvirt: bool,
     /// Virtual cloud pools: a pool VM's client (TCP stall, pings lost) across moves to site b

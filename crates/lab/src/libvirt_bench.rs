@@ -28,6 +28,9 @@ use crate::topology::{Lab, Site};
 pub enum LibvirtSystem {
     /// `ferry migrate --libvirt`: libvirt's migration carried, coded and steered by the agents.
     Ferry,
+    /// `ferry migrate --libvirt --parallel 4`: the same, QEMU's memory on four multifd
+    /// channels, each coded by the agents.
+    FerryParallel,
     /// `virsh migrate --live --p2p` straight to the destination's libvirtd.
     Plain,
     /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
@@ -41,8 +44,9 @@ pub enum LibvirtSystem {
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 5] = [
+    pub const ALL: [LibvirtSystem; 6] = [
         LibvirtSystem::Ferry,
+        LibvirtSystem::FerryParallel,
         LibvirtSystem::Plain,
         LibvirtSystem::ParallelZstd,
         LibvirtSystem::ParallelViaFerry,
@@ -59,6 +63,7 @@ impl LibvirtSystem {
     pub fn name(self) -> &'static str {
         match self {
             LibvirtSystem::Ferry => "ferry",
+            LibvirtSystem::FerryParallel => "ferry-parallel",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
             LibvirtSystem::ParallelViaFerry => "virsh-parallel-via-ferry",
@@ -261,7 +266,7 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
         .collect()
     };
     let command = match system {
-        LibvirtSystem::Ferry => lab
+        LibvirtSystem::Ferry | LibvirtSystem::FerryParallel => lab
             .host_command(Site::A, ferry)
             .args([
                 "migrate",
@@ -274,6 +279,12 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
             ])
             .arg(lab.agent_socket(Site::A))
             .args(disk.then_some("--copy-storage"))
+            .args(
+                (system == LibvirtSystem::FerryParallel)
+                    .then_some(["--parallel", "4"])
+                    .into_iter()
+                    .flatten(),
+            )
             .spawn_piped()?,
         LibvirtSystem::Plain => virsh_command(lab, Site::A).args(direct()).spawn_piped()?,
         LibvirtSystem::ParallelZstd => virsh_command(lab, Site::A)
