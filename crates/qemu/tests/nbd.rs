@@ -390,3 +390,62 @@ async fn the_client_writes_into_qemu_nbd_and_reads_back() {
     assert!(on_disk[..65536].iter().all(|&x| x == 0xc4));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Blocks whose writes never complete (a relay whose destination gave up), saying when one
+/// has begun.
+struct StuckBlocks {
+    began: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+impl Blocks for StuckBlocks {
+    async fn write(&self, _offset: u64, _data: Bytes) -> Result<(), u32> {
+        let _ = self.began.send(());
+        std::future::pending().await
+    }
+    async fn write_zeroes(&self, _offset: u64, _len: u64, _may_trim: bool) -> Result<(), u32> {
+        std::future::pending().await
+    }
+    async fn trim(&self, _offset: u64, _len: u64) -> Result<(), u32> {
+        std::future::pending().await
+    }
+    async fn flush(&self) -> Result<(), u32> {
+        std::future::pending().await
+    }
+}
+
+/// The caller drops the server while a request is in flight (its relay failed): the client
+/// sees the connection close, rather than waiting for its reply for ever (QEMU's mirror hung
+/// that way inside a libvirt migration).
+#[tokio::test]
+async fn a_server_dropped_mid_request_closes_the_connection() {
+    let dir = temp_dir("dropped");
+    let path = dir.join("nbd.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let (began, mut writing) = tokio::sync::mpsc::unbounded_channel();
+    let server = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let export = Export {
+            name: "disk0".into(),
+            size: MIB,
+        };
+        serve(stream, &export, Arc::new(StuckBlocks { began })).await
+    });
+    let mut s = raw_connection(&path).await;
+    let h = RequestHeader {
+        flags: 0,
+        command: Command::Write,
+        cookie: 5,
+        offset: 0,
+        length: 4096,
+    };
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&[7u8; 4096]).await.unwrap();
+    writing.recv().await.expect("the write began");
+    server.abort();
+    let mut reply = [0u8; REPLY_BYTES];
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut reply))
+        .await
+        .expect("the connection closed once the server was dropped");
+    assert_eq!(read.unwrap(), 0, "no reply, just the end of the connection");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -393,6 +393,15 @@ async fn send_reply<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// Aborts its task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 async fn transmission<S, B>(
     stream: S,
     export: &Export,
@@ -405,7 +414,10 @@ where
     let (r, mut w) = tokio::io::split(stream);
     // Capacity 1: the reader is at most one request ahead of what the server has taken in.
     let (tx, mut rx) = mpsc::channel(1);
-    let reader = tokio::spawn(read_requests(r, tx));
+    // Stopped however this ends, also when the caller drops this future (its peer gave up):
+    // the reader holds the connection's read half, and while it lives QEMU's client never sees
+    // the connection close and waits for its replies for ever.
+    let _reader = AbortOnDrop(tokio::spawn(read_requests(r, tx)));
     let mut running: Vec<Running> = Vec::new();
     let mut parked: VecDeque<(u64, Incoming)> = VecDeque::new();
     let mut tasks: JoinSet<Outcome> = JoinSet::new();
@@ -482,7 +494,6 @@ where
             }
         }
     };
-    reader.abort();
     match (result, failure) {
         (Err(e), _) | (Ok(_), Some(e)) => Err(e),
         (Ok(end), None) => Ok(end),

@@ -46,8 +46,14 @@ const FRAME_RECORDS: usize = 256 << 10;
 /// [`FRAME_RECORDS`], so with this it stays far below the wire's largest payload even when
 /// nothing compresses (a guest's or the bulk copy's write may be up to 32 MiB).
 const WRITE_PIECE: usize = 1 << 20;
-/// The most records a frame's batch holds (a receiver refuses more).
-pub const MAX_FRAME_RECORDS: usize = FRAME_RECORDS + WRITE_PIECE + 64;
+/// What the page codec adds to a 4 KiB block at most: a raw page's tag and its key, a varint
+/// of up to 10 bytes (the disk's number is in the key's top byte).
+const MAX_BLOCK_OVERHEAD: usize = 1 + 10;
+/// The most records a frame's batch holds (a receiver refuses more): records up to
+/// [`FRAME_RECORDS`] less a byte, then one piece whose every block goes raw (incompressible,
+/// never seen), and the write's own header.
+pub const MAX_FRAME_RECORDS: usize =
+    FRAME_RECORDS + WRITE_PIECE + (WRITE_PIECE / 4096) * MAX_BLOCK_OVERHEAD + 64;
 
 /// `op`, with a write cut into pieces of at most [`WRITE_PIECE`] (both ends hash the pieces).
 fn split_write(op: DiskOp) -> Vec<DiskOp> {
@@ -125,7 +131,7 @@ impl Frame {
     }
 }
 
-/// The SHA-256 of the disk operations through some snapshot.
+/// The digest ([`crate::engine::digest`]) of the disk operations through some snapshot.
 pub type Digest32 = [u8; 32];
 
 pub fn ack_frame(applied: u64, digest: &Digest32) -> Bytes {
@@ -251,6 +257,67 @@ mod tests {
             may_trim: true,
         };
         assert_eq!(split_write(zeroes.clone()), vec![zeroes]);
+    }
+
+    /// The worst frame: records one byte short of [`FRAME_RECORDS`], then a whole piece of
+    /// never-seen data at the largest key (disk 255, far into the disk), every block raw. A
+    /// Debian guest's disk made such a frame 242 bytes over the old bound, and the
+    /// destination refused it.
+    #[test]
+    fn a_frame_of_incompressible_never_seen_writes_stays_within_the_bound() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut noise = |len: usize| -> Vec<u8> {
+            (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    (state >> 56) as u8
+                })
+                .collect()
+        };
+        let mut encoder = ferry_codec::DiskEncoder::new(codec_options(CodecSettings::ALL));
+        let mut records = Vec::new();
+        let mut offset = 1u64 << 39;
+        while records.len() < FRAME_RECORDS - 5000 {
+            let op = DiskOp::Write {
+                disk: 255,
+                offset,
+                data: noise(4096),
+            };
+            encoder.encode(&op, &mut records);
+            offset += 4096;
+        }
+        let filler = FRAME_RECORDS - 1 - records.len() - 40;
+        encoder.encode(
+            &DiskOp::Write {
+                disk: 255,
+                offset: offset + 7,
+                data: noise(filler),
+            },
+            &mut records,
+        );
+        assert!(records.len() < FRAME_RECORDS, "{}", records.len());
+        encoder.encode(
+            &DiskOp::Write {
+                disk: 255,
+                offset: (1u64 << 40) - 2 * WRITE_PIECE as u64,
+                data: noise(WRITE_PIECE),
+            },
+            &mut records,
+        );
+        assert!(
+            records.len() > FRAME_RECORDS + WRITE_PIECE + 2048,
+            "the blocks went raw: {}",
+            records.len()
+        );
+        assert!(records.len() <= MAX_FRAME_RECORDS, "{}", records.len());
+        let level = zstd_level(CodecSettings::ALL);
+        let frame = Frame::encode(1, 0, &records, level, &mut BatchCompressor::default());
+        assert!(frame.len() < ferry_wire::frame::MAX_PAYLOAD_BYTES as usize);
+        let mut zstd = ferry_codec::BatchDecompressor::new(MAX_FRAME_RECORDS);
+        let parsed = Frame::decode(frame).unwrap();
+        assert_eq!(zstd.decompress(&parsed.batch).unwrap().len(), records.len());
     }
 
     #[test]
