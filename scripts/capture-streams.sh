@@ -9,6 +9,9 @@
 #   multifd/zstd: idle, two channels, QEMU compressing their pages with zstd. Each connection
 #            QEMU opens is kept apart: NAME.main (the main stream), NAME.0 and NAME.1 (the
 #            channels, named by the id in their first packet).
+#   postcopy/running: running, with postcopy-ram on and the switch asked for at once, relayed
+#            to a second QEMU (postcopy needs a live destination and its return path): the
+#            source's stream with the advice, the discards, the package and the pages after it.
 #
 # Streams are written with `migrate exec:cat > FILE` (multifd: `migrate unix:` to a listener
 # that keeps each connection) and stored zstd-compressed.
@@ -114,8 +117,75 @@ PY
     kill "$pid"; wait "$pid" 2>/dev/null || true
     for f in "$out/$name".*.qemu; do zstd -q -19 -f --rm "$f"; done
 }
+capture_postcopy() { # name
+    local name=$1 dir
+    dir=$(mktemp -d /tmp/ferry-capture.XXXXXX)
+    python3 - "$qemu" "$dir" "$out/$name.qemu" <<'PY'
+import json, socket, subprocess, sys, threading, time
+qemu, d, out = sys.argv[1], sys.argv[2], sys.argv[3]
+def start(name, extra):
+    sock = f"{d}/{name}.qmp"
+    p = subprocess.Popen([qemu, "-machine", "q35,accel=tcg", "-m", "64M", "-nodefaults",
+                          "-display", "none", "-S", "-qmp", f"unix:{sock},server=on,wait=off"] + extra)
+    for _ in range(100):
+        try:
+            s = socket.socket(socket.AF_UNIX); s.connect(sock); break
+        except OSError:
+            time.sleep(0.1)
+    f = s.makefile("rw"); f.readline()
+    def q(cmd, **args):
+        f.write(json.dumps({"execute": cmd, "arguments": args}) + "\n"); f.flush()
+        while True:
+            r = json.loads(f.readline())
+            if "return" in r or "error" in r:
+                if "error" in r: sys.exit(f"{name} {cmd}: {r['error']}")
+                return r["return"]
+    q("qmp_capabilities")
+    return p, q
+src, qs = start("src", [])
+dst, qd = start("dst", ["-incoming", "defer"])
+for q in (qs, qd):
+    q("migrate-set-capabilities", capabilities=[{"capability": "postcopy-ram", "state": True}])
+qd("migrate-incoming", uri=f"unix:{d}/dst.mig")
+# The relay: the source's bytes to the destination (and the file), the return path back.
+listener = socket.socket(socket.AF_UNIX); listener.bind(f"{d}/relay.mig"); listener.listen(1)
+done = threading.Event()
+def relay():
+    a, _ = listener.accept()
+    b = socket.socket(socket.AF_UNIX); b.connect(f"{d}/dst.mig")
+    def back():
+        while chunk := b.recv(1 << 16):
+            a.sendall(chunk)
+    threading.Thread(target=back, daemon=True).start()
+    with open(out, "wb") as f:
+        while chunk := a.recv(1 << 16):
+            f.write(chunk); b.sendall(chunk)
+    done.set()
+threading.Thread(target=relay, daemon=True).start()
+qs("cont"); time.sleep(1)
+# Slow enough that the switch comes while most pages are still to go.
+qs("migrate-set-parameters", **{"max-bandwidth": 100_000})
+qs("migrate", uri=f"unix:{d}/relay.mig")
+time.sleep(0.1)
+qs("migrate-start-postcopy")
+seen = set()
+while (st := qs("query-migrate"))["status"] not in ("completed", "failed"):
+    seen.add(st["status"]); time.sleep(0.01)
+if st["status"] != "completed" or "postcopy-active" not in seen:
+    sys.exit(f"migration {st['status']}, seen {sorted(seen)}")
+# The source closes its end once it completed; the file is whole when the relay saw that.
+src.kill(); src.wait()
+done.wait(10)
+dst.kill()
+print(f"{out}: {st['ram']['transferred']} bytes, postcopy")
+PY
+    rm -rf "$dir"
+    zstd -q -19 -f --rm "$out/$name.qemu"
+}
 capture idle 0
 capture running 1
 mkdir -p "$out/multifd"
 capture_multifd multifd/running 1 none
 capture_multifd multifd/zstd 0 zstd
+mkdir -p "$out/postcopy"
+capture_postcopy postcopy/running

@@ -32,7 +32,8 @@ seed() {
     case "$1" in
         migration_stream)
             # The head of each captured stream, after a chunk-size byte.
-            for f in crates/qemu/tests/streams/*.qemu.zst crates/qemu/tests/streams/multifd/*.main.qemu.zst; do
+            for f in crates/qemu/tests/streams/*.qemu.zst crates/qemu/tests/streams/multifd/*.main.qemu.zst \
+                crates/qemu/tests/streams/postcopy/*.qemu.zst; do
                 { printf '\x07'; zstd -dc "$f" 2>/dev/null | head -c 65536 || true; } >"$dir/$(basename "$(dirname "$f")")-$(basename "$f" .qemu.zst)"
             done
             ;;

@@ -34,6 +34,8 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
     let unsupported = [
         (s.seed_from.is_some(), "seed_from"),
         (s.smart_stop, "smart_stop"),
+        // The tunnels gate a stream's end, not a postcopy package (engine::postcopy).
+        (s.postcopy, "postcopy"),
         (s.disk_mode == DiskMode::Cloudnet, "disk_mode cloudnet"),
         (s.connections != 1, "connections other than 1"),
         // libvirt's disk copy has no hook of ferry's inside it.
@@ -415,6 +417,10 @@ mod tests {
         assert!(refusal.to_string().contains("smart_stop"), "{refusal}");
         req.settings.smart_stop = false;
         assert!(check_settings(&req).is_ok());
+        req.settings.postcopy = true;
+        let refusal = check_settings(&req).unwrap_err();
+        assert!(refusal.to_string().contains("postcopy"), "{refusal}");
+        req.settings.postcopy = false;
         req.settings.test_corrupt_disk_at = Some(0);
         let refusal = check_settings(&req).unwrap_err();
         assert!(

@@ -295,6 +295,9 @@ pub enum Phase {
     Memory,
     /// The VM is paused at the source; the disks' mirrors complete, the stream's last bytes go.
     Switchover,
+    /// Postcopy: the VM runs at the destination (the commit point has passed); the pages
+    /// still at the source follow.
+    Postcopy,
     /// The stream's end went out; the destination decides (the source stays paused).
     AwaitingCommit,
     /// A group member: the destination QEMU loaded the whole verified stream; its word back
@@ -319,6 +322,7 @@ impl Phase {
             Phase::DiskCopy => "disk copy",
             Phase::Memory => "memory",
             Phase::Switchover => "switchover",
+            Phase::Postcopy => "postcopy",
             Phase::AwaitingCommit => "awaiting the commit",
             Phase::Held => "held for its group",
             Phase::InDoubt => "in doubt",

@@ -37,6 +37,13 @@ pub struct MigrationSettings {
     /// source QEMU calls the migration complete, and the agents carry it back. Plain precopy
     /// does not need it, and the confirmation adds a round trip to the downtime.
     pub return_path: bool,
+    /// Postcopy: once QEMU's first pass has copied the memory, switch (QEMU's postcopy-ram):
+    /// the VM stops, its device state crosses, and it runs at the destination while the pages
+    /// still at the source follow, those the guest touches first. The pause no longer depends
+    /// on how fast the guest writes, but from the switch on the VM needs both hosts and the
+    /// link; ferry commits at the switch, once the digest of everything before it matched.
+    /// Not with disks.
+    pub postcopy: bool,
     /// Which of the codec's techniques the agents apply to the stream on the WAN.
     pub codec: CodecSettings,
     /// With seeding on: the VM whose earlier image the destination should index (a sibling
@@ -95,6 +102,7 @@ impl Default for MigrationSettings {
             // 15 minutes: a 512 MiB guest crosses a 10 Mbit/s link in under 10.
             timeout_s: 900,
             return_path: false,
+            postcopy: false,
             codec: CodecSettings::ALL,
             seed_from: None,
             disk_mode: DiskMode::Async,

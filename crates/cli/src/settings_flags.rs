@@ -35,6 +35,12 @@ pub struct SettingsFlags {
     /// before the source completes; costs a round trip of downtime).
     #[arg(long)]
     pub return_path: bool,
+    /// ferry: switch to postcopy once QEMU's first pass has copied the memory: the VM runs at
+    /// the destination from then on and its remaining pages follow, those it touches first
+    /// (the pause does not grow with the guest's writes; the VM needs both hosts until the
+    /// last page arrived). Not with disks.
+    #[arg(long)]
+    pub postcopy: bool,
     /// ferry: the codec's techniques on the WAN: all, none (QEMU's bytes as they are), or a
     /// comma-separated list of zero, dedup, delta, zstd, seed (pages the destination still
     /// holds from the VM's earlier stay there go as references).
@@ -109,6 +115,7 @@ impl SettingsFlags {
             wan_timeout_s: self.wan_timeout_s,
             timeout_s: self.timeout_s,
             return_path: self.return_path,
+            postcopy: self.postcopy,
             codec: self.codec,
             seed_from: self.seed_from.clone(),
             disk_mode,

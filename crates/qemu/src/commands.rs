@@ -104,6 +104,11 @@ command!(MigrateIncoming, "migrate-incoming", Value);
 pub struct MigrateCancel;
 command!(MigrateCancel, "migrate_cancel", Value);
 
+/// `migrate-start-postcopy`: switch at QEMU's next iteration (postcopy-ram on at both ends).
+#[derive(Debug, Serialize)]
+pub struct MigrateStartPostcopy;
+command!(MigrateStartPostcopy, "migrate-start-postcopy", Value);
+
 /// `migrate-continue` from a paused state such as `pre-switchover`.
 #[derive(Debug, Serialize)]
 pub struct MigrateContinue {

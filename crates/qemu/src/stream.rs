@@ -23,8 +23,21 @@
 //! section comes after every iterable section has ended (only device state, `EOF` and the
 //! JSON description follow), so from there on the parser passes the rest through as one
 //! opaque tail. A device section before the RAM has ended, an iterable section other than
-//! `ram`, a postcopy command or a RAM flag this parser does not know stops the parse with an
-//! error that names it: the caller aborts the migration rather than guess.
+//! `ram`, a command or a RAM flag this parser does not know stops the parse with an error that
+//! names it: the caller aborts the migration rather than guess.
+//!
+//! Postcopy (`postcopy-ram`, QEMU's `postcopy_start`) adds commands to the same stream:
+//!
+//! ```text
+//! 0x08 be16(3) be16(16) be64 be64                     POSTCOPY_ADVISE (page sizes), at the start
+//! 0x08 be16(6) be16 len u8(0) u8 n name u8(0) (be64 start be64 length)*   RAM_DISCARD
+//! 0x08 be16(7) be16(4) be32 n <n bytes>               PACKAGED: LISTEN, the device state, RUN
+//! ```
+//!
+//! The package is the switch: the source VM stopped before it, the destination runs after it,
+//! and the RAM section goes on after it with the pages the destination asks for and the rest,
+//! until its END and `EOF`. The package's contents are device state, passed through as opaque
+//! pieces; [`StreamParser::ended_package`] says when its last piece went by.
 
 use std::collections::HashMap;
 
@@ -77,11 +90,28 @@ pub mod flag {
     pub const KNOWN: u64 = ZERO | PAGE | EOS | CONTINUE | XBZRLE | MULTIFD_FLUSH;
 }
 
-/// Migration commands (`QEMU_VM_COMMAND`) that can occur in a precopy stream.
+/// Migration commands (`QEMU_VM_COMMAND`) that can occur at the stream's top level (LISTEN and
+/// RUN only occur inside a package).
 mod command {
     pub const OPEN_RETURN_PATH: u16 = 1;
     pub const PING: u16 = 2;
+    pub const POSTCOPY_ADVISE: u16 = 3;
+    pub const POSTCOPY_RAM_DISCARD: u16 = 6;
+    pub const PACKAGED: u16 = 7;
     pub const SWITCHOVER_START: u16 = 11;
+}
+
+/// Where a stream is in postcopy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Postcopy {
+    /// No postcopy advice: plain precopy.
+    Off,
+    /// QEMU advised postcopy: it may switch (precopy may also complete as usual).
+    Advised,
+    /// Inside the package: the source VM has stopped.
+    Package,
+    /// The package has passed: the destination runs the VM, its missing pages follow.
+    Running,
 }
 
 /// What the parser found.
@@ -134,8 +164,10 @@ pub enum StreamError {
     UnsupportedIterable(String),
     #[error("device section \"{0}\" arrived before RAM ended; its state cannot be delimited (early-setup devices are not supported)")]
     EarlyDevice(String),
-    #[error("migration command {0} is not supported (postcopy and COLO are not carried by ferry)")]
+    #[error("migration command {0} is not supported (COLO and postcopy recovery are not carried by ferry)")]
     UnsupportedCommand(u16),
+    #[error("a postcopy package command with {0} bytes of data, expected 4")]
+    BadPackage(u16),
     #[error("configuration subsection \"{0}\" is not supported")]
     UnsupportedSubsection(String),
     #[error("section {0} continues, but no section with that id was started")]
@@ -182,6 +214,8 @@ enum State {
     RamBody { id: u32 },
     /// After EOS: the section footer is next.
     Footer { id: u32 },
+    /// Inside a postcopy package: this many of its bytes are still to come.
+    Package { remaining: u64 },
     /// From the first device section on: everything is opaque.
     Tail,
 }
@@ -202,6 +236,9 @@ pub struct StreamParser {
     ram_ended: bool,
     /// A multifd flush was seen: QEMU sends the pages on its multifd channels.
     multifd: bool,
+    postcopy: Postcopy,
+    /// The last item returned was the package's last piece.
+    ended_package: bool,
 }
 
 impl Default for StreamParser {
@@ -264,7 +301,20 @@ impl StreamParser {
             ram_section: None,
             ram_ended: false,
             multifd: false,
+            postcopy: Postcopy::Off,
+            ended_package: false,
         }
+    }
+
+    /// Where the stream is in postcopy.
+    pub fn postcopy(&self) -> Postcopy {
+        self.postcopy
+    }
+
+    /// Whether the item [`Self::next_item`] returned last was the postcopy package's last
+    /// piece: with it the destination QEMU loads the device state and may run the VM.
+    pub fn ended_package(&self) -> bool {
+        self.ended_package
     }
 
     /// Whether QEMU sends the pages on multifd channels (a multifd flush has been seen; QEMU
@@ -294,8 +344,27 @@ impl StreamParser {
 
     /// The next whole item in `buf`, taken out of it; `None` when more bytes are needed.
     pub fn next_item(&mut self, buf: &mut BytesMut) -> Result<Option<Item>, StreamError> {
+        self.ended_package = false;
         if buf.is_empty() {
             return Ok(None);
+        }
+        if let State::Package { remaining } = self.state {
+            // Device state, opaque, in pieces as the tail is.
+            let n = usize::try_from(remaining)
+                .unwrap_or(usize::MAX)
+                .min(buf.len())
+                .min(MAX_ITEM_BYTES);
+            let piece = buf.split_to(n);
+            self.position += n as u64;
+            let remaining = remaining - n as u64;
+            if remaining == 0 {
+                self.state = State::Top;
+                self.postcopy = Postcopy::Running;
+                self.ended_package = true;
+            } else {
+                self.state = State::Package { remaining };
+            }
+            return Ok(Some(Item::Opaque(piece.freeze())));
         }
         if self.state == State::Tail {
             // In pieces of at most an item's size, so that what a piece becomes downstream
@@ -310,7 +379,7 @@ impl StreamParser {
             State::Top => self.top(&mut cur)?,
             State::RamBody { id } => self.ram_record(&mut cur, id)?,
             State::Footer { id } => self.footer(&mut cur, id)?,
-            State::Tail => unreachable!("handled above"),
+            State::Tail | State::Package { .. } => unreachable!("handled above"),
         };
         let Some(step) = step else {
             // Only the incomplete item is left in `buf`: refuse to wait for more of it than any
@@ -345,6 +414,7 @@ impl StreamParser {
             State::RamBody { .. } | State::Footer { .. } => {
                 Err(StreamError::Truncated("a RAM section"))
             }
+            State::Package { .. } => Err(StreamError::Truncated("a postcopy package")),
         }
     }
 
@@ -413,12 +483,37 @@ impl StreamParser {
                 };
                 if !matches!(
                     cmd,
-                    command::OPEN_RETURN_PATH | command::PING | command::SWITCHOVER_START
+                    command::OPEN_RETURN_PATH
+                        | command::PING
+                        | command::SWITCHOVER_START
+                        | command::POSTCOPY_ADVISE
+                        | command::POSTCOPY_RAM_DISCARD
+                        | command::PACKAGED
                 ) {
                     return Err(StreamError::UnsupportedCommand(cmd));
                 }
-                if cur.bytes(usize::from(len)).is_none() {
+                if cmd == command::PACKAGED && len != 4 {
+                    return Err(StreamError::BadPackage(len));
+                }
+                let Some(data) = cur.bytes(usize::from(len)) else {
                     return Ok(None);
+                };
+                match cmd {
+                    command::POSTCOPY_ADVISE => self.postcopy = Postcopy::Advised,
+                    command::PACKAGED => {
+                        let n = u32::from_be_bytes(data.try_into().expect("4 bytes"));
+                        self.postcopy = Postcopy::Package;
+                        self.state = State::Package {
+                            remaining: u64::from(n),
+                        };
+                        if n == 0 {
+                            // Nothing to wait for (QEMU never sends an empty package).
+                            self.state = State::Top;
+                            self.postcopy = Postcopy::Running;
+                            self.ended_package = true;
+                        }
+                    }
+                    _ => {}
                 }
                 Ok(Some(Step::Opaque))
             }

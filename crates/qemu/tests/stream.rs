@@ -3,7 +3,7 @@
 //! streams stop with an error that names what is wrong.
 
 use bytes::BytesMut;
-use ferry_qemu::stream::{flag, Item, RamData, StreamError, StreamParser};
+use ferry_qemu::stream::{flag, Item, Postcopy, RamData, StreamError, StreamParser};
 use proptest::prelude::*;
 
 fn stream(name: &str) -> Vec<u8> {
@@ -90,15 +90,90 @@ fn running_stream_has_several_passes_and_reemits() {
     assert!(count(&items).eos >= 3, "EOS markers: {}", count(&items).eos);
 }
 
+#[test]
+fn postcopy_stream_reemits_and_marks_the_package() {
+    let data = stream("postcopy/running");
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::from(&data[..]);
+    let mut out = BytesMut::new();
+    let (mut package_end, mut pages_before, mut pages_after) = (None, 0, 0);
+    let mut states = vec![parser.postcopy()];
+    while let Some(item) = parser.next_item(&mut buf).unwrap() {
+        item.encode(&mut out);
+        if item.is_page() {
+            if package_end.is_some() {
+                pages_after += 1;
+            } else {
+                pages_before += 1;
+            }
+        }
+        if parser.ended_package() {
+            assert!(package_end.is_none(), "a second package end");
+            package_end = Some(parser.position());
+        }
+        if states.last() != Some(&parser.postcopy()) {
+            states.push(parser.postcopy());
+        }
+    }
+    parser.finish(buf.len()).unwrap();
+    assert_eq!(out, data);
+    assert_eq!(
+        states,
+        [
+            Postcopy::Off,
+            Postcopy::Advised,
+            Postcopy::Package,
+            Postcopy::Running
+        ]
+    );
+    // The switch came early: most pages crossed after the package.
+    assert!(package_end.is_some());
+    assert!(pages_before > 0, "pages before the package: {pages_before}");
+    assert!(
+        pages_after > pages_before,
+        "pages after the package: {pages_after}, before: {pages_before}"
+    );
+}
+
+#[test]
+fn a_postcopy_package_command_of_another_size_is_refused() {
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::from(&stream_of(&[0x08, 0, 7, 0, 2, 0, 0])[..]);
+    let e = loop {
+        match parser.next_item(&mut buf) {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("wants more"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(e, StreamError::BadPackage(2));
+}
+
+#[test]
+fn a_stream_ending_inside_its_package_is_truncated() {
+    let data = stream("postcopy/running");
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::from(&data[..]);
+    while parser.next_item(&mut buf).unwrap().is_some() {
+        if parser.postcopy() == Postcopy::Package {
+            break;
+        }
+    }
+    assert_eq!(
+        parser.finish(0),
+        Err(StreamError::Truncated("a postcopy package"))
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     /// Whatever sizes the socket delivers, the same bytes come out.
     #[test]
     fn any_chunking_reemits_the_same_bytes(
         chunks in prop::collection::vec(1usize..9000, 1..16),
-        which in 0usize..2,
+        which in 0usize..3,
     ) {
-        let data = stream(["idle", "running"][which]);
+        let data = stream(["idle", "running", "postcopy/running"][which]);
         let (_, out) = parse_chunked(&data, &chunks).unwrap();
         prop_assert_eq!(out, data);
     }

@@ -71,7 +71,10 @@ pub struct ImageShape {
 /// session).
 /// 8: `Tunnel.multifd`: QEMU's multifd channels cross coded (a version-7 peer would take one
 /// for a main stream).
-pub const CONTROL_VERSION: u32 = 9;
+/// 10: `Prepare.postcopy`; with it `Checkpoint` marks the postcopy package's end on the main
+/// stream, and `Committed` comes before `End` (a version-9 destination would refuse the
+/// postcopy capability's stream).
+pub const CONTROL_VERSION: u32 = 10;
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,6 +102,10 @@ pub enum Control {
         /// QEMU's return path on (both QEMUs must agree).
         #[serde(default)]
         return_path: bool,
+        /// QEMU's postcopy-ram on (both QEMUs must agree): the source may switch to postcopy
+        /// ([`crate::engine::postcopy`]).
+        #[serde(default)]
+        postcopy: bool,
         /// The codec's techniques on the stream channel (none: QEMU's bytes as they are).
         #[serde(default = "no_codec")]
         codec: CodecSettings,
@@ -151,13 +158,16 @@ pub enum Control {
     DiskEnd { snapshots: u64, digest: String },
     /// Source: QEMU wrote its whole stream: this many bytes, with this digest.
     End { bytes: u64, digest: String },
-    /// Source, on a tunnelled stream: the stream's first `bytes` have this digest (the
-    /// destination QEMU may read them once they match: [`crate::engine::tunnel_stream`]).
+    /// Source: the stream's first `bytes` have this digest. On a tunnelled stream the
+    /// destination QEMU may read them once they match ([`crate::engine::tunnel_stream`]); on
+    /// a postcopy migration they end with the package, which the destination QEMU gets once
+    /// they match ([`crate::engine::postcopy`]).
     Checkpoint { bytes: u64, digest: String },
-    /// Destination, on a tunnelled stream: every digest matched and QEMU read the whole stream
-    /// (wall clock, µs); libvirt decides the rest.
+    /// Destination: every digest matched and QEMU read the whole stream (wall clock, µs). On a
+    /// tunnelled stream libvirt decides the rest; in postcopy the last page has arrived.
     Delivered { fed_unix_us: i64 },
-    /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time).
+    /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time). In postcopy
+    /// it comes at the switch, before the stream's `End`.
     Committed {
         resume_unix_us: i64,
         /// When the stream had arrived and when QEMU had loaded it (absent from older agents).
@@ -335,16 +345,10 @@ pub fn decode(bytes: &[u8]) -> Result<Control> {
 }
 
 /// The capabilities both QEMUs get: every one that changes the stream's format (or pauses it)
-/// explicitly off, because ferry carries plain precopy and a VM that arrived by multifd would
-/// otherwise still have it on; events on; the return path as asked.
-pub fn plain_precopy(return_path: bool) -> MigrateSetCapabilities {
-    let off = [
-        "xbzrle",
-        "multifd",
-        "postcopy-ram",
-        "pause-before-switchover",
-        "mapped-ram",
-    ];
+/// explicitly off, because ferry carries precopy and a VM that arrived by multifd would
+/// otherwise still have it on; events on; the return path and postcopy as asked.
+pub fn stream_capabilities(return_path: bool, postcopy: bool) -> MigrateSetCapabilities {
+    let off = ["xbzrle", "multifd", "pause-before-switchover", "mapped-ram"];
     let cap = |name: &str, state: bool| Capability {
         capability: name.into(),
         state,
@@ -353,7 +357,11 @@ pub fn plain_precopy(return_path: bool) -> MigrateSetCapabilities {
         capabilities: off
             .iter()
             .map(|c| cap(c, false))
-            .chain([cap("events", true), cap("return-path", return_path)])
+            .chain([
+                cap("events", true),
+                cap("return-path", return_path),
+                cap("postcopy-ram", postcopy),
+            ])
             .collect(),
     }
 }
@@ -418,6 +426,7 @@ mod tests {
             destination: Incoming::Launch(vec!["qemu".into()]),
             wan_timeout_s: 1,
             return_path: false,
+            postcopy: false,
             codec: CodecSettings::ALL,
             history_bytes: 0,
             seed_from: None,

@@ -2,8 +2,11 @@
 //! `-incoming defer`) through a local unix socket, sends its return path back, and decides the
 //! commit: QEMU is resumed only when the stream's digest matches the source's and QEMU says it
 //! loaded. Any failure before that quits the destination QEMU; the source resumes its VM.
+//! In postcopy the commit comes at the switch instead ([`crate::engine::postcopy`]).
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +31,7 @@ use crate::engine::known_zero::{self, ZeroPages};
 use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
+use crate::engine::postcopy::{self, PackageGate};
 use crate::engine::seed_store;
 use crate::engine::status::now_ms;
 use crate::engine::stream_codec::{self, StreamDecoder};
@@ -49,6 +53,29 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
     .await;
     if let Err(e) = result {
         tracing::warn!("session {}: {e:#}", session.id());
+        if let Some(record) = record
+            .as_ref()
+            .filter(|r| r.state == IncomingState::Committed)
+        {
+            // Past the postcopy switch: the VM runs here and must stay.
+            tracing::error!(
+                "session {}: VM {:?} runs here since the postcopy switch; its migration failed after it",
+                session.id(),
+                record.vm
+            );
+            let _ = tokio::time::timeout(
+                Duration::from_secs(5),
+                control::send(
+                    &session,
+                    &Control::Abort {
+                        reason: format!("{e:#}"),
+                    },
+                ),
+            )
+            .await;
+            session.fail(format!("{e:#}"));
+            return;
+        }
         if let Some(record) = record
             .as_ref()
             .filter(|r| r.state == IncomingState::Committing)
@@ -136,6 +163,7 @@ async fn serve(
         destination,
         wan_timeout_s,
         return_path,
+        postcopy,
         codec,
         history_bytes,
         seed_from,
@@ -145,6 +173,9 @@ async fn serve(
         bail!("expected Prepare first, got {prepare:?}");
     };
     let wan_timeout = Duration::from_secs(wan_timeout_s);
+    if postcopy && !disks.is_empty() {
+        bail!("postcopy with disks is not supported");
+    }
     if history_bytes > stream_codec::HISTORY_CAP {
         bail!(
             "the source asks for a {history_bytes}-byte page history; this agent keeps at most {}",
@@ -201,8 +232,10 @@ async fn serve(
         bail!("the destination QEMU is not waiting for a migration (status {:?}; start it with -incoming defer)", st.status);
     }
     // Before QEMU loads anything: which of its pages are zero already (holes of its memory
-    // file). Not knowing only costs the destination time.
+    // file). Not knowing only costs the destination time. (In postcopy every page goes to
+    // QEMU: see `load_sieve`.)
     let zero = match known_zero::discover(qmp).await {
+        _ if postcopy => ZeroPages::none(),
         Ok(zero) => {
             tracing::info!(
                 "session {}: {} destination pages known zero before loading",
@@ -219,7 +252,8 @@ async fn serve(
             ZeroPages::none()
         }
     };
-    qmp.execute(&control::plain_precopy(return_path)).await?;
+    qmp.execute(&control::stream_capabilities(return_path, postcopy))
+        .await?;
     let sock = work_dir.join(format!("{}.dst.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
     qmp.execute(&MigrateIncoming {
@@ -394,8 +428,17 @@ async fn serve(
     let mut received = 0u64;
     let mut decoded = BytesMut::with_capacity(128 << 10);
     let mut feeder = Feeder::spawn(to_qemu, feeder::BUDGET_BYTES);
-    let mut sieve = LoadSieve::new(zero);
+    let mut sieve = if postcopy {
+        LoadSieve::postcopy()
+    } else {
+        LoadSieve::new(zero)
+    };
     let mut end: Option<(u64, String)> = None;
+    // Postcopy: the package's gate, and once it opened, the switch (QEMU loads the package,
+    // the VM resumes here); it gives the record that says the VM is this host's.
+    let mut gate = PackageGate::default();
+    type SwitchFuture<'a> = Pin<Box<dyn Future<Output = Result<IncomingRecord>> + Send + 'a>>;
+    let mut switch: Option<SwitchFuture> = None;
     let idle_check = || -> Result<()> {
         if session.idle_for() > wan_timeout {
             bail!(
@@ -416,25 +459,58 @@ async fn serve(
                         }
                         None => chunk,
                     };
-                    hash.update(&qemu_bytes);
+                    let before = received;
                     received += qemu_bytes.len() as u64;
                     let sieved = sieve.pass(&qemu_bytes)?;
+                    match sieve.package_end() {
+                        // The digest up to the package's end, for the source's checkpoint.
+                        Some(end) if !gate.has_arrived() => {
+                            let cut = usize::try_from(end - before).expect("inside this chunk");
+                            hash.update(&qemu_bytes[..cut]);
+                            gate.arrived(end, hash.hex())?;
+                            hash.update(&qemu_bytes[cut..]);
+                        }
+                        _ => hash.update(&qemu_bytes),
+                    }
                     if let Err(e) = feeder.push(sieved.bytes, sieved.weight).await {
                         return Err(load_failure(qmp, e).await);
                     }
                 }
                 Received::Barrier => {}
             },
+            r = async { switch.as_mut().expect("only when switching").await }, if switch.is_some() => {
+                *record_slot = Some(r?);
+                switch = None;
+            }
             r = &mut disk_apply, if dst_disks.is_some() && disk_applied.is_none() => {
                 disk_applied = Some(r.context("applying the disk writes")?);
             }
             msg = control::recv(session) => match msg? {
                 Control::End { bytes, digest } => end = Some((bytes, digest)),
                 Control::DiskEnd { snapshots, digest } => disk_end = Some((snapshots, digest)),
+                Control::Checkpoint { bytes, digest } if postcopy => gate.checkpoint(bytes, digest)?,
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
                 other => bail!("unexpected control message during the stream: {other:?}"),
             },
             _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+        }
+        if gate.open()? {
+            // Postcopy's commit point: everything before the package matched. From here the
+            // VM is this host's.
+            let committing = record_committing(&dirs.journal, &record)
+                .await
+                .context("recording the commit")??;
+            *record_slot = Some(committing.clone());
+            let held = sieve.release()?;
+            if let Err(e) = feeder.push(held.bytes, held.weight).await {
+                return Err(load_failure(qmp, e).await);
+            }
+            switch = Some(Box::pin(run_after_switch(
+                qmp,
+                session,
+                &dirs.journal,
+                committing,
+            )));
         }
         if let Some((bytes, _)) = &end {
             if received > *bytes {
@@ -446,6 +522,17 @@ async fn serve(
     if decoder.as_ref().is_some_and(|d| !d.is_idle()) {
         bail!("codec bytes left over after the stream's last byte");
     }
+    if let Some(switching) = switch.take() {
+        *record_slot = Some(switching.await?);
+    }
+    drop(switch);
+    if gate.has_arrived()
+        && !record_slot
+            .as_ref()
+            .is_some_and(|r| r.state == IncomingState::Committed)
+    {
+        bail!("the stream ended before the postcopy package was checked");
+    }
     if let Err(e) = feeder.finish().await {
         return Err(load_failure(qmp, e).await);
     }
@@ -455,6 +542,34 @@ async fn serve(
         bail!("stream digest mismatch: source {ALGORITHM} {source_digest}, destination {digest}");
     }
     let fed_unix_us = unix_us();
+    if gate.has_arrived() {
+        // Postcopy: the VM runs here since the switch; now its last page is here too.
+        loop {
+            let info = qmp.execute(&QueryMigrate).await?;
+            match info.status.as_deref() {
+                Some("completed") => break,
+                Some("failed") => bail!(
+                    "destination QEMU failed in postcopy: {}",
+                    info.error_desc.unwrap_or_default()
+                ),
+                _ => {}
+            }
+            idle_check()?;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tracing::info!("session {}: postcopy: every page has arrived", session.id());
+        *record_slot = None;
+        return_path.abort();
+        drop(qmp_slot.take());
+        drop(launched.take());
+        if let Err(e) = control::send(session, &Control::Delivered { fed_unix_us }).await {
+            tracing::warn!("session {}: telling the source failed: {e:#}", session.id());
+        }
+        let _ =
+            tokio::time::timeout(Duration::from_secs(600), session.flushed(control::CONTROL)).await;
+        control::park_and_end(session, "postcopy migration complete").await;
+        return Ok(());
+    }
     tracing::info!(
         "session {}: {} zero-page records left out (the pages were zero here)",
         session.id(),
@@ -579,6 +694,43 @@ async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(600), session.flushed(control::CONTROL)).await;
     control::park_and_end(session, "migration committed").await;
     Ok(())
+}
+
+/// Postcopy, once QEMU has the package: it loads it (paused, as it was started), the VM resumes
+/// here, the record says committed and the source learns it. Returns the record.
+async fn run_after_switch(
+    qmp: &Qmp,
+    session: &Session,
+    journal: &Journal,
+    mut record: IncomingRecord,
+) -> Result<IncomingRecord> {
+    postcopy::package_loaded(qmp).await?;
+    if let Err(e) = qmp.execute(&Cont).await {
+        if !qmp.execute(&QueryStatus).await.is_ok_and(|s| s.running) {
+            return Err(
+                anyhow::Error::new(e).context("resuming the destination after the postcopy switch")
+            );
+        }
+    }
+    record.state = IncomingState::Committed;
+    record.updated_unix_ms = now_ms();
+    if let Err(e) = journal.write_incoming(&record) {
+        tracing::error!("session {}: committed (postcopy); {e:#}", session.id());
+    }
+    let resume = qmp
+        .wait_event("RESUME", |_| true, Duration::from_secs(10))
+        .await
+        .map_or(0, |e| e.timestamp.as_micros());
+    tracing::info!("session {}: postcopy: the VM runs here", session.id());
+    control::send(
+        session,
+        &Control::Committed {
+            resume_unix_us: resume,
+            switchover: None,
+        },
+    )
+    .await?;
+    Ok(record)
 }
 
 /// Writes `record` as `committing`, on a blocking thread; returns it as written.

@@ -17,10 +17,15 @@
 //! whole page, everything else (headers, device state) its bytes; [`crate::engine::feeder`]'s budget
 //! counts it. The sieve parses the stream as the source agent did, so it also refuses bytes
 //! that are not one before QEMU sees them.
+//!
+//! In postcopy ([`crate::engine::postcopy`]) the sieve holds the package's last piece back
+//! until the destination releases it, and leaves nothing out: a page QEMU never wrote is one
+//! its postcopy would ask the source for, and the source answers only for pages it has not
+//! sent.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use bytes::{Bytes, BytesMut};
-use ferry_qemu::stream::{flag, Item, RamData, RamRecord, StreamParser, PAGE_SIZE};
+use ferry_qemu::stream::{flag, Item, Postcopy, RamData, RamRecord, StreamParser, PAGE_SIZE};
 
 use crate::engine::known_zero::ZeroPages;
 
@@ -33,6 +38,11 @@ pub struct LoadSieve {
     /// The block QEMU's `CONTINUE` records refer to: the last one it was given by name.
     qemu_block: Option<Bytes>,
     skipped: u64,
+    /// The migration may switch to postcopy.
+    postcopy: bool,
+    /// The package's last piece, until [`LoadSieve::release`]; and where it ends.
+    held: Option<Bytes>,
+    package_end: Option<u64>,
 }
 
 /// The next piece of QEMU's input.
@@ -52,7 +62,37 @@ impl LoadSieve {
             stream_block: None,
             qemu_block: None,
             skipped: 0,
+            postcopy: false,
+            held: None,
+            package_end: None,
         }
+    }
+
+    /// A sieve for a migration that may switch to postcopy: it leaves nothing out and holds
+    /// the package's last piece.
+    pub fn postcopy() -> LoadSieve {
+        LoadSieve {
+            postcopy: true,
+            ..LoadSieve::new(ZeroPages::none())
+        }
+    }
+
+    /// Where the postcopy package ends in the stream, once its last piece is here.
+    pub fn package_end(&self) -> Option<u64> {
+        self.package_end
+    }
+
+    /// Gives back the package's held last piece and what followed it.
+    pub fn release(&mut self) -> Result<Sieved> {
+        let held = self.held.take().context("no postcopy package is held")?;
+        let rest = self.sieve_pending()?;
+        let mut bytes = BytesMut::with_capacity(held.len() + rest.bytes.len());
+        bytes.extend_from_slice(&held);
+        bytes.extend_from_slice(&rest.bytes);
+        Ok(Sieved {
+            bytes: bytes.freeze(),
+            weight: held.len() + rest.weight,
+        })
     }
 
     /// Zero-page records left out so far.
@@ -64,13 +104,24 @@ impl LoadSieve {
     /// record cut between two calls comes out of the call that completes it).
     pub fn pass(&mut self, bytes: &[u8]) -> Result<Sieved> {
         self.pending.extend_from_slice(bytes);
-        let mut out = BytesMut::with_capacity(bytes.len() + 64);
+        self.sieve_pending()
+    }
+
+    /// Parses what is pending, up to a held package.
+    fn sieve_pending(&mut self) -> Result<Sieved> {
+        let mut out = BytesMut::with_capacity(self.pending.len() + 64);
         let mut weight = 0;
-        while let Some(item) = self
-            .parser
-            .next_item(&mut self.pending)
-            .context("the decoded stream")?
-        {
+        while self.held.is_none() {
+            let Some(item) = self
+                .parser
+                .next_item(&mut self.pending)
+                .context("the decoded stream")?
+            else {
+                break;
+            };
+            if !self.postcopy && self.parser.postcopy() != Postcopy::Off {
+                bail!("the stream switches to postcopy, which this migration did not ask for");
+            }
             let item = match item {
                 Item::Ram(record) => match self.sieve(record) {
                     Some(record) => Item::Ram(record),
@@ -78,6 +129,13 @@ impl LoadSieve {
                 },
                 opaque => opaque,
             };
+            if self.parser.ended_package() {
+                let mut piece = BytesMut::with_capacity(item.encoded_len());
+                item.encode(&mut piece);
+                self.held = Some(piece.freeze());
+                self.package_end = Some(self.parser.position());
+                break;
+            }
             weight += if item.is_page() {
                 PAGE_SIZE
             } else {
@@ -344,6 +402,53 @@ mod tests {
             .unwrap();
         assert_eq!(eos.flags, flag::EOS);
         assert_eq!(sieve.skipped(), 3);
+    }
+
+    fn postcopy_stream() -> Vec<u8> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../qemu/tests/streams/postcopy/running.qemu.zst"
+        );
+        zstd::decode_all(std::fs::File::open(path).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_postcopy_package_is_held_until_released_and_nothing_is_left_out() {
+        let stream = postcopy_stream();
+        for cut in [1000, 65536, stream.len()] {
+            let mut sieve = LoadSieve::postcopy();
+            let mut out = Vec::new();
+            let mut fed = 0;
+            for piece in stream.chunks(cut) {
+                out.extend_from_slice(&sieve.pass(piece).unwrap().bytes);
+                fed += piece.len();
+                if sieve.package_end().is_some() {
+                    break;
+                }
+            }
+            let end = usize::try_from(sieve.package_end().expect("a package")).unwrap();
+            // Everything before the package's last piece went out, nothing after it.
+            assert!(
+                out.len() < end && end <= fed,
+                "cut {cut}: {} {end} {fed}",
+                out.len()
+            );
+            assert_eq!(out, stream[..out.len()]);
+            // More bytes wait behind the held piece.
+            out.extend_from_slice(&sieve.pass(&stream[fed..]).unwrap().bytes);
+            assert!(out.len() < end, "cut {cut}: released before its time");
+            out.extend_from_slice(&sieve.release().unwrap().bytes);
+            assert_eq!(out, stream, "cut {cut}");
+            assert_eq!(sieve.skipped(), 0);
+            assert!(sieve.release().is_err(), "released twice");
+        }
+    }
+
+    #[test]
+    fn a_postcopy_stream_in_a_migration_without_it_is_refused() {
+        let mut sieve = LoadSieve::new(ZeroPages::none());
+        let e = sieve.pass(&postcopy_stream()).err().unwrap();
+        assert!(format!("{e:#}").contains("did not ask for"), "{e:#}");
     }
 
     #[test]

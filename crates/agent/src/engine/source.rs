@@ -2,7 +2,8 @@
 //! the stream (so a construct it does not understand stops the migration instead of being
 //! carried blind), hashes it, and sends it over the session; the return path comes back the
 //! other way. The commit is the destination's: the source quits its VM only when the
-//! destination says it runs, and resumes it on any failure before the stream's end was sent.
+//! destination says it runs, and resumes it on any failure before the stream's end was sent
+//! (in postcopy, before the destination said it runs: [`crate::engine::postcopy`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -33,6 +34,7 @@ use crate::engine::disk::mirror::{
 };
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
+use crate::engine::postcopy;
 use crate::engine::recovery::{self, PeerLink};
 use crate::engine::seed_store;
 use crate::engine::status::{now_ms, Events, Shared};
@@ -88,7 +90,10 @@ pub async fn run(
         Err(e) => {
             s.state = MigrationState::Failed;
             s.phase = Phase::Failed;
-            s.detail = "the source runs".into();
+            s.detail = e
+                .downcast_ref::<AfterTheSwitch>()
+                .map_or("the source runs", |a| a.vm)
+                .into();
             s.error = Some(format!("{e:#}"));
             s.event(EventKind::Failed, format!("{e:#}"));
         }
@@ -108,6 +113,9 @@ async fn migrate(
     seed_dir: &Path,
     seed_budget_bytes: u64,
 ) -> Result<()> {
+    if req.settings.postcopy && !req.disks.is_empty() {
+        bail!("postcopy with disks is not supported: migrate the VM with its disks in precopy, or without --postcopy");
+    }
     let deadline = Instant::now() + Duration::from_secs(req.settings.timeout_s);
     let wan_timeout = Duration::from_secs(req.settings.wan_timeout_s);
     let qmp = Arc::new(Qmp::connect(&req.source_qmp).await.context("source QEMU")?);
@@ -224,6 +232,9 @@ async fn migrate(
         question: None,
     };
     let mut bitmap_exports = None;
+    // In postcopy: the destination's word that it runs the VM (it comes before the stream's
+    // end); from then on the source VM must never run again.
+    let mut switched: Option<Control> = None;
     let result = async {
         // Dirty bitmaps since the VM arrived here: a destination that still holds the copy it
         // left need not index it. (Exported from here on: every way out closes them.)
@@ -243,6 +254,7 @@ async fn migrate(
                 destination: destination.clone(),
                 wan_timeout_s: req.settings.wan_timeout_s,
                 return_path: req.settings.return_path,
+                postcopy: req.settings.postcopy,
                 codec: req.settings.codec,
                 history_bytes,
                 seed_from: req.settings.seed_from.clone(),
@@ -429,6 +441,11 @@ async fn migrate(
             DestinationWork::new(&zeroed_blocks),
             disks.as_mut(),
             &limits,
+            &mut Switch {
+                destination_runs: &mut switched,
+                journal,
+                record: &record,
+            },
         )
         .await?;
         control::send(
@@ -456,6 +473,37 @@ async fn migrate(
 
     let end = match result {
         Ok(end) => end,
+        Err(e) if switched.is_some() => {
+            // Past the postcopy switch: the VM runs at the destination, and the pages that had
+            // not crossed are only here. Nothing is resumed or quit.
+            session.fail(format!("{e:#}"));
+            let e = e.context(RUNS_AT_DESTINATION);
+            settle(OutgoingState::Committed, Some(format!("{e:#}")));
+            return Err(e);
+        }
+        Err(e) if req.settings.postcopy && postcopy::source_switched(&qmp).await => {
+            // Switched, but the destination never ran the VM: QEMU (before 10.2) can neither
+            // cancel its postcopy nor resume the VM, so it stays paused here, whole.
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                control::send(
+                    &session,
+                    &Control::Abort {
+                        reason: format!("{e:#}"),
+                    },
+                ),
+            )
+            .await;
+            session.fail(format!("{e:#}"));
+            let e = e.context(AfterTheSwitch {
+                why: "the source QEMU had switched to postcopy, which QEMU before 10.2 can \
+                      neither cancel nor resume: the source VM stays paused (the destination \
+                      never ran it)",
+                vm: "the source VM stays paused",
+            });
+            settle(OutgoingState::Failed, Some(format!("{e:#}")));
+            return Err(e);
+        }
         Err(e) => {
             // Before the stream's end went out the destination cannot commit: stop QEMU's
             // migration, tell the destination, resume the source.
@@ -506,6 +554,14 @@ async fn migrate(
     let verdict = loop {
         tokio::select! {
             msg = ctl.recv(), if control_open => match msg {
+                // In postcopy the verdict came at the switch; this says the last page arrived.
+                Some(Control::Delivered { .. }) if switched.is_some() => break switched.clone(),
+                Some(Control::Abort { reason }) if switched.is_some() => {
+                    session.fail(reason.clone());
+                    let e = anyhow!("the destination reports: {reason}").context(RUNS_AT_DESTINATION);
+                    settle(OutgoingState::Committed, Some(format!("{e:#}")));
+                    return Err(e);
+                }
                 Some(msg) => break Some(msg),
                 None => control_open = false,
             },
@@ -551,7 +607,10 @@ async fn migrate(
             status.update(|s| {
                 s.destination_resume_unix_us = (resume_unix_us != 0).then_some(resume_unix_us);
                 s.destination_switchover = switchover;
-                s.event(EventKind::Committed, "destination runs");
+                // In postcopy the commit's event came at the switch.
+                if switched.is_none() {
+                    s.event(EventKind::Committed, "destination runs");
+                }
             });
             // The session's work is done: its connections can park while the seed is saved.
             session.park();
@@ -711,6 +770,7 @@ async fn stream(
     mut destination_work: DestinationWork,
     disks: Option<&mut SourceDisks>,
     limits: &Limits,
+    switch: &mut Switch<'_>,
 ) -> Result<(u64, String)> {
     let sock = work_dir.join(format!("{}.src.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
@@ -809,11 +869,37 @@ async fn stream(
                         true
                     }
                 };
-                // Locked only for the bookkeeping, not while the encoder works.
-                let mut book = ledger.lock().expect("ledger lock");
-                book.read(destination_work.pages(&item, parser.current_block()));
-                if flushed {
-                    book.mark(stream_sent + out.len() as u64);
+                {
+                    // Locked only for the bookkeeping, not while the encoder works.
+                    let mut book = ledger.lock().expect("ledger lock");
+                    book.read(destination_work.pages(&item, parser.current_block()));
+                    if flushed {
+                        book.mark(stream_sent + out.len() as u64);
+                    }
+                }
+                if parser.ended_package() {
+                    // Postcopy's commit point: the destination QEMU gets the package once
+                    // everything up to its end matches this digest.
+                    if let Some(encoder) = &mut encoder {
+                        encoder.flush(&mut out);
+                    }
+                    ledger
+                        .lock()
+                        .expect("ledger lock")
+                        .mark(stream_sent + out.len() as u64);
+                    send_stream(session, ledger, &mut out, &mut stream_sent, true).await?;
+                    control::send(
+                        session,
+                        &Control::Checkpoint {
+                            bytes: total,
+                            digest: hash.hex(),
+                        },
+                    )
+                    .await?;
+                    status.update(|s| {
+                        s.phase = Phase::Switchover;
+                        s.detail = "postcopy: the VM stopped, its device state crossed".into();
+                    });
                 }
             }
             if eof {
@@ -871,6 +957,10 @@ async fn stream(
         Ok::<_, anyhow::Error>(())
     };
     tokio::pin!(disk_switchover);
+    // Postcopy: the switch once the first pass is done.
+    let mut to_postcopy = req.settings.postcopy;
+    let postcopy_switch = postcopy::switch_after_first_pass(qmp);
+    tokio::pin!(postcopy_switch);
     let pump = watchdog(session, status, limits, pump);
     tokio::pin!(pump);
     let mut switched = !has_disks;
@@ -881,7 +971,16 @@ async fn stream(
                 r?;
                 switched = true;
             }
+            r = &mut postcopy_switch, if to_postcopy => {
+                r.context("switching to postcopy")?;
+                to_postcopy = false;
+            }
             msg = ctl.recv() => match msg {
+                Some(runs @ Control::Committed { .. })
+                    if req.settings.postcopy && switch.destination_runs.is_none() =>
+                {
+                    switch.destination_runs(runs, status);
+                }
                 Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
                 Some(other) => bail!("unexpected message from the destination during the stream: {other:?}"),
                 None => bail!("{}", control_ended(session)),
@@ -925,8 +1024,65 @@ async fn stream(
     Ok((bytes, digest))
 }
 
-/// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item
-/// (which starts at `start`), after the source hashed it.
+/// A migration that failed after QEMU switched to postcopy, where the source VM no longer
+/// runs: why, and where the VM is.
+#[derive(Debug)]
+struct AfterTheSwitch {
+    why: &'static str,
+    vm: &'static str,
+}
+
+/// The destination has run the VM since the switch.
+const RUNS_AT_DESTINATION: AfterTheSwitch = AfterTheSwitch {
+    why: "after the postcopy switch: the VM runs at the destination, the source QEMU keeps the \
+          pages that had not crossed (left paused)",
+    vm: "the VM runs at the destination",
+};
+
+impl std::fmt::Display for AfterTheSwitch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.why)
+    }
+}
+
+/// In postcopy: where the destination's word that it runs the VM goes, and the record that
+/// must say so before anything else happens.
+struct Switch<'a> {
+    destination_runs: &'a mut Option<Control>,
+    journal: &'a Journal,
+    record: &'a OutgoingRecord,
+}
+
+impl Switch<'_> {
+    /// The destination runs the VM: recorded first (a restart must never resume the source),
+    /// then kept for the verdict.
+    fn destination_runs(&mut self, committed: Control, status: &Shared) {
+        let record = OutgoingRecord {
+            state: OutgoingState::Committed,
+            reason: None,
+            updated_unix_ms: now_ms(),
+            ..self.record.clone()
+        };
+        // The destination runs whatever this write does: a failure is only logged.
+        if let Err(e) = self.journal.write_outgoing(&record) {
+            tracing::error!("migration {}: postcopy switch: {e:#}", record.id);
+        }
+        if let Control::Committed { resume_unix_us, .. } = &committed {
+            let resume = *resume_unix_us;
+            status.update(|s| {
+                s.phase = Phase::Postcopy;
+                s.detail = "the VM runs at the destination; the rest of its memory follows".into();
+                s.destination_resume_unix_us = (resume != 0).then_some(resume);
+                s.event(
+                    EventKind::Committed,
+                    "postcopy: the destination runs the VM; the rest of its memory follows",
+                );
+            });
+        }
+        *self.destination_runs = Some(committed);
+    }
+}
+
 /// Sends `out` on the stream channel in frames of at most `CHUNK`: all of it, or only whole
 /// frames (the rest waits for more). Returns whether anything was sent.
 async fn send_stream(
@@ -948,7 +1104,8 @@ async fn send_stream(
     Ok(sent)
 }
 
-/// Returns whether it flipped a bit of this item.
+/// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item
+/// (which starts at `start`), after the source hashed it. Returns whether it flipped one.
 pub(crate) fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) -> bool {
     let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) else {
         return false;
@@ -960,8 +1117,11 @@ pub(crate) fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>)
 
 async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Result<()> {
     let hold = lookahead(req);
-    qmp.execute(&control::plain_precopy(req.settings.return_path))
-        .await?;
+    qmp.execute(&control::stream_capabilities(
+        req.settings.return_path,
+        req.settings.postcopy,
+    ))
+    .await?;
     // Throttling changes nothing in the stream: only the source has it. With disks the
     // source stops before its last pass so that the mirrors can complete (libvirt's way).
     qmp.execute(&MigrateSetCapabilities {
