@@ -237,9 +237,15 @@ fn mark_switchover(status: &MigrationStatus, start: Start, timeline: &Mutex<Time
 pub fn outcome(status: &MigrationStatus, start: Start, wan: WanCount) -> MigrationOutcome {
     let resume = status.destination_resume_unix_us.filter(|r| *r > 0);
     let stop = status.source_stop_unix_us;
+    // In postcopy the migration ends when the last page arrived, after the resume.
+    let done = status.postcopy_done_unix_us.or(resume);
     MigrationOutcome {
         completed: status.state == MigrationState::Committed,
-        total_ms: start.ms_at(resume.unwrap_or_else(now_micros)),
+        total_ms: start.ms_at(done.unwrap_or_else(now_micros)),
+        postcopy_ms: status
+            .postcopy_done_unix_us
+            .zip(resume)
+            .map(|(d, r)| u64::try_from((d - r) / 1000).unwrap_or(0)),
         downtime_ms: resume.zip(stop).map(|(r, s)| (r - s) as f64 / 1000.0),
         qemu_downtime_ms: status.qemu_downtime_ms,
         guest_gap_ms: None,

@@ -375,6 +375,9 @@ pub struct MigrationStatus {
     /// QMP timestamps (wall clock, µs) of the source's STOP and the destination's RESUME.
     pub source_stop_unix_us: Option<i64>,
     pub destination_resume_unix_us: Option<i64>,
+    /// Postcopy: when the VM's last page had arrived at the destination (wall clock, µs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postcopy_done_unix_us: Option<i64>,
     /// The destination's side of the switchover (wall clock, µs): when the stream's last byte
     /// had arrived and its digest matched, and when its QEMU said it loaded the stream.
     #[serde(default)]
@@ -441,6 +444,7 @@ impl MigrationStatus {
             events: Vec::new(),
             source_stop_unix_us: None,
             destination_resume_unix_us: None,
+            postcopy_done_unix_us: None,
             destination_switchover: None,
             qemu_downtime_ms: None,
             max_cpu_throttle_pct: None,

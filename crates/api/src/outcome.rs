@@ -33,6 +33,10 @@ pub struct MigrationOutcome {
     pub wan_drops: u64,
     pub iterations: u64,
     pub ram_transferred: u64,
+    /// Postcopy: how long the VM ran at the destination before its last page arrived (the
+    /// total time includes it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postcopy_ms: Option<u64>,
     pub error: Option<String>,
     /// ferry: the highest vCPU throttle auto-converge applied, percent.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -22,7 +22,8 @@ pub struct BenchArgs {
     shape: VmShape,
     #[command(flatten)]
     migration: MigrationFlags,
-    /// QEMU modes to compare (comma-separated); overrides --mode. With --groups: group,
+    /// Systems to compare (comma-separated): ferry, ferry-none, ferry-zero+delta, ...,
+    /// ferry-postcopy, or QEMU modes (plain, multifd-zstd, postcopy, ...); overrides --mode. With --groups: group,
     /// at-once, one-by-one (default all).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,

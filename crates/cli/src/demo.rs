@@ -145,7 +145,7 @@ async fn demo_inner(
     println!(
         "[4/5] migrating to site b with {}",
         match system {
-            System::Ferry(_) => "ferry (the sites' agents, over the WAN)".to_owned(),
+            System::Ferry { .. } => "ferry (the sites' agents, over the WAN)".to_owned(),
             System::Qemu(m) => format!("QEMU's own migration ({})", m.name()),
         }
     );

@@ -22,8 +22,8 @@ pub struct SystemFlags {
     /// own migration straight across the WAN, in --mode).
     #[arg(long, default_value = "ferry")]
     pub system: String,
-    /// Lab VMs, QEMU's migration mode (with --system qemu): plain, xbzrle, multifd or
-    /// multifd-zstd.
+    /// Lab VMs, QEMU's migration mode (with --system qemu): plain, xbzrle, multifd,
+    /// multifd-zstd or postcopy (plain, switching to postcopy after the first pass).
     #[arg(long, default_value = "plain")]
     pub mode: String,
     /// Lab VMs, QEMU's own migration with disks: run the mirror in write-blocking copy mode

@@ -78,6 +78,12 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
         "  QEMU's own downtime  {}",
         ms(o.qemu_downtime_ms.map(|v| v as f64))
     );
+    if let Some(p) = o.postcopy_ms {
+        println!(
+            "  postcopy             {:.1} s running at the destination before its last page arrived",
+            p as f64 / 1000.0
+        );
+    }
     if o.guest_gap_ms.is_some() {
         println!(
             "  guest-observed gap   {} (longest heartbeat gap)",

@@ -23,7 +23,7 @@ use ferry_api::{EventKind, Sample, Timeline};
 use ferry_qemu::commands::{
     BlockExportAdd, BlockJobCancel, BlockdevAdd, BlockdevMirror, Capability, Cont, Migrate,
     MigrateCancel, MigrateContinue, MigrateIncoming, MigrateSetCapabilities, MigrateSetParameters,
-    NbdServerStart, NbdServerStop, QueryMigrate, QueryStatus, Quit,
+    MigrateStartPostcopy, NbdServerStart, NbdServerStop, QueryMigrate, QueryStatus, Quit,
 };
 use ferry_qemu::Qmp;
 use serde::{Deserialize, Serialize};
@@ -54,23 +54,27 @@ pub enum QemuMode {
     Xbzrle,
     Multifd,
     MultifdZstd,
+    /// Plain, switching to postcopy once the first pass is done (libvirt's
+    /// `--postcopy-after-precopy`); the destination resumes at the switch.
+    Postcopy,
 }
 
 impl QemuMode {
     /// Every mode, in the order benchmarks report them.
-    pub const ALL: [QemuMode; 4] = [
+    pub const ALL: [QemuMode; 5] = [
         QemuMode::Plain,
         QemuMode::Xbzrle,
         QemuMode::Multifd,
         QemuMode::MultifdZstd,
+        QemuMode::Postcopy,
     ];
 
-    /// Parses `plain|xbzrle|multifd|multifd-zstd`.
+    /// Parses `plain|xbzrle|multifd|multifd-zstd|postcopy`.
     pub fn parse(s: &str) -> Result<QemuMode> {
         QemuMode::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .with_context(|| format!("unknown QEMU migration mode {s:?} (known: plain, xbzrle, multifd, multifd-zstd)"))
+            .with_context(|| format!("unknown QEMU migration mode {s:?} (known: plain, xbzrle, multifd, multifd-zstd, postcopy)"))
     }
 
     /// The mode's name, as `system` reports it after `qemu-`.
@@ -80,6 +84,7 @@ impl QemuMode {
             QemuMode::Xbzrle => "xbzrle",
             QemuMode::Multifd => "multifd",
             QemuMode::MultifdZstd => "multifd-zstd",
+            QemuMode::Postcopy => "postcopy",
         }
     }
 }
@@ -87,35 +92,56 @@ impl QemuMode {
 /// Which system migrates: ferry's agents, or QEMU's own migration in one of its modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum System {
-    /// ferry, with these codec techniques.
-    Ferry(CodecSettings),
+    /// ferry, with these codec techniques, switching to postcopy after the first pass or not.
+    Ferry {
+        codec: CodecSettings,
+        postcopy: bool,
+    },
     Qemu(QemuMode),
 }
 
 impl System {
     /// `ferry` (every codec technique), `ferry-none`, `ferry-<technique>+<technique>...`
-    /// (`ferry-zero+delta`), `qemu-<mode>`, or a bare QEMU mode (`plain`, `multifd-zstd`, ...).
+    /// (`ferry-zero+delta`), any of them ending in `-postcopy` (`ferry-postcopy`), `qemu-<mode>`,
+    /// or a bare QEMU mode (`plain`, `multifd-zstd`, ...).
     pub fn parse(s: &str) -> Result<System> {
-        if s == "ferry" {
-            return Ok(System::Ferry(CodecSettings::ALL));
+        let (ferry, postcopy) = match s.strip_suffix("-postcopy") {
+            Some(rest) if rest.starts_with("ferry") => (rest, true),
+            _ => (s, false),
+        };
+        if ferry == "ferry" {
+            return Ok(System::Ferry {
+                codec: CodecSettings::ALL,
+                postcopy,
+            });
         }
-        if let Some(codec) = s.strip_prefix("ferry-") {
+        if let Some(codec) = ferry.strip_prefix("ferry-") {
             return codec
                 .replace('+', ",")
                 .parse()
-                .map(System::Ferry)
+                .map(|codec| System::Ferry { codec, postcopy })
                 .map_err(|e| anyhow::anyhow!("system {s:?}: {e}"));
         }
         QemuMode::parse(s.strip_prefix("qemu-").unwrap_or(s))
             .map(System::Qemu)
-            .map_err(|e| anyhow::anyhow!("{e:#}, or ferry[-none|-zero+dedup+delta+zstd]"))
+            .map_err(|e| {
+                anyhow::anyhow!("{e:#}, or ferry[-none|-zero+dedup+delta+zstd][-postcopy]")
+            })
     }
 
     /// The name in reports and bench records: `ferry`, `ferry-<techniques>` or `qemu-<mode>`.
     pub fn name(self) -> String {
         match self {
-            System::Ferry(CodecSettings::ALL) => "ferry".into(),
-            System::Ferry(codec) => format!("ferry-{}", codec.to_string().replace(',', "+")),
+            System::Ferry { codec, postcopy } => {
+                let mut name = match codec {
+                    CodecSettings::ALL => "ferry".to_owned(),
+                    codec => format!("ferry-{}", codec.to_string().replace(',', "+")),
+                };
+                if postcopy {
+                    name.push_str("-postcopy");
+                }
+                name
+            }
             System::Qemu(m) => format!("qemu-{}", m.name()),
         }
     }
@@ -153,7 +179,10 @@ impl MigrateOptions {
     /// The system these options select.
     pub fn system(&self) -> System {
         if self.ferry {
-            System::Ferry(self.settings.codec)
+            System::Ferry {
+                codec: self.settings.codec,
+                postcopy: self.settings.postcopy,
+            }
         } else {
             System::Qemu(self.mode)
         }
@@ -162,9 +191,10 @@ impl MigrateOptions {
     /// Selects `system`.
     pub fn set_system(&mut self, system: System) {
         match system {
-            System::Ferry(codec) => {
+            System::Ferry { codec, postcopy } => {
                 self.ferry = true;
                 self.settings.codec = codec;
+                self.settings.postcopy = postcopy;
             }
             System::Qemu(m) => {
                 self.ferry = false;
@@ -197,6 +227,7 @@ fn caps(mode: QemuMode, src: bool, disks: bool) -> MigrateSetCapabilities {
         cap("events", true),
         cap("xbzrle", mode == QemuMode::Xbzrle),
         cap("multifd", multifd),
+        cap("postcopy-ram", mode == QemuMode::Postcopy),
     ];
     // libvirt's way with disks: stop at pre-switchover and complete the disk mirror first.
     c.push(cap("pause-before-switchover", src && disks));
@@ -595,11 +626,31 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
 
     start_migration(src, &format!("tcp:{}:{port}", to.underlay_ip())).await?;
     a.mark(a.elapsed_ms(), EventKind::MemoryStarted);
+    let postcopy = opts.mode == QemuMode::Postcopy;
+    // Postcopy: asked for after the first pass; the destination resumed once it loaded the
+    // device state (paused, as it was started).
+    let (mut asked, mut resumed) = (false, false);
     let info = loop {
         let info = src.execute(&QueryMigrate).await?;
         let status = info.status.clone().unwrap_or_default();
         tracing::debug!(elapsed_ms = t0.elapsed().as_secs_f64() * 1000.0, info = %serde_json::to_string(&info).unwrap_or_default(), "query-migrate");
         sample(&format!("memory: {status}"), Some(&info))?;
+        if postcopy
+            && !asked
+            && status == "active"
+            && info.ram.as_ref().is_some_and(|r| r.dirty_sync_count >= 2)
+        {
+            src.execute(&MigrateStartPostcopy).await?;
+            asked = true;
+        }
+        if postcopy
+            && !resumed
+            && status == "postcopy-active"
+            && dst.execute(&QueryStatus).await?.status == "paused"
+        {
+            dst.execute(&Cont).await?;
+            resumed = true;
+        }
         match status.as_str() {
             "completed" => break info,
             "failed" | "cancelled" => bail!(
@@ -668,18 +719,26 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
     if disks {
         dst.execute(&NbdServerStop).await?;
     }
+    let completed_micros = now_micros();
     // The commit point: once the destination runs, the source must never run again, so
     // nothing after a successful `cont` may fail the migration; measurements that cannot be
-    // taken are reported as missing instead.
-    if let Err(e) = dst.execute(&Cont).await {
-        let running = dst.execute(&QueryStatus).await.is_ok_and(|s| s.running);
-        if !running {
-            return Err(anyhow::Error::new(e).context("the destination did not resume"));
+    // taken are reported as missing instead. (In postcopy it ran since the switch.)
+    if !resumed {
+        if let Err(e) = dst.execute(&Cont).await {
+            let running = dst.execute(&QueryStatus).await.is_ok_and(|s| s.running);
+            if !running {
+                return Err(anyhow::Error::new(e).context("the destination did not resume"));
+            }
         }
     }
-    let resume = dst
-        .wait_event("RESUME", |_| true, Duration::from_secs(30))
-        .await;
+
+    let resume = match resumed {
+        true => dst.find_event("RESUME", |_| true),
+        false => {
+            dst.wait_event("RESUME", |_| true, Duration::from_secs(30))
+                .await
+        }
+    };
     if let Some(r) = &resume {
         a.mark(a.event_ms(r), EventKind::DestinationResumed);
     }
@@ -697,9 +756,14 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
     let resume_micros = resume
         .as_ref()
         .map_or_else(now_micros, |r| r.timestamp.as_micros());
+    let end_micros = if resumed {
+        completed_micros
+    } else {
+        resume_micros
+    };
     let outcome = MigrationOutcome {
         completed: true,
-        total_ms: u64::try_from((resume_micros - t0_micros).max(0) / 1000).unwrap_or(0),
+        total_ms: u64::try_from((end_micros - t0_micros).max(0) / 1000).unwrap_or(0),
         downtime_ms: resume
             .as_ref()
             .zip(stop.as_ref())
@@ -711,6 +775,8 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         wan_drops,
         iterations: ram.dirty_sync_count,
         ram_transferred: ram.transferred,
+        postcopy_ms: resumed
+            .then(|| u64::try_from((completed_micros - resume_micros).max(0) / 1000).unwrap_or(0)),
         error: None,
         codec: None,
         cpu_throttle_pct: None,
@@ -719,4 +785,37 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
     };
     progress.send_modify(|p| p.phase = "done".into());
     Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn systems_parse_and_name_themselves_back() {
+        for name in [
+            "ferry",
+            "ferry-none",
+            "ferry-zero+delta",
+            "ferry-postcopy",
+            "ferry-zero+zstd-postcopy",
+            "qemu-plain",
+            "qemu-multifd-zstd",
+        ] {
+            assert_eq!(System::parse(name).unwrap().name(), name);
+        }
+        assert_eq!(
+            System::parse("ferry-postcopy").unwrap(),
+            System::Ferry {
+                codec: CodecSettings::ALL,
+                postcopy: true
+            }
+        );
+        assert_eq!(System::parse("plain").unwrap().name(), "qemu-plain");
+        assert!(System::parse("plain-postcopy").is_err());
+        let mut opts = MigrateOptions::default();
+        opts.set_system(System::parse("ferry-postcopy").unwrap());
+        assert!(opts.settings.postcopy);
+        assert_eq!(opts.system().name(), "ferry-postcopy");
+    }
 }

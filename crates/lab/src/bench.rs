@@ -438,19 +438,20 @@ async fn measured_migration(
         cpu,
         accel: sc.vm.accel,
         run: sc.run,
-        connections: matches!(sc.system, System::Ferry(_))
+        connections: matches!(sc.system, System::Ferry { .. })
             .then_some(sc.migrate.settings.connections),
-        switchover: matches!(sc.system, System::Ferry(_)).then(|| switchover_policy(&sc.migrate)),
+        switchover: matches!(sc.system, System::Ferry { .. })
+            .then(|| switchover_policy(&sc.migrate)),
         leg,
         changed_pct,
         disk_mode: sc.vm.disk.then(|| match sc.system {
-            System::Ferry(_)
+            System::Ferry { .. }
                 if !sc.migrate.settings.disk_background_copy
                     && sc.migrate.settings.disk_mode != ferry_api::agent::DiskMode::Sync =>
             {
                 format!("{} blocking-copy", sc.migrate.settings.disk_mode.name())
             }
-            System::Ferry(_) => match sc.migrate.settings.disk_pacing_floor_pct {
+            System::Ferry { .. } => match sc.migrate.settings.disk_pacing_floor_pct {
                 Some(pct) => format!("{} paced {pct}%", sc.migrate.settings.disk_mode.name()),
                 None => sc.migrate.settings.disk_mode.name().to_owned(),
             },

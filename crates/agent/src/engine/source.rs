@@ -555,7 +555,10 @@ async fn migrate(
         tokio::select! {
             msg = ctl.recv(), if control_open => match msg {
                 // In postcopy the verdict came at the switch; this says the last page arrived.
-                Some(Control::Delivered { .. }) if switched.is_some() => break switched.clone(),
+                Some(Control::Delivered { fed_unix_us }) if switched.is_some() => {
+                    status.update(|s| s.postcopy_done_unix_us = Some(fed_unix_us));
+                    break switched.clone();
+                }
                 Some(Control::Abort { reason }) if switched.is_some() => {
                     session.fail(reason.clone());
                     let e = anyhow!("the destination reports: {reason}").context(RUNS_AT_DESTINATION);
