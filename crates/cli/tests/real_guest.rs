@@ -214,22 +214,19 @@ fn a_debian_guest_with_redis_moves_with_libvirt_and_virsh_its_client_connected()
     assert_eq!(redis.call(&[b"SAVE"]), b"OK");
 
     // ferry drives libvirt: memory and disk to site b.
-    let out = t
-        .lab
-        .host_command(Site::A, common::ferry_bin())
-        .args([
-            "migrate",
-            "--libvirt",
-            NAME,
-            "--to",
-            "site-b",
-            "--copy-storage",
-            "--json",
-            "--agent",
-        ])
-        .arg(t.lab.agent_socket(Site::A))
-        .output()
-        .unwrap();
+    let mut cmd = t.lab.host_command(Site::A, common::ferry_bin());
+    cmd.args([
+        "migrate",
+        "--libvirt",
+        NAME,
+        "--to",
+        "site-b",
+        "--copy-storage",
+        "--json",
+        "--agent",
+    ])
+    .arg(t.lab.agent_socket(Site::A));
+    let out = common::output_within(&mut cmd, common::VIRSH_LIMIT, "ferry migrate --libvirt");
     let v = common::json(&common::succeeded("ferry migrate --libvirt", &out));
     assert_eq!(v["outcome"]["completed"], true, "{v}");
     eprintln!("ferry migrate --libvirt: {}", v["outcome"]);
@@ -346,24 +343,21 @@ fn a_debian_guest_started_by_hand_moves_with_migrate_qmp_its_client_connected() 
             b"OK"
         );
     }
-    let out = t
-        .lab
-        .host_command(Site::A, common::ferry_bin())
-        .args([
-            "migrate",
-            name,
-            "--qmp",
-            &format!("{HOST_DIR}/{name}.qmp"),
-            "--to",
-            "site-b",
-            "--disk",
-            "disk0",
-            "--json",
-            "--agent",
-        ])
-        .arg(t.lab.agent_socket(Site::A))
-        .output()
-        .unwrap();
+    let mut cmd = t.lab.host_command(Site::A, common::ferry_bin());
+    cmd.args([
+        "migrate",
+        name,
+        "--qmp",
+        &format!("{HOST_DIR}/{name}.qmp"),
+        "--to",
+        "site-b",
+        "--disk",
+        "disk0",
+        "--json",
+        "--agent",
+    ])
+    .arg(t.lab.agent_socket(Site::A));
+    let out = common::output_within(&mut cmd, common::VIRSH_LIMIT, "ferry migrate --qmp");
     let v = common::json(&common::succeeded("ferry migrate --qmp", &out));
     assert_eq!(v["outcome"]["completed"], true, "{v}");
     eprintln!("ferry migrate --qmp: {}", v["outcome"]);

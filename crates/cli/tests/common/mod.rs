@@ -7,9 +7,69 @@ pub mod bare;
 pub mod domains;
 pub mod fleet;
 
-use std::process::{Command, Output};
+use std::io::Read;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use ferry_lab::{Lab, Site};
+
+/// How long one `virsh` command (a migration included) may take before the test fails: a
+/// migration that hangs must name itself, not cost CI its whole time.
+pub const VIRSH_LIMIT: Duration = Duration::from_secs(600);
+
+/// Runs `cmd` to its end with its output captured; a command still running after `limit` is
+/// killed and fails the test with `what`.
+pub fn output_within(cmd: &mut Command, limit: Duration, what: &str) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    // Read both pipes while it runs, so that a full pipe never stops it.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the command") {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = String::from_utf8_lossy(&stderr.join().unwrap_or_default()).into_owned();
+            panic!(
+                "{what}: still running after {}s, killed; stderr: {err}",
+                limit.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    }
+}
 
 /// The `ferry` binary under test.
 pub fn ferry_bin() -> &'static str {
@@ -204,12 +264,14 @@ pub fn timeline(v: &serde_json::Value) -> ferry_api::Timeline {
 impl TestLab {
     /// `virsh ARGS` as a process of `site`'s host (its own libvirtd at qemu:///system).
     pub fn virsh(&self, site: Site, args: &[&str]) -> Output {
-        self.lab
-            .host_command(site, "virsh")
-            .args(["-c", "qemu:///system"])
-            .args(args)
-            .output()
-            .expect("run virsh")
+        output_within(
+            self.lab
+                .host_command(site, "virsh")
+                .args(["-c", "qemu:///system"])
+                .args(args),
+            VIRSH_LIMIT,
+            &format!("virsh {}", args.join(" ")),
+        )
     }
 
     /// The state of domain `name` in `site`'s libvirt ("running", "shut off"), or None when
