@@ -378,6 +378,10 @@ pub struct MigrationStatus {
     /// Postcopy: when the VM's last page had arrived at the destination (wall clock, µs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub postcopy_done_unix_us: Option<i64>,
+    /// Postcopy: how long every vCPU at once waited for a page, ms (the destination QEMU's
+    /// `postcopy-blocktime`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postcopy_blocktime_ms: Option<u64>,
     /// The destination's side of the switchover (wall clock, µs): when the stream's last byte
     /// had arrived and its digest matched, and when its QEMU said it loaded the stream.
     #[serde(default)]
@@ -445,6 +449,7 @@ impl MigrationStatus {
             source_stop_unix_us: None,
             destination_resume_unix_us: None,
             postcopy_done_unix_us: None,
+            postcopy_blocktime_ms: None,
             destination_switchover: None,
             qemu_downtime_ms: None,
             max_cpu_throttle_pct: None,

@@ -37,6 +37,10 @@ pub struct MigrationOutcome {
     /// total time includes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub postcopy_ms: Option<u64>,
+    /// Postcopy: how long every vCPU at once waited for pages not there yet, ms (QEMU's
+    /// `postcopy-blocktime` at the destination).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postcopy_blocktime_ms: Option<u64>,
     pub error: Option<String>,
     /// ferry: the highest vCPU throttle auto-converge applied, percent.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -84,6 +84,9 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             p as f64 / 1000.0
         );
     }
+    if let Some(b) = o.postcopy_blocktime_ms {
+        println!("  waiting for pages    {b} ms with every vCPU blocked on a page (QEMU's postcopy blocktime)");
+    }
     if o.guest_gap_ms.is_some() {
         println!(
             "  guest-observed gap   {} (longest heartbeat gap)",

@@ -228,6 +228,7 @@ fn caps(mode: QemuMode, src: bool, disks: bool) -> MigrateSetCapabilities {
         cap("xbzrle", mode == QemuMode::Xbzrle),
         cap("multifd", multifd),
         cap("postcopy-ram", mode == QemuMode::Postcopy),
+        cap("postcopy-blocktime", mode == QemuMode::Postcopy),
     ];
     // libvirt's way with disks: stop at pre-switchover and complete the disk mirror first.
     c.push(cap("pause-before-switchover", src && disks));
@@ -756,6 +757,14 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
     let resume_micros = resume
         .as_ref()
         .map_or_else(now_micros, |r| r.timestamp.as_micros());
+    let blocktime = match resumed {
+        true => dst
+            .execute(&QueryMigrate)
+            .await
+            .ok()
+            .and_then(|i| i.postcopy_blocktime),
+        false => None,
+    };
     let end_micros = if resumed {
         completed_micros
     } else {
@@ -777,6 +786,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         ram_transferred: ram.transferred,
         postcopy_ms: resumed
             .then(|| u64::try_from((completed_micros - resume_micros).max(0) / 1000).unwrap_or(0)),
+        postcopy_blocktime_ms: blocktime,
         error: None,
         codec: None,
         cpu_throttle_pct: None,

@@ -138,6 +138,10 @@ pub struct MigrationInfo {
     /// auto-converge's current throttle, percent (present while it throttles).
     #[serde(rename = "cpu-throttle-percentage", default)]
     pub cpu_throttle_percentage: Option<u64>,
+    /// A postcopy destination with `postcopy-blocktime` on: how long, in ms, every vCPU at
+    /// once waited for pages the source had not sent yet.
+    #[serde(rename = "postcopy-blocktime", default)]
+    pub postcopy_blocktime: Option<u64>,
 }
 
 /// `query-migrate`'s `ram` section.

@@ -165,7 +165,13 @@ pub enum Control {
     Checkpoint { bytes: u64, digest: String },
     /// Destination: every digest matched and QEMU read the whole stream (wall clock, µs). On a
     /// tunnelled stream libvirt decides the rest; in postcopy the last page has arrived.
-    Delivered { fed_unix_us: i64 },
+    Delivered {
+        fed_unix_us: i64,
+        /// Postcopy: how long every vCPU at once waited for a page (QEMU's
+        /// `postcopy-blocktime`, ms), when the destination QEMU counted it.
+        #[serde(default)]
+        postcopy_blocktime_ms: Option<u64>,
+    },
     /// Destination: digests matched, QEMU loaded and now runs (QMP RESUME time). In postcopy
     /// it comes at the switch, before the stream's `End`.
     Committed {
@@ -361,6 +367,8 @@ pub fn stream_capabilities(return_path: bool, postcopy: bool) -> MigrateSetCapab
                 cap("events", true),
                 cap("return-path", return_path),
                 cap("postcopy-ram", postcopy),
+                // The destination then counts the time its vCPUs waited for pages.
+                cap("postcopy-blocktime", postcopy),
             ])
             .collect(),
     }

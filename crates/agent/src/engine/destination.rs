@@ -544,10 +544,10 @@ async fn serve(
     let fed_unix_us = unix_us();
     if gate.has_arrived() {
         // Postcopy: the VM runs here since the switch; now its last page is here too.
-        loop {
+        let blocktime = loop {
             let info = qmp.execute(&QueryMigrate).await?;
             match info.status.as_deref() {
-                Some("completed") => break,
+                Some("completed") => break info.postcopy_blocktime,
                 Some("failed") => bail!(
                     "destination QEMU failed in postcopy: {}",
                     info.error_desc.unwrap_or_default()
@@ -556,13 +556,20 @@ async fn serve(
             }
             idle_check()?;
             tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        tracing::info!("session {}: postcopy: every page has arrived", session.id());
+        };
+        tracing::info!(
+            "session {}: postcopy: every page has arrived; the vCPUs waited {blocktime:?} ms for pages",
+            session.id()
+        );
         *record_slot = None;
         return_path.abort();
         drop(qmp_slot.take());
         drop(launched.take());
-        if let Err(e) = control::send(session, &Control::Delivered { fed_unix_us }).await {
+        let delivered = Control::Delivered {
+            fed_unix_us,
+            postcopy_blocktime_ms: blocktime,
+        };
+        if let Err(e) = control::send(session, &delivered).await {
             tracing::warn!("session {}: telling the source failed: {e:#}", session.id());
         }
         let _ =

@@ -27,7 +27,7 @@
 //! runs at the destination and only the source holds the pages that have not crossed, so a
 //! failure then leaves both QEMUs as they are and says so.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use ferry_qemu::commands::{MigrateStartPostcopy, QueryMigrate, QueryStatus};
@@ -36,16 +36,30 @@ use ferry_qemu::Qmp;
 /// How often QEMU's progress is asked while waiting for a pass or the package's load.
 const POLL: Duration = Duration::from_millis(20);
 
+/// How long the switch waits for the stream's queue to drain after the first pass, at most.
+const DRAIN_AT_MOST: Duration = Duration::from_secs(5);
+
 /// Source: waits until QEMU's first pass has copied the memory (its second dirty-bitmap
-/// sync), then asks it to switch to postcopy.
-pub async fn switch_after_first_pass(qmp: &Qmp) -> Result<()> {
+/// sync) and `drained` says the stream's queue is short enough (what is queued when QEMU stops
+/// the VM crosses before the device state: the first pass reads up to a second of the link
+/// ahead), then asks QEMU to switch to postcopy.
+pub async fn switch_after_first_pass(qmp: &Qmp, drained: impl Fn() -> bool) -> Result<()> {
+    let mut first_pass_done: Option<Instant> = None;
     loop {
         let info = qmp.execute(&QueryMigrate).await?;
-        match info.status.as_deref() {
-            Some("failed" | "cancelled" | "completed") => return Ok(()),
-            _ if info.ram.as_ref().is_some_and(|r| r.dirty_sync_count >= 2) => break,
-            _ => tokio::time::sleep(POLL).await,
+        if matches!(
+            info.status.as_deref(),
+            Some("failed" | "cancelled" | "completed")
+        ) {
+            return Ok(());
         }
+        if info.ram.as_ref().is_some_and(|r| r.dirty_sync_count >= 2) {
+            let since = *first_pass_done.get_or_insert_with(Instant::now);
+            if drained() || since.elapsed() > DRAIN_AT_MOST {
+                break;
+            }
+        }
+        tokio::time::sleep(POLL).await;
     }
     qmp.execute(&MigrateStartPostcopy).await?;
     Ok(())

@@ -555,8 +555,11 @@ async fn migrate(
         tokio::select! {
             msg = ctl.recv(), if control_open => match msg {
                 // In postcopy the verdict came at the switch; this says the last page arrived.
-                Some(Control::Delivered { fed_unix_us }) if switched.is_some() => {
-                    status.update(|s| s.postcopy_done_unix_us = Some(fed_unix_us));
+                Some(Control::Delivered { fed_unix_us, postcopy_blocktime_ms }) if switched.is_some() => {
+                    status.update(|s| {
+                        s.postcopy_done_unix_us = Some(fed_unix_us);
+                        s.postcopy_blocktime_ms = postcopy_blocktime_ms;
+                    });
                     break switched.clone();
                 }
                 Some(Control::Abort { reason }) if switched.is_some() => {
@@ -962,7 +965,20 @@ async fn stream(
     tokio::pin!(disk_switchover);
     // Postcopy: the switch once the first pass is done.
     let mut to_postcopy = req.settings.postcopy;
-    let postcopy_switch = postcopy::switch_after_first_pass(qmp);
+    let postcopy_switch = postcopy::switch_after_first_pass(qmp, || {
+        // No more queued than crosses within the pause's target (see `end_game_window`).
+        let rtt_ms = status.get().wire.rtt_ms.unwrap_or(0.0);
+        let window = send_window(req.link_rate_mbit, rtt_ms);
+        let window = match req.link_rate_mbit {
+            Some(rate) => window.min(switchover::end_game_window(
+                req.settings.downtime_ms,
+                rtt_ms,
+                rate * 1e6 / 8.0,
+            )),
+            None => window,
+        };
+        session.unacked_bytes_on(STREAM) <= window as u64
+    });
     tokio::pin!(postcopy_switch);
     let pump = watchdog(session, status, limits, pump);
     tokio::pin!(pump);

@@ -187,7 +187,7 @@ async fn end_and_deliver(session: &Session, bytes: u64, digest: String) -> Resul
         .await
         .context("no word from the destination within 60s of the stream's end")??
     {
-        Control::Delivered { fed_unix_us } => Ok(fed_unix_us),
+        Control::Delivered { fed_unix_us, .. } => Ok(fed_unix_us),
         Control::Abort { reason } => bail!("the destination aborted: {reason}"),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
     }
@@ -518,6 +518,7 @@ pub async fn destination(
             session,
             &Control::Delivered {
                 fed_unix_us: i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000,
+                postcopy_blocktime_ms: None,
             },
         )
         .await
