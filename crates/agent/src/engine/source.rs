@@ -6,6 +6,7 @@
 //! (in postcopy, before the destination said it runs: [`crate::engine::postcopy`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -235,6 +236,9 @@ async fn migrate(
     // In postcopy: the destination's word that it runs the VM (it comes before the stream's
     // end); from then on the source VM must never run again.
     let mut switched: Option<Control> = None;
+    // Whether QEMU's package went out (its checkpoint sent): the destination's Committed may
+    // then come after QEMU's end, and it is still the switch's, not the end's verdict.
+    let package_sent = AtomicBool::new(false);
     let result = async {
         // Dirty bitmaps since the VM arrived here: a destination that still holds the copy it
         // left need not index it. (Exported from here on: every way out closes them.)
@@ -443,6 +447,7 @@ async fn migrate(
             &limits,
             &mut Switch {
                 destination_runs: &mut switched,
+                package_sent: &package_sent,
                 journal,
                 record: &record,
             },
@@ -471,8 +476,30 @@ async fn migrate(
         }
     };
 
+    // Postcopy: once the package went out the destination may run the VM before its word
+    // arrives; only that word (an Abort) lets the source resume.
+    let postcopy_in_doubt = match &result {
+        Err(e) if switched.is_none() => {
+            package_sent.load(Ordering::Relaxed) && e.downcast_ref::<DestinationAborted>().is_none()
+        }
+        _ => false,
+    };
     let end = match result {
-        Ok(end) => end,
+        Ok(end) => Some(end),
+        Err(e) if postcopy_in_doubt => {
+            // As after the stream's end: the destination decides, asked if need be.
+            tracing::warn!(
+                "migration {}: after the postcopy package: {e:#}; waiting for the destination's word",
+                record.id
+            );
+            status.update(|s| {
+                s.event(
+                    EventKind::Failed,
+                    format!("{e:#}; the postcopy package went out, the destination decides"),
+                )
+            });
+            None
+        }
         Err(e) if switched.is_some() => {
             // Past the postcopy switch: the VM runs at the destination, and the pages that had
             // not crossed are only here. Nothing is resumed or quit.
@@ -542,7 +569,7 @@ async fn migrate(
     status.update(|s| {
         s.phase = Phase::AwaitingCommit;
         s.detail = "waiting for the destination's verdict".into();
-        s.digest = Some(end.clone());
+        s.digest.clone_from(&end);
     });
     // The verdict comes on the session, or, once it has been silent for the WAN timeout, from
     // asking the destination on a new one (its agent may have restarted and lost this one).
@@ -555,6 +582,17 @@ async fn migrate(
         tokio::select! {
             msg = ctl.recv(), if control_open => match msg {
                 // In postcopy the verdict came at the switch; this says the last page arrived.
+                Some(runs @ Control::Committed { .. })
+                    if package_sent.load(Ordering::Relaxed) && switched.is_none() =>
+                {
+                    Switch {
+                        destination_runs: &mut switched,
+                        package_sent: &package_sent,
+                        journal,
+                        record: &record,
+                    }
+                    .destination_runs(runs, status);
+                }
                 Some(Control::Delivered { fed_unix_us, postcopy_blocktime_ms }) if switched.is_some() => {
                     status.update(|s| {
                         s.postcopy_done_unix_us = Some(fed_unix_us);
@@ -902,6 +940,7 @@ async fn stream(
                         },
                     )
                     .await?;
+                    switch.package_sent.store(true, Ordering::Relaxed);
                     status.update(|s| {
                         s.phase = Phase::Switchover;
                         s.detail = "postcopy: the VM stopped, its device state crossed".into();
@@ -1000,7 +1039,7 @@ async fn stream(
                 {
                     switch.destination_runs(runs, status);
                 }
-                Some(Control::Abort { reason }) => bail!("the destination aborted: {reason}"),
+                Some(Control::Abort { reason }) => return Err(DestinationAborted(reason).into()),
                 Some(other) => bail!("unexpected message from the destination during the stream: {other:?}"),
                 None => bail!("{}", control_ended(session)),
             },
@@ -1043,6 +1082,12 @@ async fn stream(
     Ok((bytes, digest))
 }
 
+/// The destination's word that the migration stops (its `Abort`), as opposed to a failure
+/// seen here.
+#[derive(Debug, thiserror::Error)]
+#[error("the destination aborted: {0}")]
+struct DestinationAborted(String);
+
 /// A migration that failed after QEMU switched to postcopy, where the source VM no longer
 /// runs: why, and where the VM is.
 #[derive(Debug)]
@@ -1068,6 +1113,7 @@ impl std::fmt::Display for AfterTheSwitch {
 /// must say so before anything else happens.
 struct Switch<'a> {
     destination_runs: &'a mut Option<Control>,
+    package_sent: &'a AtomicBool,
     journal: &'a Journal,
     record: &'a OutgoingRecord,
 }

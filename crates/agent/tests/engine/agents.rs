@@ -123,11 +123,26 @@ pub struct Pair {
 }
 
 /// A free port on loopback (free when asked; the agent binds it right after).
+/// A port for an agent to listen on, free now. Taken below the kernel's ephemeral range
+/// (32768 and up), where the tests' own outgoing connections take theirs: a port from
+/// `bind(0)`, released and bound again later by the agent, was sometimes taken in between
+/// ("Address already in use"). Each call in this process takes the next one.
 fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("address")
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let _ = NEXT.compare_exchange(
+        0,
+        20_000 + (std::process::id() % 10_000) as u16,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    loop {
+        let port = NEXT.fetch_add(1, Ordering::Relaxed);
+        assert!(port < 32_000, "no free port below the ephemeral range");
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return listener.local_addr().expect("address");
+        }
+    }
 }
 
 fn config(
@@ -160,6 +175,11 @@ pub fn captured_stream() -> Arc<Vec<u8>> {
     stream("running")
 }
 
+/// A captured postcopy stream (the advice, the package, pages after it).
+pub fn postcopy_stream() -> Arc<Vec<u8>> {
+    stream("postcopy/running")
+}
+
 /// Another captured stream (the same VM before it ran): not what the source sends.
 pub fn idle_stream() -> Arc<Vec<u8>> {
     stream("idle")
@@ -180,6 +200,17 @@ impl Pair {
 
     /// As [`Pair::up`], with a destination QEMU that loads only `expected`.
     pub fn up_expecting(gates_a: Gates, gates_b: Gates, expected: Arc<Vec<u8>>) -> Pair {
+        Pair::up_with(gates_a, gates_b, captured_stream(), expected)
+    }
+
+    /// As [`Pair::up`], the source migrating `sent` and the destination loading only
+    /// `expected`.
+    pub fn up_with(
+        gates_a: Gates,
+        gates_b: Gates,
+        sent: Arc<Vec<u8>>,
+        expected: Arc<Vec<u8>>,
+    ) -> Pair {
         let dir = tempfile::tempdir().expect("temp dir");
         ferry_agent::pki::init(&dir.path().join("pki"), "engine-test").expect("CA");
         let b_listen = free_port();
@@ -191,7 +222,7 @@ impl Pair {
             free_port(),
             Some(("b", link.address)),
         ));
-        let source = FakeQemu::source(&dir.path().join("a"), captured_stream(), gates_a);
+        let source = FakeQemu::source(&dir.path().join("a"), sent, gates_a);
         let destination = FakeQemu::destination(&dir.path().join("b"), expected, gates_b);
         Pair {
             _dir: dir,

@@ -3,6 +3,12 @@
 //! migrate; the destination loads a stream, and says it completed only if it got exactly those
 //! bytes (a real QEMU's device state would not load otherwise), else that it failed.
 //!
+//! A postcopy stream (one with a package) goes as QEMU 10.0 sends it: the source writes up to
+//! the package, waits there for `migrate-start-postcopy`, stops the VM and is `postcopy-active`
+//! from then on (a failure then leaves it `postcopy-paused`, and `migrate_cancel` is refused);
+//! the destination, once it read the package, stays paused and takes `cont` before the stream
+//! ends.
+//!
 //! Each fake runs on its own runtime, so that [`FakeQemu::kill`] takes all of it down at once,
 //! as a killed process would: its sockets close, its migration stops half way.
 
@@ -19,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 /// The guest's memory as `query-memory-size-summary` tells it (the captured streams' VM).
 const RAM_BYTES: u64 = 64 << 20;
 /// The source writes its stream in pieces of this size.
-const PIECE: usize = 16 << 10;
+pub const PIECE: usize = 16 << 10;
 
 /// A point a fake stops at until the test opens it; the test can see that it was reached.
 #[derive(Clone)]
@@ -161,6 +167,8 @@ pub struct Seen {
     pub clients_gone: u32,
     /// Whether a QMP client is connected now.
     pub client_connected: bool,
+    /// Destination: the stream bytes it had read when it resumed the VM.
+    pub resumed_at_bytes: Option<u64>,
 }
 
 impl Seen {
@@ -183,6 +191,10 @@ enum Role {
 
 struct Shared {
     role: Role,
+    /// Where the stream's postcopy package starts and ends, if it has one.
+    package: Option<(usize, usize)>,
+    /// Source: `migrate-start-postcopy` asked for.
+    postcopy_asked: watch::Sender<bool>,
     gates: Gates,
     seen: Mutex<Seen>,
     /// The connected client's event queue.
@@ -244,8 +256,13 @@ impl FakeQemu {
             .enable_all()
             .build()
             .expect("runtime");
+        let package = match &role {
+            Role::Source(stream) | Role::Destination(stream) => package_of(stream),
+        };
         let shared = Arc::new(Shared {
             role,
+            package,
+            postcopy_asked: watch::Sender::new(false),
             gates,
             seen: Mutex::new(Seen {
                 status: status.into(),
@@ -360,7 +377,18 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
             Ok(json!({}))
         }
         "migrate_cancel" => {
+            if seen
+                .migration
+                .as_deref()
+                .is_some_and(|m| m.starts_with("postcopy"))
+            {
+                return Err("Postcopy migration in progress, cannot cancel.".into());
+            }
             shared.cancel.send_replace(true);
+            Ok(json!({}))
+        }
+        "migrate-start-postcopy" => {
+            shared.postcopy_asked.send_replace(true);
             Ok(json!({}))
         }
         "migrate-incoming" => {
@@ -389,7 +417,10 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
             {
                 return Err("cont refused (a test's fault)".into());
             }
-            shared.update(|s| s.status = "running".into());
+            shared.update(|s| {
+                s.status = "running".into();
+                s.resumed_at_bytes = Some(s.stream_bytes);
+            });
             shared.event("RESUME", json!({}));
             Ok(json!({}))
         }
@@ -421,9 +452,32 @@ fn query_migrate(shared: &Shared, seen: &Seen) -> Value {
             "transferred": seen.stream_bytes,
             "remaining": total.saturating_sub(seen.stream_bytes),
             "total": RAM_BYTES,
-            "dirty-sync-count": 1,
+            // A postcopy stream's first pass is done where it waits for the switch.
+            "dirty-sync-count": match shared.package {
+                Some((start, _)) if seen.stream_bytes >= start as u64 => 2,
+                _ => 1,
+            },
         },
     })
+}
+
+/// Where `stream`'s postcopy package starts (its command) and ends, if it has one.
+pub fn package_of(stream: &[u8]) -> Option<(usize, usize)> {
+    use ferry_qemu::stream::{Postcopy, StreamParser};
+    let mut parser = StreamParser::new();
+    let mut buf = bytes::BytesMut::from(stream);
+    let mut start = None;
+    loop {
+        let before = parser.position();
+        parser.next_item(&mut buf).ok()??;
+        if parser.postcopy() == Postcopy::Package {
+            start.get_or_insert(before);
+        }
+        if parser.ended_package() {
+            let start = usize::try_from(start.unwrap_or(before)).ok()?;
+            return Some((start, usize::try_from(parser.position()).ok()?));
+        }
+    }
 }
 
 fn unix_path(args: &Value) -> Result<PathBuf, String> {
@@ -439,9 +493,14 @@ async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
     let mut cancel = shared.cancel.subscribe();
     let fail = |why: String| {
         shared.update(|s| {
-            s.migration = Some("failed".into());
             s.error = Some(why);
-            s.status = "running".into();
+            if s.migration.as_deref() == Some("postcopy-active") {
+                // QEMU 10.0 neither fails nor resumes a postcopy migration.
+                s.migration = Some("postcopy-paused".into());
+            } else {
+                s.migration = Some("failed".into());
+                s.status = "running".into();
+            }
         });
     };
     let mut conn = match UnixStream::connect(&path).await {
@@ -454,6 +513,35 @@ async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
         if let Some((offset, gate)) = &shared.gates.stream_at {
             if at as u64 <= *offset && *offset < (at + PIECE) as u64 {
                 gate.pass().await;
+            }
+        }
+        if let Some((start, _)) = shared.package {
+            if at + PIECE > start && shared.update(|s| s.status == "running") {
+                // Only what comes before the package, then the switch.
+                if at < start {
+                    if let Err(e) = conn.write_all(&stream[at..start]).await {
+                        return fail(format!("writing the stream: {e}"));
+                    }
+                    at = start;
+                    shared.update(|s| s.stream_bytes = at as u64);
+                }
+                let mut asked = shared.postcopy_asked.subscribe();
+                tokio::select! {
+                    _ = asked.wait_for(|&a| a) => {}
+                    _ = cancel.wait_for(|&c| c) => {
+                        shared.update(|s| {
+                            s.migration = Some("cancelled".into());
+                            s.status = "running".into();
+                        });
+                        return;
+                    }
+                }
+                shared.update(|s| {
+                    s.status = "finish-migrate".into();
+                    s.migration = Some("postcopy-active".into());
+                });
+                shared.event("STOP", json!({}));
+                continue;
             }
         }
         if at >= last_piece && shared.update(|s| s.status == "running") {
@@ -506,7 +594,17 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 got.extend_from_slice(&buf[..n]);
-                shared.update(|s| s.stream_bytes = got.len() as u64);
+                let package_loaded = shared
+                    .package
+                    .is_some_and(|(_, end)| got.len() >= end && got[..end] == expected[..end]);
+                shared.update(|s| {
+                    s.stream_bytes = got.len() as u64;
+                    if package_loaded && s.status == "inmigrate" {
+                        // The device state loaded; started with -S, it waits for `cont`.
+                        s.status = "paused".into();
+                        s.migration = Some("postcopy-active".into());
+                    }
+                });
             }
         }
     }
@@ -516,7 +614,9 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
         s.loaded = loaded;
         if loaded {
             s.migration = Some("completed".into());
-            s.status = "paused".into();
+            if s.status != "running" {
+                s.status = "paused".into();
+            }
         } else {
             s.migration = Some("failed".into());
             let at = got

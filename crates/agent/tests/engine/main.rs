@@ -169,6 +169,119 @@ async fn a_corrupted_frame_fails_the_digest_and_the_source_resumes() {
     assert!(pair.destination.seen().ran("quit"));
 }
 
+/// A postcopy pair: both fakes with the captured postcopy stream, the source's gates
+/// `gates`.
+fn postcopy_pair(gates: Gates) -> Pair {
+    let stream = agents::postcopy_stream();
+    Pair::up_with(gates, Gates::default(), stream.clone(), stream)
+}
+
+/// Where the captured postcopy stream's package starts and ends.
+fn package() -> (usize, usize) {
+    fake_qemu::package_of(&agents::postcopy_stream()).expect("a postcopy package")
+}
+
+/// The source's gates that hold the stream once the package is out (at the first piece after
+/// the one the package ends in): the source QEMU is then `postcopy-active`.
+fn held_after_the_package() -> Gates {
+    let (start, end) = package();
+    let after = start + ((end - start) / fake_qemu::PIECE + 1) * fake_qemu::PIECE;
+    Gates::stream_held_at(after as u64)
+}
+
+fn postcopy() -> MigrationSettings {
+    MigrationSettings {
+        postcopy: true,
+        ..settings()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postcopy_commits_at_the_switch_before_the_streams_end() {
+    let pair = postcopy_pair(held_after_the_package());
+    let id = pair.migrate(postcopy()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream after the package")
+        .await;
+    // The destination runs the VM while the source still holds most of its memory.
+    pair.wait(&id, "the switch", |s| s.phase == Phase::Postcopy)
+        .await;
+    assert!(pair.destination.seen().running());
+    pair.source.gates().stream().open();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(source.ran("migrate-start-postcopy"), "{source:?}");
+    assert!(source.ran("quit") && !source.ran("cont"), "{source:?}");
+    assert!(
+        destination.loaded && destination.running(),
+        "{destination:?}"
+    );
+    // The destination ran the VM with pages still to come.
+    let stream = agents::postcopy_stream();
+    let resumed_at = destination.resumed_at_bytes.expect("resumed");
+    assert!(
+        resumed_at < stream.len() as u64,
+        "resumed at byte {resumed_at} of {}",
+        stream.len()
+    );
+    let digest = blake3::hash(&stream).to_hex().to_string();
+    assert_eq!(status.digest.as_deref(), Some(digest.as_str()));
+    assert!(status.postcopy_done_unix_us >= status.destination_resume_unix_us);
+    let committed = status
+        .events
+        .iter()
+        .position(|e| {
+            e.detail
+                .starts_with("postcopy: the destination runs the VM")
+        })
+        .expect("the switch's commit event");
+    let ended = status
+        .events
+        .iter()
+        .position(|e| e.kind == ferry_api::EventKind::StreamEnded)
+        .expect("the stream's end");
+    assert!(committed < ended, "{:?}", status.events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_frame_before_the_postcopy_switch_never_reaches_the_destination_qemu() {
+    let pair = postcopy_pair(held_after_the_package());
+    let id = pair
+        .migrate(MigrationSettings {
+            test_corrupt_at: Some(100_000),
+            ..postcopy()
+        })
+        .await;
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("stream digest mismatch at the postcopy package"),
+        "{error}"
+    );
+    // QEMU 10.0 can take its postcopy back neither way: the source stays paused, and says so.
+    assert!(error.contains("the source VM stays paused"), "{error}");
+    assert_eq!(status.detail, "the source VM stays paused");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(!source.running() && !source.ran("quit"), "{source:?}");
+    // The destination never got the package's end, never ran, and was told to quit.
+    let (start, package_end) = package();
+    assert!(start > 100_000, "the flipped bit lies before the package");
+    let package_end = package_end as u64;
+    assert!(
+        destination.stream_bytes < package_end,
+        "{} of {package_end}",
+        destination.stream_bytes
+    );
+    assert!(
+        !destination.ran("cont") && destination.ran("quit"),
+        "{destination:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_the_destination_qemu_cannot_load_fails_and_the_source_resumes() {
     let pair = Pair::up_expecting(Gates::default(), Gates::default(), agents::idle_stream());
