@@ -16,6 +16,23 @@ use ferry_lab::Site;
 /// pass crosses after the switch.
 const SLOW_LINK: &[&str] = &["--rate-mbit", "20", "--rtt-ms", "20"];
 
+/// A guest rewriting a 48 MiB hot set as fast as it can, at site a.
+fn start_hot_vm(t: &TestLab, name: &str) {
+    t.ok(&[
+        "vm",
+        "start",
+        name,
+        "--mem-mib",
+        "192",
+        "--workload",
+        "hot",
+        "--dirty-mib",
+        "48",
+        "--dirty-rate-mib-s",
+        "0",
+    ]);
+}
+
 /// The phase of the newest migration `site`'s agent sent.
 fn newest_phase(t: &TestLab, site: Site) -> Option<String> {
     let mut all = t.migrations(site);
@@ -27,19 +44,7 @@ fn newest_phase(t: &TestLab, site: Site) -> Option<String> {
 #[test]
 fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
     let t = TestLab::up("post", SLOW_LINK);
-    t.ok(&[
-        "vm",
-        "start",
-        "p1",
-        "--mem-mib",
-        "192",
-        "--workload",
-        "hot",
-        "--dirty-mib",
-        "48",
-        "--dirty-rate-mib-s",
-        "0",
-    ]);
+    start_hot_vm(&t, "p1");
 
     // A bit flipped before the switch: the destination never loads the device state. QEMU
     // 10.0 cannot take its postcopy back, so the source VM stays paused (whole) and the error
@@ -75,19 +80,7 @@ fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
     t.ok(&["vm", "stop", "p1"]);
 
     // The real move: the outage comes while the VM already runs at b.
-    t.ok(&[
-        "vm",
-        "start",
-        "p2",
-        "--mem-mib",
-        "192",
-        "--workload",
-        "hot",
-        "--dirty-mib",
-        "48",
-        "--dirty-rate-mib-s",
-        "0",
-    ]);
+    start_hot_vm(&t, "p2");
     let child = t.spawn_migrate("p2", &["--postcopy"]);
     ferry_lab::topology::wait_until(Duration::from_secs(240), || {
         newest_phase(&t, Site::A).as_deref() == Some("postcopy")

@@ -279,6 +279,12 @@ fn no_codec() -> CodecSettings {
     CodecSettings::NONE
 }
 
+/// Tells the peer the migration stops, for `reason`, waiting at most `within`: a peer that is
+/// gone must not hold up the failure it is told of.
+pub async fn tell_abort(session: &Session, reason: String, within: Duration) {
+    let _ = tokio::time::timeout(within, send(session, &Control::Abort { reason })).await;
+}
+
 pub async fn send(session: &Session, msg: &Control) -> Result<()> {
     let bytes = serde_json::to_vec(msg).expect("control messages serialize");
     session.send(CONTROL, Bytes::from(bytes)).await?;

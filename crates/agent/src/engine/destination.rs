@@ -63,16 +63,7 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
                 session.id(),
                 record.vm
             );
-            let _ = tokio::time::timeout(
-                Duration::from_secs(5),
-                control::send(
-                    &session,
-                    &Control::Abort {
-                        reason: format!("{e:#}"),
-                    },
-                ),
-            )
-            .await;
+            control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(5)).await;
             session.fail(format!("{e:#}"));
             return;
         }
@@ -114,17 +105,8 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
             launcher::clean_up(&arrival.socket, &arrival.pidfile);
             disk::image::remove(&made);
         }
-        let _ = tokio::time::timeout(
-            Duration::from_secs(5),
-            control::send(
-                &session,
-                // The source says "the destination refused/aborted: " before it.
-                &Control::Abort {
-                    reason: format!("{e:#}"),
-                },
-            ),
-        )
-        .await;
+        // The source says "the destination refused/aborted: " before it.
+        control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(5)).await;
         let _ =
             tokio::time::timeout(Duration::from_secs(5), session.flushed(control::CONTROL)).await;
         session.fail(format!("{e:#}"));

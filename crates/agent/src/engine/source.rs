@@ -511,16 +511,7 @@ async fn migrate(
         Err(e) if req.settings.postcopy && postcopy::source_switched(&qmp).await => {
             // Switched, but the destination never ran the VM: QEMU (before 10.2) can neither
             // cancel its postcopy nor resume the VM, so it stays paused here, whole.
-            let _ = tokio::time::timeout(
-                Duration::from_secs(2),
-                control::send(
-                    &session,
-                    &Control::Abort {
-                        reason: format!("{e:#}"),
-                    },
-                ),
-            )
-            .await;
+            control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(2)).await;
             session.fail(format!("{e:#}"));
             let e = e.context(AfterTheSwitch {
                 why: "the source QEMU had switched to postcopy, which QEMU before 10.2 can \
@@ -541,16 +532,7 @@ async fn migrate(
             if let Some(e) = bitmap_exports.take() {
                 e.close(&qmp).await;
             }
-            let _ = tokio::time::timeout(
-                Duration::from_secs(2),
-                control::send(
-                    &session,
-                    &Control::Abort {
-                        reason: format!("{e:#}"),
-                    },
-                ),
-            )
-            .await;
+            control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(2)).await;
             let _ = tokio::time::timeout(Duration::from_secs(2), session.flushed(control::CONTROL))
                 .await;
             session.fail(format!("{e:#}"));
