@@ -26,7 +26,7 @@ capture() { # name running
     "$qemu" -machine q35,accel=tcg -m 64M -nodefaults -display none -S \
         -qmp "unix:$sock,server=on,wait=off" &
     local pid=$!
-    python3 - "$sock" "$out/$name.qemu" "$running" <<'PY'
+    python3 - "$sock" "$out/$name.qemu" "$running" <<'PY' || { kill "$pid"; exit 1; }
 import json, socket, sys, time
 path, out, running = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 for _ in range(100):
@@ -62,7 +62,7 @@ capture_multifd() { # name running compression
     "$qemu" -machine q35,accel=tcg -m 64M -nodefaults -display none -S \
         -qmp "unix:$sock,server=on,wait=off" &
     local pid=$!
-    python3 - "$sock" "$out/$name" "$running" "$compression" <<'PY'
+    python3 - "$sock" "$out/$name" "$running" "$compression" <<'PY' || { kill "$pid"; exit 1; }
 import json, os, socket, sys, threading, time
 path, out, running, compression = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 listen_path = out + ".sock"
@@ -121,12 +121,16 @@ capture_postcopy() { # name
     local name=$1 dir
     dir=$(mktemp -d /tmp/ferry-capture.XXXXXX)
     python3 - "$qemu" "$dir" "$out/$name.qemu" <<'PY'
-import json, socket, subprocess, sys, threading, time
+import atexit, json, socket, subprocess, sys, threading, time
 qemu, d, out = sys.argv[1], sys.argv[2], sys.argv[3]
+# Both QEMUs go with this script, whichever way it ends.
+procs = []
+atexit.register(lambda: [p.kill() for p in procs])
 def start(name, extra):
     sock = f"{d}/{name}.qmp"
     p = subprocess.Popen([qemu, "-machine", "q35,accel=tcg", "-m", "64M", "-nodefaults",
                           "-display", "none", "-S", "-qmp", f"unix:{sock},server=on,wait=off"] + extra)
+    procs.append(p)
     for _ in range(100):
         try:
             s = socket.socket(socket.AF_UNIX); s.connect(sock); break
