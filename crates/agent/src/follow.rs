@@ -247,6 +247,7 @@ pub fn outcome(status: &MigrationStatus, start: Start, wan: WanCount) -> Migrati
             .zip(resume)
             .map(|(d, r)| u64::try_from((d - r) / 1000).unwrap_or(0)),
         postcopy_blocktime_ms: status.postcopy_blocktime_ms,
+        preempt_bytes: status.postcopy_done_unix_us.map(|_| status.preempt_bytes),
         downtime_ms: resume.zip(stop).map(|(r, s)| (r - s) as f64 / 1000.0),
         qemu_downtime_ms: status.qemu_downtime_ms,
         guest_gap_ms: None,

@@ -369,6 +369,10 @@ pub struct MigrationStatus {
     /// Bytes of QEMU's return path carried back to the source QEMU.
     #[serde(default)]
     pub return_path_bytes: u64,
+    /// Postcopy: bytes of QEMU's preempt channel carried (the pages the destination faulted
+    /// on, sent ahead of the stream).
+    #[serde(default)]
+    pub preempt_bytes: u64,
     pub wire: WireStats,
     pub qemu: QemuProgress,
     pub events: Vec<AgentEvent>,
@@ -443,6 +447,7 @@ impl MigrationStatus {
             started_unix_ms,
             stream_bytes: 0,
             return_path_bytes: 0,
+            preempt_bytes: 0,
             wire: WireStats::default(),
             qemu: QemuProgress::default(),
             events: Vec::new(),

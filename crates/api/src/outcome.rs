@@ -41,6 +41,10 @@ pub struct MigrationOutcome {
     /// `postcopy-blocktime` at the destination).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub postcopy_blocktime_ms: Option<u64>,
+    /// Postcopy: bytes of QEMU's preempt channel the agents carried (the pages the guest
+    /// faulted on at the destination, sent ahead of the rest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempt_bytes: Option<u64>,
     pub error: Option<String>,
     /// ferry: the highest vCPU throttle auto-converge applied, percent.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -87,6 +87,12 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
     if let Some(b) = o.postcopy_blocktime_ms {
         println!("  waiting for pages    {b} ms with every vCPU blocked on a page (QEMU's postcopy blocktime)");
     }
+    if let Some(p) = o.preempt_bytes {
+        println!(
+            "  faulted pages        {:.1} MiB sent ahead of the rest (QEMU's preempt channel)",
+            p as f64 / f64::from(1 << 20)
+        );
+    }
     if o.guest_gap_ms.is_some() {
         println!(
             "  guest-observed gap   {} (longest heartbeat gap)",

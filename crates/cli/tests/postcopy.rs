@@ -95,6 +95,12 @@ fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
     let v = json(&stdout);
     assert_eq!(v["outcome"]["completed"], true, "{v}");
     assert_eq!(v["verify"]["mem_errors"], 0, "{v}");
+    // The guest wrote to pages that had not crossed yet: they came on the preempt channel.
+    assert!(
+        v["outcome"]["preempt_bytes"].as_u64() > Some(0),
+        "{}",
+        v["outcome"]
+    );
     assert_eq!(t.site_of("p2"), Site::B);
     // Postcopy: the destination ran the VM before the source's stream ended.
     let tl = common::timeline(&v);

@@ -228,6 +228,8 @@ fn caps(mode: QemuMode, src: bool, disks: bool) -> MigrateSetCapabilities {
         cap("xbzrle", mode == QemuMode::Xbzrle),
         cap("multifd", multifd),
         cap("postcopy-ram", mode == QemuMode::Postcopy),
+        // QEMU's best postcopy: faulted pages on a channel of their own, as ferry carries them.
+        cap("postcopy-preempt", mode == QemuMode::Postcopy),
         cap("postcopy-blocktime", mode == QemuMode::Postcopy),
     ];
     // libvirt's way with disks: stop at pre-switchover and complete the disk mirror first.
@@ -787,6 +789,7 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         postcopy_ms: resumed
             .then(|| u64::try_from((completed_micros - resume_micros).max(0) / 1000).unwrap_or(0)),
         postcopy_blocktime_ms: blocktime,
+        preempt_bytes: None,
         error: None,
         codec: None,
         cpu_throttle_pct: None,

@@ -18,6 +18,9 @@
 //!   buffer discards the duplicates, so a frame is delivered exactly once.
 //! - **Barriers** are numbered like data and delivered in order: a consumer that receives one
 //!   knows it has everything sent before it on that channel.
+//! - **Urgent channels** ([`Session::make_urgent`]) have a queue of their own that writers
+//!   drain first: their frames wait behind what the connections have in flight, never behind
+//!   the other channels' queued frames (postcopy's page requests, behind the bulk).
 //!
 //! - **Parking**: a session that has done its work can give its connections back instead of
 //!   closing them ([`Session::park`]): each side sends a `Park` frame after everything it had
@@ -28,7 +31,7 @@
 //! The session never fails on its own because connections drop; the owner decides how long
 //! it waits (see [`Session::idle_for`]) and then calls [`Session::fail`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -203,6 +206,9 @@ struct State {
     config: SessionConfig,
     send: BTreeMap<u16, Outbox>,
     queue: VecDeque<Frame>,
+    /// Frames of the urgent channels, sent before anything in `queue`.
+    urgent: VecDeque<Frame>,
+    urgent_channels: BTreeSet<u16>,
     acks_due: BTreeMap<u16, u64>,
     recv: BTreeMap<u16, RecvChannel>,
     failed: Option<String>,
@@ -235,6 +241,8 @@ impl Session {
                     config,
                     send: BTreeMap::new(),
                     queue: VecDeque::new(),
+                    urgent: VecDeque::new(),
+                    urgent_channels: BTreeSet::new(),
                     acks_due: BTreeMap::new(),
                     recv: BTreeMap::new(),
                     failed: None,
@@ -299,7 +307,7 @@ impl Session {
                 .push(payload.take().expect("pushed once"))
                 .expect("room was checked");
             st.stats.payload_bytes_sent += len as u64;
-            st.queue.push_back(frame);
+            st.enqueue(frame);
             Ok(Some(()))
         })
         .await?;
@@ -319,10 +327,15 @@ impl Session {
             .entry(channel.0)
             .or_insert_with(|| Outbox::new(channel, limit))
             .push_barrier();
-        st.queue.push_back(frame);
+        st.enqueue(frame);
         drop(st);
         self.wake();
         Ok(())
+    }
+
+    /// From now on `channel`'s frames go out before every other channel's queued frames.
+    pub fn make_urgent(&self, channel: ChannelId) {
+        self.lock().urgent_channels.insert(channel.0);
     }
 
     /// Waits until everything sent on `channel` so far has been consumed by the peer.
@@ -694,7 +707,7 @@ impl Session {
                 // one connection does not take the whole queue from the others.
                 let mut bytes = 0;
                 while bytes < 256 << 10 {
-                    let Some(frame) = st.queue.pop_front() else {
+                    let Some(frame) = st.urgent.pop_front().or_else(|| st.queue.pop_front()) else {
                         break;
                     };
                     let acked = st.send.get(&frame.channel.0).map_or(Seq(0), |o| o.acked());
@@ -802,8 +815,9 @@ fn recv_channel(window: usize) -> RecvChannel {
 /// Puts every unacknowledged frame back in the send queue, in order. Frames that are also
 /// still in flight on a live connection arrive twice; the receiver drops the second copy.
 fn requeue_unacked(st: &mut State) {
-    let queued_before = st.queue.len();
+    let queued_before = st.queue.len() + st.urgent.len();
     st.queue.clear();
+    st.urgent.clear();
     let mut frames: Vec<Frame> = st
         .send
         .values()
@@ -813,7 +827,20 @@ fn requeue_unacked(st: &mut State) {
     frames.sort_by_key(|f| (f.seq, f.channel));
     let replayed = frames.len().saturating_sub(queued_before);
     st.stats.replayed_frames += replayed as u64;
-    st.queue.extend(frames);
+    for frame in frames {
+        st.enqueue(frame);
+    }
+}
+
+impl State {
+    /// Queues a frame for the writers: an urgent channel's ahead of the others'.
+    fn enqueue(&mut self, frame: Frame) {
+        if self.urgent_channels.contains(&frame.channel.0) {
+            self.urgent.push_back(frame);
+        } else {
+            self.queue.push_back(frame);
+        }
+    }
 }
 
 /// Exchanges Hellos on a fresh connection: sends ours, reads theirs (with whatever bytes

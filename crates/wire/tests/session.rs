@@ -374,3 +374,61 @@ async fn a_connection_that_hears_nothing_is_given_up() {
     assert_eq!(started.elapsed().as_secs(), 10);
     drop(y);
 }
+
+/// A frame on an urgent channel goes out before every frame queued on the others, and after
+/// a reconnect its replay does too.
+#[tokio::test]
+async fn an_urgent_channels_frame_overtakes_the_queued_bulk() {
+    use ferry_wire::frame::{Frame, FrameKind};
+    const BULK: ChannelId = ChannelId(1);
+    const URGENT: ChannelId = ChannelId(9);
+    let a = Session::new(SessionId(3), SessionConfig::default());
+    a.make_urgent(URGENT);
+    // No connection yet: the bulk waits in the queue, then the urgent frame comes.
+    for i in 0..16 {
+        a.send(BULK, payload(i, 60_000)).await.unwrap();
+    }
+    a.send(URGENT, Bytes::from_static(b"the page asked for"))
+        .await
+        .unwrap();
+
+    // What the first data frames on a fresh connection are, read as the peer would.
+    async fn first_data_frames(a: &Session, n: usize) -> Vec<(u16, u64)> {
+        let b = Session::new(SessionId(3), SessionConfig::default());
+        let (mut x, mut y) = tokio::io::duplex(1 << 20);
+        let t = Duration::from_secs(5);
+        let (ha, hb) = (a.hello(0), b.hello(0));
+        let ((hello_b, left_a), (_, mut left_b)) = tokio::try_join!(
+            exchange_hello(&mut x, &ha, t),
+            exchange_hello(&mut y, &hb, t)
+        )
+        .unwrap();
+        a.accept_hello(&hello_b).unwrap();
+        let carry = a.run_connection(x, left_a);
+        let read = async {
+            use tokio::io::AsyncReadExt;
+            let mut seen = Vec::new();
+            while seen.len() < n {
+                while let Some(frame) = Frame::decode(&mut left_b).unwrap() {
+                    if frame.kind == FrameKind::Data {
+                        seen.push((frame.channel.0, frame.seq.0));
+                    }
+                }
+                y.read_buf(&mut left_b).await.unwrap();
+            }
+            seen.truncate(n);
+            seen
+        };
+        tokio::select! {
+            _ = carry => panic!("the connection ended"),
+            seen = read => seen,
+        }
+    }
+    assert_eq!(
+        first_data_frames(&a, 3).await,
+        [(9, 0), (1, 0), (1, 1)],
+        "the urgent frame first, then the bulk in order"
+    );
+    // The connection dropped with nothing acknowledged: the replay puts it first again.
+    assert_eq!(first_data_frames(&a, 2).await, [(9, 0), (1, 0)]);
+}

@@ -26,6 +26,9 @@ pub const DISK_ACK: ChannelId = ChannelId(5);
 /// The index of what the destination's disks already hold, destination to source, before the
 /// mirrors start.
 pub const DISK_BASE: ChannelId = ChannelId(6);
+/// QEMU's postcopy preempt channel (the pages the destination's vCPUs fault on), source to
+/// destination, raw and urgent: its frames overtake the stream's queued ones.
+pub const PREEMPT: ChannelId = ChannelId(7);
 
 /// A disk to move: the QEMU node name (the same at both ends) and its size in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,7 +77,16 @@ pub struct ImageShape {
 /// 10: `Prepare.postcopy`; with it `Checkpoint` marks the postcopy package's end on the main
 /// stream, and `Committed` comes before `End` (a version-9 destination would refuse the
 /// postcopy capability's stream).
-pub const CONTROL_VERSION: u32 = 10;
+/// 11: postcopy with QEMU's preempt channel (`PREEMPT`, `End.preempt`): both QEMUs must have
+/// the capability, or the faulted pages would go to a channel the destination never opens.
+pub const CONTROL_VERSION: u32 = 11;
+
+/// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Carried {
+    pub bytes: u64,
+    pub digest: String,
+}
 
 /// The QEMU that receives the stream, as the source asks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -156,8 +168,14 @@ pub enum Control {
     /// Source: the disk mirrors completed (the VM is paused): this many snapshots went on the
     /// disk channel, and their operations have this digest ([`crate::engine::digest`]).
     DiskEnd { snapshots: u64, digest: String },
-    /// Source: QEMU wrote its whole stream: this many bytes, with this digest.
-    End { bytes: u64, digest: String },
+    /// Source: QEMU wrote its whole stream: this many bytes, with this digest; and in
+    /// postcopy, what it wrote on its preempt channel.
+    End {
+        bytes: u64,
+        digest: String,
+        #[serde(default)]
+        preempt: Option<Carried>,
+    },
     /// Source: the stream's first `bytes` have this digest. On a tunnelled stream the
     /// destination QEMU may read them once they match ([`crate::engine::tunnel_stream`]); on
     /// a postcopy migration they end with the package, which the destination QEMU gets once
@@ -373,6 +391,9 @@ pub fn stream_capabilities(return_path: bool, postcopy: bool) -> MigrateSetCapab
                 cap("events", true),
                 cap("return-path", return_path),
                 cap("postcopy-ram", postcopy),
+                // The pages the destination faults on come on a channel of their own, which
+                // the agents carry ahead of the stream ([`PREEMPT`]).
+                cap("postcopy-preempt", postcopy),
                 // The destination then counts the time its vCPUs waited for pages.
                 cap("postcopy-blocktime", postcopy),
             ])

@@ -19,7 +19,7 @@ use ferry_wire::{Received, Session};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
-use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::control::{self, Carried, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::disk;
 use crate::engine::disk::apply::DestinationDisks;
@@ -32,7 +32,9 @@ use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::postcopy::{self, PackageGate};
+use crate::engine::preempt;
 use crate::engine::seed_store;
+use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
 use crate::engine::status::now_ms;
 use crate::engine::stream_codec::{self, StreamDecoder};
 
@@ -244,7 +246,18 @@ async fn serve(
     .await
     .context("destination QEMU refused migrate-incoming")?;
     let conn = connect_retry(&sock).await?;
-    let _ = std::fs::remove_file(&sock);
+    // In postcopy the QEMU's preempt channel connects to the same socket once the source's
+    // QEMU opened its own (which removes the file); whatever happens, it goes with this.
+    let _socket_file = RemoveOnDrop(sock.clone());
+    let mut preempt = if postcopy {
+        Some(AbortHandleOnDrop(tokio::spawn(preempt::deliver(
+            session.clone(),
+            sock.clone(),
+        ))))
+    } else {
+        let _ = std::fs::remove_file(&sock);
+        None
+    };
     // The disks are exported before Ready: the source starts its mirrors once it has it.
     let dst_disks = if disks.is_empty() {
         None
@@ -416,6 +429,8 @@ async fn serve(
         LoadSieve::new(zero)
     };
     let mut end: Option<(u64, String)> = None;
+    // What the source says crossed on QEMU's postcopy preempt channel.
+    let mut preempt_end: Option<Carried> = None;
     // Postcopy: the package's gate, and once it opened, the switch (QEMU loads the package,
     // the VM resumes here); it gives the record that says the VM is this host's.
     let mut gate = PackageGate::default();
@@ -468,7 +483,10 @@ async fn serve(
                 disk_applied = Some(r.context("applying the disk writes")?);
             }
             msg = control::recv(session) => match msg? {
-                Control::End { bytes, digest } => end = Some((bytes, digest)),
+                Control::End { bytes, digest, preempt } => {
+                    end = Some((bytes, digest));
+                    preempt_end = preempt;
+                }
                 Control::DiskEnd { snapshots, digest } => disk_end = Some((snapshots, digest)),
                 Control::Checkpoint { bytes, digest } if postcopy => gate.checkpoint(bytes, digest)?,
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
@@ -539,6 +557,20 @@ async fn serve(
             idle_check()?;
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
+        if let Some(announced) = &preempt_end {
+            let Some(task) = &mut preempt else {
+                bail!(
+                    "the source carried a postcopy preempt channel this destination did not open"
+                );
+            };
+            let arrived = loop {
+                tokio::select! {
+                    r = &mut task.0 => break r.context("the preempt channel's task")??,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+                }
+            };
+            preempt::check(announced, &arrived)?;
+        }
         tracing::info!(
             "session {}: postcopy: every page has arrived; the vCPUs waited {blocktime:?} ms for pages",
             session.id()

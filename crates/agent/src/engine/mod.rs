@@ -17,7 +17,8 @@
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
 //! - [`postcopy`]: the switch to postcopy, and the destination's gate on the package (the
-//!   commit point of a postcopy migration).
+//!   commit point of a postcopy migration); [`preempt`]: QEMU's postcopy preempt channel,
+//!   carried ahead of the stream.
 //! - [`tunnel_stream`]: QEMU's stream in a libvirt tunnel: coded, and fed to QEMU only under
 //!   matching digests.
 //! - [`control`]: the messages between the two sides, versioned; [`digest`]: the end-to-end
@@ -39,6 +40,7 @@ pub mod load_sieve;
 pub mod monitor_dir;
 pub mod page_ledger;
 pub mod postcopy;
+pub mod preempt;
 pub mod recovery;
 pub mod seed_store;
 pub mod source;

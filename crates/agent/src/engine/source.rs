@@ -27,7 +27,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
-use crate::engine::control::{self, Control, Incoming, RETURN_PATH, SEED, STREAM};
+use crate::engine::control::{
+    self, Carried, Control, Incoming, PREEMPT, RETURN_PATH, SEED, STREAM,
+};
 use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::disk;
 use crate::engine::disk::mirror::{
@@ -36,6 +38,7 @@ use crate::engine::disk::mirror::{
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
 use crate::engine::postcopy;
+use crate::engine::preempt;
 use crate::engine::recovery::{self, PeerLink};
 use crate::engine::seed_store;
 use crate::engine::status::{now_ms, Events, Shared};
@@ -433,7 +436,7 @@ async fn migrate(
         journal
             .write_outgoing(&record)
             .context("recording the stream's start")?;
-        let (bytes, digest) = stream(
+        let (bytes, digest, preempt) = stream(
             req,
             status,
             &qmp,
@@ -458,6 +461,7 @@ async fn migrate(
             &Control::End {
                 bytes,
                 digest: digest.clone(),
+                preempt,
             },
         )
         .await?;
@@ -797,7 +801,7 @@ async fn stream(
     disks: Option<&mut SourceDisks>,
     limits: &Limits,
     switch: &mut Switch<'_>,
-) -> Result<(u64, String)> {
+) -> Result<(u64, String, Option<Carried>)> {
     let sock = work_dir.join(format!("{}.src.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
@@ -817,6 +821,18 @@ async fn stream(
         .await
         .context("QEMU did not connect to the agent's socket within 10s")??;
     let (from_qemu, mut to_qemu) = conn.into_split();
+    // Postcopy: QEMU opens its preempt channel on the same socket at the switch.
+    let preempt = if req.settings.postcopy {
+        session.make_urgent(PREEMPT);
+        Some(AbortHandleOnDrop(tokio::spawn(preempt::forward(
+            listener,
+            session.clone(),
+            status.clone(),
+        ))))
+    } else {
+        drop(listener);
+        None
+    };
 
     // The return path: whatever the destination QEMU says goes back to the source QEMU.
     let (rp_session, rp_status) = (session.clone(), status.clone());
@@ -1041,6 +1057,16 @@ async fn stream(
             _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     };
+    // Postcopy: QEMU opened its preempt channel before it sent the package, and closes it as
+    // it completes.
+    let preempt = match preempt {
+        Some(mut task) if switch.package_sent.load(Ordering::Relaxed) => Some(
+            watchdog(session, status, limits, &mut task.0)
+                .await?
+                .context("the preempt channel's task")??,
+        ),
+        _ => None,
+    };
     let stop = qmp
         .find_event("STOP", |_| true)
         .map(|e| e.timestamp.as_micros());
@@ -1053,15 +1079,19 @@ async fn stream(
             s.qemu.remaining = 0;
         }
         let rp = s.return_path_bytes;
+        let preempt = preempt
+            .as_ref()
+            .map(|p| format!(", preempt channel {} bytes", p.bytes))
+            .unwrap_or_default();
         s.event(
             EventKind::StreamEnded,
-            format!("{bytes} bytes, {ALGORITHM} {digest}, return path {rp} bytes"),
+            format!("{bytes} bytes, {ALGORITHM} {digest}, return path {rp} bytes{preempt}"),
         );
     });
     if !status.close_cancel() {
         bail!("cancelled by the user");
     }
-    Ok((bytes, digest))
+    Ok((bytes, digest, preempt))
 }
 
 /// The destination's word that the migration stops (its `Abort`), as opposed to a failure
@@ -1641,7 +1671,8 @@ pub fn send_window(rate_mbit: Option<f64>, rtt_ms: f64) -> usize {
     window
 }
 
-struct RemoveOnDrop(PathBuf);
+/// A file removed when this goes (a socket's, whichever way the migration ends).
+pub(crate) struct RemoveOnDrop(pub PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
@@ -1651,7 +1682,7 @@ impl Drop for RemoveOnDrop {
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 /// A task whose result is awaited, aborted if it is not.
-struct AbortHandleOnDrop<T>(tokio::task::JoinHandle<T>);
+pub(crate) struct AbortHandleOnDrop<T>(pub tokio::task::JoinHandle<T>);
 impl<T> Drop for AbortHandleOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();

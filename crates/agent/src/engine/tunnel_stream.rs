@@ -182,7 +182,15 @@ pub async fn channel_source(
 /// Sends the stream's `End` (its length and digest) and waits for the destination's word that
 /// its QEMU read all of it; returns when that was (wall clock, µs).
 async fn end_and_deliver(session: &Session, bytes: u64, digest: String) -> Result<i64> {
-    control::send(session, &Control::End { bytes, digest }).await?;
+    control::send(
+        session,
+        &Control::End {
+            bytes,
+            digest,
+            preempt: None,
+        },
+    )
+    .await?;
     match tokio::time::timeout(DELIVERY_TIMEOUT, control::recv(session))
         .await
         .context("no word from the destination within 60s of the stream's end")??
@@ -499,7 +507,7 @@ pub async fn destination(
                 },
                 msg = control::recv(session) => match msg? {
                     Control::Checkpoint { bytes, digest } => gate.expect(bytes, digest, false)?,
-                    Control::End { bytes, digest } => gate.expect(bytes, digest, true)?,
+                    Control::End { bytes, digest, .. } => gate.expect(bytes, digest, true)?,
                     Control::Abort { reason } => bail!("the source aborted: {reason}"),
                     other => bail!("unexpected control message during the stream: {other:?}"),
                 },

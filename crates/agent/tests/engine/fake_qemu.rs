@@ -7,7 +7,9 @@
 //! the package, waits there for `migrate-start-postcopy`, stops the VM and is `postcopy-active`
 //! from then on (a failure then leaves it `postcopy-paused`, and `migrate_cancel` is refused);
 //! the destination, once it read the package, stays paused and takes `cont` before the stream
-//! ends.
+//! ends. With `postcopy-preempt` on at both, the source opens a second connection at the
+//! switch and writes [`PREEMPT_PAGES`] on it once the package is out (the pages the guest
+//! faulted on); the destination completes only if they arrived on its second connection.
 //!
 //! Each fake runs on its own runtime, so that [`FakeQemu::kill`] takes all of it down at once,
 //! as a killed process would: its sockets close, its migration stops half way.
@@ -26,6 +28,8 @@ use tokio::sync::{mpsc, watch};
 const RAM_BYTES: u64 = 64 << 20;
 /// The source writes its stream in pieces of this size.
 pub const PIECE: usize = 16 << 10;
+/// What the source writes on its postcopy preempt channel.
+pub const PREEMPT_PAGES: &[u8] = &[0x5a; 3 * 4096];
 
 /// A point a fake stops at until the test opens it; the test can see that it was reached.
 #[derive(Clone)]
@@ -169,6 +173,12 @@ pub struct Seen {
     pub client_connected: bool,
     /// Destination: the stream bytes it had read when it resumed the VM.
     pub resumed_at_bytes: Option<u64>,
+    /// Capabilities set on.
+    pub capabilities: Vec<String>,
+    /// Source: preempt-channel bytes written. Destination: read, and the main stream's bytes
+    /// read when they were.
+    pub preempt_bytes: u64,
+    pub preempt_at_stream_bytes: Option<u64>,
 }
 
 impl Seen {
@@ -178,6 +188,10 @@ impl Seen {
 
     pub fn ran(&self, command: &str) -> bool {
         self.commands.iter().any(|c| c == command)
+    }
+
+    pub fn has(&self, capability: &str) -> bool {
+        self.capabilities.iter().any(|c| c == capability)
     }
 }
 
@@ -363,7 +377,20 @@ async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
 async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value, String> {
     let seen = shared.update(|s| s.clone());
     match name {
-        "qmp_capabilities" | "migrate-set-capabilities" | "migrate-set-parameters" => Ok(json!({})),
+        "qmp_capabilities" | "migrate-set-parameters" => Ok(json!({})),
+        "migrate-set-capabilities" => {
+            let caps = args["capabilities"].as_array().cloned().unwrap_or_default();
+            shared.update(|s| {
+                for cap in caps {
+                    let name = cap["capability"].as_str().unwrap_or_default().to_string();
+                    s.capabilities.retain(|c| *c != name);
+                    if cap["state"] == true {
+                        s.capabilities.push(name);
+                    }
+                }
+            });
+            Ok(json!({}))
+        }
         "query-status" => Ok(json!({"running": seen.running(), "status": seen.status})),
         "query-memory-size-summary" => Ok(json!({"base-memory": RAM_BYTES})),
         "query-migrate" => Ok(query_migrate(shared, &seen)),
@@ -509,7 +536,19 @@ async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
     };
     let mut at = 0usize;
     let last_piece = stream.len().saturating_sub(PIECE);
+    let mut preempt: Option<UnixStream> = None;
+    let mut faulted = false;
     while at < stream.len() {
+        if let (Some(conn), Some((_, end)), false) = (&mut preempt, shared.package, faulted) {
+            if at >= end {
+                // The guest runs at the destination and faults: its pages come first.
+                if let Err(e) = conn.write_all(PREEMPT_PAGES).await {
+                    return fail(format!("writing the preempt channel: {e}"));
+                }
+                faulted = true;
+                shared.update(|s| s.preempt_bytes = PREEMPT_PAGES.len() as u64);
+            }
+        }
         if let Some((offset, gate)) = &shared.gates.stream_at {
             if at as u64 <= *offset && *offset < (at + PIECE) as u64 {
                 gate.pass().await;
@@ -541,6 +580,13 @@ async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
                     s.migration = Some("postcopy-active".into());
                 });
                 shared.event("STOP", json!({}));
+                if shared.update(|s| s.has("postcopy-preempt")) {
+                    // QEMU 10.0 connects its preempt channel before it sends the package.
+                    match UnixStream::connect(&path).await {
+                        Ok(c) => preempt = Some(c),
+                        Err(e) => return fail(format!("connect the preempt channel: {e}")),
+                    }
+                }
                 continue;
             }
         }
@@ -566,6 +612,9 @@ async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
         shared.update(|s| s.stream_bytes = at as u64);
     }
     let _ = conn.shutdown().await;
+    if let Some(mut conn) = preempt {
+        let _ = conn.shutdown().await;
+    }
     shared.update(|s| {
         s.migration = Some("completed".into());
         s.status = "postmigrate".into();
@@ -578,6 +627,28 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
     let Ok((mut conn, _)) = listener.accept().await else {
         return;
     };
+    // The preempt channel: the second connection, read to its end.
+    let preempt = shared.update(|s| s.has("postcopy-preempt")).then(|| {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.ok()?;
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                match conn.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        got.extend_from_slice(&buf[..n]);
+                        shared.update(|s| {
+                            s.preempt_bytes = got.len() as u64;
+                            s.preempt_at_stream_bytes.get_or_insert(s.stream_bytes);
+                        });
+                    }
+                }
+            }
+            Some(got)
+        })
+    });
     let mut got = Vec::with_capacity(expected.len());
     let mut buf = vec![0u8; 64 << 10];
     while got.len() < expected.len() {
@@ -609,7 +680,14 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
         }
     }
     shared.gates.load.pass().await;
-    let loaded = got == *expected;
+    // A postcopy migration completes once its preempt channel ended too, with what the
+    // source wrote on it.
+    let switched = shared.update(|s| s.migration.as_deref() == Some("postcopy-active"));
+    let preempt_intact = match preempt {
+        Some(task) if switched => task.await.ok().flatten().as_deref() == Some(PREEMPT_PAGES),
+        _ => true,
+    };
+    let loaded = got == *expected && preempt_intact;
     shared.update(|s| {
         s.loaded = loaded;
         if loaded {

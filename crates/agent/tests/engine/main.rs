@@ -209,6 +209,24 @@ async fn postcopy_commits_at_the_switch_before_the_streams_end() {
     pair.wait(&id, "the switch", |s| s.phase == Phase::Postcopy)
         .await;
     assert!(pair.destination.seen().running());
+    // The pages the guest faults on there cross on the preempt channel, past the held stream.
+    let faulted = fake_qemu::PREEMPT_PAGES.len() as u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while pair.destination.seen().preempt_bytes < faulted {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the faulted pages never arrived: {:?}",
+            pair.destination.seen()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stream = agents::postcopy_stream();
+    let (destination, (_, package_end)) = (pair.destination.seen(), package());
+    assert!(
+        destination.preempt_at_stream_bytes < Some(stream.len() as u64 - fake_qemu::PIECE as u64),
+        "{destination:?}"
+    );
+    assert!(destination.stream_bytes >= package_end as u64);
     pair.source.gates().stream().open();
     let status = pair.finished(&id).await;
     assert_eq!(status.state, MigrationState::Committed, "{status:?}");
@@ -219,8 +237,12 @@ async fn postcopy_commits_at_the_switch_before_the_streams_end() {
         destination.loaded && destination.running(),
         "{destination:?}"
     );
+    assert_eq!(status.preempt_bytes, faulted);
+    assert!(
+        source.has("postcopy-preempt") && destination.has("postcopy-preempt"),
+        "{source:?} {destination:?}"
+    );
     // The destination ran the VM with pages still to come.
-    let stream = agents::postcopy_stream();
     let resumed_at = destination.resumed_at_bytes.expect("resumed");
     assert!(
         resumed_at < stream.len() as u64,
