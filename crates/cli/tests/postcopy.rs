@@ -34,11 +34,21 @@ fn start_hot_vm(t: &TestLab, name: &str) {
 }
 
 /// The phase of the newest migration `site`'s agent sent.
-fn newest_phase(t: &TestLab, site: Site) -> Option<String> {
+fn newest(t: &TestLab, site: Site, field: &str) -> Option<String> {
     let mut all = t.migrations(site);
     all.sort_by_key(|m| m["started_unix_ms"].as_u64());
     all.last()
-        .and_then(|m| m["phase"].as_str().map(str::to_owned))
+        .and_then(|m| m[field].as_str().map(str::to_owned))
+}
+
+/// How long the source has held on without a connection after the switch, by its status.
+fn held_for_s(t: &TestLab) -> Option<u64> {
+    newest(t, Site::A, "detail")?
+        .strip_prefix("postcopy: no connection to the destination for ")?
+        .split('s')
+        .next()?
+        .parse()
+        .ok()
 }
 
 #[test]
@@ -81,14 +91,18 @@ fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
 
     // The real move: the outage comes while the VM already runs at b.
     start_hot_vm(&t, "p2");
-    let child = t.spawn_migrate("p2", &["--postcopy"]);
+    let child = t.spawn_migrate("p2", &["--postcopy", "--wan-timeout-s", "5"]);
     ferry_lab::topology::wait_until(Duration::from_secs(240), || {
-        newest_phase(&t, Site::A).as_deref() == Some("postcopy")
+        newest(&t, Site::A, "phase").as_deref() == Some("postcopy")
     })
     .expect("the migration reached postcopy");
     t.ok(&["lab", "outage", "down"]);
-    // The outage's length, not a wait for readiness.
-    std::thread::sleep(Duration::from_secs(5));
+    // Longer than the WAN timeout: the connections are given up after 10 s of silence, and
+    // then the source holds on past its 5 s (the destination too) instead of failing.
+    ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+        held_for_s(&t).is_some_and(|s| s > 6)
+    })
+    .expect("the source held on past the WAN timeout");
     t.ok(&["lab", "outage", "up"]);
     let out = child.wait_with_output().unwrap();
     let stdout = common::succeeded("ferry migrate --postcopy", &out);

@@ -436,8 +436,18 @@ async fn serve(
     let mut gate = PackageGate::default();
     type SwitchFuture<'a> = Pin<Box<dyn Future<Output = Result<IncomingRecord>> + Send + 'a>>;
     let mut switch: Option<SwitchFuture> = None;
-    let idle_check = || -> Result<()> {
-        if session.idle_for() > wan_timeout {
+    let mut switched = false;
+    // Once the VM may run here (postcopy, the gate opened) only an outage longer than
+    // `HOLD_AFTER_SWITCH` ends the migration: its remaining pages are only at the source.
+    let idle_check = |switched: bool| -> Result<()> {
+        let idle = session.idle_for();
+        if switched && idle > postcopy::HOLD_AFTER_SWITCH {
+            bail!(
+                "no connection from the source agent for {}s after the postcopy switch",
+                idle.as_secs()
+            );
+        }
+        if !switched && idle > wan_timeout {
             bail!(
                 "no connection from the source agent for {}s (the WAN timeout)",
                 wan_timeout.as_secs()
@@ -492,9 +502,10 @@ async fn serve(
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
                 other => bail!("unexpected control message during the stream: {other:?}"),
             },
-            _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check(switched)?,
         }
         if gate.open()? {
+            switched = true;
             // Postcopy's commit point: everything before the package matched. From here the
             // VM is this host's.
             let committing = record_committing(&dirs.journal, &record)
@@ -554,7 +565,7 @@ async fn serve(
                 ),
                 _ => {}
             }
-            idle_check()?;
+            idle_check(true)?;
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
         if let Some(announced) = &preempt_end {
@@ -566,7 +577,7 @@ async fn serve(
             let arrived = loop {
                 tokio::select! {
                     r = &mut task.0 => break r.context("the preempt channel's task")??,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check(true)?,
                 }
             };
             preempt::check(announced, &arrived)?;
@@ -615,7 +626,7 @@ async fn serve(
             ),
             _ => {}
         }
-        idle_check()?;
+        idle_check(false)?;
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     // Every disk write the guest saw complete must be here, flushed, and be the source's.
@@ -626,7 +637,7 @@ async fn serve(
             None => loop {
                 tokio::select! {
                     r = &mut disk_apply => break r.context("applying the disk writes")?,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check()?,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check(false)?,
                 }
             },
         };

@@ -39,6 +39,13 @@ const POLL: Duration = Duration::from_millis(20);
 /// How long the switch waits for the stream's queue to drain after the first pass, at most.
 const DRAIN_AT_MOST: Duration = Duration::from_secs(5);
 
+/// How long both agents hold on to a postcopy migration whose link is down, once the VM may
+/// run at the destination: failing it would help nobody (the VM there needs the pages only the
+/// source has, and the source VM cannot resume), while the session reconnects and replays
+/// whenever the link returns. So the WAN timeout no longer applies; this bounds the wait, as
+/// for a source in doubt.
+pub const HOLD_AFTER_SWITCH: Duration = Duration::from_secs(3600);
+
 /// Source: waits until QEMU's first pass has copied the memory (its second dirty-bitmap
 /// sync) and `drained` says the stream's queue is short enough (what is queued when QEMU stops
 /// the VM crosses before the device state: the first pass reads up to a second of the link

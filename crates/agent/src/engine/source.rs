@@ -230,18 +230,20 @@ async fn migrate(
     let mut disk_images_made = 0;
     let (mut disk_since, mut disk_base_note, mut disk_index_ms) = (None, None, None);
 
+    // Whether QEMU's package went out (its checkpoint sent): the destination's Committed may
+    // then come after QEMU's end, and it is still the switch's, not the end's verdict; and the
+    // WAN timeout no longer ends the migration.
+    let package_sent = Arc::new(AtomicBool::new(false));
     let mut limits = Limits {
         wan_timeout,
         deadline,
         question: None,
+        after_switch: package_sent.clone(),
     };
     let mut bitmap_exports = None;
     // In postcopy: the destination's word that it runs the VM (it comes before the stream's
     // end); from then on the source VM must never run again.
     let mut switched: Option<Control> = None;
-    // Whether QEMU's package went out (its checkpoint sent): the destination's Committed may
-    // then come after QEMU's end, and it is still the switch's, not the end's verdict.
-    let package_sent = AtomicBool::new(false);
     let result = async {
         // Dirty bitmaps since the VM arrived here: a destination that still holds the copy it
         // left need not index it. (Exported from here on: every way out closes them.)
@@ -597,13 +599,27 @@ async fn migrate(
             },
             _ = tokio::time::sleep(Duration::from_secs(1)) => {
                 if !control_open || session.idle_for() > wan_timeout {
-                    status.enter(Phase::InDoubt, format!(
-                        "no contact with the destination for {}s after the stream ended; \
-                         the source stays paused until the destination's verdict arrives{heard}",
-                        session.idle_for().as_secs()));
+                    let silent = session.idle_for().as_secs();
+                    if switched.is_some() {
+                        // The VM runs at the destination: only its last pages' word is due.
+                        status.enter(Phase::Postcopy, format!(
+                            "postcopy: no connection to the destination for {silent}s; the VM \
+                             runs there, and the last of its pages (the stream has ended here) \
+                             follow when the link returns{heard}"));
+                    } else {
+                        status.enter(Phase::InDoubt, format!(
+                            "no contact with the destination for {silent}s after the stream ended; \
+                             the source stays paused until the destination's verdict arrives{heard}"));
+                    }
                     if last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY) {
                         last_asked = Some(Instant::now());
                         match recovery::ask_verdict(&asked, id, record.started_unix_ms).await {
+                            // In postcopy the destination has run the VM since the switch; what
+                            // is due is its word that the last page arrived (`Delivered`): until
+                            // then the stream's frames may still be unacknowledged here.
+                            Ok(Verdict::Committed) if switched.is_some() => {
+                                heard = "; asked, the destination runs the VM".into();
+                            }
                             Ok(Verdict::Committed) => break Some(Control::Committed {
                                 resume_unix_us: 0,
                                 switchover: None,
@@ -719,6 +735,9 @@ struct Limits {
     /// from one the destination lost (its agent restarted: it says so at once, where the WAN
     /// timeout would wait).
     question: Option<Question>,
+    /// Set once the postcopy package went out: the session then holds on through outages
+    /// ([`postcopy::HOLD_AFTER_SWITCH`]).
+    after_switch: Arc<AtomicBool>,
 }
 
 /// The destination's verdict on session `of`, asked for on a session of its own.
@@ -735,7 +754,8 @@ const ASK_WHEN_SILENT: Duration = Duration::from_secs(3);
 
 /// Waits for `fut`, failing when the WAN has been down longer than the WAN timeout, the
 /// deadline passes, or the destination, asked while the session is silent, says it ended
-/// there.
+/// there. After the postcopy switch only the destination's word or an outage longer than
+/// [`postcopy::HOLD_AFTER_SWITCH`] ends it.
 async fn watchdog<T>(
     session: &Session,
     status: &Shared,
@@ -746,6 +766,8 @@ async fn watchdog<T>(
     // Aborted with the wait: a question outliving it would only overlap the next one's.
     let mut asking: Option<AbortHandleOnDrop<Result<Verdict>>> = None;
     let mut last_asked: Option<Instant> = None;
+    // Whether the status says the session is holding on through an outage.
+    let mut holding = false;
     loop {
         tokio::select! {
             v = &mut fut => return Ok(v),
@@ -761,10 +783,23 @@ async fn watchdog<T>(
             }
             _ = tokio::time::sleep(Duration::from_millis(250)) => {
                 let silent = session.idle_for();
-                if silent > limits.wan_timeout {
+                let switched = limits.after_switch.load(Ordering::Relaxed);
+                if silent > limits.wan_timeout && !switched {
                     bail!("no connection to the destination agent for {}s (the WAN timeout)", limits.wan_timeout.as_secs());
                 }
-                if Instant::now() > limits.deadline {
+                if switched {
+                    if silent > postcopy::HOLD_AFTER_SWITCH {
+                        bail!("no connection to the destination agent for {}s after the postcopy switch", silent.as_secs());
+                    }
+                    if silent > limits.wan_timeout {
+                        holding = true;
+                        status.update(|s| s.detail = format!(
+                            "postcopy: no connection to the destination for {}s; the VM there waits for its \
+                             remaining pages, and they follow when the link returns", silent.as_secs()));
+                    } else if std::mem::take(&mut holding) {
+                        status.update(|s| s.detail = "the VM runs at the destination; the rest of its memory follows".into());
+                    }
+                } else if Instant::now() > limits.deadline {
                     bail!("the migration's deadline passed");
                 }
                 if let Some(reason) = session.failure() {

@@ -268,6 +268,52 @@ async fn postcopy_commits_at_the_switch_before_the_streams_end() {
     assert!(committed < ended, "{:?}", status.events);
 }
 
+/// Once the VM runs at the destination, failing would help nobody: both agents hold on past
+/// the WAN timeout, and the pages follow when the link returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_dark_beyond_the_wan_timeout_after_the_postcopy_switch_only_stalls_it() {
+    let pair = postcopy_pair(held_after_the_package());
+    let id = pair.migrate(postcopy()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream after the package")
+        .await;
+    pair.wait(&id, "the switch", |s| s.phase == Phase::Postcopy)
+        .await;
+    pair.link.darken();
+    pair.link.cut();
+    // Both ends have been without a connection for longer than the WAN timeout (3 s).
+    let silent_s = |s: &ferry_api::agent::MigrationStatus| {
+        s.detail
+            .strip_prefix("postcopy: no connection to the destination for ")
+            .and_then(|rest| rest.split('s').next())
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    let status = pair
+        .wait(&id, "holding on past the WAN timeout", |s| {
+            silent_s(s).is_some_and(|n| n > WAN_TIMEOUT_S + 1)
+        })
+        .await;
+    assert_eq!(status.state, MigrationState::Running, "{status:?}");
+    assert_eq!(status.phase, Phase::Postcopy, "{status:?}");
+    let destination = pair.destination.seen();
+    assert!(
+        destination.running() && !destination.ran("quit"),
+        "{destination:?}"
+    );
+    pair.source.gates().stream().open();
+    pair.link.light();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    let destination = pair.destination.seen();
+    assert!(
+        destination.loaded && destination.running(),
+        "{destination:?}"
+    );
+    assert!(pair.source.seen().ran("quit"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_frame_before_the_postcopy_switch_never_reaches_the_destination_qemu() {
     let pair = postcopy_pair(held_after_the_package());
