@@ -36,6 +36,10 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         (s.smart_stop, "smart_stop"),
         // The tunnels gate a stream's end, not a postcopy package (engine::postcopy).
         (s.postcopy, "postcopy"),
+        (
+            s.postcopy_at_throttle_pct.is_some(),
+            "postcopy_at_throttle_pct",
+        ),
         (s.disk_mode == DiskMode::Cloudnet, "disk_mode cloudnet"),
         (s.connections != 1, "connections other than 1"),
         // libvirt's disk copy has no hook of ferry's inside it.

@@ -44,6 +44,11 @@ pub struct MigrationSettings {
     /// link; ferry commits at the switch, once the digest of everything before it matched.
     /// Not with disks.
     pub postcopy: bool,
+    /// Postcopy only when precopy would throttle the guest hard: switch once auto-converge
+    /// has throttled its vCPUs to this percentage (precopy otherwise, to the end). Needs
+    /// `converge`; not with disks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postcopy_at_throttle_pct: Option<u8>,
     /// Which of the codec's techniques the agents apply to the stream on the WAN.
     pub codec: CodecSettings,
     /// With seeding on: the VM whose earlier image the destination should index (a sibling
@@ -103,6 +108,7 @@ impl Default for MigrationSettings {
             timeout_s: 900,
             return_path: false,
             postcopy: false,
+            postcopy_at_throttle_pct: None,
             codec: CodecSettings::ALL,
             seed_from: None,
             disk_mode: DiskMode::Async,
@@ -136,6 +142,10 @@ pub enum SettingsError {
     DiskBuffer(u64),
     #[error("disk pacing floor {0}% is out of range; use 5 to 100")]
     DiskPacingFloor(u32),
+    #[error("postcopy at a throttle of {0}% is out of range; use 1 to 99")]
+    PostcopyAtThrottle(u8),
+    #[error("postcopy at a throttle needs the throttle (auto-converge): drop --no-converge")]
+    PostcopyAtThrottleWithoutConverge,
 }
 
 /// The most TCP connections one migration opens (each has its own socket buffers and state).
@@ -169,7 +179,20 @@ impl MigrationSettings {
         {
             return Err(SettingsError::DiskPacingFloor(pct));
         }
+        if let Some(pct) = self.postcopy_at_throttle_pct {
+            if !(1..=99).contains(&pct) {
+                return Err(SettingsError::PostcopyAtThrottle(pct));
+            }
+            if !self.converge {
+                return Err(SettingsError::PostcopyAtThrottleWithoutConverge);
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the migration may switch to postcopy (both QEMUs then need its capability).
+    pub fn postcopy_possible(&self) -> bool {
+        self.postcopy || self.postcopy_at_throttle_pct.is_some()
     }
 }
 
@@ -226,6 +249,17 @@ mod tests {
         assert_eq!(
             bad(|s| s.disk_pacing_floor_pct = Some(0)),
             "disk pacing floor 0% is out of range; use 5 to 100"
+        );
+        assert_eq!(
+            bad(|s| s.postcopy_at_throttle_pct = Some(100)),
+            "postcopy at a throttle of 100% is out of range; use 1 to 99"
+        );
+        assert_eq!(
+            bad(|s| {
+                s.postcopy_at_throttle_pct = Some(40);
+                s.converge = false;
+            }),
+            "postcopy at a throttle needs the throttle (auto-converge): drop --no-converge"
         );
     }
 }

@@ -41,6 +41,10 @@ pub struct SettingsFlags {
     /// last page arrived). Not with disks.
     #[arg(long)]
     pub postcopy: bool,
+    /// ferry: postcopy only for a guest precopy would throttle hard: switch once the
+    /// throttle (auto-converge) reaches this percentage, precopy otherwise. Not with disks.
+    #[arg(long, value_name = "PCT", conflicts_with = "postcopy")]
+    pub postcopy_at_throttle: Option<u8>,
     /// ferry: the codec's techniques on the WAN: all, none (QEMU's bytes as they are), or a
     /// comma-separated list of zero, dedup, delta, zstd, seed (pages the destination still
     /// holds from the VM's earlier stay there go as references).
@@ -116,6 +120,7 @@ impl SettingsFlags {
             timeout_s: self.timeout_s,
             return_path: self.return_path,
             postcopy: self.postcopy,
+            postcopy_at_throttle_pct: self.postcopy_at_throttle,
             codec: self.codec,
             seed_from: self.seed_from.clone(),
             disk_mode,

@@ -91,7 +91,12 @@ fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
 
     // The real move: the outage comes while the VM already runs at b.
     start_hot_vm(&t, "p2");
-    let child = t.spawn_migrate("p2", &["--postcopy", "--wan-timeout-s", "5"]);
+    // Postcopy only once precopy throttles the guest hard (the switch waits for QEMU's
+    // auto-converge to reach 30%; `--postcopy` itself is the corrupted migration's above).
+    let child = t.spawn_migrate(
+        "p2",
+        &["--postcopy-at-throttle", "30", "--wan-timeout-s", "5"],
+    );
     ferry_lab::topology::wait_until(Duration::from_secs(240), || {
         newest(&t, Site::A, "phase").as_deref() == Some("postcopy")
     })

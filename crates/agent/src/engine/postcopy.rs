@@ -30,7 +30,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use ferry_qemu::commands::{MigrateStartPostcopy, QueryMigrate, QueryStatus};
+use ferry_api::settings::MigrationSettings;
+use ferry_qemu::commands::{MigrateStartPostcopy, MigrationInfo, QueryMigrate, QueryStatus};
 use ferry_qemu::Qmp;
 
 /// How often QEMU's progress is asked while waiting for a pass or the package's load.
@@ -46,12 +47,42 @@ const DRAIN_AT_MOST: Duration = Duration::from_secs(5);
 /// for a source in doubt.
 pub const HOLD_AFTER_SWITCH: Duration = Duration::from_secs(3600);
 
-/// Source: waits until QEMU's first pass has copied the memory (its second dirty-bitmap
-/// sync) and `drained` says the stream's queue is short enough (what is queued when QEMU stops
-/// the VM crosses before the device state: the first pass reads up to a second of the link
-/// ahead), then asks QEMU to switch to postcopy.
-pub async fn switch_after_first_pass(qmp: &Qmp, drained: impl Fn() -> bool) -> Result<()> {
-    let mut first_pass_done: Option<Instant> = None;
+/// When the source asks QEMU to switch to postcopy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwitchWhen {
+    /// Once its first pass has copied the memory (`postcopy`).
+    FirstPass,
+    /// Once auto-converge throttles the guest this hard, percent (`postcopy_at_throttle_pct`).
+    Throttled(u8),
+}
+
+impl SwitchWhen {
+    /// What the settings ask for, if they allow postcopy at all.
+    pub fn of(settings: &MigrationSettings) -> Option<SwitchWhen> {
+        match settings.postcopy_at_throttle_pct {
+            Some(pct) => Some(SwitchWhen::Throttled(pct)),
+            None => settings.postcopy.then_some(SwitchWhen::FirstPass),
+        }
+    }
+
+    fn reached(self, info: &MigrationInfo) -> bool {
+        let first_pass_done = info.ram.as_ref().is_some_and(|r| r.dirty_sync_count >= 2);
+        match self {
+            SwitchWhen::FirstPass => first_pass_done,
+            SwitchWhen::Throttled(pct) => {
+                first_pass_done && info.cpu_throttle_percentage >= Some(u64::from(pct))
+            }
+        }
+    }
+}
+
+/// Source: waits until `when` holds (QEMU's first pass has copied the memory, its second
+/// dirty-bitmap sync; with a throttle, that too) and `drained` says the stream's queue is short
+/// enough (what is queued when QEMU stops the VM crosses before the device state: the first
+/// pass reads up to a second of the link ahead), then asks QEMU to switch to postcopy. Returns
+/// without switching if the migration ended first (a throttle never reached).
+pub async fn switch_when(qmp: &Qmp, when: SwitchWhen, drained: impl Fn() -> bool) -> Result<()> {
+    let mut reached_at: Option<Instant> = None;
     loop {
         let info = qmp.execute(&QueryMigrate).await?;
         if matches!(
@@ -60,8 +91,8 @@ pub async fn switch_after_first_pass(qmp: &Qmp, drained: impl Fn() -> bool) -> R
         ) {
             return Ok(());
         }
-        if info.ram.as_ref().is_some_and(|r| r.dirty_sync_count >= 2) {
-            let since = *first_pass_done.get_or_insert_with(Instant::now);
+        if when.reached(&info) {
+            let since = *reached_at.get_or_insert_with(Instant::now);
             if drained() || since.elapsed() > DRAIN_AT_MOST {
                 break;
             }
@@ -162,6 +193,34 @@ impl PackageGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_switch_waits_for_the_first_pass_and_any_throttle_asked_for() {
+        let info = |syncs: u64, throttle: Option<u64>| MigrationInfo {
+            ram: Some(ferry_qemu::commands::RamStats {
+                dirty_sync_count: syncs,
+                ..Default::default()
+            }),
+            cpu_throttle_percentage: throttle,
+            ..Default::default()
+        };
+        let first = SwitchWhen::FirstPass;
+        assert!(!first.reached(&info(1, None)));
+        assert!(first.reached(&info(2, None)));
+        let hard = SwitchWhen::Throttled(40);
+        assert!(!hard.reached(&info(5, None)));
+        assert!(!hard.reached(&info(5, Some(30))));
+        assert!(hard.reached(&info(5, Some(40))));
+        assert!(!hard.reached(&info(1, Some(40))));
+        let settings = |postcopy, pct| MigrationSettings {
+            postcopy,
+            postcopy_at_throttle_pct: pct,
+            ..MigrationSettings::default()
+        };
+        assert_eq!(SwitchWhen::of(&settings(false, None)), None);
+        assert_eq!(SwitchWhen::of(&settings(true, None)), Some(first));
+        assert_eq!(SwitchWhen::of(&settings(false, Some(40))), Some(hard));
+    }
 
     #[test]
     fn the_gate_opens_once_when_both_ends_agree_in_either_order() {

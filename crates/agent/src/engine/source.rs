@@ -117,7 +117,7 @@ async fn migrate(
     seed_dir: &Path,
     seed_budget_bytes: u64,
 ) -> Result<()> {
-    if req.settings.postcopy && !req.disks.is_empty() {
+    if req.settings.postcopy_possible() && !req.disks.is_empty() {
         bail!("postcopy with disks is not supported: migrate the VM with its disks in precopy, or without --postcopy");
     }
     let deadline = Instant::now() + Duration::from_secs(req.settings.timeout_s);
@@ -263,7 +263,7 @@ async fn migrate(
                 destination: destination.clone(),
                 wan_timeout_s: req.settings.wan_timeout_s,
                 return_path: req.settings.return_path,
-                postcopy: req.settings.postcopy,
+                postcopy: req.settings.postcopy_possible(),
                 codec: req.settings.codec,
                 history_bytes,
                 seed_from: req.settings.seed_from.clone(),
@@ -514,7 +514,7 @@ async fn migrate(
             settle(OutgoingState::Committed, Some(format!("{e:#}")));
             return Err(e);
         }
-        Err(e) if req.settings.postcopy && postcopy::source_switched(&qmp).await => {
+        Err(e) if req.settings.postcopy_possible() && postcopy::source_switched(&qmp).await => {
             // Switched, but the destination never ran the VM: QEMU (before 10.2) can neither
             // cancel its postcopy nor resume the VM, so it stays paused here, whole.
             control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(2)).await;
@@ -857,7 +857,7 @@ async fn stream(
         .context("QEMU did not connect to the agent's socket within 10s")??;
     let (from_qemu, mut to_qemu) = conn.into_split();
     // Postcopy: QEMU opens its preempt channel on the same socket at the switch.
-    let preempt = if req.settings.postcopy {
+    let preempt = if req.settings.postcopy_possible() {
         session.make_urgent(PREEMPT);
         Some(AbortHandleOnDrop(tokio::spawn(preempt::forward(
             listener,
@@ -1035,9 +1035,11 @@ async fn stream(
         Ok::<_, anyhow::Error>(())
     };
     tokio::pin!(disk_switchover);
-    // Postcopy: the switch once the first pass is done.
-    let mut to_postcopy = req.settings.postcopy;
-    let postcopy_switch = postcopy::switch_after_first_pass(qmp, || {
+    // Postcopy: the switch once the first pass is done (or the throttle reached its mark).
+    let switch_when = postcopy::SwitchWhen::of(&req.settings);
+    let mut to_postcopy = switch_when.is_some();
+    let when = switch_when.unwrap_or(postcopy::SwitchWhen::FirstPass);
+    let postcopy_switch = postcopy::switch_when(qmp, when, || {
         // No more queued than crosses within the pause's target (see `end_game_window`).
         let rtt_ms = status.get().wire.rtt_ms.unwrap_or(0.0);
         let window = send_window(req.link_rate_mbit, rtt_ms);
@@ -1068,7 +1070,7 @@ async fn stream(
             }
             msg = ctl.recv() => match msg {
                 Some(runs @ Control::Committed { .. })
-                    if req.settings.postcopy && switch.destination_runs.is_none() =>
+                    if req.settings.postcopy_possible() && switch.destination_runs.is_none() =>
                 {
                     switch.destination_runs(runs, status);
                 }
@@ -1231,7 +1233,7 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Res
     let hold = lookahead(req);
     qmp.execute(&control::stream_capabilities(
         req.settings.return_path,
-        req.settings.postcopy,
+        req.settings.postcopy_possible(),
     ))
     .await?;
     // Throttling changes nothing in the stream: only the source has it. With disks the

@@ -28,6 +28,9 @@ use tokio::sync::{mpsc, watch};
 const RAM_BYTES: u64 = 64 << 20;
 /// The source writes its stream in pieces of this size.
 pub const PIECE: usize = 16 << 10;
+/// A postcopy stream's source has throttled its guest this hard (percent) where it waits for
+/// the switch.
+pub const THROTTLE_AT_THE_SWITCH: u64 = 40;
 /// What the source writes on its postcopy preempt channel.
 pub const PREEMPT_PAGES: &[u8] = &[0x5a; 3 * 4096];
 
@@ -484,6 +487,11 @@ fn query_migrate(shared: &Shared, seen: &Seen) -> Value {
                 Some((start, _)) if seen.stream_bytes >= start as u64 => 2,
                 _ => 1,
             },
+        },
+        // And auto-converge has throttled the guest by then.
+        "cpu-throttle-percentage": match shared.package {
+            Some((start, _)) if seen.stream_bytes >= start as u64 => THROTTLE_AT_THE_SWITCH,
+            _ => 0,
         },
     })
 }

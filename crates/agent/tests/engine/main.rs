@@ -268,6 +268,29 @@ async fn postcopy_commits_at_the_switch_before_the_streams_end() {
     assert!(committed < ended, "{:?}", status.events);
 }
 
+/// Asked to switch only once the throttle is hard, the source switches when QEMU reports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postcopy_at_a_throttle_switches_once_qemu_throttles_that_hard() {
+    let pair = postcopy_pair(Gates::default());
+    let pct = u8::try_from(fake_qemu::THROTTLE_AT_THE_SWITCH).unwrap();
+    let id = pair
+        .migrate(MigrationSettings {
+            postcopy_at_throttle_pct: Some(pct),
+            ..settings()
+        })
+        .await;
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(source.ran("migrate-start-postcopy"), "{source:?}");
+    assert!(
+        source.has("postcopy-ram") && destination.has("postcopy-ram"),
+        "{source:?} {destination:?}"
+    );
+    assert!(destination.loaded && destination.running());
+    assert_eq!(status.preempt_bytes, fake_qemu::PREEMPT_PAGES.len() as u64);
+}
+
 /// Once the VM runs at the destination, failing would help nobody: both agents hold on past
 /// the WAN timeout, and the pages follow when the link returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
