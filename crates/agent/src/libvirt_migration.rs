@@ -425,6 +425,13 @@ mod tests {
         let refusal = check_settings(&req).unwrap_err();
         assert!(refusal.to_string().contains("postcopy"), "{refusal}");
         req.settings.postcopy = false;
+        req.settings.postcopy_at_throttle_pct = Some(40);
+        let refusal = check_settings(&req).unwrap_err();
+        assert!(
+            refusal.to_string().contains("postcopy_at_throttle_pct"),
+            "{refusal}"
+        );
+        req.settings.postcopy_at_throttle_pct = None;
         req.settings.test_corrupt_disk_at = Some(0);
         let refusal = check_settings(&req).unwrap_err();
         assert!(
