@@ -23,7 +23,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     migration: MigrationFlags,
     /// Systems to compare (comma-separated): ferry, ferry-none, ferry-zero+delta, ...,
-    /// ferry-postcopy, or QEMU modes (plain, multifd-zstd, postcopy, ...); overrides --mode. With --groups: group,
+    /// ferry-postcopy, ferry-postcopy-at-40 (switching at a 40% throttle), or QEMU modes
+    /// (plain, multifd-zstd, postcopy, ...); overrides --mode. With --groups: group,
     /// at-once, one-by-one (default all).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,

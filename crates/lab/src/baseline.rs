@@ -92,52 +92,73 @@ impl QemuMode {
 /// Which system migrates: ferry's agents, or QEMU's own migration in one of its modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum System {
-    /// ferry, with these codec techniques, switching to postcopy after the first pass or not.
+    /// ferry, with these codec techniques, switching to postcopy after the first pass, once
+    /// the throttle reaches a percentage, or not.
     Ferry {
         codec: CodecSettings,
         postcopy: bool,
+        postcopy_at_throttle: Option<u8>,
     },
     Qemu(QemuMode),
 }
 
 impl System {
     /// `ferry` (every codec technique), `ferry-none`, `ferry-<technique>+<technique>...`
-    /// (`ferry-zero+delta`), any of them ending in `-postcopy` (`ferry-postcopy`), `qemu-<mode>`,
-    /// or a bare QEMU mode (`plain`, `multifd-zstd`, ...).
+    /// (`ferry-zero+delta`), any of them ending in `-postcopy` (`ferry-postcopy`) or
+    /// `-postcopy-at-<throttle %>` (`ferry-postcopy-at-40`), `qemu-<mode>`, or a bare QEMU mode
+    /// (`plain`, `multifd-zstd`, ...).
     pub fn parse(s: &str) -> Result<System> {
-        let (ferry, postcopy) = match s.strip_suffix("-postcopy") {
-            Some(rest) if rest.starts_with("ferry") => (rest, true),
-            _ => (s, false),
+        let (ferry, postcopy, postcopy_at_throttle) = match s.rsplit_once("-postcopy-at-") {
+            Some((rest, pct)) if rest.starts_with("ferry") => {
+                let pct = pct
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("system {s:?}: {pct:?} is not a percentage"))?;
+                (rest, false, Some(pct))
+            }
+            _ => match s.strip_suffix("-postcopy") {
+                Some(rest) if rest.starts_with("ferry") => (rest, true, None),
+                _ => (s, false, None),
+            },
+        };
+        let ferry_with = |codec| System::Ferry {
+            codec,
+            postcopy,
+            postcopy_at_throttle,
         };
         if ferry == "ferry" {
-            return Ok(System::Ferry {
-                codec: CodecSettings::ALL,
-                postcopy,
-            });
+            return Ok(ferry_with(CodecSettings::ALL));
         }
         if let Some(codec) = ferry.strip_prefix("ferry-") {
             return codec
                 .replace('+', ",")
                 .parse()
-                .map(|codec| System::Ferry { codec, postcopy })
+                .map(ferry_with)
                 .map_err(|e| anyhow::anyhow!("system {s:?}: {e}"));
         }
         QemuMode::parse(s.strip_prefix("qemu-").unwrap_or(s))
             .map(System::Qemu)
             .map_err(|e| {
-                anyhow::anyhow!("{e:#}, or ferry[-none|-zero+dedup+delta+zstd][-postcopy]")
+                anyhow::anyhow!(
+                    "{e:#}, or ferry[-none|-zero+dedup+delta+zstd][-postcopy|-postcopy-at-PCT]"
+                )
             })
     }
 
     /// The name in reports and bench records: `ferry`, `ferry-<techniques>` or `qemu-<mode>`.
     pub fn name(self) -> String {
         match self {
-            System::Ferry { codec, postcopy } => {
+            System::Ferry {
+                codec,
+                postcopy,
+                postcopy_at_throttle,
+            } => {
                 let mut name = match codec {
                     CodecSettings::ALL => "ferry".to_owned(),
                     codec => format!("ferry-{}", codec.to_string().replace(',', "+")),
                 };
-                if postcopy {
+                if let Some(pct) = postcopy_at_throttle {
+                    name.push_str(&format!("-postcopy-at-{pct}"));
+                } else if postcopy {
                     name.push_str("-postcopy");
                 }
                 name
@@ -182,6 +203,7 @@ impl MigrateOptions {
             System::Ferry {
                 codec: self.settings.codec,
                 postcopy: self.settings.postcopy,
+                postcopy_at_throttle: self.settings.postcopy_at_throttle_pct,
             }
         } else {
             System::Qemu(self.mode)
@@ -191,10 +213,15 @@ impl MigrateOptions {
     /// Selects `system`.
     pub fn set_system(&mut self, system: System) {
         match system {
-            System::Ferry { codec, postcopy } => {
+            System::Ferry {
+                codec,
+                postcopy,
+                postcopy_at_throttle,
+            } => {
                 self.ferry = true;
                 self.settings.codec = codec;
                 self.settings.postcopy = postcopy;
+                self.settings.postcopy_at_throttle_pct = postcopy_at_throttle;
             }
             System::Qemu(m) => {
                 self.ferry = false;
@@ -812,6 +839,7 @@ mod tests {
             "ferry-zero+delta",
             "ferry-postcopy",
             "ferry-zero+zstd-postcopy",
+            "ferry-postcopy-at-40",
             "qemu-plain",
             "qemu-multifd-zstd",
         ] {
@@ -821,9 +849,11 @@ mod tests {
             System::parse("ferry-postcopy").unwrap(),
             System::Ferry {
                 codec: CodecSettings::ALL,
-                postcopy: true
+                postcopy: true,
+                postcopy_at_throttle: None,
             }
         );
+        assert!(System::parse("ferry-postcopy-at-x").is_err());
         assert_eq!(System::parse("plain").unwrap().name(), "qemu-plain");
         assert!(System::parse("plain-postcopy").is_err());
         let mut opts = MigrateOptions::default();
