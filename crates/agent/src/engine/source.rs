@@ -797,7 +797,7 @@ async fn watchdog<T>(
                             "postcopy: no connection to the destination for {}s; the VM there waits for its \
                              remaining pages, and they follow when the link returns", silent.as_secs()));
                     } else if std::mem::take(&mut holding) {
-                        status.update(|s| s.detail = "the VM runs at the destination; the rest of its memory follows".into());
+                        status.update(|s| s.detail = POSTCOPY_DETAIL.into());
                     }
                 } else if Instant::now() > limits.deadline {
                     bail!("the migration's deadline passed");
@@ -1145,6 +1145,9 @@ struct AfterTheSwitch {
     vm: &'static str,
 }
 
+/// The status's detail while the VM runs at the destination and its pages follow.
+const POSTCOPY_DETAIL: &str = "the VM runs at the destination; the rest of its memory follows";
+
 /// The destination has run the VM since the switch.
 const RUNS_AT_DESTINATION: AfterTheSwitch = AfterTheSwitch {
     why: "after the postcopy switch: the VM runs at the destination, the source QEMU keeps the \
@@ -1185,7 +1188,7 @@ impl Switch<'_> {
             let resume = *resume_unix_us;
             status.update(|s| {
                 s.phase = Phase::Postcopy;
-                s.detail = "the VM runs at the destination; the rest of its memory follows".into();
+                s.detail = POSTCOPY_DETAIL.into();
                 s.destination_resume_unix_us = (resume != 0).then_some(resume);
                 s.event(
                     EventKind::Committed,

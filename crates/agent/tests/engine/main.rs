@@ -189,6 +189,21 @@ fn held_after_the_package() -> Gates {
     Gates::stream_held_at(after as u64)
 }
 
+/// A postcopy migration past its switch (the VM runs at the destination) whose source QEMU
+/// holds the rest of its stream until the test opens its gate.
+async fn switched_with_the_stream_held() -> (Pair, String) {
+    let pair = postcopy_pair(held_after_the_package());
+    let id = pair.migrate(postcopy()).await;
+    pair.source
+        .gates()
+        .stream()
+        .wait_reached("the stream after the package")
+        .await;
+    pair.wait(&id, "the switch", |s| s.phase == Phase::Postcopy)
+        .await;
+    (pair, id)
+}
+
 fn postcopy() -> MigrationSettings {
     MigrationSettings {
         postcopy: true,
@@ -198,28 +213,15 @@ fn postcopy() -> MigrationSettings {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postcopy_commits_at_the_switch_before_the_streams_end() {
-    let pair = postcopy_pair(held_after_the_package());
-    let id = pair.migrate(postcopy()).await;
-    pair.source
-        .gates()
-        .stream()
-        .wait_reached("the stream after the package")
-        .await;
     // The destination runs the VM while the source still holds most of its memory.
-    pair.wait(&id, "the switch", |s| s.phase == Phase::Postcopy)
-        .await;
+    let (pair, id) = switched_with_the_stream_held().await;
     assert!(pair.destination.seen().running());
     // The pages the guest faults on there cross on the preempt channel, past the held stream.
     let faulted = fake_qemu::PREEMPT_PAGES.len() as u64;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while pair.destination.seen().preempt_bytes < faulted {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the faulted pages never arrived: {:?}",
-            pair.destination.seen()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the faulted pages at the destination QEMU", || {
+        pair.destination.seen().preempt_bytes >= faulted
+    })
+    .await;
     let stream = agents::postcopy_stream();
     let (destination, (_, package_end)) = (pair.destination.seen(), package());
     assert!(
@@ -295,15 +297,7 @@ async fn postcopy_at_a_throttle_switches_once_qemu_throttles_that_hard() {
 /// the WAN timeout, and the pages follow when the link returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_dark_beyond_the_wan_timeout_after_the_postcopy_switch_only_stalls_it() {
-    let pair = postcopy_pair(held_after_the_package());
-    let id = pair.migrate(postcopy()).await;
-    pair.source
-        .gates()
-        .stream()
-        .wait_reached("the stream after the package")
-        .await;
-    pair.wait(&id, "the switch", |s| s.phase == Phase::Postcopy)
-        .await;
+    let (pair, id) = switched_with_the_stream_held().await;
     pair.link.darken();
     pair.link.cut();
     // Both ends have been without a connection for longer than the WAN timeout (3 s).
