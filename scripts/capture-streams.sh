@@ -12,6 +12,13 @@
 #   postcopy/running: running, with postcopy-ram on and the switch asked for at once, relayed
 #            to a second QEMU (postcopy needs a live destination and its return path): the
 #            source's stream with the advice, the discards, the package and the pages after it.
+#   postcopy/resumed: the same with the preempt channel, the relay cut in the postcopy phase
+#            (both QEMUs go postcopy-paused), then resumed through a new relay
+#            (`migrate-recover` at the destination, `migrate resume=true` at the source):
+#            NAME.first.qemu is the source's main stream up to the cut, NAME.second.qemu the
+#            resumed one (no header: a RECV_BITMAP per RAM block, RESUME, then the pages).
+#
+# A second argument captures only the stream of that name (say postcopy/resumed).
 #
 # Streams are written with `migrate exec:cat > FILE` (multifd: `migrate unix:` to a listener
 # that keeps each connection) and stored zstd-compressed.
@@ -19,6 +26,7 @@ set -euo pipefail
 out=${1:-$(dirname "$0")/../crates/qemu/tests/streams}
 mkdir -p "$out"
 qemu=${FERRY_QEMU:-qemu-system-x86_64}
+only=${2:-}
 
 capture() { # name running
     local name=$1 running=$2 sock
@@ -186,10 +194,108 @@ PY
     rm -rf "$dir"
     zstd -q -19 -f --rm "$out/$name.qemu"
 }
-capture idle 0
-capture running 1
-mkdir -p "$out/multifd"
-capture_multifd multifd/running 1 none
-capture_multifd multifd/zstd 0 zstd
-mkdir -p "$out/postcopy"
-capture_postcopy postcopy/running
+capture_postcopy_resumed() { # name
+    local name=$1 dir
+    dir=$(mktemp -d /tmp/ferry-capture.XXXXXX)
+    python3 - "$qemu" "$dir" "$out/$name" <<'PY'
+import atexit, json, socket, subprocess, sys, threading, time
+qemu, d, out = sys.argv[1], sys.argv[2], sys.argv[3]
+procs = []
+atexit.register(lambda: [p.kill() for p in procs])
+def start(name, extra):
+    sock = f"{d}/{name}.qmp"
+    p = subprocess.Popen([qemu, "-machine", "q35,accel=tcg", "-m", "64M", "-nodefaults",
+                          "-display", "none", "-S", "-qmp", f"unix:{sock},server=on,wait=off"] + extra)
+    procs.append(p)
+    for _ in range(100):
+        try:
+            s = socket.socket(socket.AF_UNIX); s.connect(sock); break
+        except OSError:
+            time.sleep(0.1)
+    f = s.makefile("rw"); f.readline()
+    def q(cmd, **args):
+        f.write(json.dumps({"execute": cmd, "arguments": args}) + "\n"); f.flush()
+        while True:
+            r = json.loads(f.readline())
+            if "return" in r or "error" in r:
+                if "error" in r: sys.exit(f"{name} {cmd}: {r['error']}")
+                return r["return"]
+    q("qmp_capabilities")
+    return p, q
+src, qs = start("src", [])
+dst, qd = start("dst", ["-incoming", "defer"])
+for q in (qs, qd):
+    q("migrate-set-capabilities", capabilities=[
+        {"capability": c, "state": True} for c in ("return-path", "postcopy-ram", "postcopy-preempt")])
+qd("migrate-incoming", uri=f"unix:{d}/dst.mig")
+# A relay per attempt: the connections QEMU opens (main, then preempt) go to the destination
+# in the same order. The first attempt's relay is slow, so that the cut comes while most pages
+# are still to go (QEMU's postcopy rate limit hardly binds on zero pages); the precopy one makes
+# the switch come early (a source cut once nearly all had crossed fails instead of pausing).
+conns, slow, mains = [], [True], {}
+def relay(listen, target, attempt):
+    listener = socket.socket(socket.AF_UNIX); listener.bind(f"{d}/{listen}"); listener.listen(4)
+    for n in range(2):
+        a, _ = listener.accept()
+        b = socket.socket(socket.AF_UNIX); b.connect(f"{d}/{target}")
+        conns.extend([a, b])
+        def forward(x, y, keep):
+            try:
+                while chunk := x.recv(4096):
+                    if keep is not None: keep += chunk
+                    y.sendall(chunk)
+                    if slow[0] and keep is not None: time.sleep(0.02)
+            except OSError:
+                pass
+        keep = mains.setdefault(attempt, bytearray()) if n == 0 else None
+        threading.Thread(target=forward, args=(a, b, keep), daemon=True).start()
+        threading.Thread(target=forward, args=(b, a, None), daemon=True).start()
+def both(status):
+    for _ in range(400):
+        if qs("query-migrate")["status"] == status and qd("query-migrate").get("status") == status:
+            return
+        time.sleep(0.05)
+    sys.exit(f"never both {status}: {qs('query-migrate')['status']}, {qd('query-migrate').get('status')}")
+threading.Thread(target=relay, args=("relay.mig", "dst.mig", "first"), daemon=True).start()
+qs("cont"); time.sleep(1)
+qs("migrate-set-parameters", **{"max-bandwidth": 100_000})
+qs("migrate", uri=f"unix:{d}/relay.mig")
+time.sleep(0.1)
+qs("migrate-start-postcopy")
+both("postcopy-active")
+time.sleep(1)
+for c in conns:
+    try: c.shutdown(socket.SHUT_RDWR)
+    except OSError: pass
+conns.clear()
+both("postcopy-paused")
+first = bytes(mains["first"])
+threading.Thread(target=relay, args=("relay2.mig", "dst2.mig", "second"), daemon=True).start()
+qd("migrate-recover", uri=f"unix:{d}/dst2.mig")
+slow[0] = False
+qs("migrate", uri=f"unix:{d}/relay2.mig", resume=True)
+seen = set()
+while (st := qs("query-migrate"))["status"] not in ("completed", "failed"):
+    seen.add(st["status"]); time.sleep(0.01)
+if st["status"] != "completed" or not any(s.startswith("postcopy-recover") for s in seen):
+    sys.exit(f"migration {st['status']}, seen {sorted(seen)}")
+# The source closes its end once it completed; the resumed stream is whole soon after.
+src.kill(); src.wait()
+time.sleep(0.5)
+second = bytes(mains["second"])
+for part, data in (("first", first), ("second", second)):
+    with open(f"{out}.{part}.qemu", "wb") as f:
+        f.write(data)
+print(f"{out}: {len(first)} bytes up to the cut, {len(second)} resumed")
+PY
+    rm -rf "$dir"
+    for f in "$out/$name".first.qemu "$out/$name".second.qemu; do zstd -q -19 -f --rm "$f"; done
+}
+wanted() { [ -z "$only" ] || [ "$only" = "$1" ]; }
+mkdir -p "$out/multifd" "$out/postcopy"
+if wanted idle; then capture idle 0; fi
+if wanted running; then capture running 1; fi
+if wanted multifd/running; then capture_multifd multifd/running 1 none; fi
+if wanted multifd/zstd; then capture_multifd multifd/zstd 0 zstd; fi
+if wanted postcopy/running; then capture_postcopy postcopy/running; fi
+if wanted postcopy/resumed; then capture_postcopy_resumed postcopy/resumed; fi

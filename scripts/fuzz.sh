@@ -31,10 +31,13 @@ seed() {
     [ -n "$(ls -A "$dir")" ] && return
     case "$1" in
         migration_stream)
-            # The head of each captured stream, after a chunk-size byte.
+            # The head of each captured stream, after a chunk-size byte (its top bit set for a
+            # resumed postcopy stream).
             for f in crates/qemu/tests/streams/*.qemu.zst crates/qemu/tests/streams/multifd/*.main.qemu.zst \
                 crates/qemu/tests/streams/postcopy/*.qemu.zst; do
-                { printf '\x07'; zstd -dc "$f" 2>/dev/null | head -c 65536 || true; } >"$dir/$(basename "$(dirname "$f")")-$(basename "$f" .qemu.zst)"
+                mode='\x07'
+                case "$f" in *resumed.second*) mode='\x87' ;; esac
+                { printf "$mode"; zstd -dc "$f" 2>/dev/null | head -c 65536 || true; } >"$dir/$(basename "$(dirname "$f")")-$(basename "$f" .qemu.zst)"
             done
             ;;
         multifd_channel)

@@ -38,6 +38,17 @@
 //! and the RAM section goes on after it with the pages the destination asks for and the rest,
 //! until its END and `EOF`. The package's contents are device state, passed through as opaque
 //! pieces; [`StreamParser::ended_package`] says when its last piece went by.
+//!
+//! A postcopy migration whose connection broke resumes on a new one (`migrate resume=true`,
+//! QEMU's postcopy recovery) with a stream that has no header: for each RAM block a
+//! `RECV_BITMAP` (the destination answers with the pages it has), then `RESUME`, then the RAM
+//! section goes on as after the package. [`StreamParser::resumed`] reads it, given the
+//! [`RamLayout`] the first stream announced:
+//!
+//! ```text
+//! 0x08 be16(10) be16 len u8 n name                    RECV_BITMAP, one per RAM block
+//! 0x08 be16(9) be16(0)                                RESUME
+//! ```
 
 use std::collections::HashMap;
 
@@ -98,6 +109,8 @@ mod command {
     pub const POSTCOPY_ADVISE: u16 = 3;
     pub const POSTCOPY_RAM_DISCARD: u16 = 6;
     pub const PACKAGED: u16 = 7;
+    pub const RESUME: u16 = 9;
+    pub const RECV_BITMAP: u16 = 10;
     pub const SWITCHOVER_START: u16 = 11;
 }
 
@@ -112,6 +125,21 @@ pub enum Postcopy {
     Package,
     /// The package has passed: the destination runs the VM, its missing pages follow.
     Running,
+}
+
+/// What a resumed stream needs to know of the stream it continues: the RAM section's id and
+/// its blocks (name and size), as the first stream's setup announced them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RamLayout {
+    pub section: u32,
+    pub blocks: Vec<RamBlock>,
+}
+
+/// One RAM block of a [`RamLayout`]. QEMU names blocks with C strings (`RAMBlock::idstr`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RamBlock {
+    pub name: String,
+    pub size: u64,
 }
 
 /// What the parser found.
@@ -164,8 +192,12 @@ pub enum StreamError {
     UnsupportedIterable(String),
     #[error("device section \"{0}\" arrived before RAM ended; its state cannot be delimited (early-setup devices are not supported)")]
     EarlyDevice(String),
-    #[error("migration command {0} is not supported (COLO and postcopy recovery are not carried by ferry)")]
+    #[error("migration command {0} is not supported (COLO is not carried by ferry)")]
     UnsupportedCommand(u16),
+    #[error("migration command {0} out of place: {1}")]
+    MisplacedCommand(u16, &'static str),
+    #[error("a resumed stream's layout: {0}")]
+    BadLayout(&'static str),
     #[error("a postcopy package command with {0} bytes of data, expected 4")]
     BadPackage(u16),
     #[error("configuration subsection \"{0}\" is not supported")]
@@ -239,6 +271,9 @@ pub struct StreamParser {
     postcopy: Postcopy,
     /// The last item returned was the package's last piece.
     ended_package: bool,
+    /// A resumed postcopy stream ([`StreamParser::resumed`]): `RECV_BITMAP` and `RESUME` may
+    /// come, a header or a package may not.
+    resumed: bool,
 }
 
 impl Default for StreamParser {
@@ -303,7 +338,60 @@ impl StreamParser {
             multifd: false,
             postcopy: Postcopy::Off,
             ended_package: false,
+            resumed: false,
         }
+    }
+
+    /// A parser for a resumed postcopy stream (no header; `RECV_BITMAP`s and `RESUME`, then
+    /// the RAM section's parts) continuing a stream whose setup announced `layout`. The layout
+    /// may come from the peer, so it is held to the same caps as a stream's own block list.
+    pub fn resumed(layout: &RamLayout) -> Result<StreamParser, StreamError> {
+        if layout.blocks.is_empty() {
+            return Err(StreamError::BadLayout("no RAM blocks"));
+        }
+        if layout.blocks.len() > MAX_RAM_BLOCKS {
+            return Err(StreamError::BadLayout(
+                "more RAM blocks than a stream may announce",
+            ));
+        }
+        let mut blocks = HashMap::new();
+        for block in &layout.blocks {
+            if block.name.is_empty() || block.name.len() > usize::from(u8::MAX) {
+                return Err(StreamError::BadLayout(
+                    "a RAM block name of 0 or over 255 bytes",
+                ));
+            }
+            if blocks
+                .insert(Bytes::copy_from_slice(block.name.as_bytes()), block.size)
+                .is_some()
+            {
+                return Err(StreamError::BadLayout("a RAM block named twice"));
+            }
+        }
+        Ok(StreamParser {
+            state: State::Top,
+            blocks,
+            ram_section: Some(layout.section),
+            postcopy: Postcopy::Running,
+            resumed: true,
+            ..StreamParser::new()
+        })
+    }
+
+    /// The RAM section's id and blocks, once its setup has passed: what a resumed stream
+    /// continues from.
+    pub fn ram_layout(&self) -> Option<RamLayout> {
+        let section = self.ram_section?;
+        let mut blocks: Vec<RamBlock> = self
+            .blocks
+            .iter()
+            .map(|(name, &size)| RamBlock {
+                name: String::from_utf8_lossy(name).into_owned(),
+                size,
+            })
+            .collect();
+        blocks.sort_by(|a, b| a.name.cmp(&b.name));
+        Some(RamLayout { section, blocks })
     }
 
     /// Where the stream is in postcopy.
@@ -481,15 +569,30 @@ impl StreamParser {
                 let (Some(cmd), Some(len)) = (cur.be16(), cur.be16()) else {
                     return Ok(None);
                 };
-                if !matches!(
-                    cmd,
-                    command::OPEN_RETURN_PATH
-                        | command::PING
-                        | command::SWITCHOVER_START
-                        | command::POSTCOPY_ADVISE
-                        | command::POSTCOPY_RAM_DISCARD
-                        | command::PACKAGED
-                ) {
+                let resume_command = matches!(cmd, command::RESUME | command::RECV_BITMAP);
+                if resume_command && !self.resumed {
+                    return Err(StreamError::MisplacedCommand(
+                        cmd,
+                        "postcopy recovery's commands come only in a resumed stream",
+                    ));
+                }
+                if cmd == command::PACKAGED && self.resumed {
+                    return Err(StreamError::MisplacedCommand(
+                        cmd,
+                        "a resumed stream has no postcopy package",
+                    ));
+                }
+                if !resume_command
+                    && !matches!(
+                        cmd,
+                        command::OPEN_RETURN_PATH
+                            | command::PING
+                            | command::SWITCHOVER_START
+                            | command::POSTCOPY_ADVISE
+                            | command::POSTCOPY_RAM_DISCARD
+                            | command::PACKAGED
+                    )
+                {
                     return Err(StreamError::UnsupportedCommand(cmd));
                 }
                 if cmd == command::PACKAGED && len != 4 {

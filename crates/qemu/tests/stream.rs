@@ -3,7 +3,12 @@
 //! streams stop with an error that names what is wrong.
 
 use bytes::BytesMut;
-use ferry_qemu::stream::{flag, Item, Postcopy, RamData, StreamError, StreamParser};
+use std::collections::{HashMap, HashSet};
+
+use bytes::Bytes;
+use ferry_qemu::stream::{
+    flag, Item, Postcopy, RamBlock, RamData, RamLayout, StreamError, StreamParser, PAGE_SIZE,
+};
 use proptest::prelude::*;
 
 fn stream(name: &str) -> Vec<u8> {
@@ -17,7 +22,14 @@ fn stream(name: &str) -> Vec<u8> {
 /// Feeds `data` in chunks of the given sizes (cycled) and returns the items and the
 /// re-encoded bytes.
 fn parse_chunked(data: &[u8], chunks: &[usize]) -> Result<(Vec<Item>, Vec<u8>), StreamError> {
-    let mut parser = StreamParser::new();
+    parse_chunked_with(StreamParser::new(), data, chunks)
+}
+
+fn parse_chunked_with(
+    mut parser: StreamParser,
+    data: &[u8],
+    chunks: &[usize],
+) -> Result<(Vec<Item>, Vec<u8>), StreamError> {
     let mut buf = BytesMut::new();
     let mut items = Vec::new();
     let mut out = BytesMut::new();
@@ -163,6 +175,148 @@ fn a_stream_ending_inside_its_package_is_truncated() {
         parser.finish(0),
         Err(StreamError::Truncated("a postcopy package"))
     );
+}
+
+/// The captured stream up to the cut (it ends inside an item) and the parser that read it.
+fn resumed_first_part() -> StreamParser {
+    let data = stream("postcopy/resumed.first");
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::from(&data[..]);
+    while parser.next_item(&mut buf).unwrap().is_some() {}
+    assert_eq!(
+        parser.postcopy(),
+        Postcopy::Running,
+        "the cut came after the switch"
+    );
+    parser
+}
+
+/// The (block, offset) of every page record in `items`.
+fn pages_of(items: &[Item], into: &mut HashSet<(Bytes, u64)>, block: &mut Option<Bytes>) {
+    for item in items {
+        if let Item::Ram(r) = item {
+            if r.block.is_some() {
+                block.clone_from(&r.block);
+            }
+            if !matches!(r.data, RamData::None) {
+                into.insert((block.clone().expect("a named block"), r.offset));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_resumed_postcopy_stream_reemits_and_with_the_first_delivers_every_page() {
+    let first = resumed_first_part();
+    let layout = first.ram_layout().expect("the RAM setup passed");
+    assert!(
+        layout.blocks.iter().any(|b| b.name == "pc.ram"),
+        "{layout:?}"
+    );
+    let data = stream("postcopy/resumed.second");
+    // No header: postcopy recovery's bitmap requests come first.
+    assert_eq!(&data[..3], &[0x08, 0, 10]);
+    let (items, out) =
+        parse_chunked_with(StreamParser::resumed(&layout).unwrap(), &data, &[7, 4096]).unwrap();
+    assert_eq!(out, data);
+
+    // What crossed before the cut and what the resumed stream sent cover every page of every
+    // block at least once: the destination QEMU's bitmaps told the source what it lacked.
+    let data = stream("postcopy/resumed.first");
+    let (mut seen, mut block) = (HashSet::new(), None);
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::from(&data[..]);
+    let mut before = Vec::new();
+    while let Some(item) = parser.next_item(&mut buf).unwrap() {
+        before.push(item);
+    }
+    pages_of(&before, &mut seen, &mut block);
+    let crossed_before = seen.len();
+    pages_of(&items, &mut seen, &mut None);
+    let sizes: HashMap<_, _> = layout
+        .blocks
+        .iter()
+        .map(|b| (b.name.as_str(), b.size))
+        .collect();
+    let all: u64 = sizes.values().map(|size| size / PAGE_SIZE as u64).sum();
+    assert_eq!(
+        seen.len() as u64,
+        all,
+        "pages before the cut: {crossed_before}"
+    );
+    assert!(
+        crossed_before + 1000 < seen.len(),
+        "the resumed stream brought the rest: {crossed_before} of {all} before the cut"
+    );
+}
+
+#[test]
+fn a_resumed_stream_needs_its_layout_and_its_commands_stay_in_it() {
+    let layout = resumed_first_part().ram_layout().unwrap();
+    let data = stream("postcopy/resumed.second");
+    // Read as a first stream: no header.
+    assert!(matches!(
+        parse_chunked(&data, &[4096]),
+        Err(StreamError::BadMagic(_))
+    ));
+    // A layout without the block the pages name.
+    let without_ram = RamLayout {
+        blocks: layout
+            .blocks
+            .iter()
+            .filter(|b| b.name != "pc.ram")
+            .cloned()
+            .collect(),
+        ..layout.clone()
+    };
+    let parser = StreamParser::resumed(&without_ram).unwrap();
+    assert_eq!(
+        parse_chunked_with(parser, &data, &[4096]).unwrap_err(),
+        StreamError::UnknownBlock("pc.ram".into())
+    );
+    // A layout from a peer is capped like a stream's own block list.
+    let named = |name: String| RamBlock { name, size: 4096 };
+    for bad in [
+        RamLayout {
+            section: 1,
+            blocks: vec![],
+        },
+        RamLayout {
+            section: 1,
+            blocks: (0..1025).map(|i| named(format!("b{i}"))).collect(),
+        },
+        RamLayout {
+            section: 1,
+            blocks: vec![named("x".into()), named("x".into())],
+        },
+        RamLayout {
+            section: 1,
+            blocks: vec![named("y".repeat(256))],
+        },
+    ] {
+        assert!(
+            matches!(StreamParser::resumed(&bad), Err(StreamError::BadLayout(_))),
+            "{} blocks",
+            bad.blocks.len()
+        );
+    }
+    // RESUME in a first stream, a package in a resumed one.
+    let mut parser = StreamParser::new();
+    let mut buf = BytesMut::from(&stream_of(&[0x08, 0, 9, 0, 0])[..]);
+    let e = loop {
+        match parser.next_item(&mut buf) {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("wants more"),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(e, StreamError::MisplacedCommand(9, _)), "{e}");
+    let mut parser = StreamParser::resumed(&layout).unwrap();
+    let mut buf = BytesMut::from(&[0x08, 0, 7, 0, 4, 0, 0, 0, 1][..]);
+    assert!(matches!(
+        parser.next_item(&mut buf),
+        Err(StreamError::MisplacedCommand(7, _))
+    ));
 }
 
 proptest! {
