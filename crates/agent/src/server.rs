@@ -26,7 +26,7 @@ use crate::engine::control::{self, Control};
 use crate::engine::journal::Journal;
 use crate::engine::monitor_dir::MonitorDir;
 use crate::engine::status::{now_ms, Registry, Shared};
-use crate::engine::{destination, recovery, source};
+use crate::engine::{destination, postcopy_recovery, recovery, source};
 use crate::libvirt::Libvirt;
 use crate::refusal::Refusal;
 use crate::{libvirt_migration, tunnel};
@@ -127,7 +127,13 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             pool: agent.pool.clone(),
         })
     };
-    recovery::recover_outgoing(&agent.journal, &agent.migrations, peer_of).await;
+    recovery::recover_outgoing(
+        &agent.journal,
+        &agent.migrations,
+        &agent.config.work_dir,
+        peer_of,
+    )
+    .await;
     tracing::info!(
         "agent {} listening for peers on {} and for the CLI on {}",
         agent.config.name,
@@ -395,6 +401,19 @@ impl Agent {
                         .await;
                     }
                     control::park_and_end(&s, "verdict given").await;
+                }
+                Ok(Ok(Control::ResumePostcopy { of, .. })) => {
+                    let old = agent.sessions.lock().expect("lock").get(&of).cloned();
+                    let sessions = agent.clone();
+                    postcopy_recovery::resume_destination(
+                        s,
+                        of,
+                        old,
+                        move || !sessions.sessions.lock().expect("lock").contains_key(&of),
+                        agent.journal.clone(),
+                        agent.config.work_dir.clone(),
+                    )
+                    .await;
                 }
                 Ok(Ok(first)) => {
                     let dirs = destination::Dirs {

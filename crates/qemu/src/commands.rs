@@ -99,6 +99,29 @@ pub struct MigrateIncoming {
 }
 command!(MigrateIncoming, "migrate-incoming", Value);
 
+/// `migrate resume=true`: a source whose postcopy migration is `postcopy-paused` goes on on a
+/// new connection to `uri` (QEMU's postcopy recovery).
+#[derive(Debug, Serialize)]
+pub struct MigrateResume {
+    pub uri: String,
+    pub resume: bool,
+}
+command!(MigrateResume, "migrate", Value);
+
+/// `migrate-recover`: a destination whose postcopy migration is `postcopy-paused` listens on
+/// `uri` for the source's resumed stream.
+#[derive(Debug, Serialize)]
+pub struct MigrateRecover {
+    pub uri: String,
+}
+command!(MigrateRecover, "migrate-recover", Value);
+
+/// `migrate-pause`: a postcopy migration whose connection has not failed (yet) pauses as if it
+/// had, so that it can be recovered on a new one.
+#[derive(Debug, Serialize)]
+pub struct MigratePause;
+command!(MigratePause, "migrate-pause", Value);
+
 /// `migrate_cancel`.
 #[derive(Debug, Serialize)]
 pub struct MigrateCancel;

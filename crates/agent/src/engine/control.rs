@@ -79,7 +79,9 @@ pub struct ImageShape {
 /// postcopy capability's stream).
 /// 11: postcopy with QEMU's preempt channel (`PREEMPT`, `End.preempt`): both QEMUs must have
 /// the capability, or the faulted pages would go to a channel the destination never opens.
-pub const CONTROL_VERSION: u32 = 11;
+/// 12: `ResumePostcopy` and `PostcopyRecovering` (QEMU's postcopy recovery after an agent was
+/// lost past the switch).
+pub const CONTROL_VERSION: u32 = 12;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -253,6 +255,17 @@ pub enum Control {
     VerdictIs {
         verdict: crate::engine::journal::Verdict,
     },
+    /// Source, instead of `Prepare`, on a session of its own: the postcopy migration of
+    /// session `of` lost its connection between an agent and its QEMU past the switch (an
+    /// agent restarted); the source QEMU resumes it through QEMU's postcopy recovery, and
+    /// this session carries the resumed stream ([`crate::engine::postcopy_recovery`]).
+    ResumePostcopy {
+        version: u32,
+        #[serde(with = "crate::engine::journal::session_hex")]
+        of: ferry_wire::SessionId,
+    },
+    /// Destination: its QEMU listens for the resumed stream (`migrate-recover`).
+    PostcopyRecovering,
 }
 
 /// What a tunnelled connection reaches at the destination.

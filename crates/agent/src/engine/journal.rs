@@ -84,6 +84,10 @@ pub struct OutgoingRecord {
     /// The destination agent's name.
     pub to: String,
     pub state: OutgoingState,
+    /// Committed at the postcopy switch, and not every page has been delivered yet: the VM
+    /// runs at the destination and needs what only this source QEMU holds.
+    #[serde(default)]
+    pub postcopy_pending: bool,
     #[serde(default)]
     pub reason: Option<String>,
     pub started_unix_ms: u64,

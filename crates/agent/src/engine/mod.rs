@@ -40,6 +40,7 @@ pub mod load_sieve;
 pub mod monitor_dir;
 pub mod page_ledger;
 pub mod postcopy;
+pub mod postcopy_recovery;
 pub mod preempt;
 pub mod recovery;
 pub mod seed_store;

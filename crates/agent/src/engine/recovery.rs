@@ -41,6 +41,7 @@ use crate::engine::control::{self, Control, CONTROL_VERSION};
 use crate::engine::journal::{
     IncomingRecord, IncomingState, Journal, OutgoingRecord, OutgoingState, Verdict,
 };
+use crate::engine::postcopy_recovery;
 use crate::engine::status::{now_ms, Events, Registry, Shared};
 
 /// How often a source in doubt asks the destination.
@@ -60,32 +61,7 @@ pub struct PeerLink {
 /// Asks the destination what became of the migration on session `of`, which started at
 /// `started_unix_ms`.
 pub async fn ask_verdict(peer: &PeerLink, of: SessionId, started_unix_ms: u64) -> Result<Verdict> {
-    let addr = tokio::net::lookup_host(&peer.address)
-        .await
-        .with_context(|| format!("peer {:?}: address {:?}", peer.name, peer.address))?
-        .next()
-        .ok_or_else(|| {
-            anyhow!(
-                "peer {:?}: {:?} resolves to nothing",
-                peer.name,
-                peer.address
-            )
-        })?;
-    let session = Session::new(SessionId::random(), SessionConfig::default());
-    let (events, _link_events) = tokio::sync::mpsc::unbounded_channel();
-    let _connections = keep_connected(
-        session.clone(),
-        Peer {
-            addr,
-            name: peer.name.clone(),
-            tls: peer.tls.clone(),
-            connections: 1,
-            link_rate_mbit: None,
-            pool: peer.pool.clone(),
-        },
-        Duration::from_millis(500),
-        events,
-    );
+    let (session, _connections) = connect_to(peer).await?;
     let asked = async {
         control::send(
             &session,
@@ -107,6 +83,37 @@ pub async fn ask_verdict(peer: &PeerLink, of: SessionId, started_unix_ms: u64) -
         .map_err(|_| anyhow!("no answer within {}s", ANSWER_TIMEOUT.as_secs()))?;
     control::park_and_end(&session, "verdict given").await;
     verdict
+}
+
+/// A new session to `peer` on one connection, kept connected while the returned set lives.
+pub async fn connect_to(peer: &PeerLink) -> Result<(Session, tokio::task::JoinSet<()>)> {
+    let addr = tokio::net::lookup_host(&peer.address)
+        .await
+        .with_context(|| format!("peer {:?}: address {:?}", peer.name, peer.address))?
+        .next()
+        .ok_or_else(|| {
+            anyhow!(
+                "peer {:?}: {:?} resolves to nothing",
+                peer.name,
+                peer.address
+            )
+        })?;
+    let session = Session::new(SessionId::random(), SessionConfig::default());
+    let (events, _link_events) = tokio::sync::mpsc::unbounded_channel();
+    let connections = keep_connected(
+        session.clone(),
+        Peer {
+            addr,
+            name: peer.name.clone(),
+            tls: peer.tls.clone(),
+            connections: 1,
+            link_rate_mbit: None,
+            pool: peer.pool.clone(),
+        },
+        Duration::from_millis(500),
+        events,
+    );
+    Ok((session, connections))
 }
 
 /// The destination's answer about session `of` (started at `started_unix_ms` by the source's
@@ -294,6 +301,7 @@ async fn settle_committing(journal: &Journal, record: IncomingRecord) -> Incomin
 pub async fn recover_outgoing(
     journal: &Journal,
     registry: &Registry,
+    work_dir: &Path,
     peer_of: impl Fn(&str) -> Option<PeerLink>,
 ) {
     let records = match journal.all_outgoing() {
@@ -314,6 +322,25 @@ pub async fn recover_outgoing(
         });
         crate::engine::status::register(registry, record.id.clone(), status.clone());
         match record.state {
+            OutgoingState::Committed if postcopy_recovery::source_paused(&record).await => {
+                let Some(peer) = peer_of(&record.to) else {
+                    status.update(|s| {
+                        s.detail = format!(
+                            "postcopy, paused: the destination {:?} is no longer in this \
+                             agent's config, so its migration cannot be resumed",
+                            record.to
+                        );
+                    });
+                    continue;
+                };
+                tokio::spawn(postcopy_recovery::resume_source(
+                    record,
+                    peer,
+                    work_dir.to_owned(),
+                    journal.clone(),
+                    status,
+                ));
+            }
             OutgoingState::Committed => {
                 status.update(|s| {
                     s.state = MigrationState::Committed;

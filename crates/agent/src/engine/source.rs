@@ -181,6 +181,7 @@ async fn migrate(
         disks: req.disks.clone(),
         to: req.to.clone(),
         state: OutgoingState::Preparing,
+        postcopy_pending: false,
         reason: None,
         started_unix_ms: started.started_unix_ms,
         updated_unix_ms: now_ms(),
@@ -1176,6 +1177,7 @@ impl Switch<'_> {
     fn destination_runs(&mut self, committed: Control, status: &Shared) {
         let record = OutgoingRecord {
             state: OutgoingState::Committed,
+            postcopy_pending: true,
             reason: None,
             updated_unix_ms: now_ms(),
             ..self.record.clone()

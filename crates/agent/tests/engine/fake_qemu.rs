@@ -11,6 +11,13 @@
 //! switch and writes [`PREEMPT_PAGES`] on it once the package is out (the pages the guest
 //! faulted on); the destination completes only if they arrived on its second connection.
 //!
+//! Postcopy recovery as QEMU's: a postcopy migration whose connection breaks goes
+//! `postcopy-paused` at either end. The destination's `migrate-recover` listens again, and
+//! the source's `migrate resume=true` connects there (and a new preempt channel, with
+//! [`PREEMPT_PAGES`] again) and writes everything after the package again, which the
+//! destination takes in place of what it had after the package (the bitmap exchange of a
+//! real QEMU, abridged).
+//!
 //! Each fake runs on its own runtime, so that [`FakeQemu::kill`] takes all of it down at once,
 //! as a killed process would: its sockets close, its migration stops half way.
 
@@ -218,6 +225,8 @@ struct Shared {
     events: Mutex<Option<mpsc::UnboundedSender<String>>>,
     /// Source: `migrate_cancel` asked for.
     cancel: watch::Sender<bool>,
+    /// Destination: what it had read when its postcopy migration paused.
+    paused_with: Mutex<Option<Vec<u8>>>,
 }
 
 impl Shared {
@@ -287,6 +296,7 @@ impl FakeQemu {
             }),
             events: Mutex::new(None),
             cancel: watch::Sender::new(false),
+            paused_with: Mutex::new(None),
         });
         let _ = std::fs::remove_file(&qmp);
         let listener = {
@@ -402,8 +412,34 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
                 return Err("not a source".into());
             };
             let path = unix_path(args)?;
+            if args["resume"] == true {
+                if seen.migration.as_deref() != Some("postcopy-paused") {
+                    return Err("Cannot resume if there is no paused migration".into());
+                }
+                shared.update(|s| s.migration = Some("postcopy-recover".into()));
+                tokio::spawn(send_resumed(shared.clone(), stream.clone(), path));
+                return Ok(json!({}));
+            }
             shared.update(|s| s.migration = Some("active".into()));
             tokio::spawn(send_stream(shared.clone(), stream.clone(), path));
+            Ok(json!({}))
+        }
+        "migrate-recover" => {
+            let Role::Destination(expected) = &shared.role else {
+                return Err("not a destination".into());
+            };
+            let Some(got) = shared.paused_with.lock().expect("paused").take() else {
+                return Err("Migrate recover can only be run when postcopy is paused.".into());
+            };
+            let path = unix_path(args)?;
+            let listener = UnixListener::bind(&path).map_err(|e| format!("bind: {e}"))?;
+            shared.update(|s| s.migration = Some("postcopy-recover".into()));
+            tokio::spawn(load_resumed(
+                shared.clone(),
+                expected.clone(),
+                listener,
+                got,
+            ));
             Ok(json!({}))
         }
         "migrate_cancel" => {
@@ -630,6 +666,43 @@ async fn send_stream(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
     shared.event("MIGRATION", json!({"status": "completed"}));
 }
 
+/// The source's resumed postcopy migration: everything after the package again, with the
+/// faulted pages on a new preempt channel.
+async fn send_resumed(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) {
+    let fail = |why: String| {
+        shared.update(|s| {
+            s.error = Some(why);
+            s.migration = Some("postcopy-paused".into());
+        });
+    };
+    let (_, package_end) = shared.package.expect("a postcopy stream");
+    let mut conn = match UnixStream::connect(&path).await {
+        Ok(conn) => conn,
+        Err(e) => return fail(format!("connect {}: {e}", path.display())),
+    };
+    let mut preempt = match UnixStream::connect(&path).await {
+        Ok(conn) => conn,
+        Err(e) => return fail(format!("connect the preempt channel: {e}")),
+    };
+    shared.update(|s| s.migration = Some("postcopy-active".into()));
+    if let Err(e) = preempt.write_all(PREEMPT_PAGES).await {
+        return fail(format!("writing the preempt channel: {e}"));
+    }
+    for piece in stream[package_end..].chunks(PIECE) {
+        if let Err(e) = conn.write_all(piece).await {
+            return fail(format!("writing the resumed stream: {e}"));
+        }
+        shared.update(|s| s.stream_bytes += piece.len() as u64);
+    }
+    let _ = conn.shutdown().await;
+    let _ = preempt.shutdown().await;
+    shared.update(|s| {
+        s.migration = Some("completed".into());
+        s.status = "postmigrate".into();
+    });
+    shared.event("MIGRATION", json!({"status": "completed"}));
+}
+
 /// The destination's load: the whole stream, then whether it was the one expected.
 async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: UnixListener) {
     let Ok((mut conn, _)) = listener.accept().await else {
@@ -670,7 +743,15 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
             }
         }
         match conn.read(&mut buf[..want]).await {
-            Ok(0) | Err(_) => break,
+            Ok(0) | Err(_) => {
+                if shared.update(|s| s.migration.as_deref() == Some("postcopy-active")) {
+                    // The VM runs here without all of its pages: it waits for a recovery.
+                    *shared.paused_with.lock().expect("paused") = Some(got);
+                    shared.update(|s| s.migration = Some("postcopy-paused".into()));
+                    return;
+                }
+                break;
+            }
             Ok(n) => {
                 got.extend_from_slice(&buf[..n]);
                 let package_loaded = shared
@@ -695,7 +776,47 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
         Some(task) if switched => task.await.ok().flatten().as_deref() == Some(PREEMPT_PAGES),
         _ => true,
     };
-    let loaded = got == *expected && preempt_intact;
+    finish_load(&shared, &expected, &got, preempt_intact);
+}
+
+/// The destination's resumed postcopy migration: the source's stream after the package again
+/// (main connection), and its new preempt channel.
+async fn load_resumed(
+    shared: Arc<Shared>,
+    expected: Arc<Vec<u8>>,
+    listener: UnixListener,
+    mut got: Vec<u8>,
+) {
+    let Ok((mut conn, _)) = listener.accept().await else {
+        return;
+    };
+    let Ok((mut preempt, _)) = listener.accept().await else {
+        return;
+    };
+    shared.update(|s| s.migration = Some("postcopy-active".into()));
+    let (_, package_end) = shared.package.expect("a postcopy stream");
+    got.truncate(package_end);
+    // As QEMU, it knows from what it read when it has everything (its agent keeps the
+    // connections open).
+    let mut resumed = vec![0u8; expected.len().saturating_sub(package_end)];
+    let mut faulted = vec![0u8; PREEMPT_PAGES.len()];
+    let (a, b) = tokio::join!(
+        conn.read_exact(&mut resumed),
+        preempt.read_exact(&mut faulted)
+    );
+    if a.is_err() || b.is_err() {
+        return;
+    }
+    got.extend_from_slice(&resumed);
+    shared.update(|s| {
+        s.stream_bytes = got.len() as u64;
+        s.preempt_bytes = faulted.len() as u64;
+    });
+    finish_load(&shared, &expected, &got, faulted == PREEMPT_PAGES);
+}
+
+fn finish_load(shared: &Shared, expected: &[u8], got: &[u8], preempt_intact: bool) {
+    let loaded = got == expected && preempt_intact;
     shared.update(|s| {
         s.loaded = loaded;
         if loaded {

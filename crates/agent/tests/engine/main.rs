@@ -204,6 +204,45 @@ async fn switched_with_the_stream_held() -> (Pair, String) {
     (pair, id)
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_agent_restarted_after_the_postcopy_switch_resumes_it_through_qemus_recovery() {
+    use ferry_agent::engine::journal::Journal;
+    let (mut pair, id) = switched_with_the_stream_held().await;
+    // The source agent goes with the socket its QEMU writes the rest of the memory to.
+    pair.a.kill();
+    pair.source.gates().stream().open();
+    wait_until("the source QEMU pauses its postcopy migration", || {
+        pair.source.seen().migration.as_deref() == Some("postcopy-paused")
+    })
+    .await;
+    let journal = Journal::new(&pair.a.config.work_dir);
+    let record = journal.all_outgoing().unwrap().pop().expect("a record");
+    assert!(record.postcopy_pending, "{record:?}");
+    assert!(pair.destination.seen().running());
+    // Restarted, it finds the paused QEMU its record names and resumes the migration; the
+    // destination agent gives up the old session, and its QEMU recovers on a new socket.
+    pair.a.restart();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    assert!(source.ran("quit") && !source.ran("cont"), "{source:?}");
+    assert!(destination.ran("migrate-recover"), "{destination:?}");
+    assert!(
+        destination.loaded && destination.running(),
+        "{destination:?}"
+    );
+    assert_eq!(
+        destination.preempt_bytes,
+        fake_qemu::PREEMPT_PAGES.len() as u64
+    );
+    assert!(!destination.ran("quit"), "{destination:?}");
+    let record = journal.all_outgoing().unwrap().pop().expect("a record");
+    assert!(
+        !record.postcopy_pending && record.reason.is_none(),
+        "{record:?}"
+    );
+}
+
 fn postcopy() -> MigrationSettings {
     MigrationSettings {
         postcopy: true,

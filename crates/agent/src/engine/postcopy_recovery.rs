@@ -1,0 +1,458 @@
+//! Postcopy recovery: a connection between an agent and its QEMU lost after the postcopy
+//! switch (the agent was killed and restarted) is resumed through QEMU's own recovery.
+//!
+//! Past the switch the VM runs at the destination and the pages that had not crossed are only
+//! in the source QEMU. A WAN outage never breaks QEMU's sockets (the agents hold on and
+//! replay, [`crate::engine::postcopy::HOLD_AFTER_SWITCH`]), but an agent that goes takes its
+//! QEMU's sockets with it: that QEMU goes `postcopy-paused`, and the VM at the destination
+//! waits on its faults. The source's record says so (`postcopy_pending`), and the restarted
+//! source agent resumes the migration on a session of its own:
+//!
+//! ```text
+//!  source (restarted)                            destination
+//!  QEMU postcopy-paused (same process)
+//!  ResumePostcopy{of}            ==>             the old session failed (its QEMU sockets
+//!                                                close: QEMU pauses); postcopy-paused;
+//!                                                migrate-recover on a new socket
+//!                                <==  PostcopyRecovering
+//!  migrate resume=true to the agent's socket
+//!  the resumed stream (raw)      ==>             fed to QEMU; its return path back
+//!  the new preempt channel       ==>             QEMU's second connection
+//!  QEMU completed: End{bytes, digest, preempt}   the whole resumed stream matches, QEMU
+//!                                <==  Delivered  completed
+//!  quit
+//! ```
+//!
+//! The resumed stream begins with QEMU's bitmap exchange: the destination QEMU says which
+//! pages it has, so what was lost with the old agent's buffers is sent again. It crosses
+//! raw, without the codec (whose history went with the old agent), checked end to end by its
+//! digest like any stream; recovery is rare and what is left is at most the memory.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::BytesMut;
+use ferry_api::agent::{MigrationState, Phase};
+use ferry_api::EventKind;
+use ferry_qemu::commands::{MigratePause, MigrateRecover, MigrateResume, QueryMigrate, Quit};
+use ferry_qemu::Qmp;
+use ferry_wire::{Received, Session, SessionId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::engine::control::{self, Control, CONTROL_VERSION, PREEMPT, RETURN_PATH, STREAM};
+use crate::engine::digest::{StreamDigest, ALGORITHM};
+use crate::engine::journal::{IncomingState, Journal, OutgoingRecord, OutgoingState};
+use crate::engine::postcopy::HOLD_AFTER_SWITCH;
+use crate::engine::preempt;
+use crate::engine::recovery::{connect_to, PeerLink};
+use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
+use crate::engine::status::{now_ms, Events, Shared};
+
+/// How long a QEMU may take to notice its lost connection and pause.
+const PAUSE_WITHIN: Duration = Duration::from_secs(30);
+/// How often QEMU's migration state is asked while waiting.
+const POLL: Duration = Duration::from_millis(50);
+/// The most read from QEMU's resumed stream at once.
+const READ: usize = 256 << 10;
+
+/// Source, restarted: whether `record` is a postcopy migration whose source QEMU (the same
+/// process) waits to be resumed.
+pub async fn source_paused(record: &OutgoingRecord) -> bool {
+    if !(record.state == OutgoingState::Committed && record.postcopy_pending) {
+        return false;
+    }
+    let Ok(qmp) = Qmp::connect(&record.source_qmp).await else {
+        return false;
+    };
+    if record.source_pid.is_none() || qmp.peer_pid() != record.source_pid {
+        return false;
+    }
+    migration_status(&qmp).await.as_deref() == Some("postcopy-paused")
+}
+
+/// Source, restarted: resumes the postcopy migration `record` describes, then records and
+/// shows how it ended.
+pub async fn resume_source(
+    record: OutgoingRecord,
+    peer: PeerLink,
+    work_dir: PathBuf,
+    journal: Journal,
+    status: Shared,
+) {
+    status.update(|s| {
+        s.state = MigrationState::Running;
+        s.phase = Phase::Postcopy;
+        s.detail = "postcopy: the source agent restarted; resuming the migration through \
+                    QEMU's postcopy recovery"
+            .into();
+    });
+    tracing::warn!(
+        "migration {} of {:?}: postcopy, its source QEMU paused since the agent restarted: \
+         resuming it",
+        record.id,
+        record.vm
+    );
+    let result = tokio::time::timeout(
+        HOLD_AFTER_SWITCH,
+        carry_resumed_source(&record, &peer, &work_dir, &status),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(anyhow!(
+            "the resumed postcopy migration did not end within {}s",
+            HOLD_AFTER_SWITCH.as_secs()
+        ))
+    });
+    let reason = match &result {
+        Ok(()) => None,
+        Err(e) => Some(format!(
+            "{e:#}; the VM runs at the destination without the pages still in the source QEMU, \
+             which stays paused: restart the source agent to try again"
+        )),
+    };
+    status.update(|s| match &reason {
+        None => {
+            s.state = MigrationState::Committed;
+            s.phase = Phase::Committed;
+            s.detail = "postcopy: every page delivered after QEMU's postcopy recovery".into();
+            s.event(
+                EventKind::Committed,
+                "postcopy: recovered after the source agent restarted; every page delivered",
+            );
+        }
+        Some(reason) => {
+            s.state = MigrationState::Failed;
+            s.phase = Phase::Failed;
+            s.detail.clone_from(reason);
+            s.error = Some(reason.clone());
+            s.event(EventKind::Failed, reason.clone());
+        }
+    });
+    let settled = OutgoingRecord {
+        postcopy_pending: reason.is_some(),
+        reason,
+        updated_unix_ms: now_ms(),
+        ..record
+    };
+    if let Err(e) = journal.write_outgoing(&settled) {
+        tracing::error!("migration {}: {e:#}", settled.id);
+    }
+}
+
+async fn carry_resumed_source(
+    record: &OutgoingRecord,
+    peer: &PeerLink,
+    work_dir: &Path,
+    status: &Shared,
+) -> Result<()> {
+    let qmp = Qmp::connect(&record.source_qmp)
+        .await
+        .context("the source QEMU's monitor")?;
+    let (session, _connections) = connect_to(peer).await?;
+    control::send(
+        &session,
+        &Control::ResumePostcopy {
+            version: CONTROL_VERSION,
+            of: record.session,
+        },
+    )
+    .await?;
+    match control::recv(&session).await? {
+        Control::PostcopyRecovering => {}
+        Control::Abort { reason } => bail!("the destination refused to resume: {reason}"),
+        other => bail!("unexpected answer to ResumePostcopy: {other:?}"),
+    }
+    let sock = work_dir.join(format!("{}.src.sock", session.id()));
+    let _ = std::fs::remove_file(&sock);
+    let listener = UnixListener::bind(&sock).with_context(|| format!("bind {}", sock.display()))?;
+    let _socket_file = RemoveOnDrop(sock.clone());
+    qmp.execute(&MigrateResume {
+        uri: format!("unix:{}", sock.display()),
+        resume: true,
+    })
+    .await
+    .context("the source QEMU refused to resume its postcopy migration")?;
+    let (conn, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .context("QEMU did not connect to the agent's socket within 10s")??;
+    let (mut from_qemu, mut to_qemu) = conn.into_split();
+    // A resumed migration opens a new preempt channel on the same socket.
+    session.make_urgent(PREEMPT);
+    let mut preempt_task = AbortHandleOnDrop(tokio::spawn(preempt::forward(
+        listener,
+        session.clone(),
+        status.clone(),
+    )));
+    let rp_session = session.clone();
+    let _return_path = AbortHandleOnDrop(tokio::spawn(async move {
+        while let Ok(Received::Data(b)) = rp_session.recv(RETURN_PATH).await {
+            if to_qemu.write_all(&b).await.is_err() {
+                break;
+            }
+        }
+    }));
+    let mut hash = StreamDigest::new();
+    let mut bytes = 0u64;
+    let mut buf = BytesMut::with_capacity(READ);
+    loop {
+        buf.reserve(READ);
+        let n = from_qemu
+            .read_buf(&mut buf)
+            .await
+            .context("reading the source QEMU's resumed stream")?;
+        if n == 0 {
+            break;
+        }
+        let chunk = buf.split().freeze();
+        hash.update(&chunk);
+        bytes += chunk.len() as u64;
+        session.send(STREAM, chunk).await?;
+        status.update(|s| s.stream_bytes += n as u64);
+    }
+    // QEMU closes its connections once its migration completed.
+    let preempt_carried = (&mut preempt_task.0)
+        .await
+        .context("the preempt channel's task")??;
+    match migration_status(&qmp).await.as_deref() {
+        Some("completed") => {}
+        other => bail!(
+            "the source QEMU closed its resumed stream in state {}",
+            other.unwrap_or("unknown")
+        ),
+    }
+    control::send(
+        &session,
+        &Control::End {
+            bytes,
+            digest: hash.hex(),
+            preempt: Some(preempt_carried),
+        },
+    )
+    .await?;
+    match control::recv(&session).await? {
+        Control::Delivered { .. } => {}
+        Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+        other => bail!("unexpected message after the resumed stream: {other:?}"),
+    }
+    control::park_and_end(&session, "postcopy recovered").await;
+    // Every page is at the destination: this QEMU's VM can never rightly run again.
+    let _ = qmp.execute(&Quit).await;
+    tracing::info!(
+        "migration {} of {:?}: postcopy recovered: {bytes} bytes resumed, every page delivered",
+        record.id,
+        record.vm
+    );
+    Ok(())
+}
+
+/// Destination: serves `ResumePostcopy` for session `of`. `old` is that session if it is still
+/// served here, and `gone` says when its task has ended (it holds the QEMU's sockets).
+pub async fn resume_destination(
+    session: Session,
+    of: SessionId,
+    old: Option<Session>,
+    gone: impl Fn() -> bool,
+    journal: Journal,
+    work_dir: PathBuf,
+) {
+    if let Err(e) = carry_resumed_destination(&session, of, old, gone, &journal, &work_dir).await {
+        tracing::error!(
+            "session {}: resuming the postcopy migration of session {of}: {e:#}",
+            session.id()
+        );
+        control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(5)).await;
+        session.fail(format!("{e:#}"));
+    }
+}
+
+async fn carry_resumed_destination(
+    session: &Session,
+    of: SessionId,
+    old: Option<Session>,
+    gone: impl Fn() -> bool,
+    journal: &Journal,
+    work_dir: &Path,
+) -> Result<()> {
+    let record = journal
+        .incoming(of)?
+        .filter(|r| r.state == IncomingState::Committed)
+        .ok_or_else(|| anyhow!("no migration of session {of} runs here"))?;
+    tracing::warn!(
+        "session {}: the source resumes the postcopy migration of session {of} (VM {:?})",
+        session.id(),
+        record.vm
+    );
+    // The old session's task holds the QEMU's sockets: failing it closes them.
+    if let Some(old) = old {
+        old.fail(format!("the source resumes it on session {}", session.id()));
+        wait_until(gone, "the old session to end").await?;
+    }
+    let qmp = Qmp::connect(&record.qmp)
+        .await
+        .context("the destination QEMU's monitor")?;
+    wait_paused(&qmp).await?;
+    let sock = work_dir.join(format!("{}.dst.sock", session.id()));
+    let _ = std::fs::remove_file(&sock);
+    qmp.execute(&MigrateRecover {
+        uri: format!("unix:{}", sock.display()),
+    })
+    .await
+    .context("the destination QEMU refused migrate-recover")?;
+    let _socket_file = RemoveOnDrop(sock.clone());
+    let conn = connect_listening(&sock).await?;
+    // The preempt channel is QEMU's second connection to the same socket.
+    let mut preempt_task = AbortHandleOnDrop(tokio::spawn(preempt::deliver(
+        session.clone(),
+        sock.clone(),
+    )));
+    control::send(session, &Control::PostcopyRecovering).await?;
+    let (mut from_qemu, mut to_qemu) = conn.into_split();
+    let rp_session = session.clone();
+    let _return_path = AbortHandleOnDrop(tokio::spawn(async move {
+        let mut buf = BytesMut::with_capacity(64 << 10);
+        loop {
+            buf.clear();
+            match from_qemu.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if rp_session
+                        .send(RETURN_PATH, buf.split().freeze())
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    }));
+    let mut hash = StreamDigest::new();
+    let mut received = 0u64;
+    let mut end = None;
+    while end.as_ref().is_none_or(|(bytes, _, _)| received < *bytes) {
+        tokio::select! {
+            r = session.recv(STREAM) => match r? {
+                Received::Data(chunk) => {
+                    hash.update(&chunk);
+                    received += chunk.len() as u64;
+                    to_qemu
+                        .write_all(&chunk)
+                        .await
+                        .context("writing the destination QEMU's resumed stream")?;
+                }
+                Received::Barrier => {}
+            },
+            msg = control::recv(session) => match msg? {
+                Control::End { bytes, digest, preempt } => end = Some((bytes, digest, preempt)),
+                Control::Abort { reason } => bail!("the source aborted: {reason}"),
+                other => bail!("unexpected control message during the resumed stream: {other:?}"),
+            },
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                if session.idle_for() > HOLD_AFTER_SWITCH {
+                    bail!("no connection from the source agent for {}s", HOLD_AFTER_SWITCH.as_secs());
+                }
+            }
+        }
+        if let Some((bytes, _, _)) = &end {
+            if received > *bytes {
+                bail!("received {received} resumed stream bytes, the source announced {bytes}");
+            }
+        }
+    }
+    let (_, source_digest, announced_preempt) = end.expect("the loop ends with End");
+    let digest = hash.hex();
+    if digest != source_digest {
+        bail!(
+            "resumed stream digest mismatch: source {ALGORITHM} {source_digest}, destination {digest}"
+        );
+    }
+    let fed_unix_us = i64::try_from(now_ms().saturating_mul(1000)).unwrap_or(i64::MAX);
+    let blocktime = loop {
+        let info = qmp.execute(&QueryMigrate).await?;
+        match info.status.as_deref() {
+            Some("completed") => break info.postcopy_blocktime,
+            Some("failed") => bail!(
+                "destination QEMU failed in the resumed postcopy migration: {}",
+                info.error_desc.unwrap_or_default()
+            ),
+            _ => tokio::time::sleep(POLL).await,
+        }
+    };
+    if let Some(announced) = &announced_preempt {
+        let arrived = (&mut preempt_task.0)
+            .await
+            .context("the preempt channel's task")??;
+        preempt::check(announced, &arrived)?;
+    }
+    tracing::info!(
+        "session {}: postcopy recovered: every page of session {of} has arrived",
+        session.id()
+    );
+    control::send(
+        session,
+        &Control::Delivered {
+            fed_unix_us,
+            postcopy_blocktime_ms: blocktime,
+        },
+    )
+    .await?;
+    let _ = tokio::time::timeout(Duration::from_secs(60), session.flushed(control::CONTROL)).await;
+    control::park_and_end(session, "postcopy recovered").await;
+    Ok(())
+}
+
+/// Waits until a postcopy migration is `postcopy-paused`. One whose connection has not failed
+/// yet (its agent's socket still open somewhere) is paused by `migrate-pause`.
+async fn wait_paused(qmp: &Qmp) -> Result<()> {
+    let asked_at = std::time::Instant::now();
+    let mut paused_by_us = false;
+    loop {
+        match migration_status(qmp).await.as_deref() {
+            Some("postcopy-paused") => return Ok(()),
+            Some("postcopy-active") if !paused_by_us && asked_at.elapsed() > PAUSE_WITHIN / 10 => {
+                qmp.execute(&MigratePause)
+                    .await
+                    .context("the destination QEMU refused migrate-pause")?;
+                paused_by_us = true;
+            }
+            Some(s) if !s.starts_with("postcopy") => {
+                bail!("its QEMU's migration is {s}, not a paused postcopy migration")
+            }
+            None => bail!("its QEMU has no migration"),
+            _ => {}
+        }
+        if asked_at.elapsed() > PAUSE_WITHIN {
+            bail!(
+                "its QEMU did not pause its postcopy migration within {}s",
+                PAUSE_WITHIN.as_secs()
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+async fn migration_status(qmp: &Qmp) -> Option<String> {
+    qmp.execute(&QueryMigrate).await.ok()?.status
+}
+
+async fn wait_until(done: impl Fn() -> bool, what: &str) -> Result<()> {
+    for _ in 0..600 {
+        if done() {
+            return Ok(());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    bail!("waited 30s for {what}")
+}
+
+async fn connect_listening(sock: &Path) -> Result<UnixStream> {
+    for _ in 0..100 {
+        if let Ok(s) = UnixStream::connect(sock).await {
+            return Ok(s);
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    bail!("the destination QEMU does not listen on {}", sock.display())
+}
