@@ -61,6 +61,8 @@ pub(crate) struct Agent {
     pub(crate) journal: Journal,
     /// Incoming migrations under way.
     receiving: AtomicUsize,
+    /// Monitors of postcopy migrations that failed past the switch, for their recovery.
+    held_monitors: Arc<postcopy_recovery::HeldMonitors>,
 }
 
 /// Runs the agent until it is killed.
@@ -115,6 +117,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         fleet_swaps: crate::fleet_swap::FleetSwaps::default(),
         journal,
         receiving: AtomicUsize::new(0),
+        held_monitors: Arc::default(),
     });
     // What a killed predecessor left: settled before peers are served (the destination's
     // side), or in tasks of their own (a source asking for verdicts).
@@ -410,8 +413,11 @@ impl Agent {
                         of,
                         old,
                         move || !sessions.sessions.lock().expect("lock").contains_key(&of),
-                        agent.journal.clone(),
-                        agent.config.work_dir.clone(),
+                        postcopy_recovery::DestinationSide {
+                            journal: agent.journal.clone(),
+                            work_dir: agent.config.work_dir.clone(),
+                            held: agent.held_monitors.clone(),
+                        },
                     )
                     .await;
                 }
@@ -421,6 +427,7 @@ impl Agent {
                         seeds: agent.config.seed_dir.clone(),
                         monitors: agent.monitors.clone(),
                         journal: agent.journal.clone(),
+                        held: agent.held_monitors.clone(),
                     };
                     agent.receiving.fetch_add(1, Ordering::Relaxed);
                     destination::run(s, dirs, first).await;

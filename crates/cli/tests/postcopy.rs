@@ -142,3 +142,34 @@ fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
     std::thread::sleep(Duration::from_millis(500));
     assert_ne!(before, t.ok(&["guest", "p2", "mem", "stats"]));
 }
+
+/// The source agent killed (SIGKILL) in the postcopy phase: the VM runs at b without the pages
+/// still at a, whose QEMU pauses once its socket to the agent is gone. The restarted agent
+/// resumes the migration through QEMU's postcopy recovery, and every page arrives.
+#[test]
+fn a_source_agent_killed_after_the_postcopy_switch_is_restarted_and_recovers_it() {
+    let t = TestLab::up("postrs", SLOW_LINK);
+    let ferry = std::path::Path::new(common::ferry_bin());
+    start_hot_vm(&t, "p3");
+    let child = t.spawn_migrate("p3", &["--postcopy"]);
+    ferry_lab::topology::wait_until(Duration::from_secs(240), || {
+        newest(&t, Site::A, "phase").as_deref() == Some("postcopy")
+    })
+    .expect("the migration reached postcopy");
+    ferry_lab::agents::kill(&t.lab, Site::A).unwrap();
+    ferry_lab::agents::restart(&t.lab, Site::A, ferry).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = common::succeeded("ferry migrate --postcopy, its source agent restarted", &out);
+    let v = json(&stdout);
+    assert_eq!(v["verify"]["mem_errors"], 0, "{v}");
+    assert_eq!(t.site_of("p3"), Site::B);
+    let detail = newest(&t, Site::A, "detail").unwrap_or_default();
+    assert!(
+        detail.contains("after QEMU's postcopy recovery"),
+        "{detail}"
+    );
+    // It keeps running there: its dirtier makes progress.
+    let before = t.ok(&["guest", "p3", "mem", "stats"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_ne!(before, t.ok(&["guest", "p3", "mem", "stats"]));
+}

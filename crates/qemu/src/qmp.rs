@@ -120,6 +120,8 @@ pub struct Qmp {
     pending: Pending,
     events: broadcast::Sender<Event>,
     event_log: Arc<Mutex<VecDeque<Event>>>,
+    /// Out-of-band execution was negotiated ([`Qmp::connect_oob`]).
+    oob: bool,
 }
 
 impl Qmp {
@@ -133,6 +135,20 @@ impl Qmp {
     ///
     /// Cancel safety: not cancel safe; a cancelled connect leaves nothing behind but the socket.
     pub async fn connect(path: &Path) -> Result<Qmp, QmpError> {
+        Qmp::connect_with(path, false).await
+    }
+
+    /// Connects as [`Qmp::connect`], and enables out-of-band execution when QEMU offers it
+    /// (a QMP monitor on a socket does). Out-of-band commands ([`Qmp::execute_oob`]) are run by
+    /// QEMU's monitor thread even while its main thread is blocked: a postcopy destination's
+    /// main thread waits on any page it touches that has not arrived, and recovery
+    /// (`migrate-pause`, `migrate-recover`) must reach it then. The connection must be made
+    /// before that: the handshake itself needs the main thread.
+    pub async fn connect_oob(path: &Path) -> Result<Qmp, QmpError> {
+        Qmp::connect_with(path, true).await
+    }
+
+    async fn connect_with(path: &Path, want_oob: bool) -> Result<Qmp, QmpError> {
         let stream = UnixStream::connect(path)
             .await
             .map_err(|source| QmpError::Connect {
@@ -163,6 +179,10 @@ impl Qmp {
         if greeting.get("QMP").is_none() {
             return Err(handshake(format!("unexpected greeting {greeting}")));
         }
+        let oob = want_oob
+            && greeting["QMP"]["capabilities"]
+                .as_array()
+                .is_some_and(|caps| caps.iter().any(|c| c == "oob"));
 
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (events, _) = broadcast::channel(1024);
@@ -181,8 +201,14 @@ impl Qmp {
             pending,
             events,
             event_log,
+            oob,
         };
-        qmp.execute_raw("qmp_capabilities", Value::Object(Default::default()))
+        let capabilities = if oob {
+            serde_json::json!({ "enable": ["oob"] })
+        } else {
+            Value::Object(Default::default())
+        };
+        qmp.execute_raw("qmp_capabilities", capabilities)
             .await
             .map_err(|e| handshake(format!("qmp_capabilities: {e}")))?;
         Ok(qmp)
@@ -217,8 +243,38 @@ impl Qmp {
         })
     }
 
+    /// Runs a typed command out of band when the connection negotiated it (QEMU runs it at
+    /// once, beside any in-band command, even with its main thread blocked; only commands
+    /// QEMU marks `allow-oob` may go so), in band otherwise.
+    pub async fn execute_oob<C: Command>(&self, cmd: &C) -> Result<C::Returns, QmpError> {
+        let args = serde_json::to_value(cmd).map_err(|e| QmpError::Decode {
+            command: C::NAME,
+            detail: format!("arguments do not serialize: {e}"),
+        })?;
+        let key = if self.oob { "exec-oob" } else { "execute" };
+        let value = self.send(key, C::NAME, args).await?;
+        serde_json::from_value(value.clone()).map_err(|e| QmpError::Decode {
+            command: C::NAME,
+            detail: format!("{e} in {value}"),
+        })
+    }
+
+    /// Whether out-of-band execution was negotiated.
+    pub fn has_oob(&self) -> bool {
+        self.oob
+    }
+
     /// Runs a command by name with JSON arguments; for commands without a typed wrapper.
     pub async fn execute_raw(&self, command: &'static str, args: Value) -> Result<Value, QmpError> {
+        self.send("execute", command, args).await
+    }
+
+    async fn send(
+        &self,
+        key: &'static str,
+        command: &'static str,
+        args: Value,
+    ) -> Result<Value, QmpError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
@@ -228,7 +284,7 @@ impl Qmp {
                 None => return Err(QmpError::Disconnected { command }),
             };
         }
-        let mut msg = serde_json::json!({ "execute": command, "id": id });
+        let mut msg = serde_json::json!({ key: command, "id": id });
         if args.as_object().is_some_and(|o| !o.is_empty()) {
             msg["arguments"] = args;
         }
@@ -261,6 +317,12 @@ impl Qmp {
     pub fn events(&self) -> Vec<Event> {
         let log = self.event_log.lock().expect("QMP event log poisoned");
         log.iter().cloned().collect()
+    }
+
+    /// The latest recorded event named `name`.
+    pub fn latest_event(&self, name: &str) -> Option<Event> {
+        let log = self.event_log.lock().expect("QMP event log poisoned");
+        log.iter().rev().find(|e| e.event == name).cloned()
     }
 
     /// The first recorded event named `name` whose data satisfies `pred`.

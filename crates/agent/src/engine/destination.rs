@@ -32,6 +32,7 @@ use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::postcopy::{self, PackageGate};
+use crate::engine::postcopy_recovery::HeldMonitors;
 use crate::engine::preempt;
 use crate::engine::seed_store;
 use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
@@ -65,6 +66,11 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
                 session.id(),
                 record.vm
             );
+            // Its monitor stays open for a recovery (`postcopy_recovery`): the QEMU, waiting
+            // for pages, would answer no new connection.
+            if let Some(qmp) = qmp.take() {
+                dirs.held.keep(session.id(), qmp);
+            }
             control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(5)).await;
             session.fail(format!("{e:#}"));
             return;
@@ -126,6 +132,8 @@ pub struct Dirs {
     pub monitors: Arc<MonitorDir>,
     /// Where the migration's record goes.
     pub journal: Journal,
+    /// Where a postcopy migration that failed past the switch leaves its monitor.
+    pub held: Arc<HeldMonitors>,
 }
 
 /// A QEMU this agent started for the VM arriving (its monitor's place, its pid).
@@ -207,9 +215,13 @@ async fn serve(
             (socket, record)
         }
     };
-    let qmp = Qmp::connect(&destination_qmp)
-        .await
-        .context("destination QEMU")?;
+    // Postcopy: with out-of-band execution, which a recovery needs (see `HeldMonitors`).
+    let qmp = if postcopy {
+        Qmp::connect_oob(&destination_qmp).await
+    } else {
+        Qmp::connect(&destination_qmp).await
+    }
+    .context("destination QEMU")?;
     let qmp = &*qmp_slot.insert(qmp);
     let st = qmp.execute(&QueryStatus).await?;
     if st.status != "inmigrate" {

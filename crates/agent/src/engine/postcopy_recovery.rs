@@ -28,8 +28,10 @@
 //! raw, without the codec (whose history went with the old agent), checked end to end by its
 //! digest like any stream; recovery is rare and what is left is at most the memory.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::BytesMut;
@@ -56,6 +58,36 @@ const PAUSE_WITHIN: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(50);
 /// The most read from QEMU's resumed stream at once.
 const READ: usize = 256 << 10;
+
+/// Destination: the monitors of postcopy migrations that failed past the switch, by session,
+/// kept for their recovery for [`HOLD_AFTER_SWITCH`]. A destination QEMU waiting for pages
+/// answers no new QMP connection (the handshake needs its main thread, which waits on a page
+/// fault), so the connection the migration made, with out-of-band execution, is the one
+/// recovery can use.
+#[derive(Default)]
+pub struct HeldMonitors(Mutex<HashMap<SessionId, (Qmp, Instant)>>);
+
+impl std::fmt::Debug for HeldMonitors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.0.lock().expect("held monitors");
+        f.debug_set().entries(held.keys()).finish()
+    }
+}
+
+impl HeldMonitors {
+    pub fn keep(&self, session: SessionId, qmp: Qmp) {
+        let mut held = self.0.lock().expect("held monitors");
+        held.retain(|_, (_, since)| since.elapsed() < HOLD_AFTER_SWITCH);
+        held.insert(session, (qmp, Instant::now()));
+    }
+
+    fn take(&self, session: SessionId) -> Option<Qmp> {
+        let mut held = self.0.lock().expect("held monitors");
+        held.remove(&session)
+            .filter(|(_, since)| since.elapsed() < HOLD_AFTER_SWITCH)
+            .map(|(qmp, _)| qmp)
+    }
+}
 
 /// Source, restarted: whether `record` is a postcopy migration whose source QEMU (the same
 /// process) waits to be resumed.
@@ -247,6 +279,13 @@ async fn carry_resumed_source(
     Ok(())
 }
 
+/// Where a destination agent finds what a resumed postcopy migration needs.
+pub struct DestinationSide {
+    pub journal: Journal,
+    pub work_dir: PathBuf,
+    pub held: std::sync::Arc<HeldMonitors>,
+}
+
 /// Destination: serves `ResumePostcopy` for session `of`. `old` is that session if it is still
 /// served here, and `gone` says when its task has ended (it holds the QEMU's sockets).
 pub async fn resume_destination(
@@ -254,10 +293,40 @@ pub async fn resume_destination(
     of: SessionId,
     old: Option<Session>,
     gone: impl Fn() -> bool,
-    journal: Journal,
-    work_dir: PathBuf,
+    side: DestinationSide,
 ) {
-    if let Err(e) = carry_resumed_destination(&session, of, old, gone, &journal, &work_dir).await {
+    let resumed = async {
+        let record = side
+            .journal
+            .incoming(of)?
+            .filter(|r| r.state == IncomingState::Committed)
+            .ok_or_else(|| anyhow!("no migration of session {of} runs here"))?;
+        tracing::warn!(
+            "session {}: the source resumes the postcopy migration of session {of} (VM {:?})",
+            session.id(),
+            record.vm
+        );
+        // The old session's task holds the QEMU's sockets: failing it closes them, and its
+        // monitor is kept for this.
+        if let Some(old) = old {
+            old.fail(format!("the source resumes it on session {}", session.id()));
+            wait_until(gone, "the old session to end").await?;
+        }
+        let qmp = match side.held.take(of) {
+            Some(qmp) => qmp,
+            None => Qmp::connect_oob(&record.qmp).await.context(
+                "the destination QEMU's monitor (a QEMU waiting for pages answers only a \
+                 connection made before)",
+            )?,
+        };
+        let result = carry_resumed_destination(&session, of, &qmp, &side.work_dir).await;
+        if result.is_err() {
+            // For the next attempt.
+            side.held.keep(of, qmp);
+        }
+        result
+    };
+    if let Err(e) = resumed.await {
         tracing::error!(
             "session {}: resuming the postcopy migration of session {of}: {e:#}",
             session.id()
@@ -270,32 +339,13 @@ pub async fn resume_destination(
 async fn carry_resumed_destination(
     session: &Session,
     of: SessionId,
-    old: Option<Session>,
-    gone: impl Fn() -> bool,
-    journal: &Journal,
+    qmp: &Qmp,
     work_dir: &Path,
 ) -> Result<()> {
-    let record = journal
-        .incoming(of)?
-        .filter(|r| r.state == IncomingState::Committed)
-        .ok_or_else(|| anyhow!("no migration of session {of} runs here"))?;
-    tracing::warn!(
-        "session {}: the source resumes the postcopy migration of session {of} (VM {:?})",
-        session.id(),
-        record.vm
-    );
-    // The old session's task holds the QEMU's sockets: failing it closes them.
-    if let Some(old) = old {
-        old.fail(format!("the source resumes it on session {}", session.id()));
-        wait_until(gone, "the old session to end").await?;
-    }
-    let qmp = Qmp::connect(&record.qmp)
-        .await
-        .context("the destination QEMU's monitor")?;
-    wait_paused(&qmp).await?;
+    wait_paused(qmp).await?;
     let sock = work_dir.join(format!("{}.dst.sock", session.id()));
     let _ = std::fs::remove_file(&sock);
-    qmp.execute(&MigrateRecover {
+    qmp.execute_oob(&MigrateRecover {
         uri: format!("unix:{}", sock.display()),
     })
     .await
@@ -369,6 +419,10 @@ async fn carry_resumed_destination(
         );
     }
     let fed_unix_us = i64::try_from(now_ms().saturating_mul(1000)).unwrap_or(i64::MAX);
+    // Its main thread is free again once every page it waited for has arrived.
+    if qmp.has_oob() {
+        wait_migration_event(qmp, "completed", HOLD_AFTER_SWITCH).await?;
+    }
     let blocktime = loop {
         let info = qmp.execute(&QueryMigrate).await?;
         match info.status.as_deref() {
@@ -403,33 +457,65 @@ async fn carry_resumed_destination(
     Ok(())
 }
 
-/// Waits until a postcopy migration is `postcopy-paused`. One whose connection has not failed
-/// yet (its agent's socket still open somewhere) is paused by `migrate-pause`.
+/// Waits until the destination's postcopy migration is `postcopy-paused`: it pauses once the
+/// old session's sockets closed, or is paused by `migrate-pause`. A QEMU waiting for pages
+/// answers only out-of-band commands, so with those its state is read from its `MIGRATION`
+/// events, else asked.
 async fn wait_paused(qmp: &Qmp) -> Result<()> {
-    let asked_at = std::time::Instant::now();
+    let asked_at = Instant::now();
     let mut paused_by_us = false;
     loop {
-        match migration_status(qmp).await.as_deref() {
+        let status = if qmp.has_oob() {
+            latest_migration_status(qmp)
+        } else {
+            migration_status(qmp).await
+        };
+        match status.as_deref() {
             Some("postcopy-paused") => return Ok(()),
-            Some("postcopy-active") if !paused_by_us && asked_at.elapsed() > PAUSE_WITHIN / 10 => {
-                qmp.execute(&MigratePause)
+            Some(s) if !s.starts_with("postcopy") && s != "active" => {
+                bail!("its QEMU's migration is {s}, not a paused postcopy migration")
+            }
+            _ if !paused_by_us && asked_at.elapsed() > PAUSE_WITHIN / 10 => {
+                qmp.execute_oob(&MigratePause)
                     .await
                     .context("the destination QEMU refused migrate-pause")?;
                 paused_by_us = true;
             }
-            Some(s) if !s.starts_with("postcopy") => {
-                bail!("its QEMU's migration is {s}, not a paused postcopy migration")
-            }
-            None => bail!("its QEMU has no migration"),
             _ => {}
         }
         if asked_at.elapsed() > PAUSE_WITHIN {
             bail!(
-                "its QEMU did not pause its postcopy migration within {}s",
-                PAUSE_WITHIN.as_secs()
+                "its QEMU did not pause its postcopy migration within {}s (last state {})",
+                PAUSE_WITHIN.as_secs(),
+                status.as_deref().unwrap_or("unknown")
             );
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The state the latest `MIGRATION` event on `qmp` announced.
+fn latest_migration_status(qmp: &Qmp) -> Option<String> {
+    let event = qmp.latest_event("MIGRATION")?;
+    event.data["status"].as_str().map(str::to_owned)
+}
+
+/// Waits until the latest `MIGRATION` event announces `status` (a failure ends the wait).
+async fn wait_migration_event(qmp: &Qmp, status: &str, within: Duration) -> Result<()> {
+    let since = Instant::now();
+    loop {
+        match latest_migration_status(qmp).as_deref() {
+            Some(s) if s == status => return Ok(()),
+            Some("failed") => bail!("the destination QEMU's migration failed"),
+            _ if qmp.is_closed() => bail!("the destination QEMU's monitor closed"),
+            _ if since.elapsed() > within => {
+                bail!(
+                    "the destination QEMU's migration was not {status} within {}s",
+                    within.as_secs()
+                )
+            }
+            _ => tokio::time::sleep(POLL).await,
+        }
     }
 }
 

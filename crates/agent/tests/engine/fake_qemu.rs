@@ -16,7 +16,12 @@
 //! the source's `migrate resume=true` connects there (and a new preempt channel, with
 //! [`PREEMPT_PAGES`] again) and writes everything after the package again, which the
 //! destination takes in place of what it had after the package (the bitmap exchange of a
-//! real QEMU, abridged).
+//! real QEMU, abridged). While the destination's migration is paused its main thread is
+//! taken to wait on a page fault, as a real one's does once it touches a missing page: it
+//! answers in-band commands (the QMP handshake of a new connection too) only once the pages
+//! flow again, and out-of-band ones (`exec-oob`: `migrate-recover`, `migrate-pause`) at once
+//! on a connection that negotiated them. It announces its migration's states in `MIGRATION`
+//! events.
 //!
 //! Each fake runs on its own runtime, so that [`FakeQemu::kill`] takes all of it down at once,
 //! as a killed process would: its sockets close, its migration stops half way.
@@ -227,11 +232,19 @@ struct Shared {
     cancel: watch::Sender<bool>,
     /// Destination: what it had read when its postcopy migration paused.
     paused_with: Mutex<Option<Vec<u8>>>,
+    /// Destination: its main thread waits on a page fault (in-band commands wait).
+    main_blocked: watch::Sender<bool>,
 }
 
 impl Shared {
     fn update<T>(&self, f: impl FnOnce(&mut Seen) -> T) -> T {
         f(&mut self.seen.lock().expect("seen"))
+    }
+
+    /// A destination's migration state, announced as QEMU does.
+    fn set_migration(&self, status: &str) {
+        self.update(|s| s.migration = Some(status.into()));
+        self.event("MIGRATION", json!({ "status": status }));
     }
 
     fn event(&self, name: &str, data: Value) {
@@ -297,6 +310,7 @@ impl FakeQemu {
             events: Mutex::new(None),
             cancel: watch::Sender::new(false),
             paused_with: Mutex::new(None),
+            main_blocked: watch::Sender::new(false),
         });
         let _ = std::fs::remove_file(&qmp);
         let listener = {
@@ -356,22 +370,43 @@ async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
                 }
             }
         });
-        let _ = tx.send("{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n".into());
+        let _ = tx.send("{\"QMP\": {\"version\": {}, \"capabilities\": [\"oob\"]}}\n".into());
         let mut lines = BufReader::new(r).lines();
+        let mut oob = false;
         while let Ok(Some(line)) = lines.next_line().await {
             let Ok(cmd) = serde_json::from_str::<Value>(&line) else {
                 continue;
             };
-            let name = cmd["execute"].as_str().unwrap_or_default().to_owned();
-            shared.update(|s| s.commands.push(name.clone()));
-            let reply = match execute(&shared, &name, &cmd["arguments"]).await {
-                Ok(value) => json!({"return": value, "id": cmd["id"]}),
-                Err(desc) => json!({
-                    "error": {"class": "GenericError", "desc": desc},
+            let out_of_band = cmd["exec-oob"].is_string();
+            let name = cmd[if out_of_band { "exec-oob" } else { "execute" }]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            if name == "qmp_capabilities" {
+                oob = cmd["arguments"]["enable"]
+                    .as_array()
+                    .is_some_and(|caps| caps.iter().any(|c| c == "oob"));
+            }
+            if out_of_band && !(oob && matches!(name.as_str(), "migrate-recover" | "migrate-pause"))
+            {
+                let reply = json!({
+                    "error": {"class": "GenericError", "desc": format!("{name} cannot run out of band here")},
                     "id": cmd["id"],
-                }),
-            };
-            let _ = tx.send(format!("{reply}\n"));
+                });
+                let _ = tx.send(format!("{reply}\n"));
+                continue;
+            }
+            if !out_of_band && *shared.main_blocked.borrow() {
+                // The main thread waits on a page: the command runs once it has it.
+                let (shared, tx) = (shared.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let mut free = shared.main_blocked.subscribe();
+                    let _ = free.wait_for(|blocked| !blocked).await;
+                    let _ = tx.send(run_command(&shared, &name, &cmd).await);
+                });
+                continue;
+            }
+            let _ = tx.send(run_command(&shared, &name, &cmd).await);
             if name == "quit" {
                 break;
             }
@@ -385,6 +420,19 @@ async fn serve_qmp(listener: UnixListener, shared: Arc<Shared>) {
             s.client_connected = false;
         });
     }
+}
+
+/// Runs one command and gives its reply line.
+async fn run_command(shared: &Arc<Shared>, name: &str, cmd: &Value) -> String {
+    shared.update(|s| s.commands.push(name.to_owned()));
+    let reply = match execute(shared, name, &cmd["arguments"]).await {
+        Ok(value) => json!({"return": value, "id": cmd["id"]}),
+        Err(desc) => json!({
+            "error": {"class": "GenericError", "desc": desc},
+            "id": cmd["id"],
+        }),
+    };
+    format!("{reply}\n")
 }
 
 async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value, String> {
@@ -433,7 +481,7 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
             };
             let path = unix_path(args)?;
             let listener = UnixListener::bind(&path).map_err(|e| format!("bind: {e}"))?;
-            shared.update(|s| s.migration = Some("postcopy-recover".into()));
+            shared.set_migration("postcopy-recover");
             tokio::spawn(load_resumed(
                 shared.clone(),
                 expected.clone(),
@@ -463,7 +511,7 @@ async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value
             };
             let path = unix_path(args)?;
             let listener = UnixListener::bind(&path).map_err(|e| format!("bind: {e}"))?;
-            shared.update(|s| s.migration = Some("active".into()));
+            shared.set_migration("active");
             tokio::spawn(load_stream(shared.clone(), expected.clone(), listener));
             Ok(json!({}))
         }
@@ -747,7 +795,8 @@ async fn load_stream(shared: Arc<Shared>, expected: Arc<Vec<u8>>, listener: Unix
                 if shared.update(|s| s.migration.as_deref() == Some("postcopy-active")) {
                     // The VM runs here without all of its pages: it waits for a recovery.
                     *shared.paused_with.lock().expect("paused") = Some(got);
-                    shared.update(|s| s.migration = Some("postcopy-paused".into()));
+                    shared.main_blocked.send_replace(true);
+                    shared.set_migration("postcopy-paused");
                     return;
                 }
                 break;
@@ -793,7 +842,9 @@ async fn load_resumed(
     let Ok((mut preempt, _)) = listener.accept().await else {
         return;
     };
-    shared.update(|s| s.migration = Some("postcopy-active".into()));
+    shared.set_migration("postcopy-active");
+    // The page its main thread waited for arrives first.
+    shared.main_blocked.send_replace(false);
     let (_, package_end) = shared.package.expect("a postcopy stream");
     got.truncate(package_end);
     // As QEMU, it knows from what it read when it has everything (its agent keeps the
@@ -817,6 +868,10 @@ async fn load_resumed(
 
 fn finish_load(shared: &Shared, expected: &[u8], got: &[u8], preempt_intact: bool) {
     let loaded = got == expected && preempt_intact;
+    shared.event(
+        "MIGRATION",
+        json!({ "status": if loaded { "completed" } else { "failed" } }),
+    );
     shared.update(|s| {
         s.loaded = loaded;
         if loaded {
