@@ -101,7 +101,11 @@ pub async fn source_paused(record: &OutgoingRecord) -> bool {
     if record.source_pid.is_none() || qmp.peer_pid() != record.source_pid {
         return false;
     }
-    migration_status(&qmp).await.as_deref() == Some("postcopy-paused")
+    // Active: it has not noticed yet that its socket went with the old agent.
+    matches!(
+        migration_status(&qmp).await.as_deref(),
+        Some("postcopy-paused" | "postcopy-active")
+    )
 }
 
 /// Source, restarted: resumes the postcopy migration `record` describes, then records and
@@ -182,6 +186,7 @@ async fn carry_resumed_source(
     let qmp = Qmp::connect(&record.source_qmp)
         .await
         .context("the source QEMU's monitor")?;
+    wait_paused(&qmp).await?;
     let (session, _connections) = connect_to(peer).await?;
     control::send(
         &session,
@@ -457,8 +462,8 @@ async fn carry_resumed_destination(
     Ok(())
 }
 
-/// Waits until the destination's postcopy migration is `postcopy-paused`: it pauses once the
-/// old session's sockets closed, or is paused by `migrate-pause`. A QEMU waiting for pages
+/// Waits until a postcopy migration is `postcopy-paused`: it pauses once its old agent's
+/// sockets closed, or is paused by `migrate-pause`. A QEMU waiting for pages
 /// answers only out-of-band commands, so with those its state is read from its `MIGRATION`
 /// events, else asked.
 async fn wait_paused(qmp: &Qmp) -> Result<()> {
@@ -478,7 +483,7 @@ async fn wait_paused(qmp: &Qmp) -> Result<()> {
             _ if !paused_by_us && asked_at.elapsed() > PAUSE_WITHIN / 10 => {
                 qmp.execute_oob(&MigratePause)
                     .await
-                    .context("the destination QEMU refused migrate-pause")?;
+                    .context("QEMU refused migrate-pause")?;
                 paused_by_us = true;
             }
             _ => {}
