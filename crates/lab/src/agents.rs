@@ -114,21 +114,44 @@ pub fn log_path(lab: &Lab, site: Site) -> std::path::PathBuf {
 /// down finds its peer port still taken.
 pub fn kill(lab: &Lab, site: Site) -> Result<()> {
     let pattern = format!("agent --config {}", config_path(lab, site).display());
-    let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &pattern])
-        .status()
-        .context("run pkill")?;
-    anyhow::ensure!(killed.success(), "no agent of site {} to kill", site.name());
-    // A zombie has no command line, so `pgrep -f` stops matching once the process has exited
-    // and its sockets are closed.
+    let found = Command::new("pgrep")
+        .args(["-f", &pattern])
+        .output()
+        .context("run pgrep")?;
+    let pids: Vec<u32> = String::from_utf8_lossy(&found.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    anyhow::ensure!(!pids.is_empty(), "no agent of site {} to kill", site.name());
+    for pid in &pids {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    // Gone, or every thread a zombie: the kernel marks a thread a zombie only once it has
+    // exited, and the process's files close with its last thread. (Its command line empties
+    // earlier, when its memory goes, and its first thread can be a zombie while others still
+    // hold the sockets: a successor then found its peer port taken.)
     wait_until(Duration::from_secs(10), || {
-        !Command::new("pgrep")
-            .args(["-f", &pattern])
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
+        pids.iter().all(|&pid| exited(pid))
     })
     .with_context(|| format!("the agent of site {} did not exit", site.name()))
+}
+
+/// Whether process `pid` has exited: gone, or each of its threads a zombie (not yet reaped).
+fn exited(pid: u32) -> bool {
+    let Ok(threads) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    threads.flatten().all(|thread| {
+        match fs::read_to_string(thread.path().join("stat")) {
+            // The state is the field after the command's closing parenthesis.
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+            Err(_) => true,
+        }
+    })
 }
 
 /// Starts `site`'s agent again from the config it ran with (as after a crash, or an upgrade:
