@@ -64,28 +64,53 @@ const READ: usize = 256 << 10;
 /// answers no new QMP connection (the handshake needs its main thread, which waits on a page
 /// fault), so the connection the migration made, with out-of-band execution, is the one
 /// recovery can use.
+/// A resume under way has the monitor instead; its session is listed, by the migration's, so
+/// that another resume of the same migration (its source agent restarted again) makes it give
+/// the monitor back.
 #[derive(Default)]
-pub struct HeldMonitors(Mutex<HashMap<SessionId, (Qmp, Instant)>>);
+pub struct HeldMonitors {
+    held: Mutex<HashMap<SessionId, (Qmp, Instant)>>,
+    resuming: Mutex<HashMap<SessionId, Session>>,
+}
 
 impl std::fmt::Debug for HeldMonitors {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let held = self.0.lock().expect("held monitors");
+        let held = self.held.lock().expect("held monitors");
         f.debug_set().entries(held.keys()).finish()
     }
 }
 
 impl HeldMonitors {
     pub fn keep(&self, session: SessionId, qmp: Qmp) {
-        let mut held = self.0.lock().expect("held monitors");
+        let mut held = self.held.lock().expect("held monitors");
         held.retain(|_, (_, since)| since.elapsed() < HOLD_AFTER_SWITCH);
         held.insert(session, (qmp, Instant::now()));
     }
 
     fn take(&self, session: SessionId) -> Option<Qmp> {
-        let mut held = self.0.lock().expect("held monitors");
+        let mut held = self.held.lock().expect("held monitors");
         held.remove(&session)
             .filter(|(_, since)| since.elapsed() < HOLD_AFTER_SWITCH)
             .map(|(qmp, _)| qmp)
+    }
+
+    fn holds(&self, session: SessionId) -> bool {
+        self.held
+            .lock()
+            .expect("held monitors")
+            .contains_key(&session)
+    }
+
+    /// Lists `resume` as the one resuming migration `of`; gives the one listed before.
+    fn start_resuming(&self, of: SessionId, resume: Session) -> Option<Session> {
+        self.resuming.lock().expect("resuming").insert(of, resume)
+    }
+
+    fn end_resuming(&self, of: SessionId, resume: &Session) {
+        let mut resuming = self.resuming.lock().expect("resuming");
+        if resuming.get(&of).is_some_and(|s| s.id() == resume.id()) {
+            resuming.remove(&of);
+        }
     }
 }
 
@@ -210,7 +235,7 @@ async fn carry_resumed_source(
         resume: true,
     })
     .await
-    .context("the source QEMU refused to resume its postcopy migration")?;
+    .context("resuming the source QEMU's postcopy migration")?;
     let (conn, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
         .await
         .context("QEMU did not connect to the agent's socket within 10s")??;
@@ -312,10 +337,18 @@ pub async fn resume_destination(
             record.vm
         );
         // The old session's task holds the QEMU's sockets: failing it closes them, and its
-        // monitor is kept for this.
+        // monitor is kept for this. So does an earlier resume still under way (the source
+        // agent restarted again).
         if let Some(old) = old {
             old.fail(format!("the source resumes it on session {}", session.id()));
             wait_until(gone, "the old session to end").await?;
+        }
+        if let Some(earlier) = side.held.start_resuming(of, session.clone()) {
+            earlier.fail(format!(
+                "the source resumes it again on session {}",
+                session.id()
+            ));
+            wait_until(|| side.held.holds(of), "the earlier resume to end").await?;
         }
         let qmp = match side.held.take(of) {
             Some(qmp) => qmp,
@@ -331,7 +364,9 @@ pub async fn resume_destination(
         }
         result
     };
-    if let Err(e) = resumed.await {
+    let result = resumed.await;
+    side.held.end_resuming(of, &session);
+    if let Err(e) = result {
         tracing::error!(
             "session {}: resuming the postcopy migration of session {of}: {e:#}",
             session.id()
@@ -354,7 +389,7 @@ async fn carry_resumed_destination(
         uri: format!("unix:{}", sock.display()),
     })
     .await
-    .context("the destination QEMU refused migrate-recover")?;
+    .context("recovering the destination QEMU's postcopy migration")?;
     let _socket_file = RemoveOnDrop(sock.clone());
     let conn = connect_listening(&sock).await?;
     // The preempt channel is QEMU's second connection to the same socket.
@@ -483,7 +518,7 @@ async fn wait_paused(qmp: &Qmp) -> Result<()> {
             _ if !paused_by_us && asked_at.elapsed() > PAUSE_WITHIN / 10 => {
                 qmp.execute_oob(&MigratePause)
                     .await
-                    .context("QEMU refused migrate-pause")?;
+                    .context("pausing QEMU's postcopy migration")?;
                 paused_by_us = true;
             }
             _ => {}

@@ -560,15 +560,43 @@ async fn migrate(
         s.detail = "waiting for the destination's verdict".into();
         s.digest.clone_from(&end);
     });
-    // The verdict comes on the session, or, once it has been silent for the WAN timeout, from
-    // asking the destination on a new one (its agent may have restarted and lost this one).
+    // The verdict comes on the session, or from asking the destination on a new one once this
+    // one has been silent for a few seconds (its agent may have restarted and lost it: the
+    // stream's end can go out into a session with no connection left, the window having room
+    // for it). In doubt only after the WAN timeout.
     let mut last_asked: Option<Instant> = None;
     // The last answer to the question, for the status: an operator may have to act on it.
     let mut heard = String::new();
     // The session's control messages stop when it fails: then only asking tells.
     let mut control_open = true;
+    // A question under way, in a task of its own: a word on the session is not held up by it.
+    let mut asking: Option<AbortHandleOnDrop<Result<Verdict>>> = None;
     let verdict = loop {
         tokio::select! {
+            answer = async { (&mut asking.as_mut().expect("only when asking").0).await }, if asking.is_some() => {
+                asking = None;
+                match answer.map_err(anyhow::Error::from).and_then(|r| r) {
+                    // In postcopy the destination has run the VM since the switch; what
+                    // is due is its word that the last page arrived (`Delivered`): until
+                    // then the stream's frames may still be unacknowledged here.
+                    Ok(Verdict::Committed) if switched.is_some() => {
+                        heard = "; asked, the destination runs the VM".into();
+                    }
+                    Ok(Verdict::Committed) => break Some(Control::Committed {
+                        resume_unix_us: 0,
+                        switchover: None,
+                    }),
+                    Ok(Verdict::Aborted { reason }) => break Some(Control::Abort { reason }),
+                    Ok(other) => {
+                        tracing::info!("in doubt: the destination says {other}");
+                        heard = format!("; asked, the destination says {other}");
+                    }
+                    Err(e) => {
+                        tracing::debug!("in doubt: asking the destination: {e:#}");
+                        heard = format!("; asking the destination: {e:#}");
+                    }
+                }
+            }
             msg = ctl.recv(), if control_open => match msg {
                 // In postcopy the verdict came at the switch; this says the last page arrived.
                 Some(runs @ Control::Committed { .. })
@@ -599,7 +627,8 @@ async fn migrate(
                 None => control_open = false,
             },
             _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                if !control_open || session.idle_for() > wan_timeout {
+                let in_doubt = !control_open || session.idle_for() > wan_timeout;
+                if in_doubt {
                     let silent = session.idle_for().as_secs();
                     if switched.is_some() {
                         // The VM runs at the destination: only its last pages' word is due.
@@ -612,30 +641,16 @@ async fn migrate(
                             "no contact with the destination for {silent}s after the stream ended; \
                              the source stays paused until the destination's verdict arrives{heard}"));
                     }
-                    if last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY) {
-                        last_asked = Some(Instant::now());
-                        match recovery::ask_verdict(&asked, id, record.started_unix_ms).await {
-                            // In postcopy the destination has run the VM since the switch; what
-                            // is due is its word that the last page arrived (`Delivered`): until
-                            // then the stream's frames may still be unacknowledged here.
-                            Ok(Verdict::Committed) if switched.is_some() => {
-                                heard = "; asked, the destination runs the VM".into();
-                            }
-                            Ok(Verdict::Committed) => break Some(Control::Committed {
-                                resume_unix_us: 0,
-                                switchover: None,
-                            }),
-                            Ok(Verdict::Aborted { reason }) => break Some(Control::Abort { reason }),
-                            Ok(other) => {
-                                tracing::info!("in doubt: the destination says {other}");
-                                heard = format!("; asked, the destination says {other}");
-                            }
-                            Err(e) => {
-                                tracing::debug!("in doubt: asking the destination: {e:#}");
-                                heard = format!("; asking the destination: {e:#}");
-                            }
-                        }
-                    }
+                }
+                if (in_doubt || session.idle_for() > ASK_WHEN_SILENT)
+                    && asking.is_none()
+                    && last_asked.is_none_or(|t| t.elapsed() >= recovery::ASK_EVERY)
+                {
+                    last_asked = Some(Instant::now());
+                    let (peer, started) = (asked.clone(), record.started_unix_ms);
+                    asking = Some(AbortHandleOnDrop(tokio::spawn(async move {
+                        recovery::ask_verdict(&peer, id, started).await
+                    })));
                 }
                 if Instant::now() > deadline + Duration::from_secs(3600) {
                     session.fail("in doubt");

@@ -80,6 +80,12 @@ impl Gate {
     pub fn open(&self) {
         self.open.send_replace(true);
     }
+
+    /// Shuts the gate again, to hold the fake the next time it comes by.
+    pub fn close(&self) {
+        self.open.send_replace(false);
+        self.reached.send_replace(false);
+    }
 }
 
 /// Where a fake stops until the test lets it on; all open unless a test closes one.
@@ -736,7 +742,14 @@ async fn send_resumed(shared: Arc<Shared>, stream: Arc<Vec<u8>>, path: PathBuf) 
     if let Err(e) = preempt.write_all(PREEMPT_PAGES).await {
         return fail(format!("writing the preempt channel: {e}"));
     }
-    for piece in stream[package_end..].chunks(PIECE) {
+    for (i, piece) in stream[package_end..].chunks(PIECE).enumerate() {
+        // The stream's gate holds a resumed stream too, at the same place in it.
+        let at = (package_end + i * PIECE) as u64;
+        if let Some((offset, gate)) = &shared.gates.stream_at {
+            if at <= *offset && *offset < at + PIECE as u64 {
+                gate.pass().await;
+            }
+        }
         if let Err(e) = conn.write_all(piece).await {
             return fail(format!("writing the resumed stream: {e}"));
         }
@@ -839,25 +852,35 @@ async fn load_resumed(
     let Ok((mut conn, _)) = listener.accept().await else {
         return;
     };
-    let Ok((mut preempt, _)) = listener.accept().await else {
-        return;
-    };
     shared.set_migration("postcopy-active");
     // The page its main thread waited for arrives first.
     shared.main_blocked.send_replace(false);
+    // The preempt channel, the second connection, whenever it comes.
+    let preempt = tokio::spawn(async move {
+        let (mut preempt, _) = listener.accept().await.ok()?;
+        let mut faulted = vec![0u8; PREEMPT_PAGES.len()];
+        preempt.read_exact(&mut faulted).await.ok()?;
+        Some(faulted)
+    });
     let (_, package_end) = shared.package.expect("a postcopy stream");
     got.truncate(package_end);
     // As QEMU, it knows from what it read when it has everything (its agent keeps the
     // connections open).
     let mut resumed = vec![0u8; expected.len().saturating_sub(package_end)];
-    let mut faulted = vec![0u8; PREEMPT_PAGES.len()];
-    let (a, b) = tokio::join!(
-        conn.read_exact(&mut resumed),
-        preempt.read_exact(&mut faulted)
-    );
-    if a.is_err() || b.is_err() {
+    let faulted = match conn.read_exact(&mut resumed).await {
+        Ok(_) => preempt.await.ok().flatten(),
+        Err(_) => {
+            preempt.abort();
+            None
+        }
+    };
+    let Some(faulted) = faulted else {
+        // Its connection broke again: paused again, for another recovery.
+        *shared.paused_with.lock().expect("paused") = Some(got);
+        shared.main_blocked.send_replace(true);
+        shared.set_migration("postcopy-paused");
         return;
-    }
+    };
     got.extend_from_slice(&resumed);
     shared.update(|s| {
         s.stream_bytes = got.len() as u64;

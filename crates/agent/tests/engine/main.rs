@@ -243,6 +243,44 @@ async fn a_source_agent_restarted_after_the_postcopy_switch_resumes_it_through_q
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_agent_restarted_again_during_the_postcopy_recovery_resumes_it_again() {
+    let (mut pair, id) = switched_with_the_stream_held().await;
+    pair.a.kill();
+    let held = pair.source.gates().stream();
+    held.open();
+    wait_until("the source QEMU pauses its postcopy migration", || {
+        pair.source.seen().migration.as_deref() == Some("postcopy-paused")
+    })
+    .await;
+    // The resumed stream is held at the same place, and the source agent goes again.
+    held.close();
+    pair.a.restart();
+    held.wait_reached("the resumed stream").await;
+    pair.a.kill();
+    held.open();
+    wait_until("the source QEMU pauses again", || {
+        pair.source.seen().migration.as_deref() == Some("postcopy-paused")
+    })
+    .await;
+    // The destination gives up the first resume (its monitor comes back) for the second.
+    pair.a.restart();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Committed, "{status:?}");
+    let (source, destination) = (pair.source.seen(), pair.destination.seen());
+    let recovers = destination
+        .commands
+        .iter()
+        .filter(|c| *c == "migrate-recover")
+        .count();
+    assert_eq!(recovers, 2, "{destination:?}");
+    assert!(
+        destination.loaded && destination.running(),
+        "{destination:?}"
+    );
+    assert!(source.ran("quit") && !source.ran("cont"), "{source:?}");
+}
+
 fn postcopy() -> MigrationSettings {
     MigrationSettings {
         postcopy: true,
