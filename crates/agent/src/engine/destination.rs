@@ -276,7 +276,7 @@ async fn serve(
     } else {
         Some(DestinationDisks::start(qmp, work_dir, session.id(), &disks).await?)
     };
-    let (mut from_qemu, to_qemu) = conn.into_split();
+    let (from_qemu, to_qemu) = conn.into_split();
     // A seed only saves bytes: one that cannot be read means a migration without it.
     let seed = match seed {
         Some(task) => match task.await.context("indexing the seed image")? {
@@ -398,25 +398,7 @@ async fn serve(
     }
 
     // The return path, destination QEMU to source QEMU.
-    let rp_session = session.clone();
-    let return_path = tokio::spawn(async move {
-        let mut buf = BytesMut::with_capacity(64 << 10);
-        loop {
-            buf.clear();
-            match from_qemu.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    if rp_session
-                        .send(RETURN_PATH, buf.split().freeze())
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-        }
-    });
+    let return_path = spawn_return_path(from_qemu, session.clone());
 
     // The disks' writes, applied while the stream flows.
     let disk_apply = async {
@@ -775,6 +757,32 @@ async fn run_after_switch(
     )
     .await?;
     Ok(record)
+}
+
+/// Carries what the destination QEMU says on its migration connection (the return path) to
+/// the source QEMU, until either end goes.
+pub(crate) fn spawn_return_path(
+    mut from_qemu: tokio::net::unix::OwnedReadHalf,
+    session: Session,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut buf = BytesMut::with_capacity(64 << 10);
+        loop {
+            buf.clear();
+            match from_qemu.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if session
+                        .send(RETURN_PATH, buf.split().freeze())
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    })
 }
 
 /// Writes `record` as `committing`, on a blocking thread; returns it as written.

@@ -34,16 +34,16 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use bytes::BytesMut;
 use ferry_api::agent::{MigrationState, Phase};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{MigratePause, MigrateRecover, MigrateResume, QueryMigrate, Quit};
 use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session, SessionId};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::engine::control::{self, Control, CONTROL_VERSION, PREEMPT, RETURN_PATH, STREAM};
+use crate::engine::destination;
 use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::journal::{IncomingState, Journal, OutgoingRecord, OutgoingState};
 use crate::engine::postcopy::HOLD_AFTER_SWITCH;
@@ -255,24 +255,15 @@ async fn carry_resumed_source(
             }
         }
     }));
-    let mut hash = StreamDigest::new();
-    let mut bytes = 0u64;
-    let mut buf = BytesMut::with_capacity(READ);
-    loop {
-        buf.reserve(READ);
-        let n = from_qemu
-            .read_buf(&mut buf)
-            .await
-            .context("reading the source QEMU's resumed stream")?;
-        if n == 0 {
-            break;
-        }
-        let chunk = buf.split().freeze();
-        hash.update(&chunk);
-        bytes += chunk.len() as u64;
-        session.send(STREAM, chunk).await?;
-        status.update(|s| s.stream_bytes += n as u64);
-    }
+    let resumed = preempt::carry_raw(
+        &mut from_qemu,
+        &session,
+        STREAM,
+        READ,
+        "the source QEMU's resumed stream",
+        |bytes| status.update(|s| s.stream_bytes = bytes),
+    )
+    .await?;
     // QEMU closes its connections once its migration completed.
     let preempt_carried = (&mut preempt_task.0)
         .await
@@ -287,8 +278,8 @@ async fn carry_resumed_source(
     control::send(
         &session,
         &Control::End {
-            bytes,
-            digest: hash.hex(),
+            bytes: resumed.bytes,
+            digest: resumed.digest,
             preempt: Some(preempt_carried),
         },
     )
@@ -302,9 +293,10 @@ async fn carry_resumed_source(
     // Every page is at the destination: this QEMU's VM can never rightly run again.
     let _ = qmp.execute(&Quit).await;
     tracing::info!(
-        "migration {} of {:?}: postcopy recovered: {bytes} bytes resumed, every page delivered",
+        "migration {} of {:?}: postcopy recovered: {} bytes resumed, every page delivered",
         record.id,
-        record.vm
+        record.vm,
+        resumed.bytes
     );
     Ok(())
 }
@@ -398,26 +390,9 @@ async fn carry_resumed_destination(
         sock.clone(),
     )));
     control::send(session, &Control::PostcopyRecovering).await?;
-    let (mut from_qemu, mut to_qemu) = conn.into_split();
-    let rp_session = session.clone();
-    let _return_path = AbortHandleOnDrop(tokio::spawn(async move {
-        let mut buf = BytesMut::with_capacity(64 << 10);
-        loop {
-            buf.clear();
-            match from_qemu.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    if rp_session
-                        .send(RETURN_PATH, buf.split().freeze())
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-        }
-    }));
+    let (from_qemu, mut to_qemu) = conn.into_split();
+    let _return_path =
+        AbortHandleOnDrop(destination::spawn_return_path(from_qemu, session.clone()));
     let mut hash = StreamDigest::new();
     let mut received = 0u64;
     let mut end = None;

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use bytes::BytesMut;
-use ferry_wire::{Received, Session};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use ferry_wire::{ChannelId, Received, Session};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
 use super::control::{Carried, PREEMPT};
@@ -38,25 +38,48 @@ pub async fn forward(listener: UnixListener, session: Session, status: Shared) -
     // QEMU only writes on it; its other half stays open until the channel ends.
     let (mut from_qemu, _to_qemu) = conn.into_split();
     session.barrier(PREEMPT)?;
+    let carried = carry_raw(
+        &mut from_qemu,
+        &session,
+        PREEMPT,
+        READ,
+        "QEMU's postcopy preempt channel",
+        |bytes| status.update(|s| s.preempt_bytes = bytes),
+    )
+    .await?;
+    session.barrier(PREEMPT)?;
+    Ok(carried)
+}
+
+/// Source: sends what QEMU writes on `from_qemu` to `channel` as it is, in reads of up to
+/// `read` bytes, until QEMU closes it; hashes it, and reports the bytes so far to `progress`.
+/// (The preempt channel, and a resumed postcopy stream: `engine::postcopy_recovery`.)
+pub(crate) async fn carry_raw(
+    from_qemu: &mut (impl AsyncRead + Unpin),
+    session: &Session,
+    channel: ChannelId,
+    read: usize,
+    what: &str,
+    mut progress: impl FnMut(u64),
+) -> Result<Carried> {
     let mut hash = StreamDigest::new();
     let mut bytes = 0u64;
-    let mut buf = BytesMut::with_capacity(READ);
+    let mut buf = BytesMut::with_capacity(read);
     loop {
-        buf.reserve(READ);
+        buf.reserve(read);
         let n = from_qemu
             .read_buf(&mut buf)
             .await
-            .context("reading QEMU's postcopy preempt channel")?;
+            .with_context(|| format!("reading {what}"))?;
         if n == 0 {
             break;
         }
         let chunk = buf.split().freeze();
         hash.update(&chunk);
         bytes += chunk.len() as u64;
-        session.send(PREEMPT, chunk).await?;
-        status.update(|s| s.preempt_bytes = bytes);
+        session.send(channel, chunk).await?;
+        progress(bytes);
     }
-    session.barrier(PREEMPT)?;
     Ok(Carried {
         bytes,
         digest: hash.hex(),
