@@ -183,26 +183,7 @@ impl Qmp {
             && greeting["QMP"]["capabilities"]
                 .as_array()
                 .is_some_and(|caps| caps.iter().any(|c| c == "oob"));
-
-        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
-        let (events, _) = broadcast::channel(1024);
-        let event_log = Arc::new(Mutex::new(VecDeque::new()));
-        tokio::spawn(read_loop(
-            lines,
-            pending.clone(),
-            events.clone(),
-            event_log.clone(),
-        ));
-        let qmp = Qmp {
-            path: path.to_owned(),
-            peer_pid,
-            writer: tokio::sync::Mutex::new(write),
-            next_id: AtomicU64::new(1),
-            pending,
-            events,
-            event_log,
-            oob,
-        };
+        let qmp = Qmp::serve(path, peer_pid, lines, write, 1, oob);
         let capabilities = if oob {
             serde_json::json!({ "enable": ["oob"] })
         } else {
@@ -212,6 +193,81 @@ impl Qmp {
             .await
             .map_err(|e| handshake(format!("qmp_capabilities: {e}")))?;
         Ok(qmp)
+    }
+
+    /// Takes over a connection another process made and negotiated (with out-of-band
+    /// execution when `oob`), as a restarted agent does with its predecessor's
+    /// (`monitor_keeper` in ferry-agent). What comes first may be the rest of a line the other
+    /// process half read: it is skipped as not JSON. Its ids start past any that process
+    /// can have used (from the clock), so a late reply to one of its commands is never taken
+    /// for a reply to this one's.
+    pub fn adopt(path: &Path, socket: std::os::fd::OwnedFd, oob: bool) -> Result<Qmp, QmpError> {
+        let connect = |source| QmpError::Connect {
+            path: path.to_owned(),
+            source,
+        };
+        let socket = std::os::unix::net::UnixStream::from(socket);
+        socket.set_nonblocking(true).map_err(connect)?;
+        let stream = UnixStream::from_std(socket).map_err(connect)?;
+        let peer_pid = stream
+            .peer_cred()
+            .ok()
+            .and_then(|c| c.pid())
+            .and_then(|p| u32::try_from(p).ok());
+        let (read, write) = stream.into_split();
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let first_id = u64::try_from(since_epoch.as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_mul(1_000_000);
+        Ok(Qmp::serve(
+            path,
+            peer_pid,
+            BufReader::new(read),
+            write,
+            first_id,
+            oob,
+        ))
+    }
+
+    /// A connection past its greeting: its reader task started.
+    fn serve(
+        path: &Path,
+        peer_pid: Option<u32>,
+        lines: BufReader<tokio::net::unix::OwnedReadHalf>,
+        write: OwnedWriteHalf,
+        first_id: u64,
+        oob: bool,
+    ) -> Qmp {
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        let (events, _) = broadcast::channel(1024);
+        let event_log = Arc::new(Mutex::new(VecDeque::new()));
+        tokio::spawn(read_loop(
+            lines,
+            pending.clone(),
+            events.clone(),
+            event_log.clone(),
+        ));
+        Qmp {
+            path: path.to_owned(),
+            peer_pid,
+            writer: tokio::sync::Mutex::new(write),
+            next_id: AtomicU64::new(first_id),
+            pending,
+            events,
+            event_log,
+            oob,
+        }
+    }
+
+    /// A duplicate of the connection's socket, for a process that keeps it open
+    /// ([`Qmp::adopt`]).
+    pub async fn duplicate_socket(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        let writer = self.writer.lock().await;
+        let stream: &UnixStream = writer.as_ref();
+        stream.as_fd().try_clone_to_owned()
     }
 
     /// Whether the connection has closed (QEMU exited): every command fails from then on,

@@ -81,7 +81,9 @@ pub struct ImageShape {
 /// the capability, or the faulted pages would go to a channel the destination never opens.
 /// 12: `ResumePostcopy` and `PostcopyRecovering` (QEMU's postcopy recovery after an agent was
 /// lost past the switch).
-pub const CONTROL_VERSION: u32 = 12;
+/// 13: `Verdict::PostcopyPaused` (the destination's agent restarted past the switch: the
+/// running source resumes the migration).
+pub const CONTROL_VERSION: u32 = 13;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -5,6 +5,7 @@
 //! In postcopy the commit comes at the switch instead ([`crate::engine::postcopy`]).
 
 use std::future::Future;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -31,8 +32,9 @@ use crate::engine::known_zero::{self, ZeroPages};
 use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
+use crate::engine::monitor_keeper;
 use crate::engine::postcopy::{self, PackageGate};
-use crate::engine::postcopy_recovery::HeldMonitors;
+use crate::engine::postcopy_recovery::{self, HeldMonitors};
 use crate::engine::preempt;
 use crate::engine::seed_store;
 use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
@@ -189,6 +191,8 @@ async fn serve(
             qmp: qmp.to_owned(),
             state: IncomingState::Receiving,
             reason: None,
+            postcopy_pending: false,
+            monitor_keeper: None,
             updated_unix_ms: now_ms(),
         });
         dirs.journal
@@ -580,7 +584,9 @@ async fn serve(
             "session {}: postcopy: every page has arrived; the vCPUs waited {blocktime:?} ms for pages",
             session.id()
         );
-        *record_slot = None;
+        if let Some(record) = record_slot.take() {
+            postcopy_recovery::delivered(&dirs.journal, record);
+        }
         return_path.abort();
         drop(qmp_slot.take());
         drop(launched.take());
@@ -722,6 +728,26 @@ async fn serve(
     Ok(())
 }
 
+/// Postcopy: a keeper for the monitor past this agent's death ([`monitor_keeper`]), when the
+/// connection has out-of-band execution (without, it could not recover QEMU anyway).
+async fn keep_monitor(qmp: &Qmp) -> Option<monitor_keeper::KeptMonitor> {
+    if !qmp.has_oob() {
+        return None;
+    }
+    let kept = async {
+        let socket = qmp.duplicate_socket().await?;
+        monitor_keeper::keep(socket.as_fd(), qmp.peer_pid())
+    }
+    .await;
+    kept.map_err(|e| {
+        tracing::warn!(
+            "postcopy: no keeper for the destination QEMU's monitor ({e}): a restart of this \
+             agent before the last page arrives would leave the VM paused"
+        )
+    })
+    .ok()
+}
+
 /// Postcopy, once QEMU has the package: it loads it (paused, as it was started), the VM resumes
 /// here, the record says committed and the source learns it. Returns the record.
 async fn run_after_switch(
@@ -739,6 +765,8 @@ async fn run_after_switch(
         }
     }
     record.state = IncomingState::Committed;
+    record.postcopy_pending = true;
+    record.monitor_keeper = keep_monitor(qmp).await;
     record.updated_unix_ms = now_ms();
     if let Err(e) = journal.write_incoming(&record) {
         tracing::error!("session {}: committed (postcopy); {e:#}", session.id());

@@ -25,6 +25,8 @@ use anyhow::{Context, Result};
 use ferry_wire::SessionId;
 use serde::{Deserialize, Serialize};
 
+use crate::engine::monitor_keeper::KeptMonitor;
+
 /// Finished records kept per side; older ones are removed.
 pub const KEPT_FINISHED: usize = 1024;
 
@@ -49,6 +51,12 @@ pub struct IncomingRecord {
     /// Why it was aborted, or what a restart found.
     #[serde(default)]
     pub reason: Option<String>,
+    /// Postcopy, committed at the switch: pages are still due from the source.
+    #[serde(default)]
+    pub postcopy_pending: bool,
+    /// The process keeping the QEMU's monitor connection for a postcopy recovery.
+    #[serde(default)]
+    pub monitor_keeper: Option<KeptMonitor>,
     pub updated_unix_ms: u64,
 }
 
@@ -104,6 +112,10 @@ pub enum Verdict {
     Aborted { reason: String },
     /// The migration is still going on here.
     Pending,
+    /// Postcopy: the VM runs here, but the session carrying its last pages is gone (its agent
+    /// restarted) and QEMU waits, paused: the source must resume the migration
+    /// (`postcopy_recovery`).
+    PostcopyPaused,
     /// The destination cannot tell (its QEMU went while it was being resumed): an operator
     /// decides.
     Unknown { reason: String },
@@ -115,6 +127,11 @@ impl std::fmt::Display for Verdict {
             Verdict::Committed => write!(f, "the VM runs there"),
             Verdict::Aborted { reason } => write!(f, "aborted: {reason}"),
             Verdict::Pending => write!(f, "the migration still goes on there"),
+            Verdict::PostcopyPaused => write!(
+                f,
+                "the VM runs there, its postcopy migration paused since the session carrying its \
+                 pages was lost"
+            ),
             Verdict::Unknown { reason } => write!(
                 f,
                 "it cannot tell ({reason}): check the destination before resuming the source \
@@ -312,6 +329,8 @@ mod tests {
             qmp: "/run/vm.qmp".into(),
             state,
             reason: None,
+            postcopy_pending: false,
+            monitor_keeper: None,
             updated_unix_ms: 1,
         }
     }

@@ -38,6 +38,7 @@ pub mod known_zero;
 pub mod launcher;
 pub mod load_sieve;
 pub mod monitor_dir;
+pub mod monitor_keeper;
 pub mod page_ledger;
 pub mod postcopy;
 pub mod postcopy_recovery;

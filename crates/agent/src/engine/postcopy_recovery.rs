@@ -45,7 +45,10 @@ use tokio::net::{UnixListener, UnixStream};
 use crate::engine::control::{self, Control, CONTROL_VERSION, PREEMPT, RETURN_PATH, STREAM};
 use crate::engine::destination;
 use crate::engine::digest::{StreamDigest, ALGORITHM};
-use crate::engine::journal::{IncomingState, Journal, OutgoingRecord, OutgoingState};
+use crate::engine::journal::{
+    IncomingRecord, IncomingState, Journal, OutgoingRecord, OutgoingState,
+};
+use crate::engine::monitor_keeper;
 use crate::engine::postcopy::HOLD_AFTER_SWITCH;
 use crate::engine::preempt;
 use crate::engine::recovery::{connect_to, PeerLink};
@@ -114,6 +117,85 @@ impl HeldMonitors {
     }
 }
 
+/// Destination: the migration `record` describes has every page: its record says so, and its
+/// monitor's keeper goes.
+pub fn delivered(journal: &Journal, record: IncomingRecord) {
+    if let Some(kept) = record.monitor_keeper {
+        monitor_keeper::release(kept, &record.qmp);
+    }
+    let settled = IncomingRecord {
+        postcopy_pending: false,
+        monitor_keeper: None,
+        updated_unix_ms: now_ms(),
+        ..record
+    };
+    if let Err(e) = journal.write_incoming(&settled) {
+        tracing::error!("session {}: {e:#}", settled.session);
+    }
+}
+
+/// Destination, restarted: takes back the monitor connection the keeper of each postcopy
+/// migration still waiting for pages holds, for the source's resume (its QEMU has paused, its
+/// sockets gone with the old agent).
+pub async fn adopt_kept_monitors(journal: &Journal, held: &HeldMonitors) {
+    let records = match journal.all_incoming() {
+        Ok(records) => records,
+        Err(e) => {
+            tracing::error!("the incoming migrations' records: {e:#}");
+            return;
+        }
+    };
+    for record in records {
+        if !(record.state == IncomingState::Committed && record.postcopy_pending) {
+            continue;
+        }
+        if has_every_page(&record).await {
+            tracing::info!(
+                "session {}: VM {:?}: every page had arrived when the agent went",
+                record.session,
+                record.vm
+            );
+            delivered(journal, record);
+            continue;
+        }
+        let adopted = record
+            .monitor_keeper
+            .ok_or_else(|| anyhow!("no process kept its monitor"))
+            .and_then(|kept| Ok(monitor_keeper::take(kept, &record.qmp)?))
+            .and_then(|socket| Ok(Qmp::adopt(&record.qmp, socket, true)?));
+        match adopted {
+            Ok(qmp) => {
+                tracing::warn!(
+                    "session {}: VM {:?} runs here in postcopy and its pages' session went \
+                     with the agent's restart: its monitor is back, waiting for the source \
+                     to resume the migration",
+                    record.session,
+                    record.vm
+                );
+                held.keep(record.session, qmp);
+            }
+            Err(e) => tracing::error!(
+                "session {}: VM {:?} runs here in postcopy and its pages' session went with \
+                 the agent's restart, but its monitor cannot be taken back ({e:#}): it cannot be \
+                 recovered",
+                record.session,
+                record.vm
+            ),
+        }
+    }
+}
+
+/// Whether the postcopy destination QEMU `record` names completed its migration (its agent
+/// went after the last page arrived). One still waiting for pages does not answer a new
+/// connection (its main thread waits on a fault), which is why the wait is short.
+async fn has_every_page(record: &IncomingRecord) -> bool {
+    let asked = tokio::time::timeout(Duration::from_secs(3), async {
+        let qmp = Qmp::connect(&record.qmp).await.ok()?;
+        migration_status(&qmp).await
+    });
+    asked.await.ok().flatten().as_deref() == Some("completed")
+}
+
 /// Source, restarted: whether `record` is a postcopy migration whose source QEMU (the same
 /// process) waits to be resumed.
 pub async fn source_paused(record: &OutgoingRecord) -> bool {
@@ -133,8 +215,8 @@ pub async fn source_paused(record: &OutgoingRecord) -> bool {
     )
 }
 
-/// Source, restarted: resumes the postcopy migration `record` describes, then records and
-/// shows how it ended.
+/// Source, restarted: resumes the postcopy migration `record` describes, then shows how it
+/// ended.
 pub async fn resume_source(
     record: OutgoingRecord,
     peer: PeerLink,
@@ -142,39 +224,26 @@ pub async fn resume_source(
     journal: Journal,
     status: Shared,
 ) {
-    status.update(|s| {
-        s.state = MigrationState::Running;
-        s.phase = Phase::Postcopy;
-        s.detail = "postcopy: the source agent restarted; resuming the migration through \
-                    QEMU's postcopy recovery"
-            .into();
-    });
-    tracing::warn!(
-        "migration {} of {:?}: postcopy, its source QEMU paused since the agent restarted: \
-         resuming it",
-        record.id,
-        record.vm
-    );
-    let result = tokio::time::timeout(
-        HOLD_AFTER_SWITCH,
-        carry_resumed_source(&record, &peer, &work_dir, &status),
-    )
-    .await
-    .unwrap_or_else(|_| {
-        Err(anyhow!(
-            "the resumed postcopy migration did not end within {}s",
-            HOLD_AFTER_SWITCH.as_secs()
-        ))
-    });
-    let reason = match &result {
-        Ok(()) => None,
-        Err(e) => Some(format!(
-            "{e:#}; the VM runs at the destination without the pages still in the source QEMU, \
-             which stays paused: restart the source agent to try again"
-        )),
+    let result = match Qmp::connect(&record.source_qmp)
+        .await
+        .context("the source QEMU's monitor")
+    {
+        Ok(qmp) => {
+            resume(
+                record,
+                &qmp,
+                &peer,
+                &work_dir,
+                &journal,
+                &status,
+                "the source agent restarted",
+            )
+            .await
+        }
+        Err(e) => Err(e),
     };
-    status.update(|s| match &reason {
-        None => {
+    status.update(|s| match result {
+        Ok(()) => {
             s.state = MigrationState::Committed;
             s.phase = Phase::Committed;
             s.detail = "postcopy: every page delivered after QEMU's postcopy recovery".into();
@@ -183,35 +252,77 @@ pub async fn resume_source(
                 "postcopy: recovered after the source agent restarted; every page delivered",
             );
         }
-        Some(reason) => {
+        Err(e) => {
+            let reason = format!("{e:#}");
             s.state = MigrationState::Failed;
             s.phase = Phase::Failed;
-            s.detail.clone_from(reason);
+            s.detail.clone_from(&reason);
             s.error = Some(reason.clone());
-            s.event(EventKind::Failed, reason.clone());
+            s.event(EventKind::Failed, reason);
         }
     });
+}
+
+/// Source: resumes the postcopy migration `record` describes, its connection to QEMU or to the
+/// destination's QEMU lost (`lost` says how), and records how it ended.
+pub async fn resume(
+    record: OutgoingRecord,
+    qmp: &Qmp,
+    peer: &PeerLink,
+    work_dir: &Path,
+    journal: &Journal,
+    status: &Shared,
+    lost: &str,
+) -> Result<()> {
+    status.update(|s| {
+        s.state = MigrationState::Running;
+        s.phase = Phase::Postcopy;
+        s.detail =
+            format!("postcopy: {lost}; resuming the migration through QEMU's postcopy recovery");
+    });
+    tracing::warn!(
+        "migration {} of {:?}: postcopy, {lost}: resuming it through QEMU's postcopy recovery",
+        record.id,
+        record.vm
+    );
+    let result = tokio::time::timeout(
+        HOLD_AFTER_SWITCH,
+        carry_resumed_source(&record, qmp, peer, work_dir, status),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(anyhow!(
+            "the resumed postcopy migration did not end within {}s",
+            HOLD_AFTER_SWITCH.as_secs()
+        ))
+    })
+    .map_err(|e| {
+        anyhow!(
+            "{lost}, and resuming the postcopy migration failed: {e:#}; the VM runs at the \
+             destination without the pages still in the source QEMU, which stays paused: \
+             restart the source agent to try again"
+        )
+    });
     let settled = OutgoingRecord {
-        postcopy_pending: reason.is_some(),
-        reason,
+        postcopy_pending: result.is_err(),
+        reason: result.as_ref().err().map(|e| format!("{e:#}")),
         updated_unix_ms: now_ms(),
         ..record
     };
     if let Err(e) = journal.write_outgoing(&settled) {
         tracing::error!("migration {}: {e:#}", settled.id);
     }
+    result
 }
 
 async fn carry_resumed_source(
     record: &OutgoingRecord,
+    qmp: &Qmp,
     peer: &PeerLink,
     work_dir: &Path,
     status: &Shared,
 ) -> Result<()> {
-    let qmp = Qmp::connect(&record.source_qmp)
-        .await
-        .context("the source QEMU's monitor")?;
-    wait_paused(&qmp).await?;
+    wait_paused(qmp).await?;
     let (session, _connections) = connect_to(peer).await?;
     control::send(
         &session,
@@ -268,7 +379,7 @@ async fn carry_resumed_source(
     let preempt_carried = (&mut preempt_task.0)
         .await
         .context("the preempt channel's task")??;
-    match migration_status(&qmp).await.as_deref() {
+    match migration_status(qmp).await.as_deref() {
         Some("completed") => {}
         other => bail!(
             "the source QEMU closed its resumed stream in state {}",
@@ -350,9 +461,10 @@ pub async fn resume_destination(
             )?,
         };
         let result = carry_resumed_destination(&session, of, &qmp, &side.work_dir).await;
-        if result.is_err() {
+        match result {
+            Ok(()) => delivered(&side.journal, record),
             // For the next attempt.
-            side.held.keep(of, qmp);
+            Err(_) => side.held.keep(of, qmp),
         }
         result
     };

@@ -138,6 +138,16 @@ pub fn verdict_for(
     };
     let state = record.as_ref().map(|r| r.state);
     match state {
+        // Postcopy, the VM running here and pages still due: on their session, or, that
+        // session gone (this agent restarted, or it failed past the switch), on one the source
+        // resumes the migration on. Committed without pages due: every page arrived.
+        Some(IncomingState::Committed) if record.as_ref().is_some_and(|r| r.postcopy_pending) => {
+            return Ok(if live {
+                Verdict::Pending
+            } else {
+                Verdict::PostcopyPaused
+            })
+        }
         Some(IncomingState::Committed) => return Ok(Verdict::Committed),
         Some(IncomingState::Aborted) => {
             return Ok(Verdict::Aborted {
@@ -170,6 +180,8 @@ pub fn verdict_for(
         qmp: record.map(|r| r.qmp).unwrap_or_default(),
         state: IncomingState::Aborted,
         reason: Some(reason.into()),
+        postcopy_pending: false,
+        monitor_keeper: None,
         updated_unix_ms: now_ms(),
     };
     Ok(match journal.write_incoming(&aborted) {
@@ -525,6 +537,8 @@ mod tests {
             qmp: "/nowhere/vm.qmp".into(),
             state,
             reason: Some("why".into()),
+            postcopy_pending: false,
+            monitor_keeper: None,
             updated_unix_ms: 100,
         }
     }
@@ -566,7 +580,16 @@ mod tests {
         ] {
             journal.write_incoming(&record(session, state)).unwrap();
         }
+        let postcopy = IncomingRecord {
+            postcopy_pending: true,
+            ..record(5, IncomingState::Committed)
+        };
+        journal.write_incoming(&postcopy).unwrap();
         let verdict = |session, live| verdict_for(&journal, SessionId(session), 0, live);
+        // Postcopy, pages due: on their session, or on one the source must resume it on.
+        assert_eq!(verdict(5, true), Ok(Verdict::Pending));
+        assert_eq!(verdict(5, false), Ok(Verdict::PostcopyPaused));
+        assert_eq!(verdict(3, false), Ok(Verdict::Committed));
         assert_eq!(verdict(1, true), Ok(Verdict::Pending));
         assert_eq!(verdict(2, true), Ok(Verdict::Pending));
         // Committed while its session still tells the source.

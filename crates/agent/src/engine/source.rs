@@ -38,6 +38,7 @@ use crate::engine::disk::mirror::{
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
 use crate::engine::postcopy;
+use crate::engine::postcopy_recovery;
 use crate::engine::preempt;
 use crate::engine::recovery::{self, PeerLink};
 use crate::engine::seed_store;
@@ -507,6 +508,32 @@ async fn migrate(
             });
             None
         }
+        Err(e) if switched.is_some() && e.is::<PostcopySessionLost>() => {
+            // Its QEMU pauses once its sockets to this session's tasks are closed (they went
+            // with the stream), or is paused; then it resumes on a session of its own.
+            session.fail(format!("{e:#}"));
+            let record = OutgoingRecord {
+                state: OutgoingState::Committed,
+                postcopy_pending: true,
+                ..record.clone()
+            };
+            return postcopy_recovery::resume(
+                record,
+                &qmp,
+                &asked,
+                work_dir,
+                journal,
+                status,
+                "the destination agent restarted",
+            )
+            .await
+            .map_err(|e| {
+                e.context(AfterTheSwitch {
+                    why: "after the postcopy switch",
+                    vm: "the VM runs at the destination",
+                })
+            });
+        }
         Err(e) if switched.is_some() => {
             // Past the postcopy switch: the VM runs at the destination, and the pages that had
             // not crossed are only here. Nothing is resumed or quit.
@@ -579,8 +606,25 @@ async fn migrate(
                     // In postcopy the destination has run the VM since the switch; what
                     // is due is its word that the last page arrived (`Delivered`): until
                     // then the stream's frames may still be unacknowledged here.
-                    Ok(Verdict::Committed) if switched.is_some() => {
-                        heard = "; asked, the destination runs the VM".into();
+                    // Its record says every page arrived (its word may have been lost with
+                    // a restart of its agent): the last frames have too.
+                    Ok(Verdict::Committed) if switched.is_some() => break switched.clone(),
+                    // Its agent restarted before the last pages reached its QEMU, which has
+                    // paused; this QEMU's migration has completed (its stream ended), so
+                    // QEMU's recovery cannot send them again.
+                    Ok(Verdict::PostcopyPaused) if switched.is_some() => {
+                        session.fail("the destination lost the session");
+                        let e = anyhow!(
+                            "the destination agent restarted before the last pages reached its \
+                             QEMU, which waits for them, paused; the source QEMU had sent them \
+                             all (its migration completed), so QEMU's postcopy recovery cannot \
+                             send them again"
+                        );
+                        settle(OutgoingState::Committed, Some(format!("{e:#}")));
+                        return Err(e.context(AfterTheSwitch {
+                            why: "after the postcopy switch",
+                            vm: "the VM stays paused at the destination",
+                        }));
                     }
                     Ok(Verdict::Committed) => break Some(Control::Committed {
                         resume_unix_us: 0,
@@ -792,6 +836,7 @@ async fn watchdog<T>(
                 asking = None;
                 match answer {
                     Ok(Ok(Verdict::Aborted { reason })) => bail!("the destination aborted: {reason}"),
+                    Ok(Ok(Verdict::PostcopyPaused)) => return Err(PostcopySessionLost.into()),
                     Ok(Ok(other)) => tracing::debug!("the session is silent; the destination says {other}"),
                     Ok(Err(e)) => tracing::debug!("the session is silent; asking the destination: {e:#}"),
                     Err(e) => tracing::debug!("asking the destination: {e}"),
@@ -1152,6 +1197,12 @@ async fn stream(
 #[derive(Debug, thiserror::Error)]
 #[error("the destination aborted: {0}")]
 struct DestinationAborted(String);
+
+/// Past the postcopy switch, the destination lost the session carrying the VM's pages (its
+/// agent restarted): the migration goes on through QEMU's postcopy recovery.
+#[derive(Debug, thiserror::Error)]
+#[error("the destination agent lost the postcopy migration's session (it restarted)")]
+struct PostcopySessionLost;
 
 /// A migration that failed after QEMU switched to postcopy, where the source VM no longer
 /// runs: why, and where the VM is.
