@@ -121,8 +121,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     });
     // What a killed predecessor left: settled before peers are served (the destination's
     // side), or in tasks of their own (a source asking for verdicts).
-    recovery::recover_incoming(&agent.journal).await;
-    postcopy_recovery::adopt_kept_monitors(&agent.journal, &agent.held_monitors).await;
+    recovery::recover_incoming(&agent.journal, &agent.held_monitors).await;
     let peer_of = |name: &str| {
         agent.config.peers.get(name).map(|p| recovery::PeerLink {
             name: name.to_owned(),

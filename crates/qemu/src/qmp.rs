@@ -114,7 +114,9 @@ pub struct Qmp {
     path: PathBuf,
     /// The process serving the socket (SO_PEERCRED), when the kernel says.
     peer_pid: Option<u32>,
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    writer: tokio::sync::Mutex<WriteHalf>,
+    /// The reader task, which owns the read half: ended with the connection.
+    reader: tokio::task::AbortHandle,
     next_id: AtomicU64,
     /// `None` once the reader has ended: no new waiter may be added after that.
     pending: Pending,
@@ -122,6 +124,39 @@ pub struct Qmp {
     event_log: Arc<Mutex<VecDeque<Event>>>,
     /// Out-of-band execution was negotiated ([`Qmp::connect_oob`]).
     oob: bool,
+}
+
+/// The monitor socket's write half, closed with the socket when the connection is dropped
+/// rather than shut down: `shutdown(2)` would end the connection for every process holding a
+/// copy of it ([`Qmp::duplicate_socket`]), and QEMU serves one monitor client at a time.
+struct WriteHalf(Option<OwnedWriteHalf>);
+
+impl std::ops::Deref for WriteHalf {
+    type Target = OwnedWriteHalf;
+    fn deref(&self) -> &OwnedWriteHalf {
+        self.0.as_ref().expect("taken only on drop")
+    }
+}
+
+impl std::ops::DerefMut for WriteHalf {
+    fn deref_mut(&mut self) -> &mut OwnedWriteHalf {
+        self.0.as_mut().expect("taken only on drop")
+    }
+}
+
+impl Drop for WriteHalf {
+    fn drop(&mut self) {
+        if let Some(write) = self.0.take() {
+            write.forget();
+        }
+    }
+}
+
+impl Drop for Qmp {
+    /// The reader task goes with the connection; the socket closes with the read half it owns.
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
 }
 
 impl Qmp {
@@ -243,16 +278,18 @@ impl Qmp {
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (events, _) = broadcast::channel(1024);
         let event_log = Arc::new(Mutex::new(VecDeque::new()));
-        tokio::spawn(read_loop(
+        let reader = tokio::spawn(read_loop(
             lines,
             pending.clone(),
             events.clone(),
             event_log.clone(),
-        ));
+        ))
+        .abort_handle();
         Qmp {
             path: path.to_owned(),
             peer_pid,
-            writer: tokio::sync::Mutex::new(write),
+            writer: tokio::sync::Mutex::new(WriteHalf(Some(write))),
+            reader,
             next_id: AtomicU64::new(first_id),
             pending,
             events,
@@ -266,7 +303,7 @@ impl Qmp {
     pub async fn duplicate_socket(&self) -> std::io::Result<std::os::fd::OwnedFd> {
         use std::os::fd::AsFd;
         let writer = self.writer.lock().await;
-        let stream: &UnixStream = writer.as_ref();
+        let stream: &UnixStream = (**writer).as_ref();
         stream.as_fd().try_clone_to_owned()
     }
 

@@ -312,10 +312,16 @@ fn no_codec() -> CodecSettings {
     CodecSettings::NONE
 }
 
-/// Tells the peer the migration stops, for `reason`, waiting at most `within`: a peer that is
-/// gone must not hold up the failure it is told of.
+/// Tells the peer the migration stops, for `reason`, and waits until the peer has the message
+/// (a session failed next would drop it unsent), at most `within`: a peer that is gone must not
+/// hold up the failure it is told of.
 pub async fn tell_abort(session: &Session, reason: String, within: Duration) {
-    let _ = tokio::time::timeout(within, send(session, &Control::Abort { reason })).await;
+    let told = async {
+        send(session, &Control::Abort { reason }).await?;
+        session.flushed(CONTROL).await?;
+        anyhow::Ok(())
+    };
+    let _ = tokio::time::timeout(within, told).await;
 }
 
 pub async fn send(session: &Session, msg: &Control) -> Result<()> {

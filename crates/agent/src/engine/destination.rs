@@ -117,8 +117,6 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
         }
         // The source says "the destination refused/aborted: " before it.
         control::tell_abort(&session, format!("{e:#}"), Duration::from_secs(5)).await;
-        let _ =
-            tokio::time::timeout(Duration::from_secs(5), session.flushed(control::CONTROL)).await;
         session.fail(format!("{e:#}"));
     }
 }

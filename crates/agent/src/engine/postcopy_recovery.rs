@@ -134,66 +134,67 @@ pub fn delivered(journal: &Journal, record: IncomingRecord) {
     }
 }
 
-/// Destination, restarted: takes back the monitor connection the keeper of each postcopy
-/// migration still waiting for pages holds, for the source's resume (its QEMU has paused, its
-/// sockets gone with the old agent).
-pub async fn adopt_kept_monitors(journal: &Journal, held: &HeldMonitors) {
-    let records = match journal.all_incoming() {
-        Ok(records) => records,
-        Err(e) => {
-            tracing::error!("the incoming migrations' records: {e:#}");
-            return;
-        }
-    };
-    for record in records {
-        if !(record.state == IncomingState::Committed && record.postcopy_pending) {
-            continue;
-        }
-        if has_every_page(&record).await {
-            tracing::info!(
-                "session {}: VM {:?}: every page had arrived when the agent went",
-                record.session,
-                record.vm
-            );
-            delivered(journal, record);
-            continue;
-        }
-        let adopted = record
-            .monitor_keeper
-            .ok_or_else(|| anyhow!("no process kept its monitor"))
-            .and_then(|kept| Ok(monitor_keeper::take(kept, &record.qmp)?))
-            .and_then(|socket| Ok(Qmp::adopt(&record.qmp, socket, true)?));
-        match adopted {
-            Ok(qmp) => {
-                tracing::warn!(
+/// Destination, restarted: takes back the monitor connection the keeper of postcopy migration
+/// `record` holds, for the source's resume (its QEMU has paused, its sockets gone with the old
+/// agent), or settles the record when every page had arrived.
+pub async fn adopt_kept_monitor(journal: &Journal, held: &HeldMonitors, record: IncomingRecord) {
+    let adopted = record
+        .monitor_keeper
+        .ok_or_else(|| anyhow!("no process kept its monitor"))
+        .and_then(|kept| Ok(monitor_keeper::take(kept, &record.qmp)?))
+        .and_then(|socket| Ok(Qmp::adopt(&record.qmp, socket, true)?));
+    let qmp = match adopted {
+        Ok(qmp) => qmp,
+        // Nothing kept it: QEMU greets a new connection when it no longer waits for pages.
+        Err(e) => match connect_within(&record.qmp, ANSWER_WITHIN).await {
+            Some(qmp) => qmp,
+            None => {
+                tracing::error!(
                     "session {}: VM {:?} runs here in postcopy and its pages' session went \
-                     with the agent's restart: its monitor is back, waiting for the source \
-                     to resume the migration",
+                     with the agent's restart, but its monitor cannot be taken back \
+                     ({e:#}): it cannot be recovered",
                     record.session,
                     record.vm
                 );
-                held.keep(record.session, qmp);
+                return;
             }
-            Err(e) => tracing::error!(
-                "session {}: VM {:?} runs here in postcopy and its pages' session went with \
-                 the agent's restart, but its monitor cannot be taken back ({e:#}): it cannot be \
-                 recovered",
-                record.session,
-                record.vm
-            ),
-        }
+        },
+    };
+    if has_every_page(&qmp).await {
+        tracing::info!(
+            "session {}: VM {:?}: every page had arrived when the agent went",
+            record.session,
+            record.vm
+        );
+        drop(qmp);
+        delivered(journal, record);
+        return;
     }
+    tracing::warn!(
+        "session {}: VM {:?} runs here in postcopy and its pages' session went with the \
+         agent's restart: its monitor is back, waiting for the source to resume the migration",
+        record.session,
+        record.vm
+    );
+    held.keep(record.session, qmp);
 }
 
-/// Whether the postcopy destination QEMU `record` names completed its migration (its agent
-/// went after the last page arrived). One still waiting for pages does not answer a new
-/// connection (its main thread waits on a fault), which is why the wait is short.
-async fn has_every_page(record: &IncomingRecord) -> bool {
-    let asked = tokio::time::timeout(Duration::from_secs(3), async {
-        let qmp = Qmp::connect(&record.qmp).await.ok()?;
-        migration_status(&qmp).await
-    });
+/// How long a destination QEMU that may wait on a page fault is given to answer.
+const ANSWER_WITHIN: Duration = Duration::from_secs(3);
+
+/// Whether the postcopy destination QEMU behind `qmp` completed its migration (its agent went
+/// after the last page arrived). One still waiting for pages may not answer (its main thread
+/// waits on a fault), which is why the wait is short.
+async fn has_every_page(qmp: &Qmp) -> bool {
+    let asked = tokio::time::timeout(ANSWER_WITHIN, migration_status(qmp));
     asked.await.ok().flatten().as_deref() == Some("completed")
+}
+
+async fn connect_within(path: &Path, within: Duration) -> Option<Qmp> {
+    tokio::time::timeout(within, Qmp::connect_oob(path))
+        .await
+        .ok()?
+        .ok()
 }
 
 /// Source, restarted: whether `record` is a postcopy migration whose source QEMU (the same

@@ -41,7 +41,7 @@ use crate::engine::control::{self, Control, CONTROL_VERSION};
 use crate::engine::journal::{
     IncomingRecord, IncomingState, Journal, OutgoingRecord, OutgoingState, Verdict,
 };
-use crate::engine::postcopy_recovery;
+use crate::engine::postcopy_recovery::{self, HeldMonitors};
 use crate::engine::status::{now_ms, Events, Registry, Shared};
 
 /// How often a source in doubt asks the destination.
@@ -206,7 +206,7 @@ pub async fn verdict_after_committing(journal: &Journal, record: IncomingRecord)
 }
 
 /// Settles the incoming migrations a killed destination agent left (see the module's text).
-pub async fn recover_incoming(journal: &Journal) {
+pub async fn recover_incoming(journal: &Journal, held: &HeldMonitors) {
     let records = match journal.all_incoming() {
         Ok(records) => records,
         Err(e) => {
@@ -242,6 +242,9 @@ pub async fn recover_incoming(journal: &Journal) {
             }
             IncomingState::Committing => {
                 settle_committing(journal, record).await;
+            }
+            IncomingState::Committed if record.postcopy_pending => {
+                postcopy_recovery::adopt_kept_monitor(journal, held, record).await;
             }
             IncomingState::Committed | IncomingState::Aborted => {}
         }

@@ -193,6 +193,17 @@ fn stream(name: &str) -> Arc<Vec<u8>> {
     Arc::new(zstd::decode_all(std::fs::File::open(&path).expect(&path)).expect("zstd"))
 }
 
+/// The agents' log goes to the test's captured output (shown when a test fails), at the level
+/// `RUST_LOG` asks for, warnings by default.
+fn log_to_the_test() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
 impl Pair {
     pub fn up(gates_a: Gates, gates_b: Gates) -> Pair {
         Pair::up_expecting(gates_a, gates_b, captured_stream())
@@ -211,6 +222,7 @@ impl Pair {
         sent: Arc<Vec<u8>>,
         expected: Arc<Vec<u8>>,
     ) -> Pair {
+        log_to_the_test();
         let dir = tempfile::tempdir().expect("temp dir");
         ferry_agent::pki::init(&dir.path().join("pki"), "engine-test").expect("CA");
         let b_listen = free_port();
