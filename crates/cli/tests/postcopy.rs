@@ -148,28 +148,49 @@ fn postcopy_commits_at_the_switch_and_its_pages_cross_a_wan_outage() {
 /// resumes the migration through QEMU's postcopy recovery, and every page arrives.
 #[test]
 fn a_source_agent_killed_after_the_postcopy_switch_is_restarted_and_recovers_it() {
-    let t = TestLab::up("postrs", SLOW_LINK);
-    let ferry = std::path::Path::new(common::ferry_bin());
-    start_hot_vm(&t, "p3");
-    let child = t.spawn_migrate("p3", &["--postcopy"]);
-    ferry_lab::topology::wait_until(Duration::from_secs(240), || {
-        newest(&t, Site::A, "phase").as_deref() == Some("postcopy")
-    })
-    .expect("the migration reached postcopy");
-    ferry_lab::agents::kill(&t.lab, Site::A).unwrap();
-    ferry_lab::agents::restart(&t.lab, Site::A, ferry).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let stdout = common::succeeded("ferry migrate --postcopy, its source agent restarted", &out);
-    let v = json(&stdout);
-    assert_eq!(v["verify"]["mem_errors"], 0, "{v}");
-    assert_eq!(t.site_of("p3"), Site::B);
+    let t = killed_after_the_switch_and_restarted("postrs", Site::A, "p3");
     let detail = newest(&t, Site::A, "detail").unwrap_or_default();
     assert!(
         detail.contains("after QEMU's postcopy recovery"),
         "{detail}"
     );
+}
+
+/// The destination agent killed (SIGKILL) in the postcopy phase: its QEMU, running the VM,
+/// pauses for the pages it lacks, and only the connection a process of its own kept open lets
+/// anyone talk to it. The restarted agent takes that connection back; the source, its session
+/// silent, hears the migration paused there and resumes it through QEMU's recovery.
+#[test]
+fn a_destination_agent_killed_after_the_postcopy_switch_is_restarted_and_recovers_it() {
+    let t = killed_after_the_switch_and_restarted("postrd", Site::B, "p4");
+    let log = std::fs::read_to_string(ferry_lab::agents::log_path(&t.lab, Site::B)).unwrap();
+    assert!(log.contains("its monitor is back"), "{log}");
+}
+
+/// Migrates `vm` with `--postcopy` on lab `lab`, kills `site`'s agent in the postcopy phase and
+/// restarts it: the migration must end with the VM at b, its memory whole and running there.
+fn killed_after_the_switch_and_restarted(lab: &str, site: Site, vm: &str) -> TestLab {
+    let t = TestLab::up(lab, SLOW_LINK);
+    let ferry = std::path::Path::new(common::ferry_bin());
+    start_hot_vm(&t, vm);
+    let child = t.spawn_migrate(vm, &["--postcopy"]);
+    ferry_lab::topology::wait_until(Duration::from_secs(240), || {
+        newest(&t, Site::A, "phase").as_deref() == Some("postcopy")
+    })
+    .expect("the migration reached postcopy");
+    ferry_lab::agents::kill(&t.lab, site).unwrap();
+    ferry_lab::agents::restart(&t.lab, site, ferry).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = common::succeeded(
+        &format!("ferry migrate --postcopy, the {site:?} agent restarted"),
+        &out,
+    );
+    let v = json(&stdout);
+    assert_eq!(v["verify"]["mem_errors"], 0, "{v}");
+    assert_eq!(t.site_of(vm), Site::B);
     // It keeps running there: its dirtier makes progress.
-    let before = t.ok(&["guest", "p3", "mem", "stats"]);
+    let before = t.ok(&["guest", vm, "mem", "stats"]);
     std::thread::sleep(Duration::from_millis(500));
-    assert_ne!(before, t.ok(&["guest", "p3", "mem", "stats"]));
+    assert_ne!(before, t.ok(&["guest", vm, "mem", "stats"]));
+    t
 }

@@ -109,33 +109,37 @@ pub fn log_path(lab: &Lab, site: Site) -> std::path::PathBuf {
     lab.dir().join(format!("agent-{}.log", site.name()))
 }
 
+/// Where the lab records the pid of `site`'s agent: a pattern would also match the processes
+/// an agent forks without `exec` (its postcopy monitor keepers), which a crash leaves running.
+fn pid_path(lab: &Lab, site: Site) -> std::path::PathBuf {
+    lab.dir().join(format!("agent-{}.pid", site.name()))
+}
+
 /// Kills `site`'s agent with SIGKILL (as a crash would) and waits until it is gone: `pkill`
 /// only sends the signal, and a successor started before the kernel has torn the old process
 /// down finds its peer port still taken.
 pub fn kill(lab: &Lab, site: Site) -> Result<()> {
-    let pattern = format!("agent --config {}", config_path(lab, site).display());
-    let found = Command::new("pgrep")
-        .args(["-f", &pattern])
-        .output()
-        .context("run pgrep")?;
-    let pids: Vec<u32> = String::from_utf8_lossy(&found.stdout)
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect();
-    anyhow::ensure!(!pids.is_empty(), "no agent of site {} to kill", site.name());
-    for pid in &pids {
-        let _ = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status();
-    }
+    let no_agent = || anyhow::anyhow!("no agent of site {} to kill", site.name());
+    let pid: u32 = fs::read_to_string(pid_path(lab, site))
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .ok_or_else(no_agent)?;
+    // The recorded process, not another that took its pid after it went.
+    let config = config_path(lab, site);
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let is_agent = String::from_utf8_lossy(&cmdline)
+        .split('\0')
+        .any(|arg| Path::new(arg) == config);
+    anyhow::ensure!(is_agent && !exited(pid), no_agent());
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
     // Gone, or every thread a zombie: the kernel marks a thread a zombie only once it has
     // exited, and the process's files close with its last thread. (Its command line empties
     // earlier, when its memory goes, and its first thread can be a zombie while others still
     // hold the sockets: a successor then found its peer port taken.)
-    wait_until(Duration::from_secs(10), || {
-        pids.iter().all(|&pid| exited(pid))
-    })
-    .with_context(|| format!("the agent of site {} did not exit", site.name()))
+    wait_until(Duration::from_secs(10), || exited(pid))
+        .with_context(|| format!("the agent of site {} did not exit", site.name()))
 }
 
 /// Whether process `pid` has exited: gone, or each of its threads a zombie (not yet reaped).
@@ -187,6 +191,7 @@ fn spawn(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
     let child = cmd.spawn().context("start the agent")?;
     let pid = child.id();
     reap(child);
+    fs::write(pid_path(lab, site), format!("{pid}\n"))?;
     wait_until(Duration::from_secs(10), || {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     })
