@@ -83,7 +83,8 @@ pub struct ImageShape {
 /// lost past the switch).
 /// 13: `Verdict::PostcopyPaused` (the destination's agent restarted past the switch: the
 /// running source resumes the migration).
-pub const CONTROL_VERSION: u32 = 13;
+/// 14: `Lost` and `Verdict::Lost` (a QEMU exited past the postcopy switch).
+pub const CONTROL_VERSION: u32 = 14;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,6 +205,10 @@ pub enum Control {
     },
     /// Either side: the migration stops here, for this reason. The source resumes its VM.
     Abort { reason: String },
+    /// Either side, past the postcopy switch: this side's QEMU exited, and with it the VM
+    /// (destination) or the pages not yet crossed (source). Nothing can recover them; neither
+    /// side resumes or quits what is left.
+    Lost { reason: String },
     /// Source, on a disk relay ([`crate::engine::disk::relay`]): QEMU's mirror asks for this
     /// export of the destination QEMU's NBD server.
     NbdExport { name: String, codec: CodecSettings },
@@ -316,8 +321,13 @@ fn no_codec() -> CodecSettings {
 /// (a session failed next would drop it unsent), at most `within`: a peer that is gone must not
 /// hold up the failure it is told of.
 pub async fn tell_abort(session: &Session, reason: String, within: Duration) {
+    tell(session, &Control::Abort { reason }, within).await;
+}
+
+/// Sends `msg` as [`tell_abort`] does: waiting until the peer has it, at most `within`.
+pub async fn tell(session: &Session, msg: &Control, within: Duration) {
     let told = async {
-        send(session, &Control::Abort { reason }).await?;
+        send(session, msg).await?;
         session.flushed(CONTROL).await?;
         anyhow::Ok(())
     };

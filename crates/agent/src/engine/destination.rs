@@ -41,6 +41,12 @@ use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
 use crate::engine::status::now_ms;
 use crate::engine::stream_codec::{self, StreamDecoder};
 
+/// The source's word, past the postcopy switch, that its QEMU exited with the pages the VM
+/// here still lacked.
+#[derive(Debug, thiserror::Error)]
+#[error("the source QEMU exited after the postcopy switch, and with it the pages this VM still lacked ({0})")]
+struct SourceLost(String);
+
 /// The seed index goes to the source in pieces of this size.
 const SEED_PIECE: usize = 256 << 10;
 
@@ -62,7 +68,35 @@ pub async fn run(session: Session, dirs: Dirs, prepare: Control) {
             .as_ref()
             .filter(|r| r.state == IncomingState::Committed)
         {
-            // Past the postcopy switch: the VM runs here and must stay.
+            // Past the postcopy switch: the VM runs here and must stay, unless a QEMU took it
+            // or the pages it lacks away.
+            let lost = match e.downcast_ref::<SourceLost>() {
+                Some(lost) => Some((lost.to_string(), false)),
+                None => match &qmp {
+                    Some(q) if postcopy_recovery::qemu_exited(q).await => Some((
+                        "the destination QEMU exited after the postcopy switch, and the VM with it"
+                            .to_owned(),
+                        true,
+                    )),
+                    _ => None,
+                },
+            };
+            if let Some((reason, here)) = lost {
+                tracing::error!(
+                    "session {}: VM {:?}: {reason}; nothing can recover it: an operator decides",
+                    session.id(),
+                    record.vm
+                );
+                postcopy_recovery::lost(&dirs.journal, record.clone(), reason.clone());
+                if here {
+                    let lost = Control::Lost {
+                        reason: reason.clone(),
+                    };
+                    control::tell(&session, &lost, Duration::from_secs(5)).await;
+                }
+                session.fail(reason);
+                return;
+            }
             tracing::error!(
                 "session {}: VM {:?} runs here since the postcopy switch; its migration failed after it",
                 session.id(),
@@ -496,6 +530,7 @@ async fn serve(
                 Control::DiskEnd { snapshots, digest } => disk_end = Some((snapshots, digest)),
                 Control::Checkpoint { bytes, digest } if postcopy => gate.checkpoint(bytes, digest)?,
                 Control::Abort { reason } => bail!("the source aborted: {reason}"),
+                Control::Lost { reason } if switched => return Err(SourceLost(reason).into()),
                 other => bail!("unexpected control message during the stream: {other:?}"),
             },
             _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check(switched)?,

@@ -37,6 +37,9 @@ pub enum IncomingState {
     Committing,
     Committed,
     Aborted,
+    /// Postcopy: the VM ran here past the switch and cannot run on: its QEMU exited, or the
+    /// source QEMU holding the pages not yet crossed did (`reason` says which).
+    Lost,
 }
 
 /// The destination's record of an incoming migration.
@@ -119,6 +122,9 @@ pub enum Verdict {
     /// The destination cannot tell (its QEMU went while it was being resumed): an operator
     /// decides.
     Unknown { reason: String },
+    /// Postcopy: a QEMU exited past the switch, and with it the VM or the pages it still
+    /// lacked (`reason`): neither end may resume it on its own; an operator decides.
+    Lost { reason: String },
 }
 
 impl std::fmt::Display for Verdict {
@@ -132,6 +138,7 @@ impl std::fmt::Display for Verdict {
                 "the VM runs there, its postcopy migration paused since the session carrying its \
                  pages was lost"
             ),
+            Verdict::Lost { reason } => write!(f, "the VM is lost there: {reason}"),
             Verdict::Unknown { reason } => write!(
                 f,
                 "it cannot tell ({reason}): check the destination before resuming the source \

@@ -36,8 +36,10 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use ferry_api::agent::{MigrationState, Phase};
 use ferry_api::EventKind;
-use ferry_qemu::commands::{MigratePause, MigrateRecover, MigrateResume, QueryMigrate, Quit};
-use ferry_qemu::Qmp;
+use ferry_qemu::commands::{
+    MigratePause, MigrateRecover, MigrateResume, QueryMigrate, QueryStatus, Quit,
+};
+use ferry_qemu::{Qmp, QmpError};
 use ferry_wire::{Received, Session, SessionId};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
@@ -120,10 +122,32 @@ impl HeldMonitors {
 /// Destination: the migration `record` describes has every page: its record says so, and its
 /// monitor's keeper goes.
 pub fn delivered(journal: &Journal, record: IncomingRecord) {
+    settle(journal, record, IncomingState::Committed, None);
+}
+
+/// Destination: the migration `record` describes lost its VM or the pages it still lacked
+/// with a QEMU that exited (`reason`): no recovery can follow, so its monitor's keeper goes.
+pub fn lost(journal: &Journal, record: IncomingRecord, reason: String) {
+    settle(journal, record, IncomingState::Lost, Some(reason));
+}
+
+/// Whether the QEMU behind `qmp` has exited: its monitor closed, or closes when asked.
+pub async fn qemu_exited(qmp: &Qmp) -> bool {
+    // Writing may fail before the reader has seen the connection end.
+    match tokio::time::timeout(ANSWER_WITHIN, qmp.execute(&QueryStatus)).await {
+        Ok(Err(QmpError::Disconnected { .. } | QmpError::Write { .. })) => true,
+        _ => qmp.is_closed(),
+    }
+}
+
+/// Records the end of a postcopy migration's pages (`state`, `reason`), releasing the keeper.
+fn settle(journal: &Journal, record: IncomingRecord, state: IncomingState, reason: Option<String>) {
     if let Some(kept) = record.monitor_keeper {
         monitor_keeper::release(kept, &record.qmp);
     }
     let settled = IncomingRecord {
+        state,
+        reason: reason.or(record.reason.clone()),
         postcopy_pending: false,
         monitor_keeper: None,
         updated_unix_ms: now_ms(),

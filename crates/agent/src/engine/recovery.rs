@@ -154,6 +154,11 @@ pub fn verdict_for(
                 reason: record.and_then(|r| r.reason).unwrap_or_default(),
             })
         }
+        Some(IncomingState::Lost) => {
+            return Ok(Verdict::Lost {
+                reason: record.and_then(|r| r.reason).unwrap_or_default(),
+            })
+        }
         // Still here, before or at its commit (which may be telling the source now).
         _ if live => return Ok(Verdict::Pending),
         Some(IncomingState::Committing) => return Err(record.expect("a committing record")),
@@ -246,7 +251,7 @@ pub async fn recover_incoming(journal: &Journal, held: &HeldMonitors) {
             IncomingState::Committed if record.postcopy_pending => {
                 postcopy_recovery::adopt_kept_monitor(journal, held, record).await;
             }
-            IncomingState::Committed | IncomingState::Aborted => {}
+            IncomingState::Committed | IncomingState::Aborted | IncomingState::Lost => {}
         }
     }
     journal.prune_later();

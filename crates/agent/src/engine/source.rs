@@ -483,6 +483,14 @@ async fn migrate(
             tracing::error!("migration {}: {e:#}", settled.id);
         }
     };
+    // The destination's QEMU exited past the switch, and the VM with it: the source QEMU, which
+    // holds the VM as it was at the switch, is neither resumed nor quit.
+    let lost_there = |e: anyhow::Error| {
+        session.fail(format!("{e:#}"));
+        let e = e.context(DESTINATION_QEMU_LOST);
+        settle(OutgoingState::Failed, Some(format!("{e:#}")));
+        e
+    };
 
     // Postcopy: once the package went out the destination may run the VM before its word
     // arrives; only that word (an Abort) lets the source resume.
@@ -533,6 +541,21 @@ async fn migrate(
                     vm: "the VM runs at the destination",
                 })
             });
+        }
+        Err(e) if switched.is_some() && e.is::<DestinationLost>() => {
+            return Err(lost_there(e));
+        }
+        Err(e) if switched.is_some() && postcopy_recovery::qemu_exited(&qmp).await => {
+            // The pages that had not crossed went with it: the destination's VM can never
+            // have them, and its agent must not wait for a recovery.
+            let e = e.context(SOURCE_QEMU_LOST);
+            let lost = Control::Lost {
+                reason: format!("{e:#}"),
+            };
+            control::tell(&session, &lost, Duration::from_secs(2)).await;
+            session.fail(format!("{e:#}"));
+            settle(OutgoingState::Failed, Some(format!("{e:#}")));
+            return Err(e);
         }
         Err(e) if switched.is_some() => {
             // Past the postcopy switch: the VM runs at the destination, and the pages that had
@@ -631,6 +654,7 @@ async fn migrate(
                         switchover: None,
                     }),
                     Ok(Verdict::Aborted { reason }) => break Some(Control::Abort { reason }),
+                    Ok(Verdict::Lost { reason }) => break Some(Control::Lost { reason }),
                     Ok(other) => {
                         tracing::info!("in doubt: the destination says {other}");
                         heard = format!("; asked, the destination says {other}");
@@ -661,6 +685,7 @@ async fn migrate(
                     });
                     break switched.clone();
                 }
+                Some(Control::Lost { reason }) => break Some(Control::Lost { reason }),
                 Some(Control::Abort { reason }) if switched.is_some() => {
                     session.fail(reason.clone());
                     let e = anyhow!("the destination reports: {reason}").context(RUNS_AT_DESTINATION);
@@ -750,6 +775,7 @@ async fn migrate(
             control::park_and_end(&session, "migration committed").await;
             Ok(())
         }
+        Some(Control::Lost { reason }) => Err(lost_there(DestinationLost(reason).into())),
         Some(Control::Abort { reason }) => {
             session.fail(reason.clone());
             let message = match ensure_running(&qmp).await {
@@ -1136,6 +1162,7 @@ async fn stream(
                     switch.destination_runs(runs, status);
                 }
                 Some(Control::Abort { reason }) => return Err(DestinationAborted(reason).into()),
+                Some(Control::Lost { reason }) => return Err(DestinationLost(reason).into()),
                 Some(other) => bail!("unexpected message from the destination during the stream: {other:?}"),
                 None => bail!("{}", control_ended(session)),
             },
@@ -1198,6 +1225,11 @@ async fn stream(
 #[error("the destination aborted: {0}")]
 struct DestinationAborted(String);
 
+/// The destination's word, past the postcopy switch, that its QEMU exited with the VM.
+#[derive(Debug, thiserror::Error)]
+#[error("the destination reports: {0}")]
+struct DestinationLost(String);
+
 /// Past the postcopy switch, the destination lost the session carrying the VM's pages (its
 /// agent restarted): the migration goes on through QEMU's postcopy recovery.
 #[derive(Debug, thiserror::Error)]
@@ -1214,6 +1246,22 @@ struct AfterTheSwitch {
 
 /// The status's detail while the VM runs at the destination and its pages follow.
 const POSTCOPY_DETAIL: &str = "the VM runs at the destination; the rest of its memory follows";
+
+/// The source QEMU exited past the switch.
+const SOURCE_QEMU_LOST: AfterTheSwitch = AfterTheSwitch {
+    why: "after the postcopy switch the source QEMU exited, and the pages that had not crossed \
+          went with it: the VM at the destination waits for them and can never have them",
+    vm: "the VM at the destination lacks pages lost with the source QEMU",
+};
+
+/// The destination QEMU exited past the switch.
+const DESTINATION_QEMU_LOST: AfterTheSwitch = AfterTheSwitch {
+    why: "after the postcopy switch the destination QEMU exited, and the VM with it; the source \
+          QEMU stays paused, holding the VM as it was at the switch (resuming it there rolls \
+          the guest back to that moment, its disk writes and network since lost: an \
+          operator's decision)",
+    vm: "the VM was lost with the destination QEMU",
+};
 
 /// The destination has run the VM since the switch.
 const RUNS_AT_DESTINATION: AfterTheSwitch = AfterTheSwitch {

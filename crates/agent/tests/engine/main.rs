@@ -312,6 +312,70 @@ fn assert_recovered(pair: &Pair, status: &MigrationStatus, recovers: usize) {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_qemu_killed_after_the_postcopy_switch_loses_the_pages_it_held_and_says_so() {
+    use ferry_agent::engine::journal::{IncomingState, Journal};
+    let (mut pair, id) = switched_with_the_stream_held().await;
+    pair.source.kill();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.unwrap_or_default();
+    assert!(
+        error.contains("the source QEMU exited") && error.contains("can never have them"),
+        "{error}"
+    );
+    // The destination is told: its record says the VM is lost, and no recovery is awaited.
+    let journal = Journal::new(&pair.b.config.work_dir);
+    wait_until("the destination's record says lost", || {
+        journal.all_incoming().unwrap().pop().map(|r| r.state) == Some(IncomingState::Lost)
+    })
+    .await;
+    let record = journal.all_incoming().unwrap().pop().expect("a record");
+    assert!(
+        !record.postcopy_pending && record.monitor_keeper.is_none(),
+        "{record:?}"
+    );
+    assert!(
+        record
+            .reason
+            .unwrap_or_default()
+            .contains("the source QEMU exited"),
+        "the destination's record names the lost QEMU"
+    );
+    // Nothing is undone at the destination: its QEMU is an operator's to inspect.
+    assert!(!pair.destination.seen().ran("quit"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destination_qemu_killed_after_the_postcopy_switch_loses_the_vm_and_says_so() {
+    use ferry_agent::engine::journal::{IncomingState, Journal, OutgoingState};
+    let (mut pair, id) = switched_with_the_stream_held().await;
+    pair.destination.kill();
+    pair.source.gates().stream().open();
+    let status = pair.finished(&id).await;
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.unwrap_or_default();
+    assert!(
+        error.contains("the destination QEMU exited") && error.contains("rolls the guest back"),
+        "{error}"
+    );
+    // The source QEMU holds the VM as it was at the switch: neither resumed nor quit, and a
+    // restarted agent leaves it so (its record says failed, not committed).
+    let source = pair.source.seen();
+    assert!(!source.ran("quit") && !source.ran("cont"), "{source:?}");
+    let outgoing = Journal::new(&pair.a.config.work_dir)
+        .all_outgoing()
+        .unwrap();
+    assert_eq!(
+        outgoing.last().map(|r| r.state),
+        Some(OutgoingState::Failed)
+    );
+    let incoming = Journal::new(&pair.b.config.work_dir)
+        .all_incoming()
+        .unwrap();
+    assert_eq!(incoming.last().map(|r| r.state), Some(IncomingState::Lost));
+}
+
 fn postcopy() -> MigrationSettings {
     MigrationSettings {
         postcopy: true,
