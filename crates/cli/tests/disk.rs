@@ -423,19 +423,6 @@ fn assert_failed_and_the_source_runs_with_its_disk(
     }
 }
 
-/// Kills the QEMU of `vm` at `site` with SIGKILL.
-fn kill_qemu(t: &TestLab, vm: &str, site: Site) {
-    let qmp = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
-    let killed = Command::new("pkill")
-        .args(["-KILL", "-f", &qmp.to_string_lossy()])
-        .status()
-        .unwrap();
-    assert!(
-        killed.success(),
-        "the QEMU of {vm} at {site:?} was not found"
-    );
-}
-
 /// Waits until no QEMU of `vm` runs at `site`.
 fn wait_until_no_qemu(t: &TestLab, vm: &str, site: Site) {
     let qmp = t.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
@@ -537,7 +524,7 @@ fn the_source_qemu_killed_during_the_disk_copy_fails_it_and_nothing_runs_at_the_
     let t = TestLab::up("dsksq", SLOW_LINK);
     start_vm_with_disk_writer(&t, "d8", "24", "0.2");
     let child = migrate_until_the_disk_copy(&t, "d8", &[]);
-    kill_qemu(&t, "d8", Site::A);
+    t.kill_qemu("d8", Site::A);
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -554,7 +541,7 @@ fn the_destination_qemu_killed_during_the_disk_copy_fails_it_and_the_source_keep
     let t = TestLab::up("dskqkil", SLOW_LINK);
     start_vm_with_disk_writer(&t, "d6", "24", "0.2");
     let child = migrate_until_the_disk_copy(&t, "d6", &[]);
-    kill_qemu(&t, "d6", Site::B);
+    t.kill_qemu("d6", Site::B);
     let out = child.wait_with_output().unwrap();
     assert_failed_and_the_source_runs_with_its_disk(&t, "d6", &out, "the destination aborted");
 }

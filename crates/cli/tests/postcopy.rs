@@ -167,6 +167,32 @@ fn a_destination_agent_killed_after_the_postcopy_switch_is_restarted_and_recover
     assert!(log.contains("its monitor is back"), "{log}");
 }
 
+/// The destination QEMU killed (SIGKILL) in the postcopy phase: the VM is lost with it, and
+/// nothing is undone. The migration fails saying so, and the source QEMU stays, paused, with the
+/// VM as it was at the switch, for an operator (resuming it would roll the guest back).
+#[test]
+fn the_destination_qemu_killed_after_the_postcopy_switch_fails_it_saying_the_vm_is_lost() {
+    let t = TestLab::up("postqd", SLOW_LINK);
+    start_hot_vm(&t, "p5");
+    let child = t.spawn_migrate("p5", &["--postcopy"]);
+    ferry_lab::topology::wait_until(Duration::from_secs(240), || {
+        newest(&t, Site::A, "phase").as_deref() == Some("postcopy")
+    })
+    .expect("the migration reached postcopy");
+    t.kill_qemu("p5", Site::B);
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    let error = newest(&t, Site::A, "error").unwrap_or_default();
+    assert!(
+        error.contains("the destination QEMU exited") && error.contains("rolls the guest back"),
+        "{error}"
+    );
+    assert!(
+        !t.guest_running("p5", Site::A),
+        "the source QEMU is there, paused"
+    );
+}
+
 /// Migrates `vm` with `--postcopy` on lab `lab`, kills `site`'s agent in the postcopy phase and
 /// restarts it: the migration must end with the VM at b, its memory whole and running there.
 fn killed_after_the_switch_and_restarted(lab: &str, site: Site, vm: &str) -> TestLab {

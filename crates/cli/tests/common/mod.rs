@@ -137,6 +137,30 @@ impl TestLab {
         stderr
     }
 
+    /// Kills the QEMU of `vm` at `site` with SIGKILL.
+    pub fn kill_qemu(&self, vm: &str, site: Site) {
+        let qmp = self.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+        let killed = Command::new("pkill")
+            .args(["-KILL", "-f", &qmp.to_string_lossy()])
+            .status()
+            .unwrap();
+        assert!(
+            killed.success(),
+            "the QEMU of {vm} at {site:?} was not found"
+        );
+    }
+
+    /// Whether the QEMU of `vm` at `site` runs its guest (`query-status`); it must answer.
+    pub fn guest_running(&self, vm: &str, site: Site) -> bool {
+        let socket = self.lab.dir().join(format!("vms/{vm}-{}.qmp", site.name()));
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let qmp = ferry_qemu::Qmp::connect(&socket).await.unwrap();
+            let status = qmp.execute(&ferry_qemu::commands::QueryStatus).await;
+            status.unwrap().running
+        })
+    }
+
     /// The site a VM runs at, from `ferry vm list`.
     pub fn site_of(&self, vm: &str) -> Site {
         let rec = ferry_lab::vm::load(&self.lab, vm).expect("VM record");
