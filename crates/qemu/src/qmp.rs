@@ -190,11 +190,6 @@ impl Qmp {
                 path: path.to_owned(),
                 source,
             })?;
-        let peer_pid = stream
-            .peer_cred()
-            .ok()
-            .and_then(|c| c.pid())
-            .and_then(|p| u32::try_from(p).ok());
         let (read, write) = stream.into_split();
         let mut lines = BufReader::new(read);
         let mut greeting = String::new();
@@ -218,7 +213,7 @@ impl Qmp {
             && greeting["QMP"]["capabilities"]
                 .as_array()
                 .is_some_and(|caps| caps.iter().any(|c| c == "oob"));
-        let qmp = Qmp::serve(path, peer_pid, lines, write, 1, oob);
+        let qmp = Qmp::serve(path, lines, write, 1, oob);
         let capabilities = if oob {
             serde_json::json!({ "enable": ["oob"] })
         } else {
@@ -244,11 +239,6 @@ impl Qmp {
         let socket = std::os::unix::net::UnixStream::from(socket);
         socket.set_nonblocking(true).map_err(connect)?;
         let stream = UnixStream::from_std(socket).map_err(connect)?;
-        let peer_pid = stream
-            .peer_cred()
-            .ok()
-            .and_then(|c| c.pid())
-            .and_then(|p| u32::try_from(p).ok());
         let (read, write) = stream.into_split();
         let since_epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -256,25 +246,21 @@ impl Qmp {
         let first_id = u64::try_from(since_epoch.as_millis())
             .unwrap_or(u64::MAX)
             .saturating_mul(1_000_000);
-        Ok(Qmp::serve(
-            path,
-            peer_pid,
-            BufReader::new(read),
-            write,
-            first_id,
-            oob,
-        ))
+        Ok(Qmp::serve(path, BufReader::new(read), write, first_id, oob))
     }
 
     /// A connection past its greeting: its reader task started.
     fn serve(
         path: &Path,
-        peer_pid: Option<u32>,
         lines: BufReader<tokio::net::unix::OwnedReadHalf>,
         write: OwnedWriteHalf,
         first_id: u64,
         oob: bool,
     ) -> Qmp {
+        let peer_pid = UnixStream::peer_cred(write.as_ref())
+            .ok()
+            .and_then(|c| c.pid())
+            .and_then(|p| u32::try_from(p).ok());
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (events, _) = broadcast::channel(1024);
         let event_log = Arc::new(Mutex::new(VecDeque::new()));
