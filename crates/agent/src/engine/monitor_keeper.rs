@@ -71,6 +71,14 @@ pub fn keep(monitor: BorrowedFd<'_>, qemu_pid: Option<u32>) -> io::Result<KeptMo
             // Returns at the end of file: microseconds after the fork.
             let mut byte = [0u8; 1];
             let _ = std::fs::File::from(ready_read).read(&mut byte);
+            // Reaped whenever it ends (its QEMU gone, released, or its hold over), so that it
+            // is never left a zombie; a restarted agent's predecessor's keepers go to init.
+            let _ = std::thread::Builder::new()
+                .name("monitor-keeper".into())
+                .spawn(move || {
+                    // SAFETY: waits for one pid, this process's child.
+                    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+                });
             Ok(KeptMonitor {
                 pid: u32::try_from(pid).expect("a child's pid is positive"),
             })
@@ -168,13 +176,6 @@ pub fn release(kept: KeptMonitor, qmp_path: &Path) {
                 0,
             );
         }
-        // Reaped when it is this process's child; a predecessor's was handed to init.
-        // SAFETY: waits for one pid, in a thread of its own.
-        let pid = kept.pid as libc::pid_t;
-        std::thread::spawn(move || {
-            // SAFETY: waits for one pid.
-            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
-        });
     }
 }
 
@@ -258,7 +259,11 @@ mod tests {
             0,
             "the keeper let go"
         );
-        // SAFETY: reaps the keeper, this test's child.
-        unsafe { libc::waitpid(kept.pid as libc::pid_t, std::ptr::null_mut(), 0) };
+        // And is reaped: no zombie is left.
+        let gone = (0..100).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            !std::path::Path::new(&format!("/proc/{}", kept.pid)).exists()
+        });
+        assert!(gone, "keeper {} left behind", kept.pid);
     }
 }
