@@ -281,14 +281,17 @@ mod tests {
 
     const SIZE: u64 = 4 << 20;
 
-    /// The destination QEMU's export: memory, failing every write when told to.
+    /// The destination QEMU's export: memory, failing every write when told to, and holding
+    /// every write while `held` is locked for writing.
     struct MemoryDisk {
         bytes: std::sync::Mutex<Vec<u8>>,
         fail_writes: AtomicBool,
+        held: tokio::sync::RwLock<()>,
     }
 
     impl Blocks for MemoryDisk {
         async fn write(&self, offset: u64, data: Bytes) -> Result<(), u32> {
+            let _free = self.held.read().await;
             if self.fail_writes.load(Ordering::Relaxed) {
                 return Err(proto::EIO);
             }
@@ -337,6 +340,8 @@ mod tests {
         disk: Arc<MemoryDisk>,
         /// QEMU's mirror, at the source.
         mirror: Result<Client<UnixStream>, ferry_qemu::nbd::NbdError>,
+        /// The source agent's end of the session.
+        session: Session,
         source: tokio::task::JoinHandle<Result<()>>,
         destination: tokio::task::JoinHandle<Result<()>>,
         _dir: TempDir,
@@ -364,6 +369,7 @@ mod tests {
         let disk = Arc::new(MemoryDisk {
             bytes: std::sync::Mutex::new(vec![0xee; usize::try_from(SIZE).unwrap()]),
             fail_writes: AtomicBool::new(false),
+            held: tokio::sync::RwLock::new(()),
         });
         let served = disk.clone();
         tokio::spawn(async move {
@@ -391,12 +397,14 @@ mod tests {
             mode: DiskMode::Async,
             buffer_bytes: 1 << 20,
         });
+        let session = a.clone();
         let source =
             tokio::spawn(async move { relay.run(agent_end, &a, CodecSettings::ALL, status).await });
         let mirror = Client::connect(qemu_end, export).await;
         Relayed {
             disk,
             mirror,
+            session,
             source,
             destination,
             _dir: TempDir(dir),
@@ -408,6 +416,7 @@ mod tests {
         let disk = Arc::new(MemoryDisk {
             bytes: std::sync::Mutex::new(vec![0; usize::try_from(SIZE).unwrap()]),
             fail_writes: AtomicBool::new(false),
+            held: tokio::sync::RwLock::new(()),
         });
         let (server_end, client_end) = UnixStream::pair().unwrap();
         tokio::spawn(async move {
@@ -519,6 +528,39 @@ mod tests {
             format!("{err:#}").contains("writing to the destination's disk"),
             "{err:#}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_session_lost_with_requests_in_flight_fails_them_and_the_flush_and_ends_the_relay() {
+        let r = relay("disk0").await;
+        let mirror = r.mirror.unwrap();
+        // The destination's disk stops taking writes: the buffer fills, and the writes past it
+        // wait for room, in flight.
+        let held = r.disk.held.write().await;
+        let mut in_flight = Vec::new();
+        for i in 0..48u64 {
+            let data = Bytes::from(vec![9u8; 64 << 10]);
+            in_flight.push(mirror.write(i % 60 * (64 << 10), data).await.unwrap());
+        }
+        let flush = mirror.flush().await.unwrap();
+        r.session.fail("the link is gone");
+        let within = Duration::from_secs(10);
+        let mut failed = 0;
+        for request in in_flight {
+            let answered = tokio::time::timeout(within, request.wait()).await;
+            failed += usize::from(answered.expect("every write is answered").is_err());
+        }
+        assert!(
+            failed > 0,
+            "the writes past the buffer cannot have completed"
+        );
+        let flushed = tokio::time::timeout(within, flush.wait()).await;
+        assert!(flushed.expect("the flush is answered").is_err());
+        let ended = tokio::time::timeout(within, r.source).await;
+        let err = ended.expect("the relay ends").unwrap().unwrap_err();
+        assert!(format!("{err:#}").contains("the link is gone"), "{err:#}");
+        drop(held);
+        r.destination.abort();
     }
 
     #[tokio::test]
