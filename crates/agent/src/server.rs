@@ -389,7 +389,7 @@ impl Agent {
                     let verdict = match decided {
                         Ok(verdict) => verdict,
                         Err(committing) => {
-                            recovery::verdict_after_committing(&agent.journal, committing).await
+                            recovery::verdict_after_committing(&agent.journal, *committing).await
                         }
                     };
                     tracing::info!("session {id}: the source asks about session {of}: {verdict:?}");

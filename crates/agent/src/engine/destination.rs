@@ -225,6 +225,7 @@ async fn serve(
             reason: None,
             postcopy_pending: false,
             monitor_keeper: None,
+            images_made: Vec::new(),
             updated_unix_ms: now_ms(),
         });
         dirs.journal
@@ -245,6 +246,14 @@ async fn serve(
             let record = record(&socket)?;
             let (arrival, pid, made) = launched.insert((arrival, None, Vec::new()));
             *made = disk::image::make_missing(&argv, &disks).await?;
+            // Said in the record, for a restart to remove them if this never commits.
+            if !made.is_empty() {
+                let record = record_slot.as_mut().expect("recorded above");
+                record.images_made.clone_from(made);
+                dirs.journal
+                    .write_incoming(record)
+                    .context("recording the disk images made")?;
+            }
             *pid = launcher::start(&argv, &arrival.socket, &arrival.pidfile)
                 .await?
                 .pid;

@@ -60,6 +60,10 @@ pub struct IncomingRecord {
     /// The process keeping the QEMU's monitor connection for a postcopy recovery.
     #[serde(default)]
     pub monitor_keeper: Option<KeptMonitor>,
+    /// Disk images this agent made for the migration (it had none at their paths): removed
+    /// if the migration never commits, by a restarted agent too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images_made: Vec<PathBuf>,
     pub updated_unix_ms: u64,
 }
 
@@ -338,6 +342,7 @@ mod tests {
             reason: None,
             postcopy_pending: false,
             monitor_keeper: None,
+            images_made: Vec::new(),
             updated_unix_ms: 1,
         }
     }

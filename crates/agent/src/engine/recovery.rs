@@ -38,6 +38,7 @@ use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Session, SessionConfig, SessionId};
 
 use crate::engine::control::{self, Control, CONTROL_VERSION};
+use crate::engine::disk;
 use crate::engine::journal::{
     IncomingRecord, IncomingState, Journal, OutgoingRecord, OutgoingState, Verdict,
 };
@@ -128,7 +129,7 @@ pub fn verdict_for(
     of: SessionId,
     started_unix_ms: u64,
     live: bool,
-) -> std::result::Result<Verdict, IncomingRecord> {
+) -> std::result::Result<Verdict, Box<IncomingRecord>> {
     let unknown = |e: anyhow::Error| Verdict::Unknown {
         reason: format!("{e:#}"),
     };
@@ -161,7 +162,9 @@ pub fn verdict_for(
         }
         // Still here, before or at its commit (which may be telling the source now).
         _ if live => return Ok(Verdict::Pending),
-        Some(IncomingState::Committing) => return Err(record.expect("a committing record")),
+        Some(IncomingState::Committing) => {
+            return Err(Box::new(record.expect("a committing record")))
+        }
         Some(IncomingState::Receiving) | None => {}
     }
     if record.is_none() {
@@ -187,6 +190,7 @@ pub fn verdict_for(
         reason: Some(reason.into()),
         postcopy_pending: false,
         monitor_keeper: None,
+        images_made: Vec::new(),
         updated_unix_ms: now_ms(),
     };
     Ok(match journal.write_incoming(&aborted) {
@@ -223,21 +227,31 @@ pub async fn recover_incoming(journal: &Journal, held: &HeldMonitors) {
         match record.state {
             IncomingState::Receiving => {
                 // Only a QEMU still waiting for (or loading) the stream: one that runs is not
-                // this migration's.
+                // this migration's, and neither are the disks it uses.
+                let mut theirs = false;
                 if let Ok(qmp) = Qmp::connect(&record.qmp).await {
-                    if qmp.execute(&QueryStatus).await.is_ok_and(|s| !s.running) {
-                        let _ = qmp.execute(&Quit).await;
+                    match qmp.execute(&QueryStatus).await {
+                        Ok(s) if !s.running => {
+                            let _ = qmp.execute(&Quit).await;
+                        }
+                        _ => theirs = true,
                     }
+                }
+                if !theirs {
+                    disk::image::remove(&record.images_made);
                 }
                 let reason = "the destination agent restarted before the commit";
                 tracing::warn!(
-                    "session {}: VM {:?}: {reason}; its QEMU here quit",
+                    "session {}: VM {:?}: {reason}; its QEMU here quit, and {} disk image(s) \
+                     made for it removed",
                     record.session,
-                    record.vm
+                    record.vm,
+                    if theirs { 0 } else { record.images_made.len() }
                 );
                 let aborted = IncomingRecord {
                     state: IncomingState::Aborted,
                     reason: Some(reason.into()),
+                    images_made: Vec::new(),
                     updated_unix_ms: now_ms(),
                     ..record
                 };
@@ -547,8 +561,28 @@ mod tests {
             reason: Some("why".into()),
             postcopy_pending: false,
             monitor_keeper: None,
+            images_made: Vec::new(),
             updated_unix_ms: 100,
         }
+    }
+
+    #[tokio::test]
+    async fn a_restart_before_the_commit_removes_the_images_made_for_a_qemu_that_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::new(dir.path());
+        let made = dir.path().join("disk0.qcow2");
+        std::fs::write(&made, b"an image").unwrap();
+        // Its QEMU is gone (no monitor at the record's path): the image is no one's.
+        let receiving = IncomingRecord {
+            images_made: vec![made.clone()],
+            ..record(1, IncomingState::Receiving)
+        };
+        journal.write_incoming(&receiving).unwrap();
+        recover_incoming(&journal, &HeldMonitors::default()).await;
+        assert!(!made.exists(), "the image made for it is left");
+        let settled = journal.incoming(SessionId(1)).unwrap().unwrap();
+        assert_eq!(settled.state, IncomingState::Aborted);
+        assert!(settled.images_made.is_empty(), "{settled:?}");
     }
 
     #[test]
