@@ -454,11 +454,14 @@ pub async fn resume_destination(
     side: DestinationSide,
 ) {
     let resumed = async {
-        let record = side
-            .journal
-            .incoming(of)?
-            .filter(|r| r.state == IncomingState::Committed)
-            .ok_or_else(|| anyhow!("no migration of session {of} runs here"))?;
+        let record = match side.journal.incoming(of)? {
+            Some(r) if r.state == IncomingState::Committed => r,
+            // Its QEMU, or the source's, exited past the switch: the record says which.
+            Some(r) if r.state == IncomingState::Lost => {
+                bail!("{}", r.reason.unwrap_or_else(|| "the VM is lost".into()))
+            }
+            _ => bail!("no migration of session {of} runs here"),
+        };
         tracing::warn!(
             "session {}: the source resumes the postcopy migration of session {of} (VM {:?})",
             session.id(),
