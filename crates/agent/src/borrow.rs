@@ -40,6 +40,8 @@ const SWAPON_WAIT: Duration = Duration::from_secs(60);
 const SWAPOFF_WAIT: Duration = Duration::from_secs(600);
 /// How long the guest may take to let the unplugged disk go.
 const UNPLUG_WAIT: Duration = Duration::from_secs(60);
+/// How long the guest's balloon may take to return its memory.
+const BALLOON_WAIT: Duration = Duration::from_secs(60);
 /// How long QEMU holds the guest's swap requests while it reconnects a broken swap connection
 /// (this agent restarted, the session gave up on the WAN); the lender keeps the pages longer
 /// ([`crate::lend::KEEP_DETACHED`]).
@@ -286,10 +288,29 @@ async fn peer_refusal(tunnels: &Tunnels, peer: &str) -> String {
 /// Its memory back, swap off, disk out.
 async fn release(libvirt: &Libvirt, status: &SwapStatus, xml: &Path) -> Result<()> {
     let domain = &status.domain;
+    let before_kib = status.memory_before_bytes >> 10;
     libvirt
-        .set_memory_kib(domain, status.memory_before_bytes >> 10)
+        .set_memory_kib(domain, before_kib)
         .await
         .context("giving the guest its memory back")?;
+    // The balloon deflates as the guest gets to it: swapping off needs the room, and "given
+    // back" means all of it.
+    let deadline = tokio::time::Instant::now() + BALLOON_WAIT;
+    loop {
+        let now_kib = libvirt.memory_kib(domain).await?;
+        if now_kib >= before_kib {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the guest's balloon gave back {} of its {} MiB within {}s",
+                now_kib >> 10,
+                before_kib >> 10,
+                BALLOON_WAIT.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     guest_run(libvirt, domain, SWAPOFF, SWAPOFF_WAIT)
         .await
         .context("swapping off in the guest")?;
