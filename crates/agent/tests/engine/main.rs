@@ -318,12 +318,7 @@ async fn the_source_qemu_killed_after_the_postcopy_switch_loses_the_pages_it_hel
     let (mut pair, id) = switched_with_the_stream_held().await;
     pair.source.kill();
     let status = pair.finished(&id).await;
-    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
-    let error = status.error.unwrap_or_default();
-    assert!(
-        error.contains("the source QEMU exited") && error.contains("can never have them"),
-        "{error}"
-    );
+    assert_failed_saying(&status, &["the source QEMU exited", "can never have them"]);
     // The destination is told: its record says the VM is lost, and no recovery is awaited.
     let journal = Journal::new(&pair.b.config.work_dir);
     wait_until("the destination's record says lost", || {
@@ -353,11 +348,9 @@ async fn the_destination_qemu_killed_after_the_postcopy_switch_loses_the_vm_and_
     pair.destination.kill();
     pair.source.gates().stream().open();
     let status = pair.finished(&id).await;
-    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
-    let error = status.error.unwrap_or_default();
-    assert!(
-        error.contains("the destination QEMU exited") && error.contains("rolls the guest back"),
-        "{error}"
+    assert_failed_saying(
+        &status,
+        &["the destination QEMU exited", "rolls the guest back"],
     );
     // The source QEMU holds the VM as it was at the switch: neither resumed nor quit, and a
     // restarted agent leaves it so (its record says failed, not committed).
@@ -374,6 +367,15 @@ async fn the_destination_qemu_killed_after_the_postcopy_switch_loses_the_vm_and_
         .all_incoming()
         .unwrap();
     assert_eq!(incoming.last().map(|r| r.state), Some(IncomingState::Lost));
+}
+
+/// The migration failed, its error saying each of `words`.
+fn assert_failed_saying(status: &MigrationStatus, words: &[&str]) {
+    assert_eq!(status.state, MigrationState::Failed, "{status:?}");
+    let error = status.error.as_deref().unwrap_or_default();
+    for word in words {
+        assert!(error.contains(word), "{word:?} not in: {error}");
+    }
 }
 
 fn postcopy() -> MigrationSettings {
