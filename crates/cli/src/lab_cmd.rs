@@ -23,6 +23,10 @@ pub struct LinkArgs {
     /// Random frame loss, percent.
     #[arg(long, default_value_t = 0.0)]
     pub loss_pct: f64,
+    /// The sites' hosts' default TCP congestion control (cubic: stock Linux), which QEMU's own
+    /// migrations use; ferry's agents ask for BBR on their connections. Default: this machine's.
+    #[arg(long)]
+    pub host_congestion: Option<ferry_lab::link::Congestion>,
 }
 
 impl LinkArgs {
@@ -32,6 +36,7 @@ impl LinkArgs {
             rtt_ms: self.rtt_ms,
             jitter_ms: self.jitter_ms,
             loss_pct: self.loss_pct,
+            host_congestion: self.host_congestion,
         }
     }
 }

@@ -176,6 +176,10 @@ pub struct BenchRecord {
     /// left at the site it returns to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_changed_pct: Option<f64>,
+    /// The WAN's rate between a tenth and nine tenths of the migration's bytes, Mbit/s: whether
+    /// the bulk of it kept the link full ([`ferry_api::timeline::Timeline::bulk_rate_mbit`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wan_bulk_mbit: Option<f64>,
 }
 
 /// The link fields of the contract.
@@ -184,6 +188,9 @@ pub struct LinkSummary {
     pub rate_mbit: f64,
     pub rtt_ms: f64,
     pub loss_pct: f64,
+    /// The sites' default congestion control, when the bench set it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_congestion: Option<crate::link::Congestion>,
 }
 
 /// One scenario's settings.
@@ -398,6 +405,7 @@ async fn measured_migration(
         );
         baseline::write_timeline(&unused_path(dir, &stem), &timeline)?;
     }
+    let wan_bulk_mbit = timeline.lock().expect("timeline poisoned").bulk_rate_mbit();
     let (outcome, dst_link) = result?;
     let disk_write_latency = if sc.vm.disk {
         Some(guest::disk_latency(&dst_link).await?)
@@ -422,6 +430,7 @@ async fn measured_migration(
             rate_mbit: sc.link.rate_mbit,
             rtt_ms: sc.link.rtt_ms,
             loss_pct: sc.link.loss_pct,
+            host_congestion: sc.link.host_congestion,
         },
         mem_mib: sc.vm.mem_mib,
         disk_mib: match (sc.vm.disk, sc.vm.disk_mib) {
@@ -462,6 +471,7 @@ async fn measured_migration(
         disk_write_latency,
         disk_reads_before_per_s,
         disk_changed_pct,
+        wan_bulk_mbit,
     };
     Ok((record, dst_link))
 }

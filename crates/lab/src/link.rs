@@ -15,6 +15,43 @@ pub struct LinkConfig {
     /// Share of frames dropped at random, in percent.
     #[serde(default)]
     pub loss_pct: f64,
+    /// The sites' default TCP congestion control, which QEMU's own migrations use (ferry's
+    /// agents ask for BBR on their connections); `None` keeps this machine's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_congestion: Option<Congestion>,
+}
+
+/// A TCP congestion control a site's host may default to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Congestion {
+    /// Linux's default and Debian's: loss-based.
+    Cubic,
+    /// Model-based: paces at the bottleneck rate it measures, random loss aside.
+    Bbr,
+}
+
+impl Congestion {
+    /// The kernel's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Congestion::Cubic => "cubic",
+            Congestion::Bbr => "bbr",
+        }
+    }
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cubic" => Ok(Congestion::Cubic),
+            "bbr" => Ok(Congestion::Bbr),
+            _ => Err(format!(
+                "unknown congestion control {s:?}: use cubic or bbr"
+            )),
+        }
+    }
 }
 
 impl Default for LinkConfig {
@@ -25,6 +62,7 @@ impl Default for LinkConfig {
             rtt_ms: 50.0,
             jitter_ms: 0.0,
             loss_pct: 0.0,
+            host_congestion: None,
         }
     }
 }

@@ -89,6 +89,24 @@ impl Site {
     }
 }
 
+/// Lets a namespace default to `congestion`: outside the host's own namespace Linux accepts
+/// only a congestion control on the host-wide allowed list as a default (stock: reno and the
+/// host's default). Widening that list only lets unprivileged sockets choose it too; it is said
+/// and left so.
+fn allow_congestion_control(congestion: crate::link::Congestion) -> Result<()> {
+    const ALLOWED: &str = "/proc/sys/net/ipv4/tcp_allowed_congestion_control";
+    let allowed = std::fs::read_to_string(ALLOWED).with_context(|| format!("read {ALLOWED}"))?;
+    if allowed.split_whitespace().any(|cc| cc == congestion.name()) {
+        return Ok(());
+    }
+    let widened = format!("{} {}", allowed.trim(), congestion.name());
+    eprintln!(
+        "lab: adding {} to {ALLOWED} (host-wide), so the sites may default to it",
+        congestion.name()
+    );
+    std::fs::write(ALLOWED, &widened).with_context(|| format!("write {widened:?} to {ALLOWED}"))
+}
+
 /// What runs in the lab besides the sites, the WAN and the agents.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Services {
@@ -302,6 +320,19 @@ impl Lab {
                     "net.ipv6.conf.default.disable_ipv6=1",
                 ],
             )?;
+        }
+        if let Some(congestion) = link.host_congestion {
+            allow_congestion_control(congestion)?;
+            for site in Site::ALL {
+                sh::run_in(
+                    &self.site_ns(site),
+                    "sysctl",
+                    &[
+                        "-qw",
+                        &format!("net.ipv4.tcp_congestion_control={}", congestion.name()),
+                    ],
+                )?;
+            }
         }
         for site in Site::ALL {
             let ns = self.site_ns(site);

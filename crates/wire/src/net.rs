@@ -38,6 +38,20 @@ fn tcp_user_timeout(socket: &impl AsRawFd, timeout: Duration) {
     }
 }
 
+/// Puts a WAN connection under BBR, whatever the host's default. ferry owns this hop: a
+/// loss-based default (CUBIC, Debian's) reads every random loss on a long path as congestion
+/// and halves its rate (at 0.1% loss and 250 ms it would carry a few Mbit/s), while BBR paces
+/// at the bottleneck rate it measures. Where BBR is not available (no `tcp_bbr` module, and
+/// no right to load it) the host's default stays, said once.
+fn prefer_bbr(socket: &impl AsRawFd) {
+    if let Err(e) = set_option(socket, libc::IPPROTO_TCP, libc::TCP_CONGESTION, b"bbr") {
+        static SAID_ONCE: std::sync::Once = std::sync::Once::new();
+        SAID_ONCE.call_once(|| {
+            tracing::warn!("TCP_CONGESTION bbr: {e}; the host's default congestion control stays");
+        });
+    }
+}
+
 fn set_option<T>(
     socket: &impl AsRawFd,
     level: libc::c_int,
@@ -299,6 +313,7 @@ pub async fn dial(
     }
     .map_err(|e| io("socket for", &e))?;
     tcp_user_timeout(&socket, USER_TIMEOUT);
+    prefer_bbr(&socket);
     let connect_timeout = timeout.min(CONNECT_TIMEOUT);
     let tcp = tokio::time::timeout(connect_timeout, socket.connect(peer.addr))
         .await
@@ -377,13 +392,58 @@ fn tune_socket(tcp: &TcpStream, peer: &Peer) {
     };
     let rtt_ms = tcp_rtt(tcp).map_or(100.0, |rtt| rtt.as_secs_f64() * 1e3);
     let size = socket_buffer_for(rate, rtt_ms, peer.connections);
-    let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
-    if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
-        tracing::warn!("SO_SNDBUF {size}: {e}");
-    }
+    set_send_buffer(tcp, size);
     let pace = pacing_rate_for(rate, peer.connections);
     if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_MAX_PACING_RATE, &pace) {
         tracing::warn!("SO_MAX_PACING_RATE {pace}: {e}");
+    }
+}
+
+/// Sets a connection's send buffer to `size` bytes. `SO_SNDBUF` is capped at
+/// `net.core.wmem_max` (4 MiB by default: an 8 MiB buffer once Linux doubles it, a third of a
+/// 1 Gbit/s, 200 ms link's bandwidth-delay product, so one connection would carry a third of
+/// the link). An agent with `CAP_NET_ADMIN` (root) goes past the cap with `SO_SNDBUFFORCE`;
+/// one without is told once what limits it.
+fn set_send_buffer(tcp: &impl AsRawFd, size: u32) {
+    let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+    if set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &value).is_ok() {
+        return;
+    }
+    if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
+        tracing::warn!("SO_SNDBUF {size}: {e}");
+        return;
+    }
+    static CAPPED_ONCE: std::sync::Once = std::sync::Once::new();
+    // Linux reports twice what it was asked, its bookkeeping included.
+    if let Some(got) = send_buffer(tcp).filter(|got| u64::from(*got) < 2 * u64::from(size)) {
+        CAPPED_ONCE.call_once(|| {
+            tracing::warn!(
+                "the send buffer is capped at {got} bytes, not the {} this link needs: \
+                 raise net.core.wmem_max or run the agent with CAP_NET_ADMIN",
+                2 * u64::from(size)
+            );
+        });
+    }
+}
+
+/// A socket's send buffer as the kernel sized it, bookkeeping included.
+fn send_buffer(tcp: &impl AsRawFd) -> Option<u32> {
+    let mut value: libc::c_int = 0;
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).ok()?;
+    // SAFETY: getsockopt writes at most `len` bytes into `value`, which is that large.
+    let rc = unsafe {
+        libc::getsockopt(
+            tcp.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            std::ptr::from_mut(&mut value).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 {
+        u32::try_from(value).ok()
+    } else {
+        None
     }
 }
 
@@ -492,6 +552,7 @@ pub async fn accept(
     timeout: Duration,
 ) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, Hello, BytesMut), SessionError> {
     let _ = tcp.set_nodelay(true);
+    prefer_bbr(&tcp);
     let peer = tcp
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
@@ -546,4 +607,71 @@ pub async fn next_hello(
                 ))
             })??;
     Ok((stream, hello, rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connected loopback socket (the listener's end is dropped: only options are read).
+    fn loopback_socket() -> std::net::TcpStream {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+        std::net::TcpStream::connect(listener.local_addr().expect("address")).expect("connect")
+    }
+
+    fn congestion_control(socket: &impl AsRawFd) -> String {
+        let mut name = [0u8; 16];
+        let mut len = libc::socklen_t::try_from(name.len()).expect("small");
+        // SAFETY: getsockopt writes at most `len` bytes into `name`, which is that large.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_CONGESTION,
+                name.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        let end = name.iter().position(|b| *b == 0).unwrap_or(name.len());
+        String::from_utf8_lossy(&name[..end]).into_owned()
+    }
+
+    fn sysctl(path: &str) -> String {
+        std::fs::read_to_string(path).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_wan_connection_runs_bbr_where_the_host_offers_it() {
+        let socket = loopback_socket();
+        // Reno is always built in: start from a loss-based one whatever the host's default.
+        set_option(&socket, libc::IPPROTO_TCP, libc::TCP_CONGESTION, b"reno").expect("reno");
+        let before = congestion_control(&socket);
+        assert_eq!(before, "reno");
+        prefer_bbr(&socket);
+        let offered = sysctl("/proc/sys/net/ipv4/tcp_available_congestion_control");
+        let expected = if offered.split_whitespace().any(|cc| cc == "bbr") {
+            "bbr".to_owned()
+        } else {
+            before
+        };
+        assert_eq!(congestion_control(&socket), expected);
+    }
+
+    #[test]
+    fn the_send_buffer_goes_past_the_hosts_cap_when_the_agent_may() {
+        let socket = loopback_socket();
+        let cap: u64 = sysctl("/proc/sys/net/core/wmem_max")
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        let wanted: u32 = 4 * u32::try_from(cap).unwrap_or(u32::MAX / 8).max(1 << 20);
+        set_send_buffer(&socket, wanted);
+        let got = u64::from(send_buffer(&socket).expect("SO_SNDBUF"));
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        // Linux doubles what it is given; without CAP_NET_ADMIN it stops at the cap.
+        let expected = if root { 2 * u64::from(wanted) } else { 2 * cap };
+        assert_eq!(got, expected);
+    }
 }
