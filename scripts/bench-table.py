@@ -70,6 +70,9 @@ def main(paths):
         wan = median([r["wan_bytes"] for r in done])
         down = [r["downtime_ms"] for r in done]
         drops = median([r.get("wan_drops") for r in done])
+        if not done:
+            print(f"| {workload} | {system} | {len(rs)} | 0 | - | - | - | - | - | - | - | - | - | - |")
+            continue
         print(
             f"| {workload} | {system} | {len(rs)} | {len(done)} | "
             f"{total / 1000:.1f} | {wan / 1e6:.1f} | {wan / floor_b:.2f} | {total / floor_ms:.2f} | "
