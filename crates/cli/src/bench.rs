@@ -58,6 +58,11 @@ pub struct BenchArgs {
     /// changes since are measured against the copy left behind, `disk_changed_pct`).
     #[arg(long, conflicts_with = "return_after_pct")]
     return_after_s: Option<u64>,
+    /// With a postcopy mode: once the VM runs at the destination, the WAN goes down (every
+    /// frame dropped) for this many seconds and then returns: what a drop after the switch
+    /// costs in time and bytes (`outage_in_postcopy_s` in the record when it came).
+    #[arg(long)]
+    outage_in_postcopy_s: Option<u64>,
     /// With a disk: the guest writer's file, MiB (written once before the migration, then
     /// rewritten at random).
     #[arg(long, default_value_t = 16)]
@@ -198,6 +203,7 @@ async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
                     timeline_dir: a.timelines.clone(),
                     return_after_pct: a.return_after_pct,
                     return_after_s: a.return_after_s,
+                    outage_in_postcopy: a.outage_in_postcopy_s.map(Duration::from_secs),
                     disk_writer: DiskWriter {
                         file_mib: a.disk_file_mib,
                         rate_mib_s: a.disk_rate_mib_s,

@@ -180,6 +180,40 @@ pub struct BenchRecord {
     /// the bulk of it kept the link full ([`ferry_api::timeline::Timeline::bulk_rate_mbit`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wan_bulk_mbit: Option<f64>,
+    /// The WAN was down this many seconds once the VM ran at the destination in postcopy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outage_in_postcopy_s: Option<u64>,
+}
+
+/// Once the migration's phase says the VM runs at the destination in postcopy (ferry's
+/// `postcopy`, QEMU's own `postcopy-active`), takes the WAN down for `length`, then brings it
+/// back. The WAN comes back however this ends, the migration's end dropping it included.
+async fn outage_in_postcopy(
+    lab: &Lab,
+    mut progress: watch::Receiver<baseline::Progress>,
+    length: Duration,
+    came: &std::sync::atomic::AtomicBool,
+) -> Result<()> {
+    progress
+        .wait_for(|p| p.phase.starts_with("postcopy") || p.phase.contains("postcopy-active"))
+        .await
+        .context("the migration's progress ended before postcopy")?;
+    struct WanBack(std::path::PathBuf);
+    impl Drop for WanBack {
+        fn drop(&mut self) {
+            if let Err(e) = crate::wan::control(&self.0, &crate::wan::ControlRequest::Up) {
+                eprintln!("bench: the WAN did not come back up after the outage: {e:#}");
+            }
+        }
+    }
+    let socket = lab.wan_socket();
+    crate::wan::control(&socket, &crate::wan::ControlRequest::Down)?;
+    let back = WanBack(socket);
+    came.store(true, std::sync::atomic::Ordering::Relaxed);
+    // The fault's length, not a wait for readiness.
+    tokio::time::sleep(length).await;
+    drop(back);
+    Ok(())
 }
 
 /// The link fields of the contract.
@@ -209,6 +243,8 @@ pub struct Scenario {
     pub return_after_pct: Option<f64>,
     /// Or migrate back after this many seconds at the other site.
     pub return_after_s: Option<u64>,
+    /// Once the VM runs at the destination in postcopy, the WAN goes down for this long.
+    pub outage_in_postcopy: Option<Duration>,
     /// With a disk: the guest's writer.
     pub disk_writer: DiskWriter,
 }
@@ -369,7 +405,7 @@ async fn measured_migration(
         .mem_file
         .context("bench VMs have a shared memory file")?;
     let floor_bytes = tokio::task::spawn_blocking(move || floor::floor_bytes(&mem_file)).await??;
-    let (tx, _rx) = watch::channel(baseline::Progress::default());
+    let (tx, rx) = watch::channel(baseline::Progress::default());
     let mut opts = sc.migrate.clone();
     opts.set_system(sc.system);
     let timeline = std::sync::Mutex::default();
@@ -387,13 +423,29 @@ async fn measured_migration(
     if sc.vm.disk {
         guest::reset_disk_latency(&link).await?;
     }
-    let (result, cpu) = crate::cpu::measure(
-        lab,
-        name,
-        to.other(),
-        baseline::migrate(lab, name, to, &opts, link, &tx, &timeline),
-    )
-    .await;
+    let outage_came = std::sync::atomic::AtomicBool::new(false);
+    let migrate = async {
+        let migrate = baseline::migrate(lab, name, to, &opts, link, &tx, &timeline);
+        let Some(length) = sc.outage_in_postcopy else {
+            return migrate.await;
+        };
+        tokio::pin!(migrate);
+        tokio::select! {
+            result = &mut migrate => result,
+            outage = outage_in_postcopy(lab, rx, length, &outage_came) => {
+                // The migration goes on either way; a failed outage shows in the record.
+                if let Err(e) = outage {
+                    eprintln!("bench: no outage in postcopy: {e:#}");
+                }
+                migrate.await
+            }
+        }
+    };
+    let (result, cpu) = crate::cpu::measure(lab, name, to.other(), migrate).await;
+    let outage_in_postcopy_s = outage_came
+        .into_inner()
+        .then(|| sc.outage_in_postcopy.map(|d| d.as_secs()))
+        .flatten();
     let leg = changed_pct.map(|_| "return".to_owned());
     if let Some(dir) = &sc.timeline_dir {
         let stem = format!(
@@ -472,6 +524,7 @@ async fn measured_migration(
         disk_reads_before_per_s,
         disk_changed_pct,
         wan_bulk_mbit,
+        outage_in_postcopy_s,
     };
     Ok((record, dst_link))
 }
