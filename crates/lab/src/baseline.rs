@@ -455,6 +455,10 @@ pub fn write_timeline(path: &std::path::Path, timeline: &Mutex<Timeline>) -> Res
     std::fs::write(path, json).with_context(|| format!("write timeline {}", path.display()))
 }
 
+/// Postcopy: said in QEMU's progress once the lab resumed the destination, which then runs the
+/// VM while its pages still cross.
+pub const DESTINATION_RUNS: &str = "running at the destination";
+
 /// Resumes the source if a failed migration left it paused.
 async fn ensure_running(qmp: &Qmp) -> Result<()> {
     for _ in 0..50 {
@@ -664,7 +668,12 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         let info = src.execute(&QueryMigrate).await?;
         let status = info.status.clone().unwrap_or_default();
         tracing::debug!(elapsed_ms = t0.elapsed().as_secs_f64() * 1000.0, info = %serde_json::to_string(&info).unwrap_or_default(), "query-migrate");
-        sample(&format!("memory: {status}"), Some(&info))?;
+        let at = if resumed {
+            format!("memory: {status}, {DESTINATION_RUNS}")
+        } else {
+            format!("memory: {status}")
+        };
+        sample(&at, Some(&info))?;
         if postcopy
             && !asked
             && status == "active"

@@ -186,8 +186,9 @@ pub struct BenchRecord {
 }
 
 /// Once the migration's phase says the VM runs at the destination in postcopy (ferry's
-/// `postcopy`, QEMU's own `postcopy-active`), takes the WAN down for `length`, then brings it
-/// back. The WAN comes back however this ends, the migration's end dropping it included.
+/// `postcopy`, which follows the commit; QEMU's own once the lab resumed the destination),
+/// takes the WAN down for `length`, then brings it back. The WAN comes back however this
+/// ends, the migration's end dropping it included.
 async fn outage_in_postcopy(
     lab: &Lab,
     mut progress: watch::Receiver<baseline::Progress>,
@@ -195,7 +196,9 @@ async fn outage_in_postcopy(
     came: &std::sync::atomic::AtomicBool,
 ) -> Result<()> {
     progress
-        .wait_for(|p| p.phase.starts_with("postcopy") || p.phase.contains("postcopy-active"))
+        .wait_for(|p| {
+            p.phase.starts_with("postcopy") || p.phase.ends_with(baseline::DESTINATION_RUNS)
+        })
         .await
         .context("the migration's progress ended before postcopy")?;
     struct WanBack(std::path::PathBuf);

@@ -141,6 +141,24 @@ mod tests {
     }
 
     #[test]
+    fn a_lab_recorded_before_host_congestion_keeps_the_machines_default() {
+        let old: LinkConfig =
+            serde_json::from_str(r#"{"rate_mbit":20.0,"rtt_ms":250.0,"loss_pct":0.1}"#).unwrap();
+        assert_eq!(old.host_congestion, None);
+        let cubic = LinkConfig {
+            host_congestion: Some("cubic".parse().unwrap()),
+            ..old
+        };
+        let json = serde_json::to_string(&cubic).unwrap();
+        assert!(json.contains(r#""host_congestion":"cubic""#), "{json}");
+        assert_eq!(serde_json::from_str::<LinkConfig>(&json).unwrap(), cubic);
+        assert_eq!(
+            "vegas".parse::<Congestion>().unwrap_err(),
+            r#"unknown congestion control "vegas": use cubic or bbr"#
+        );
+    }
+
+    #[test]
     fn queue_is_one_bdp() {
         let l = LinkConfig::default();
         assert!((l.queue_limit_bytes() - 625_000.0).abs() < 1.0);
