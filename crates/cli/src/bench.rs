@@ -152,6 +152,12 @@ async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
             .collect::<Result<_>>()?
     };
     let workloads = workloads(&a)?;
+    if a.outage_in_postcopy_s.is_some() && !systems.iter().any(|s| s.postcopy()) {
+        bail!(
+            "--outage-in-postcopy-s needs a postcopy mode in --modes (ferry-postcopy, \
+             ferry-postcopy-at-PCT or postcopy)"
+        );
+    }
     a.shape.validate()?;
     let disk_mib = a.shape.disk_mib.unwrap_or(64);
     if a.shape.has_disk() && (a.disk_file_mib == 0 || a.disk_file_mib + 8 > disk_mib) {

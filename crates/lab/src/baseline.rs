@@ -144,6 +144,18 @@ impl System {
             })
     }
 
+    /// Whether its migrations may switch to postcopy.
+    pub fn postcopy(self) -> bool {
+        match self {
+            System::Ferry {
+                postcopy,
+                postcopy_at_throttle,
+                ..
+            } => postcopy || postcopy_at_throttle.is_some(),
+            System::Qemu(mode) => mode == QemuMode::Postcopy,
+        }
+    }
+
     /// The name in reports and bench records: `ferry`, `ferry-<techniques>` or `qemu-<mode>`.
     pub fn name(self) -> String {
         match self {
@@ -869,5 +881,15 @@ mod tests {
         opts.set_system(System::parse("ferry-postcopy").unwrap());
         assert!(opts.settings.postcopy);
         assert_eq!(opts.system().name(), "ferry-postcopy");
+    }
+
+    #[test]
+    fn the_postcopy_systems_are_known_as_such() {
+        let postcopy = |name| System::parse(name).unwrap().postcopy();
+        assert!(postcopy("ferry-postcopy"));
+        assert!(postcopy("ferry-postcopy-at-40"));
+        assert!(postcopy("postcopy"));
+        assert!(!postcopy("ferry"));
+        assert!(!postcopy("multifd-zstd"));
     }
 }
