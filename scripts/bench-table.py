@@ -81,6 +81,7 @@ def main(paths):
             f"{'-' if drops is None else f'{drops:.0f}'} | {sum(r['verify_errors'] or 0 for r in done)} |"
         )
     compare(groups)
+    cpu(groups)
     returns(groups)
     floors = defaultdict(list)
     for (workload, _), rs in groups.items():
@@ -88,6 +89,23 @@ def main(paths):
     print()
     for w, fs in sorted(floors.items()):
         print(f"- floor for {w}: median {median(fs) / 1e6:.1f} MB (range {min(fs) / 1e6:.1f}-{max(fs) / 1e6:.1f})")
+
+
+def cpu(groups):
+    """CPU seconds each process spent during the migration, and their sum per GB on the WAN."""
+    rows = [(k, [r for r in rs if r["completed"] and r.get("cpu")]) for k, rs in sorted(groups.items())]
+    rows = [(k, rs) for k, rs in rows if rs]
+    if not rows:
+        return
+    print()
+    print("| workload | system | CPU s: src QEMU / dst QEMU / src agent / dst agent (medians) | CPU s per WAN GB (median, range) |")
+    print("|---|---|---|---|")
+    for (workload, system), rs in rows:
+        c = [r["cpu"] for r in rs]
+        each = " / ".join(f"{median([x[k] for x in c]):.2f}" for k in
+                          ("source_qemu_s", "destination_qemu_s", "source_agent_s", "destination_agent_s"))
+        per_gb = [x["per_wan_gb_s"] for x in c]
+        print(f"| {workload} | {system} | {each} | {median(per_gb):.1f} ({min(per_gb):.1f}-{max(per_gb):.1f}) |")
 
 
 def compare(groups, target_ms=300):

@@ -256,13 +256,17 @@ pub struct SeedReport {
 }
 
 /// What one zstd level did over a migration.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ZstdLevelReport {
     pub level: i32,
     pub batches: u64,
     pub bytes_in: u64,
     pub bytes_out: u64,
     pub seconds: f64,
+    /// The share of bytes this level saved over the level below it, last measured on one
+    /// batch compressed at both (absent for the fastest level).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gain: Option<f64>,
 }
 
 /// Where a migration is.
@@ -514,6 +518,9 @@ pub struct DiskReport {
     pub snapshots: u64,
     /// Bytes in the transmit buffer now.
     pub held_bytes: u64,
+    /// What each zstd level did to the frames.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub zstd_levels: Vec<ZstdLevelReport>,
 }
 
 /// The transport's counters.

@@ -27,6 +27,10 @@ pub struct LinkArgs {
     /// migrations use; ferry's agents ask for BBR on their connections. Default: this machine's.
     #[arg(long)]
     pub host_congestion: Option<ferry_lab::link::Congestion>,
+    /// Coalesce the frames each site receives from the WAN (GRO), as a data center host's NIC
+    /// does. Off by default: every frame reaches TCP on its own.
+    #[arg(long)]
+    pub receive_gro: bool,
 }
 
 impl LinkArgs {
@@ -37,6 +41,7 @@ impl LinkArgs {
             jitter_ms: self.jitter_ms,
             loss_pct: self.loss_pct,
             host_congestion: self.host_congestion,
+            receive_gro: self.receive_gro,
         }
     }
 }
@@ -183,6 +188,9 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
         LabCmd::Status { json } => status(&lab, json)?,
         LabCmd::Set(link) => {
             lab.state()?;
+            if link.host_congestion.is_some() || link.receive_gro {
+                bail!("--host-congestion and --receive-gro are set when the lab comes up (`ferry lab up`); `lab set` changes the rate, delay, jitter and loss");
+            }
             let cfg = link.config();
             cfg.validate()?;
             wan::control(&lab.wan_socket(), &ControlRequest::Set { link: cfg })?;

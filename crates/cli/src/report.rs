@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use ferry_api::agent::ZstdLevelReport;
 use ferry_api::outcome::{MigrationOutcome, Progress};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::watch;
@@ -141,6 +142,12 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             ),
             None => {}
         }
+        if !d.zstd_levels.is_empty() {
+            println!(
+                "                       zstd frames: {}",
+                zstd_levels(&d.zstd_levels)
+            );
+        }
         if d.overlay_only > 0 {
             println!(
                 "                       {} disk(s) copied as overlay only: the destination held their backing image",
@@ -170,26 +177,33 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
                 c.seeded,
             );
         }
-        let zstd: Vec<String> = c
-            .zstd_levels
-            .iter()
-            .map(|l| {
-                format!(
-                    "level {} x{} ({:.0}%, {:.0} MB/s)",
-                    l.level,
-                    l.batches,
-                    100.0 * l.bytes_out as f64 / l.bytes_in.max(1) as f64,
-                    l.bytes_in as f64 / l.seconds.max(1e-9) / 1e6
-                )
-            })
-            .collect();
         println!(
             "                       zstd batches: {}",
-            if zstd.is_empty() {
-                "off".to_owned()
-            } else {
-                zstd.join(", ")
-            }
+            zstd_levels(&c.zstd_levels)
         );
     }
+}
+
+/// What each zstd level did: batches, output share, speed and what it saved over the level
+/// below.
+fn zstd_levels(levels: &[ZstdLevelReport]) -> String {
+    if levels.is_empty() {
+        return "off".to_owned();
+    }
+    let each: Vec<String> = levels
+        .iter()
+        .map(|l| {
+            let gain = l.gain.map_or(String::new(), |g| {
+                format!(", {:.1}% fewer bytes than the level below", 100.0 * g)
+            });
+            format!(
+                "level {} x{} ({:.0}%, {:.0} MB/s{gain})",
+                l.level,
+                l.batches,
+                100.0 * l.bytes_out as f64 / l.bytes_in.max(1) as f64,
+                l.bytes_in as f64 / l.seconds.max(1e-9) / 1e6
+            )
+        })
+        .collect();
+    each.join(", ")
 }

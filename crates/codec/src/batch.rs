@@ -160,27 +160,47 @@ impl BatchDecompressor {
     }
 }
 
-/// Picks the zstd level from what the link carries and what the CPU manages: the strongest
-/// level that compresses faster than the link can take compressed bytes, with room to spare
-/// (its measured speed divided by a margin), so compression never becomes the bottleneck and
-/// leaves the CPU to the guest. When even the fastest level cannot keep up, it is still used
-/// if it moves more of QEMU's bytes than sending them stored would; otherwise batches go
-/// stored.
+/// Picks the zstd level from what the link carries, what the CPU manages and what each level
+/// saves: the strongest level that compresses faster than the link can take compressed bytes,
+/// with room to spare (its measured speed divided by a margin), so compression never becomes
+/// the bottleneck, and that sends at least [`MIN_LEVEL_GAIN`] fewer bytes than the level below
+/// it, so CPU taken from the guest buys something. When even the fastest level cannot keep
+/// up, it is still used if it moves more of QEMU's bytes than sending them stored would;
+/// otherwise batches go stored.
 ///
 /// Speeds are per level (input bytes per CPU second); the compression ratio is one figure for
 /// the data, whatever level measured it, because it depends far more on the pages than on the
-/// level. The chooser itself is arithmetic: the caller measures and reports.
+/// level. What a level gains over the one below is measured on the same batch (the caller
+/// compresses a batch twice when [`LevelChooser::probe_below`] asks): data near its entropy
+/// limit gains nothing from level 9 at a seventh of level 1's speed, text gains several
+/// percent. The chooser itself is arithmetic: the caller measures and reports.
 #[derive(Debug, Clone)]
 pub struct LevelChooser {
     /// From fastest to strongest.
     levels: Vec<i32>,
     /// Input bytes per CPU second per level, averaged over recent batches.
     speed: Vec<Option<f64>>,
+    /// Per level, the share of bytes it saves over the level below on the same batch,
+    /// averaged over recent probes.
+    gain: Vec<Option<f64>>,
+    /// Per level, batches chosen at it since its gain was last measured.
+    since_probe: Vec<u32>,
+    /// Batches for which a level was passed over for its gain, since it was last tried.
+    held_by_gain: u32,
     /// Output over input of recent batches.
     ratio: Option<f64>,
     /// A level must compress this many times faster than needed.
     margin: f64,
 }
+
+/// A stronger zstd level is used only if it sends at least this share fewer bytes than the
+/// level below it.
+pub const MIN_LEVEL_GAIN: f64 = 0.02;
+/// A level's gain is measured again after this many batches at it.
+const PROBE_EVERY: u32 = 16;
+/// A level passed over for its gain is tried again after this many batches, in case the data
+/// changed.
+const RETRY_AFTER: u32 = 64;
 
 impl Default for LevelChooser {
     fn default() -> Self {
@@ -192,13 +212,51 @@ impl LevelChooser {
     /// `levels` from fastest to strongest.
     pub fn new(levels: Vec<i32>, margin: f64) -> LevelChooser {
         assert!(!levels.is_empty(), "at least one level");
-        let speed = vec![None; levels.len()];
+        let n = levels.len();
         LevelChooser {
             levels,
-            speed,
+            speed: vec![None; n],
+            gain: vec![None; n],
+            since_probe: vec![0; n],
+            held_by_gain: 0,
             ratio: None,
             margin,
         }
+    }
+
+    /// The level to compress a batch coded at `level` with as well, to measure what `level`
+    /// gains over it; `None` when that was measured recently (or `level` is the fastest).
+    /// Counts the batch.
+    pub fn probe_below(&mut self, level: i32) -> Option<i32> {
+        let i = self.levels.iter().position(|&l| l == level)?;
+        if i == 0 {
+            return None;
+        }
+        self.since_probe[i] += 1;
+        let due = self.gain[i].is_none() || self.since_probe[i] >= PROBE_EVERY;
+        due.then(|| {
+            self.since_probe[i] = 0;
+            self.levels[i - 1]
+        })
+    }
+
+    /// Records that on one batch `level` produced `bytes_out` where the level below it
+    /// produced `bytes_out_below`.
+    pub fn observe_gain(&mut self, level: i32, bytes_out: usize, bytes_out_below: usize) {
+        let Some(i) = self.levels.iter().position(|&l| l == level) else {
+            return;
+        };
+        if bytes_out_below == 0 {
+            return;
+        }
+        let now = 1.0 - bytes_out as f64 / bytes_out_below as f64;
+        self.gain[i] = Some(self.gain[i].map_or(now, |g| 0.5 * g + 0.5 * now));
+    }
+
+    /// What `level` saved over the level below it, as last measured.
+    pub fn gain(&self, level: i32) -> Option<f64> {
+        let i = self.levels.iter().position(|&l| l == level)?;
+        self.gain[i]
     }
 
     /// The fastest level (to measure again after the chooser found none worth it).
@@ -221,8 +279,8 @@ impl LevelChooser {
 
     /// The level for the next batch on a link carrying `link_bytes_per_s` (`None`: send it
     /// stored). A level never measured is tried once the level below it keeps up, so the
-    /// chooser climbs as far as the CPU allows and no further.
-    pub fn choose(&self, link_bytes_per_s: f64) -> Option<i32> {
+    /// chooser climbs as far as the CPU allows and the gains justify, and no further.
+    pub fn choose(&mut self, link_bytes_per_s: f64) -> Option<i32> {
         // QEMU bytes per second the link carries once compressed.
         let need = link_bytes_per_s / self.ratio.unwrap_or(1.0).max(1e-3);
         let mut best = None;
@@ -234,9 +292,20 @@ impl LevelChooser {
         };
         for (i, &level) in levels.iter().enumerate() {
             match self.speed[i] {
-                Some(s) if s / self.margin >= need => best = Some(level),
-                Some(_) => break,
                 None => return Some(level),
+                Some(s) if s / self.margin < need => break,
+                Some(_) if self.gain[i].is_some_and(|g| g < MIN_LEVEL_GAIN) => {
+                    // Fast enough, but not worth its CPU over the level below as last
+                    // measured; now and then tried again in case the data changed.
+                    self.held_by_gain += 1;
+                    if self.held_by_gain >= RETRY_AFTER {
+                        self.held_by_gain = 0;
+                        self.gain[i] = None;
+                        return Some(level);
+                    }
+                    break;
+                }
+                Some(_) => best = Some(level),
             }
         }
         if best.is_none() && self.ratio.is_some_and(|r| r < 0.95) {
@@ -248,6 +317,115 @@ impl LevelChooser {
             }
         }
         best
+    }
+}
+
+/// Batches smaller than this (flushed early because there was nothing more to read) do not
+/// count in the speed measurement: a call's fixed cost dominates them.
+const MEASURE_BYTES: usize = 64 << 10;
+/// When no zstd level kept up with the link, the fastest one is tried again after this many
+/// batches (the CPU may have been busy only for a moment).
+const REPROBE_BATCHES: u32 = 32;
+
+/// zstd at the level the link, the CPU and the data call for: a [`BatchCompressor`] whose
+/// [`LevelChooser`] it measures for, batch by batch, compressing a batch twice when the
+/// chooser asks what a level gains over the one below.
+#[derive(Debug)]
+pub struct AdaptiveCompressor {
+    compressor: BatchCompressor,
+    levels: LevelChooser,
+    /// `None`: zstd is off, every batch goes stored.
+    link_bytes_per_s: Option<f64>,
+    /// Batches sent stored since zstd last ran.
+    batches_without_zstd: u32,
+    /// The records compressed at a second level, to measure what the first gains.
+    probe: Vec<u8>,
+}
+
+/// How one batch was compressed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Compressed {
+    /// `None`: stored.
+    pub level: Option<i32>,
+    /// Its bytes, as appended.
+    pub len: usize,
+    /// CPU time of the compression that was sent (not of a probe).
+    pub seconds: f64,
+}
+
+impl AdaptiveCompressor {
+    /// For a link carrying `link_bytes_per_s`.
+    pub fn new(link_bytes_per_s: f64) -> AdaptiveCompressor {
+        AdaptiveCompressor {
+            compressor: BatchCompressor::default(),
+            levels: LevelChooser::default(),
+            link_bytes_per_s: Some(link_bytes_per_s),
+            batches_without_zstd: 0,
+            probe: Vec::new(),
+        }
+    }
+
+    /// Every batch stored.
+    pub fn off() -> AdaptiveCompressor {
+        AdaptiveCompressor {
+            link_bytes_per_s: None,
+            ..AdaptiveCompressor::new(0.0)
+        }
+    }
+
+    /// Appends `records` as one batch to `out`.
+    pub fn compress(&mut self, records: &[u8], out: &mut Vec<u8>) -> Compressed {
+        let level = self.next_level();
+        let start = out.len();
+        let started = std::time::Instant::now();
+        self.compressor.compress(records, level, out);
+        let seconds = started.elapsed().as_secs_f64();
+        let len = out.len() - start;
+        if let Some(level) = level.filter(|_| records.len() >= MEASURE_BYTES) {
+            self.levels.observe(level, records.len(), len, seconds);
+            self.probe_below(level, records, len);
+        }
+        Compressed {
+            level,
+            len,
+            seconds,
+        }
+    }
+
+    /// What `level` saved over the level below it, as last measured.
+    pub fn gain(&self, level: i32) -> Option<f64> {
+        self.levels.gain(level)
+    }
+
+    /// The level for the next batch: the chooser's, or the fastest one now and then when the
+    /// chooser found none fast enough, to measure again.
+    fn next_level(&mut self) -> Option<i32> {
+        let link = self.link_bytes_per_s?;
+        let level = self.levels.choose(link);
+        if level.is_some() {
+            self.batches_without_zstd = 0;
+            return level;
+        }
+        self.batches_without_zstd += 1;
+        (self.batches_without_zstd >= REPROBE_BATCHES).then(|| {
+            self.batches_without_zstd = 0;
+            self.levels.fastest()
+        })
+    }
+
+    /// Compresses `records` again at the level below `level`, when the chooser asks.
+    fn probe_below(&mut self, level: i32, records: &[u8], len: usize) {
+        let Some(below) = self.levels.probe_below(level) else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        self.probe.clear();
+        self.compressor
+            .compress(records, Some(below), &mut self.probe);
+        let seconds = started.elapsed().as_secs_f64();
+        self.levels
+            .observe(below, records.len(), self.probe.len(), seconds);
+        self.levels.observe_gain(level, len, self.probe.len());
     }
 }
 
@@ -384,5 +562,85 @@ mod tests {
             Some(1),
             "no climbing on data that does not compress"
         );
+    }
+
+    #[test]
+    fn a_stronger_level_is_used_only_while_it_saves_enough_over_the_one_below() {
+        let mut c = LevelChooser::default();
+        let slow = 12.5e6;
+        c.observe(1, 400_000_000, 200_000_000, 1.0);
+        assert_eq!(c.choose(slow), Some(3), "fast enough: try the next");
+        assert_eq!(
+            c.probe_below(3),
+            Some(1),
+            "its first batch is coded at 1 too"
+        );
+        c.observe(3, 300_000_000, 150_000_000, 1.0);
+        // Data at its entropy limit: level 3 sends 1% fewer bytes than level 1.
+        c.observe_gain(3, 990_000, 1_000_000);
+        assert!((c.gain(3).unwrap() - 0.01).abs() < 1e-9);
+        assert_eq!(c.choose(slow), Some(1), "not worth its CPU");
+        for _ in 0..RETRY_AFTER - 2 {
+            assert_eq!(c.choose(slow), Some(1));
+        }
+        assert_eq!(
+            c.choose(slow),
+            Some(3),
+            "tried again in case the data changed"
+        );
+        assert_eq!(c.probe_below(3), Some(1), "and measured again");
+        // Now the pages compress better at 3: 10% fewer bytes.
+        c.observe_gain(3, 900_000, 1_000_000);
+        assert_eq!(
+            c.choose(slow),
+            Some(6),
+            "worth it: climb to the next untried level"
+        );
+        // A level's gain is measured again every PROBE_EVERY batches, not on every one.
+        let probes = (0..3 * PROBE_EVERY)
+            .filter(|_| c.probe_below(3).is_some())
+            .count();
+        assert_eq!(probes, 3);
+        assert_eq!(c.probe_below(1), None, "nothing below the fastest");
+        assert_eq!(c.probe_below(4), None, "not a level of this chooser");
+    }
+
+    /// Random nibbles in printable bytes: 4 bits of entropy per byte, no repetition, so every
+    /// level halves them and no stronger level does better (the lab guest's pages).
+    fn entropy_limited(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                0x60 | (x.to_le_bytes()[0] & 0x0f)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn on_pages_no_level_improves_the_compressor_stays_at_the_fastest() {
+        // A slow link, so that every level keeps up even in an unoptimized build.
+        let mut zstd = AdaptiveCompressor::new(1e6);
+        let mut decompressor = BatchDecompressor::new(MAX_BATCH);
+        let mut levels = Vec::new();
+        for i in 0..40 {
+            let records = entropy_limited(256 << 10, i + 1);
+            let mut out = Vec::new();
+            let c = zstd.compress(&records, &mut out);
+            assert_eq!(c.len, out.len());
+            assert_eq!(decompressor.decompress(&out).unwrap(), &records[..]);
+            levels.push(c.level.unwrap());
+        }
+        let gain = zstd.gain(3).expect("level 3 was tried and compared");
+        assert!(gain < MIN_LEVEL_GAIN, "level 3 gained {gain}");
+        assert_eq!(levels[0], 1);
+        assert_eq!(levels[1], 3, "fast enough for the link: tried");
+        assert!(levels[2..].iter().all(|&l| l == 1), "{levels:?}");
+        // Off: everything stored, no level.
+        let mut out = Vec::new();
+        let c = AdaptiveCompressor::off().compress(&entropy_limited(1 << 16, 9), &mut out);
+        assert_eq!((c.level, out[0]), (None, STORED));
     }
 }

@@ -27,7 +27,8 @@ pub mod seed;
 mod varint;
 
 pub use batch::{
-    compress_batch, decompress_batch, BatchCompressor, BatchDecompressor, LevelChooser,
+    compress_batch, decompress_batch, AdaptiveCompressor, BatchCompressor, BatchDecompressor,
+    Compressed, LevelChooser,
 };
 pub use disk::{DiskDecoder, DiskEncoder, DiskOp};
 pub use disk_base::{BaseBuilder, DiskBase};

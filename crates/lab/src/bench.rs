@@ -228,6 +228,9 @@ pub struct LinkSummary {
     /// The sites' default congestion control, when the bench set it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_congestion: Option<crate::link::Congestion>,
+    /// The sites coalesced the frames they received (GRO), when the bench asked for it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub receive_gro: bool,
 }
 
 /// One scenario's settings.
@@ -486,6 +489,7 @@ async fn measured_migration(
             rtt_ms: sc.link.rtt_ms,
             loss_pct: sc.link.loss_pct,
             host_congestion: sc.link.host_congestion,
+            receive_gro: sc.link.receive_gro,
         },
         mem_mib: sc.vm.mem_mib,
         disk_mib: match (sc.vm.disk, sc.vm.disk_mib) {

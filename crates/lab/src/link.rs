@@ -19,6 +19,10 @@ pub struct LinkConfig {
     /// agents ask for BBR on their connections); `None` keeps this machine's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_congestion: Option<Congestion>,
+    /// Each site's end of the WAN coalesces the frames it receives (GRO), as a data center
+    /// host's NIC does; off, every frame reaches TCP, and a receiver, on its own.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub receive_gro: bool,
 }
 
 /// A TCP congestion control a site's host may default to.
@@ -63,6 +67,7 @@ impl Default for LinkConfig {
             jitter_ms: 0.0,
             loss_pct: 0.0,
             host_congestion: None,
+            receive_gro: false,
         }
     }
 }
@@ -141,7 +146,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lab_recorded_before_host_congestion_keeps_the_machines_default() {
+    fn a_lab_recorded_before_host_congestion_and_gro_keeps_the_machines_defaults() {
         let old: LinkConfig =
             serde_json::from_str(r#"{"rate_mbit":20.0,"rtt_ms":250.0,"loss_pct":0.1}"#).unwrap();
         assert_eq!(old.host_congestion, None);
@@ -152,6 +157,13 @@ mod tests {
         let json = serde_json::to_string(&cubic).unwrap();
         assert!(json.contains(r#""host_congestion":"cubic""#), "{json}");
         assert_eq!(serde_json::from_str::<LinkConfig>(&json).unwrap(), cubic);
+        assert!(!json.contains("receive_gro"), "{json}");
+        let gro = LinkConfig {
+            receive_gro: true,
+            ..cubic
+        };
+        let json = serde_json::to_string(&gro).unwrap();
+        assert_eq!(serde_json::from_str::<LinkConfig>(&json).unwrap(), gro);
         assert_eq!(
             "vegas".parse::<Congestion>().unwrap_err(),
             r#"unknown congestion control "vegas": use cubic or bbr"#

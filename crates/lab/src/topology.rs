@@ -248,10 +248,15 @@ impl Lab {
         serde_json::from_str(&text).with_context(|| format!("corrupt {}", p.display()))
     }
 
-    /// Records a link change made through the emulator's control socket.
+    /// Records a link change made through the emulator's control socket. The hosts' congestion
+    /// control and GRO stay as the lab came up with them: only `lab up` sets those.
     pub fn record_link(&self, link: LinkConfig) -> Result<()> {
         let mut state = self.state()?;
-        state.link = link;
+        state.link = LinkConfig {
+            host_congestion: state.link.host_congestion,
+            receive_gro: state.link.receive_gro,
+            ..link
+        };
         fs::write(self.state_path(), serde_json::to_string_pretty(&state)?)?;
         Ok(())
     }
@@ -344,12 +349,17 @@ impl Lab {
             for (n, dev) in [(&ns, "wan0"), (&wan, peer.as_str())] {
                 sh::ip_in(n, &format!("link set dev {dev} mtu {UNDERLAY_MTU} up"))?;
                 // MTU-sized frames with complete checksums: the relay forwards what it sees.
+                // GRO at the site's end only merges what the site receives from the relay.
+                let gro = if link.receive_gro && dev == "wan0" {
+                    "on"
+                } else {
+                    "off"
+                };
                 sh::run_in(
                     n,
                     "ethtool",
                     &[
-                        "-K", dev, "tso", "off", "gso", "off", "gro", "off", "tx", "off", "rx",
-                        "off",
+                        "-K", dev, "tso", "off", "gso", "off", "gro", gro, "tx", "off", "rx", "off",
                     ],
                 )?;
             }

@@ -521,7 +521,7 @@ mod tests {
             rtt_ms,
             jitter_ms: 0.0,
             loss_pct: 0.0,
-            host_congestion: None,
+            ..LinkConfig::default()
         }
     }
 
@@ -562,7 +562,7 @@ mod tests {
             rtt_ms: 20.0,
             jitter_ms: 5.0,
             loss_pct: 10.0,
-            host_congestion: None,
+            ..LinkConfig::default()
         };
         let (mut last, mut lost) = (t0, 0);
         for i in 0..10_000u32 {

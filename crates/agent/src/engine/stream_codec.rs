@@ -24,13 +24,12 @@
 //! QEMU already made them small.
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{Buf, Bytes, BytesMut};
 use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
 use ferry_codec::{
-    BatchCompressor, BatchDecompressor, Decoder, Encoder, LevelChooser, Options, PageKind,
+    AdaptiveCompressor, BatchDecompressor, Compressed, Decoder, Encoder, Options, PageKind,
     SeedImage, SeedIndex,
 };
 use ferry_qemu::multifd;
@@ -43,12 +42,6 @@ const CHANNEL_PAGE: u8 = 0x02;
 /// right now): large enough for zstd to find repetition across pages, small next to the
 /// send window.
 pub const BATCH_BYTES: usize = 1 << 20;
-/// Batches smaller than this (flushed early because QEMU had nothing more to read) do not
-/// count in the zstd speed measurement: a call's fixed cost dominates them.
-const MEASURE_BYTES: usize = 64 << 10;
-/// When no zstd level kept up with the link, the fastest one is tried again after this many
-/// batches (the CPU may have been busy only for a moment).
-const REPROBE_BATCHES: u32 = 32;
 /// A batch is also closed once it carries this much of QEMU's stream (zero and unchanged
 /// pages code to a few bytes each): what one batch decodes to at the destination stays
 /// bounded.
@@ -172,21 +165,16 @@ impl BlockNumbers {
 /// The source's half: items in, framed batches out.
 #[derive(Debug)]
 pub struct StreamEncoder {
-    settings: CodecSettings,
     pages: Encoder,
-    levels: LevelChooser,
-    /// The link's rate, for the zstd level.
-    link_bytes_per_s: f64,
+    /// zstd at the level the link, the CPU and the pages call for.
+    zstd: AdaptiveCompressor,
     blocks: BlockNumbers,
     /// Records of the batch being built.
     records: Vec<u8>,
-    /// zstd's context and the closed batch, kept from batch to batch.
-    compressor: BatchCompressor,
+    /// The closed batch, kept from batch to batch.
     batch: Vec<u8>,
     /// Where the length of the open opaque record sits, while consecutive items extend it.
     open_opaque: Option<usize>,
-    /// Batches sent stored since zstd last ran.
-    batches_without_zstd: u32,
     /// QEMU's bytes in the open batch.
     batch_qemu: usize,
     sent: SentPages,
@@ -197,16 +185,16 @@ pub struct StreamEncoder {
 impl StreamEncoder {
     pub fn new(settings: CodecSettings, history_bytes: u64, link_rate_mbit: f64) -> StreamEncoder {
         StreamEncoder {
-            settings,
             pages: Encoder::new(options(settings, history_bytes)),
-            levels: LevelChooser::default(),
-            link_bytes_per_s: link_rate_mbit * 1e6 / 8.0,
+            zstd: if settings.zstd {
+                AdaptiveCompressor::new(link_rate_mbit * 1e6 / 8.0)
+            } else {
+                AdaptiveCompressor::off()
+            },
             blocks: BlockNumbers::default(),
             records: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
-            compressor: BatchCompressor::default(),
             batch: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             open_opaque: None,
-            batches_without_zstd: 0,
             batch_qemu: 0,
             sent: SentPages::default(),
             resend: ResendCost::default(),
@@ -329,20 +317,15 @@ impl StreamEncoder {
         if self.records.is_empty() {
             return;
         }
-        let level = self.zstd_level();
-        let started = Instant::now();
         self.batch.clear();
-        self.compressor
-            .compress(&self.records, level, &mut self.batch);
-        let batch_len = self.batch.len();
-        if let Some(level) = level {
-            let seconds = started.elapsed().as_secs_f64();
-            if self.records.len() >= MEASURE_BYTES {
-                self.levels
-                    .observe(level, self.records.len(), batch_len, seconds);
-            }
-            self.count_level(level, batch_len, seconds);
-        }
+        let compressed = self.zstd.compress(&self.records, &mut self.batch);
+        let (level, batch_len) = (compressed.level, compressed.len);
+        count_level(
+            &mut self.report.zstd_levels,
+            &self.zstd,
+            compressed,
+            self.records.len(),
+        );
         out.extend_from_slice(
             &u32::try_from(batch_len)
                 .expect("batches are far below 4 GiB")
@@ -357,43 +340,6 @@ impl StreamEncoder {
         self.records.clear();
         self.batch_qemu = 0;
         self.open_opaque = None;
-    }
-
-    fn count_level(&mut self, level: i32, bytes_out: usize, seconds: f64) {
-        let levels = &mut self.report.zstd_levels;
-        let i = match levels.iter().position(|l| l.level == level) {
-            Some(i) => i,
-            None => {
-                levels.push(ZstdLevelReport {
-                    level,
-                    ..ZstdLevelReport::default()
-                });
-                levels.len() - 1
-            }
-        };
-        let l = &mut levels[i];
-        l.batches += 1;
-        l.bytes_in += self.records.len() as u64;
-        l.bytes_out += bytes_out as u64;
-        l.seconds += seconds;
-    }
-
-    /// The level for the next batch: the chooser's, or the fastest one now and then when the
-    /// chooser found none fast enough, to measure again.
-    fn zstd_level(&mut self) -> Option<i32> {
-        if !self.settings.zstd {
-            return None;
-        }
-        let level = self.levels.choose(self.link_bytes_per_s);
-        if level.is_some() {
-            self.batches_without_zstd = 0;
-            return level;
-        }
-        self.batches_without_zstd += 1;
-        (self.batches_without_zstd >= REPROBE_BATCHES).then(|| {
-            self.batches_without_zstd = 0;
-            self.levels.fastest()
-        })
     }
 
     /// What the codec did so far.
@@ -411,6 +357,34 @@ impl StreamEncoder {
             ..self.report.clone()
         }
     }
+}
+
+/// Adds a batch `zstd` compressed (`bytes_in` of records) to the per-level figures.
+pub fn count_level(
+    levels: &mut Vec<ZstdLevelReport>,
+    zstd: &AdaptiveCompressor,
+    compressed: Compressed,
+    bytes_in: usize,
+) {
+    let Some(level) = compressed.level else {
+        return;
+    };
+    let i = match levels.iter().position(|l| l.level == level) {
+        Some(i) => i,
+        None => {
+            levels.push(ZstdLevelReport {
+                level,
+                ..ZstdLevelReport::default()
+            });
+            levels.len() - 1
+        }
+    };
+    let l = &mut levels[i];
+    l.batches += 1;
+    l.bytes_in += bytes_in as u64;
+    l.bytes_out += compressed.len as u64;
+    l.seconds += compressed.seconds;
+    l.gain = zstd.gain(level);
 }
 
 /// The destination's half: framed batches in (cut anywhere), QEMU's bytes out.

@@ -19,7 +19,7 @@ use crate::engine::digest::StreamDigest;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
-use ferry_codec::{BatchCompressor, DiskBase, DiskEncoder, DiskOp};
+use ferry_codec::{AdaptiveCompressor, DiskBase, DiskEncoder, DiskOp};
 use ferry_qemu::commands::{
     BlockJobCancel, BlockJobChangeCopyMode, BlockdevAdd, BlockdevDel, BlockdevMirror,
     QueryBlockJobs, QueryCommands, QueryNamedBlockNodes,
@@ -36,11 +36,13 @@ use super::pacing::{pacing_baseline, GuestIo, Pacer, Pacing};
 use super::since::{self, BitmapExports, BitmapView};
 use super::SentDigests;
 use super::{
-    codec_options, digest_so_far, hash_op, parse_ack, split_write, zstd_level, Frame, FRAME_RECORDS,
+    codec_options, digest_so_far, frame_compressor, hash_op, parse_ack, split_write, Frame,
+    FRAME_RECORDS,
 };
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
 use crate::engine::control::{DiskPlan, ImageShape, DISK, DISK_ACK};
 use crate::engine::status::Shared;
+use crate::engine::stream_codec::count_level;
 
 /// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
 const MIN_MEMORY_PHASE_BUFFER: u64 = 256 << 10;
@@ -138,6 +140,8 @@ pub struct DiskSettings {
     /// The transmit buffer's bound during the bulk copy.
     pub buffer_bytes: u64,
     pub codec: CodecSettings,
+    /// The link's rate, for the frames' zstd level.
+    pub link_rate_mbit: f64,
     /// Test hook: see `MigrationSettings::test_corrupt_disk_at`.
     pub corrupt_at: Option<u64>,
     /// Async and cloudnet: the bulk copy in the background, write-blocking once it is done.
@@ -361,6 +365,7 @@ impl SourceDisks {
             mode,
             buffer_bytes,
             codec,
+            link_rate_mbit,
             corrupt_at,
             background_copy,
             stall_after,
@@ -433,6 +438,7 @@ impl SourceDisks {
                 buffer: buffer.clone(),
                 session: session.clone(),
                 codec,
+                link_rate_mbit,
                 report,
                 status,
                 corrupt_at,
@@ -871,6 +877,8 @@ pub(super) struct Sending {
     pub buffer: Arc<TransmitBuffer>,
     pub session: Session,
     pub codec: CodecSettings,
+    /// The link's rate, for the frames' zstd level.
+    pub link_rate_mbit: f64,
     pub report: DiskReport,
     pub status: Shared,
     /// Test hook: flip a bit of the written data at this offset (after it was hashed).
@@ -888,14 +896,14 @@ async fn send_snapshots(
         buffer,
         session,
         codec,
+        link_rate_mbit,
         mut report,
         status,
         corrupt_at,
     } = sending;
     let mut data_sent = 0u64;
     let mut encoder = DiskEncoder::new(codec_options(codec));
-    let level = zstd_level(codec);
-    let mut zstd = BatchCompressor::default();
+    let mut zstd = frame_compressor(codec, link_rate_mbit);
     let mut hash = StreamDigest::new();
     let mut count = 0u64;
     let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));
@@ -940,7 +948,8 @@ async fn send_snapshots(
             }
             if records.len() >= FRAME_RECORDS || last {
                 let flags = if last { LAST_OF_SNAPSHOT } else { 0 };
-                let frame = Frame::encode(seq, flags, &records, level, &mut zstd);
+                let (frame, compressed) = Frame::encode_counted(seq, flags, &records, &mut zstd);
+                count_level(&mut report.zstd_levels, &zstd, compressed, records.len());
                 report.frame_bytes += frame.len() as u64;
                 session.send(DISK, frame).await?;
                 records.clear();
@@ -966,7 +975,7 @@ async fn send_snapshots(
     session
         .send(
             DISK,
-            Frame::encode(count, LAST_OF_ALL, &[], None, &mut zstd),
+            Frame::encode(count, LAST_OF_ALL, &[], &mut AdaptiveCompressor::off()),
         )
         .await?;
     Ok((count, hash.hex()))

@@ -35,7 +35,7 @@ use crate::engine::digest::StreamDigest;
 use anyhow::{bail, Result};
 use bytes::{BufMut, Bytes, BytesMut};
 use ferry_api::agent::CodecSettings;
-use ferry_codec::{BatchCompressor, DiskOp, Options};
+use ferry_codec::{AdaptiveCompressor, Compressed, DiskOp, Options};
 
 const LAST_OF_SNAPSHOT: u8 = 1;
 const LAST_OF_ALL: u8 = 2;
@@ -84,9 +84,14 @@ pub fn codec_options(settings: CodecSettings) -> Options {
     }
 }
 
-/// zstd level for disk batches: 3 (zstd's default) when compression is on.
-pub fn zstd_level(settings: CodecSettings) -> Option<i32> {
-    settings.zstd.then_some(3)
+/// zstd for disk frames on a link of `link_rate_mbit`, at the level the link, the CPU and
+/// the blocks call for (as the memory stream's), or off.
+pub fn frame_compressor(settings: CodecSettings, link_rate_mbit: f64) -> AdaptiveCompressor {
+    if settings.zstd {
+        AdaptiveCompressor::new(link_rate_mbit * 1e6 / 8.0)
+    } else {
+        AdaptiveCompressor::off()
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -99,18 +104,22 @@ pub struct Frame {
 
 impl Frame {
     /// The frame of `records`, compressed at `level` with the channel's one zstd context.
-    pub fn encode(
+    pub fn encode(seq: u64, flags: u8, records: &[u8], zstd: &mut AdaptiveCompressor) -> Bytes {
+        Frame::encode_counted(seq, flags, records, zstd).0
+    }
+
+    /// [`Frame::encode`], and how its records were compressed.
+    pub fn encode_counted(
         seq: u64,
         flags: u8,
         records: &[u8],
-        level: Option<i32>,
-        zstd: &mut BatchCompressor,
-    ) -> Bytes {
+        zstd: &mut AdaptiveCompressor,
+    ) -> (Bytes, Compressed) {
         let mut out = Vec::with_capacity(records.len() / 2 + 16);
         out.extend_from_slice(&seq.to_le_bytes());
         out.push(flags);
-        zstd.compress(records, level, &mut out);
-        Bytes::from(out)
+        let compressed = zstd.compress(records, &mut out);
+        (Bytes::from(out), compressed)
     }
 
     pub fn decode(b: Bytes) -> Result<Frame> {
@@ -248,7 +257,7 @@ mod tests {
             encoder.encode(&pieces[0], &mut records);
         }
         assert!(records.len() <= MAX_FRAME_RECORDS);
-        let frame = Frame::encode(1, 0, &records, None, &mut BatchCompressor::default());
+        let frame = Frame::encode(1, 0, &records, &mut AdaptiveCompressor::off());
         assert!(frame.len() < ferry_wire::frame::MAX_PAYLOAD_BYTES as usize);
         let zeroes = DiskOp::Zeroes {
             disk: 0,
@@ -312,8 +321,8 @@ mod tests {
             records.len()
         );
         assert!(records.len() <= MAX_FRAME_RECORDS, "{}", records.len());
-        let level = zstd_level(CodecSettings::ALL);
-        let frame = Frame::encode(1, 0, &records, level, &mut BatchCompressor::default());
+        let mut zstd = frame_compressor(CodecSettings::ALL, 100.0);
+        let frame = Frame::encode(1, 0, &records, &mut zstd);
         assert!(frame.len() < ferry_wire::frame::MAX_PAYLOAD_BYTES as usize);
         let mut zstd = ferry_codec::BatchDecompressor::new(MAX_FRAME_RECORDS);
         let parsed = Frame::decode(frame).unwrap();
@@ -326,8 +335,7 @@ mod tests {
             7,
             LAST_OF_SNAPSHOT,
             b"records",
-            Some(3),
-            &mut BatchCompressor::default(),
+            &mut frame_compressor(CodecSettings::ALL, 100.0),
         );
         let d = Frame::decode(f).unwrap();
         assert_eq!(d.seq, 7);

@@ -41,11 +41,14 @@ pub struct RelaySettings {
     pub mode: DiskMode,
     /// The transmit buffer's bound during the bulk copy.
     pub buffer_bytes: u64,
+    /// The link's rate, for the frames' zstd level.
+    pub link_rate_mbit: f64,
 }
 
 /// The source side of one relayed NBD connection.
 pub struct RelaySource {
     buffer: Arc<TransmitBuffer>,
+    link_rate_mbit: f64,
 }
 
 impl RelaySource {
@@ -55,6 +58,7 @@ impl RelaySource {
                 settings.buffer_bytes,
                 settings.mode == DiskMode::Sync,
             )),
+            link_rate_mbit: settings.link_rate_mbit,
         }
     }
 
@@ -87,6 +91,7 @@ impl RelaySource {
                 buffer: buffer.clone(),
                 session: session.clone(),
                 codec,
+                link_rate_mbit: self.link_rate_mbit,
                 report,
                 status,
                 corrupt_at: None,
@@ -396,6 +401,7 @@ mod tests {
         let relay = RelaySource::new(RelaySettings {
             mode: DiskMode::Async,
             buffer_bytes: 1 << 20,
+            link_rate_mbit: 100.0,
         });
         let session = a.clone();
         let source =
@@ -446,9 +452,9 @@ mod tests {
         };
         let options = super::super::codec_options(CodecSettings::NONE);
         ferry_codec::DiskEncoder::new(options).encode(&write, &mut records);
-        let mut zstd = ferry_codec::BatchCompressor::default();
+        let mut zstd = ferry_codec::AdaptiveCompressor::off();
         for seq in [0, 1] {
-            let frame = super::super::Frame::encode(seq, 0, &records, None, &mut zstd);
+            let frame = super::super::Frame::encode(seq, 0, &records, &mut zstd);
             a.send(control::DISK, frame).await.unwrap();
         }
         let err = applied.await.unwrap().unwrap_err();
