@@ -186,11 +186,7 @@ impl StreamEncoder {
     pub fn new(settings: CodecSettings, history_bytes: u64, link_rate_mbit: f64) -> StreamEncoder {
         StreamEncoder {
             pages: Encoder::new(options(settings, history_bytes)),
-            zstd: if settings.zstd {
-                AdaptiveCompressor::new(link_rate_mbit * 1e6 / 8.0)
-            } else {
-                AdaptiveCompressor::off()
-            },
+            zstd: zstd_for_link(settings, link_rate_mbit),
             blocks: BlockNumbers::default(),
             records: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             batch: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
@@ -356,6 +352,16 @@ impl StreamEncoder {
             seeded: s.seeded,
             ..self.report.clone()
         }
+    }
+}
+
+/// zstd for batches on a link of `link_rate_mbit`, at the level the link, the CPU and the
+/// data call for, or off when the settings leave zstd out.
+pub fn zstd_for_link(settings: CodecSettings, link_rate_mbit: f64) -> AdaptiveCompressor {
+    if settings.zstd {
+        AdaptiveCompressor::new(link_rate_mbit * 1e6 / 8.0)
+    } else {
+        AdaptiveCompressor::off()
     }
 }
 

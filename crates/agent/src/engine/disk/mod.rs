@@ -84,16 +84,6 @@ pub fn codec_options(settings: CodecSettings) -> Options {
     }
 }
 
-/// zstd for disk frames on a link of `link_rate_mbit`, at the level the link, the CPU and
-/// the blocks call for (as the memory stream's), or off.
-pub fn frame_compressor(settings: CodecSettings, link_rate_mbit: f64) -> AdaptiveCompressor {
-    if settings.zstd {
-        AdaptiveCompressor::new(link_rate_mbit * 1e6 / 8.0)
-    } else {
-        AdaptiveCompressor::off()
-    }
-}
-
 #[derive(Debug, PartialEq, Eq)]
 pub struct Frame {
     pub seq: u64,
@@ -321,7 +311,7 @@ mod tests {
             records.len()
         );
         assert!(records.len() <= MAX_FRAME_RECORDS, "{}", records.len());
-        let mut zstd = frame_compressor(CodecSettings::ALL, 100.0);
+        let mut zstd = crate::engine::stream_codec::zstd_for_link(CodecSettings::ALL, 100.0);
         let frame = Frame::encode(1, 0, &records, &mut zstd);
         assert!(frame.len() < ferry_wire::frame::MAX_PAYLOAD_BYTES as usize);
         let mut zstd = ferry_codec::BatchDecompressor::new(MAX_FRAME_RECORDS);
@@ -335,7 +325,7 @@ mod tests {
             7,
             LAST_OF_SNAPSHOT,
             b"records",
-            &mut frame_compressor(CodecSettings::ALL, 100.0),
+            &mut crate::engine::stream_codec::zstd_for_link(CodecSettings::ALL, 100.0),
         );
         let d = Frame::decode(f).unwrap();
         assert_eq!(d.seq, 7);
