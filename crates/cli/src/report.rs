@@ -193,9 +193,11 @@ fn zstd_levels(levels: &[ZstdLevelReport]) -> String {
     let each: Vec<String> = levels
         .iter()
         .map(|l| {
-            let gain = l.gain.map_or(String::new(), |g| {
-                format!(", {:.1}% fewer bytes than the level below", 100.0 * g)
-            });
+            let gain = match l.gain {
+                Some(g) if g >= 0.0 => format!(", {:.1}% smaller than the level below", 100.0 * g),
+                Some(g) => format!(", {:.1}% larger than the level below", -100.0 * g),
+                None => String::new(),
+            };
             format!(
                 "level {} x{} ({:.0}%, {:.0} MB/s{gain})",
                 l.level,
