@@ -340,6 +340,8 @@ pub struct AdaptiveCompressor {
     levels: LevelChooser,
     /// `None`: zstd is off, every batch goes stored.
     link_bytes_per_s: Option<f64>,
+    /// Every batch at this level, nothing measured.
+    fixed: Option<i32>,
     /// Batches sent stored since zstd last ran.
     batches_without_zstd: u32,
     /// The records compressed at a second level, to measure what the first gains.
@@ -364,8 +366,17 @@ impl AdaptiveCompressor {
             compressor: BatchCompressor::default(),
             levels: LevelChooser::default(),
             link_bytes_per_s: Some(link_bytes_per_s),
+            fixed: None,
             batches_without_zstd: 0,
             probe: Vec::new(),
+        }
+    }
+
+    /// Every batch at `level`.
+    pub fn fixed(level: i32) -> AdaptiveCompressor {
+        AdaptiveCompressor {
+            fixed: Some(level),
+            ..AdaptiveCompressor::new(0.0)
         }
     }
 
@@ -385,7 +396,9 @@ impl AdaptiveCompressor {
         self.compressor.compress(records, level, out);
         let seconds = started.elapsed().as_secs_f64();
         let len = out.len() - start;
-        if let Some(level) = level.filter(|_| records.len() >= MEASURE_BYTES) {
+        if let Some(level) =
+            level.filter(|_| self.fixed.is_none() && records.len() >= MEASURE_BYTES)
+        {
             self.levels.observe(level, records.len(), len, seconds);
             self.probe_below(level, records, len);
         }
@@ -404,6 +417,9 @@ impl AdaptiveCompressor {
     /// The level for the next batch: the chooser's, or the fastest one now and then when the
     /// chooser found none fast enough, to measure again.
     fn next_level(&mut self) -> Option<i32> {
+        if self.fixed.is_some() {
+            return self.fixed;
+        }
         let link = self.link_bytes_per_s?;
         let level = self.levels.choose(link);
         if level.is_some() {
@@ -673,5 +689,16 @@ mod tests {
         }
         assert!(zstd.gain(3).is_some_and(|g| g < MIN_LEVEL_GAIN), "{seen:?}");
         assert!(seen.iter().all(|&(l, _)| l <= 3), "{seen:?}");
+    }
+
+    #[test]
+    fn a_fixed_compressor_keeps_its_level_and_measures_nothing() {
+        let mut zstd = AdaptiveCompressor::fixed(3);
+        for i in 0..20 {
+            let mut out = Vec::new();
+            let c = zstd.compress(&entropy_limited(256 << 10, i + 1), &mut out);
+            assert_eq!(c.level, Some(3));
+        }
+        assert_eq!(zstd.gain(3), None, "no level compared");
     }
 }

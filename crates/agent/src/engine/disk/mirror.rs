@@ -35,11 +35,14 @@ use super::buffer::{Extent, TransmitBuffer};
 use super::pacing::{pacing_baseline, GuestIo, Pacer, Pacing};
 use super::since::{self, BitmapExports, BitmapView};
 use super::SentDigests;
-use super::{codec_options, digest_so_far, hash_op, parse_ack, split_write, Frame, FRAME_RECORDS};
+use super::{
+    codec_options, digest_so_far, disk_frame_zstd, hash_op, parse_ack, split_write, Frame,
+    FRAME_RECORDS,
+};
 use super::{LAST_OF_ALL, LAST_OF_SNAPSHOT};
 use crate::engine::control::{DiskPlan, ImageShape, DISK, DISK_ACK};
 use crate::engine::status::Shared;
-use crate::engine::stream_codec::{count_level, zstd_for_link};
+use crate::engine::stream_codec::count_level;
 
 /// The smallest buffer in the memory phase: a few of QEMU's 64 KiB mirror chunks.
 const MIN_MEMORY_PHASE_BUFFER: u64 = 256 << 10;
@@ -900,7 +903,7 @@ async fn send_snapshots(
     } = sending;
     let mut data_sent = 0u64;
     let mut encoder = DiskEncoder::new(codec_options(codec));
-    let mut zstd = zstd_for_link(codec, link_rate_mbit);
+    let mut zstd = disk_frame_zstd(codec, link_rate_mbit);
     let mut hash = StreamDigest::new();
     let mut count = 0u64;
     let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));
