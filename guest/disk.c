@@ -10,11 +10,17 @@
 #define _GNU_SOURCE
 #include "guest.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #define BLOCK_BYTES 4096u
@@ -22,6 +28,8 @@
 /* Write latency histogram: 10 us buckets up to 1 s; slower writes land in the last one. */
 #define LAT_BUCKETS 100001u
 #define LAT_BUCKET_US 10u
+/* A write outstanding this long is reported once, with the kernel's view of the disk. */
+#define STALL_S 20
 
 static struct {
     pthread_mutex_t lock;
@@ -46,6 +54,11 @@ static struct {
     uint64_t hot_blocks;
     uint64_t reads;
     double reads_since;
+    /* for the stall report: when the writer's write in progress started (µs of now_s(), 0:
+     * none; atomic: the watcher reads it while the writer holds `lock`), and the threads' ids */
+    uint64_t write_started_us;
+    pid_t writer_tid;
+    pid_t reader_tid;
 } disk = { .lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1 };
 
 static void *reader(void *arg)
@@ -60,6 +73,7 @@ static void *reader(void *arg)
     /* `hot_blocks` is set once, before this thread starts; the reader runs until the guest
      * powers off. */
     const uint64_t hot = disk.hot_blocks;
+    __atomic_store_n(&disk.reader_tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELAXED);
     for (;;) {
         rng ^= rng << 13;
         rng ^= rng >> 7;
@@ -124,6 +138,7 @@ static void *writer(void *arg)
     uint8_t *buf;
     if (posix_memalign((void **)&buf, BLOCK_BYTES, BLOCK_BYTES) != 0)
         return NULL;
+    __atomic_store_n(&disk.writer_tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELAXED);
     double credit = 0, last = now_s();
     for (;;) {
         pthread_mutex_lock(&disk.lock);
@@ -151,7 +166,9 @@ static void *writer(void *arg)
         uint32_t v = disk.version[idx] + 1;
         block_content(buf, idx, v);
         double t0 = now_s();
+        __atomic_store_n(&disk.write_started_us, (uint64_t)(t0 * 1e6), __ATOMIC_RELAXED);
         ssize_t n = pwrite(disk.fd, buf, BLOCK_BYTES, (off_t)(idx * BLOCK_BYTES));
+        __atomic_store_n(&disk.write_started_us, 0, __ATOMIC_RELAXED);
         double t1 = now_s();
         if (n == (ssize_t)BLOCK_BYTES) {
             /* only an acknowledged write moves the expected version */
@@ -166,6 +183,136 @@ static void *writer(void *arg)
         }
         pthread_mutex_unlock(&disk.lock);
     }
+}
+
+/* Each line of `path` as "D <path>: <line>" (at most `max` lines). */
+static void report_file(const char *path, int max)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        tty_line("D %s: %s", path, strerror(errno));
+        return;
+    }
+    char line[400];
+    for (int n = 0; n < max && fgets(line, sizeof line, f); n++) {
+        line[strcspn(line, "\n")] = 0;
+        tty_line("D %s: %s", path, line);
+    }
+    fclose(f);
+}
+
+/* Every readable file of a blk-mq debugfs directory, and of its hctx and scheduler dirs. */
+static void report_blk_debugfs(const char *dir, int depth)
+{
+    DIR *d = opendir(dir);
+    if (!d) {
+        tty_line("D %s: %s", dir, strerror(errno));
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        struct stat st;
+        if (stat(path, &st) != 0)
+            continue;
+        if (S_ISDIR(st.st_mode)) {
+            /* hctxN, sched; a cpuN directory is one software queue */
+            if (depth == 0)
+                report_blk_debugfs(path, 1);
+        } else if (st.st_mode & S_IRUSR) {
+            report_file(path, 64);
+        }
+    }
+    closedir(d);
+}
+
+/* Has the kernel handle sysrq `key` and copies what it logged to the console as "D kmsg:". */
+static void report_sysrq(char key)
+{
+    int k = open("/dev/kmsg", O_RDONLY | O_NONBLOCK);
+    if (k >= 0)
+        lseek(k, 0, SEEK_END);
+    int t = open("/proc/sysrq-trigger", O_WRONLY);
+    if (t < 0 || write(t, &key, 1) != 1)
+        tty_line("D sysrq %c: %s", key, strerror(errno));
+    if (t >= 0)
+        close(t);
+    if (k < 0)
+        return;
+    char rec[1024];
+    for (int lines = 0; lines < 2000;) {
+        ssize_t n = read(k, rec, sizeof rec - 1);
+        if (n < 0 && errno == EPIPE)
+            continue; /* records overwritten before we read them */
+        if (n <= 0)
+            break;
+        rec[n] = 0;
+        char *msg = strchr(rec, ';');
+        msg = msg ? msg + 1 : rec;
+        msg[strcspn(msg, "\n")] = 0;
+        tty_line("D kmsg: %s", msg);
+        lines++;
+    }
+    close(k);
+}
+
+/* A write that never completes hangs the guest's disk verifier and tells nothing; this says
+ * where the kernel holds it: the disk's requests in flight, blk-mq's queues, the two threads'
+ * kernel stacks and every blocked task. */
+static void report_stall(double waited_s)
+{
+    tty_line("D stall: a disk write has waited %.0f s; the kernel's view follows", waited_s);
+    struct stat st;
+    char base[128] = "", path[512];
+    if (fstat(disk.fd, &st) == 0) {
+        snprintf(base, sizeof base, "/sys/dev/block/%u:%u", major(st.st_dev), minor(st.st_dev));
+        snprintf(path, sizeof path, "%s/inflight", base);
+        report_file(path, 4);
+        snprintf(path, sizeof path, "%s/stat", base);
+        report_file(path, 4);
+    }
+    char link[256];
+    ssize_t n = base[0] ? readlink(base, link, sizeof link - 1) : -1;
+    if (n > 0) {
+        link[n] = 0;
+        const char *name = strrchr(link, '/');
+        name = name ? name + 1 : link;
+        if (mount("debugfs", "/sys/kernel/debug", "debugfs", 0, NULL) != 0 && errno != EBUSY)
+            tty_line("D mount debugfs: %s", strerror(errno));
+        snprintf(path, sizeof path, "/sys/kernel/debug/block/%s", name);
+        report_blk_debugfs(path, 0);
+    }
+    pid_t tids[2] = { __atomic_load_n(&disk.writer_tid, __ATOMIC_RELAXED),
+                      __atomic_load_n(&disk.reader_tid, __ATOMIC_RELAXED) };
+    for (int i = 0; i < 2; i++) {
+        if (tids[i] <= 0)
+            continue;
+        snprintf(path, sizeof path, "/proc/self/task/%d/stack", (int)tids[i]);
+        report_file(path, 64);
+    }
+    report_sysrq('w');
+    tty_line("D stall: end of report");
+}
+
+static void *stall_watch(void *arg)
+{
+    (void)arg;
+    uint64_t reported = 0;
+    for (;;) {
+        sleep_ms(1000);
+        uint64_t started = __atomic_load_n(&disk.write_started_us, __ATOMIC_RELAXED);
+        if (started == 0 || started == reported)
+            continue;
+        double waited = now_s() - (double)started / 1e6;
+        if (waited >= STALL_S) {
+            reported = started;
+            report_stall(waited);
+        }
+    }
+    return NULL;
 }
 
 int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t errlen)
@@ -217,6 +364,9 @@ int disk_start(const char *path, uint64_t mib, double rate, char *err, size_t er
     disk.rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)now_s();
     disk.running = 1;
     int rc = pthread_create(&disk.thread, NULL, writer, NULL);
+    pthread_t watch;
+    if (rc == 0 && pthread_create(&watch, NULL, stall_watch, NULL) == 0)
+        pthread_detach(watch);
     pthread_mutex_unlock(&disk.lock);
     if (rc != 0) {
         snprintf(err, errlen, "pthread_create: %s", strerror(rc));

@@ -15,6 +15,8 @@ struct verify_result {
 };
 
 double now_s(void);
+/* One line on the serial console, whole (lines from several threads never interleave). */
+void tty_line(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void sleep_ms(unsigned ms);
 
 int parse_pattern(const char *s, enum pattern *out);

@@ -48,7 +48,7 @@ void sleep_ms(unsigned ms)
     }
 }
 
-static void tty_line(const char *fmt, ...)
+void tty_line(const char *fmt, ...)
 {
     char line[512];
     va_list ap;
