@@ -263,8 +263,8 @@ pub struct ZstdLevelReport {
     pub bytes_in: u64,
     pub bytes_out: u64,
     pub seconds: f64,
-    /// The share of bytes this level saved over the level below it, last measured on one
-    /// batch compressed at both (absent for the fastest level).
+    /// The share of bytes this level saved over the fastest level, last measured on one batch
+    /// compressed at both (absent for the fastest level).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gain: Option<f64>,
 }

@@ -184,8 +184,8 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
     }
 }
 
-/// What each zstd level did: batches, output share, speed and what it saved over the level
-/// below.
+/// What each zstd level did: batches, output share, speed and what it saved over the fastest
+/// level.
 fn zstd_levels(levels: &[ZstdLevelReport]) -> String {
     if levels.is_empty() {
         return "off".to_owned();
@@ -194,8 +194,8 @@ fn zstd_levels(levels: &[ZstdLevelReport]) -> String {
         .iter()
         .map(|l| {
             let gain = match l.gain {
-                Some(g) if g >= 0.0 => format!(", {:.1}% smaller than the level below", 100.0 * g),
-                Some(g) => format!(", {:.1}% larger than the level below", -100.0 * g),
+                Some(g) if g >= 0.0 => format!(", {:.1}% smaller than the fastest", 100.0 * g),
+                Some(g) => format!(", {:.1}% larger than the fastest", -100.0 * g),
                 None => String::new(),
             };
             format!(

@@ -163,30 +163,37 @@ impl BatchDecompressor {
 /// Picks the zstd level from what the link carries, what the CPU manages and what each level
 /// saves: the strongest level that compresses faster than the link can take compressed bytes,
 /// with room to spare (its measured speed divided by a margin), so compression never becomes
-/// the bottleneck, and that sends at least [`MIN_LEVEL_GAIN`] fewer bytes than the level below
-/// it, so CPU taken from the guest buys something. When even the fastest level cannot keep
-/// up, it is still used if it moves more of QEMU's bytes than sending them stored would;
+/// the bottleneck, and that sends at least [`MIN_LEVEL_GAIN`] fewer bytes than the best level
+/// below it, so CPU taken from the guest buys something. When even the fastest level cannot
+/// keep up, it is still used if it moves more of QEMU's bytes than sending them stored would;
 /// otherwise batches go stored.
 ///
 /// Speeds are per level (input bytes per CPU second); the compression ratio is one figure for
 /// the data, whatever level measured it, because it depends far more on the pages than on the
-/// level. What a level gains over the one below is measured on the same batch (the caller
-/// compresses a batch twice when [`LevelChooser::probe_below`] asks): data near its entropy
-/// limit gains nothing from level 9 at a seventh of level 1's speed, text gains several
-/// percent. The chooser itself is arithmetic: the caller measures and reports.
+/// level. What a level gains is measured against the fastest level on the same batch (the
+/// caller compresses a batch twice when [`LevelChooser::probe_level`] asks): data near its
+/// entropy limit gains nothing from level 9 at a seventh of level 1's speed, text gains
+/// several percent. Every level is compared with the fastest, not with the one just below,
+/// because gains do not grow in step: on mostly-zero pages level 3 sent 2% more than level 1
+/// while level 6 saved 30%, and a chooser that stopped at the first level not worth it never
+/// found level 6. The chooser itself is arithmetic: the caller measures and reports.
 #[derive(Debug, Clone)]
 pub struct LevelChooser {
     /// From fastest to strongest.
     levels: Vec<i32>,
     /// Input bytes per CPU second per level, averaged over recent batches.
     speed: Vec<Option<f64>>,
-    /// Per level, the share of bytes it saves over the level below on the same batch,
-    /// averaged over recent probes.
+    /// Per level, the share of bytes it saves over the fastest level on the same batch,
+    /// averaged over recent probes (the fastest's is 0 and never measured).
     gain: Vec<Option<f64>>,
     /// Per level, batches chosen at it since its gain was last measured.
     since_probe: Vec<u32>,
-    /// Batches for which a level was passed over for its gain, since it was last tried.
-    held_by_gain: u32,
+    /// Per level, choices that passed it over for its gain since it was last tried.
+    held: Vec<u32>,
+    /// Per level, how many of those it waits before it is tried again: [`RETRY_AFTER`],
+    /// doubled by every retry up to [`RETRY_AFTER_MAX`], and back to the first once the level
+    /// is chosen on its merits.
+    retry_after: Vec<u32>,
     /// Output over input of recent batches.
     ratio: Option<f64>,
     /// A level must compress this many times faster than needed.
@@ -194,7 +201,7 @@ pub struct LevelChooser {
 }
 
 /// A stronger zstd level is used only if it sends at least this share fewer bytes than the
-/// level below it.
+/// best level below it.
 pub const MIN_LEVEL_GAIN: f64 = 0.02;
 /// A level's gain is measured again after this many batches at it.
 const PROBE_EVERY: u32 = 16;
@@ -202,6 +209,9 @@ const PROBE_EVERY: u32 = 16;
 /// changed: a migration's first pass moves from one kind of memory to another within a few
 /// dozen batches (after 64, the zero-heavy guest sent 5% more than with level 6 throughout).
 const RETRY_AFTER: u32 = 16;
+/// The longest wait between two retries of a level that keeps not being worth it: each retry
+/// codes a whole batch at that level, and level 9 costs seven times level 1's CPU.
+const RETRY_AFTER_MAX: u32 = 256;
 
 impl Default for LevelChooser {
     fn default() -> Self {
@@ -219,16 +229,17 @@ impl LevelChooser {
             speed: vec![None; n],
             gain: vec![None; n],
             since_probe: vec![0; n],
-            held_by_gain: 0,
+            held: vec![0; n],
+            retry_after: vec![RETRY_AFTER; n],
             ratio: None,
             margin,
         }
     }
 
     /// The level to compress a batch coded at `level` with as well, to measure what `level`
-    /// gains over it; `None` when that was measured recently (or `level` is the fastest).
-    /// Counts the batch.
-    pub fn probe_below(&mut self, level: i32) -> Option<i32> {
+    /// gains over it (the fastest); `None` when that was measured recently (or `level` is the
+    /// fastest). Counts the batch.
+    pub fn probe_level(&mut self, level: i32) -> Option<i32> {
         let i = self.levels.iter().position(|&l| l == level)?;
         if i == 0 {
             return None;
@@ -237,24 +248,24 @@ impl LevelChooser {
         let due = self.gain[i].is_none() || self.since_probe[i] >= PROBE_EVERY;
         due.then(|| {
             self.since_probe[i] = 0;
-            self.levels[i - 1]
+            self.levels[0]
         })
     }
 
-    /// Records that on one batch `level` produced `bytes_out` where the level below it
-    /// produced `bytes_out_below`.
-    pub fn observe_gain(&mut self, level: i32, bytes_out: usize, bytes_out_below: usize) {
+    /// Records that on one batch `level` produced `bytes_out` where the fastest level
+    /// produced `bytes_out_fastest`.
+    pub fn observe_gain(&mut self, level: i32, bytes_out: usize, bytes_out_fastest: usize) {
         let Some(i) = self.levels.iter().position(|&l| l == level) else {
             return;
         };
-        if bytes_out_below == 0 {
+        if bytes_out_fastest == 0 || i == 0 {
             return;
         }
-        let now = 1.0 - bytes_out as f64 / bytes_out_below as f64;
+        let now = 1.0 - bytes_out as f64 / bytes_out_fastest as f64;
         self.gain[i] = Some(self.gain[i].map_or(now, |g| 0.5 * g + 0.5 * now));
     }
 
-    /// What `level` saved over the level below it, as last measured.
+    /// What `level` saved over the fastest level, as last measured.
     pub fn gain(&self, level: i32) -> Option<f64> {
         let i = self.levels.iter().position(|&l| l == level)?;
         self.gain[i]
@@ -279,38 +290,52 @@ impl LevelChooser {
     }
 
     /// The level for the next batch on a link carrying `link_bytes_per_s` (`None`: send it
-    /// stored). A level never measured is tried once the level below it keeps up, so the
-    /// chooser climbs as far as the CPU allows and the gains justify, and no further.
+    /// stored). A level never measured is tried once the levels below it keep up, so the
+    /// chooser climbs as far as the CPU allows, and stays at the strongest level the gains
+    /// justify.
     pub fn choose(&mut self, link_bytes_per_s: f64) -> Option<i32> {
         // QEMU bytes per second the link carries once compressed.
         let need = link_bytes_per_s / self.ratio.unwrap_or(1.0).max(1e-3);
         let mut best = None;
+        // What the best level so far saves over the fastest.
+        let mut best_gain = 0.0_f64;
+        let mut retry = None;
         // Data that barely compresses gains nothing from stronger levels: stay at the fastest.
-        let levels = if self.ratio.is_some_and(|r| r >= 0.95) {
-            &self.levels[..1]
+        let n = if self.ratio.is_some_and(|r| r >= 0.95) {
+            1
         } else {
-            &self.levels[..]
+            self.levels.len()
         };
-        for (i, &level) in levels.iter().enumerate() {
+        for i in 0..n {
+            let level = self.levels[i];
             match self.speed[i] {
                 None => return Some(level),
                 Some(s) if s / self.margin < need => break,
-                Some(_) if self.gain[i].is_some_and(|g| g < MIN_LEVEL_GAIN) => {
-                    // Fast enough, but not worth its CPU over the level below as last
-                    // measured; now and then tried again in case the data changed.
-                    // Its gain stays as measured until the retry's probe updates it, so a
-                    // level above it is never tried on the strength of a batch too small to
-                    // measure.
-                    self.held_by_gain += 1;
-                    if self.held_by_gain >= RETRY_AFTER {
-                        self.held_by_gain = 0;
-                        self.since_probe[i] = PROBE_EVERY;
-                        return Some(level);
-                    }
-                    break;
-                }
-                Some(_) => best = Some(level),
+                Some(_) => {}
             }
+            let gain = self.gain[i].filter(|_| i > 0);
+            match gain {
+                Some(g) if 1.0 - (1.0 - g) / (1.0 - best_gain).max(1e-9) < MIN_LEVEL_GAIN => {
+                    // Fast enough, but not worth its CPU over the best level below as last
+                    // measured; now and then tried again in case the data changed. Its gain
+                    // stays as measured until the retry's probe updates it.
+                    self.held[i] += 1;
+                    if retry.is_none() && self.held[i] >= self.retry_after[i] {
+                        retry = Some(i);
+                    }
+                }
+                _ => {
+                    best = Some(level);
+                    best_gain = gain.unwrap_or(best_gain);
+                    self.retry_after[i] = RETRY_AFTER;
+                }
+            }
+        }
+        if let Some(i) = retry {
+            self.held[i] = 0;
+            self.retry_after[i] = (2 * self.retry_after[i]).min(RETRY_AFTER_MAX);
+            self.since_probe[i] = PROBE_EVERY;
+            return Some(self.levels[i]);
         }
         if best.is_none() && self.ratio.is_some_and(|r| r < 0.95) {
             // Nothing keeps up with room to spare: the fastest level at full speed still beats
@@ -400,7 +425,7 @@ impl AdaptiveCompressor {
             level.filter(|_| self.fixed.is_none() && records.len() >= MEASURE_BYTES)
         {
             self.levels.observe(level, records.len(), len, seconds);
-            self.probe_below(level, records, len);
+            self.measure_gain(level, records, len);
         }
         Compressed {
             level,
@@ -409,7 +434,7 @@ impl AdaptiveCompressor {
         }
     }
 
-    /// What `level` saved over the level below it, as last measured.
+    /// What `level` saved over the fastest level, as last measured.
     pub fn gain(&self, level: i32) -> Option<f64> {
         self.levels.gain(level)
     }
@@ -433,18 +458,18 @@ impl AdaptiveCompressor {
         })
     }
 
-    /// Compresses `records` again at the level below `level`, when the chooser asks.
-    fn probe_below(&mut self, level: i32, records: &[u8], len: usize) {
-        let Some(below) = self.levels.probe_below(level) else {
+    /// Compresses `records` again at the fastest level, when the chooser asks.
+    fn measure_gain(&mut self, level: i32, records: &[u8], len: usize) {
+        let Some(fastest) = self.levels.probe_level(level) else {
             return;
         };
         let started = std::time::Instant::now();
         self.probe.clear();
         self.compressor
-            .compress(records, Some(below), &mut self.probe);
+            .compress(records, Some(fastest), &mut self.probe);
         let seconds = started.elapsed().as_secs_f64();
         self.levels
-            .observe(below, records.len(), self.probe.len(), seconds);
+            .observe(fastest, records.len(), self.probe.len(), seconds);
         self.levels.observe_gain(level, len, self.probe.len());
     }
 }
@@ -585,54 +610,71 @@ mod tests {
     }
 
     #[test]
-    fn a_stronger_level_is_used_only_while_it_saves_enough_over_the_one_below() {
+    fn a_stronger_level_is_used_only_while_it_saves_enough_over_the_best_below() {
         let mut c = LevelChooser::default();
         let slow = 12.5e6;
         c.observe(1, 400_000_000, 200_000_000, 1.0);
         assert_eq!(c.choose(slow), Some(3), "fast enough: try the next");
         assert_eq!(
-            c.probe_below(3),
+            c.probe_level(3),
             Some(1),
-            "its first batch is coded at 1 too"
+            "its first batch is coded at the fastest level too"
         );
         c.observe(3, 300_000_000, 150_000_000, 1.0);
-        // Data at its entropy limit: level 3 sends 1% fewer bytes than level 1.
-        c.observe_gain(3, 990_000, 1_000_000);
-        assert!((c.gain(3).unwrap() - 0.01).abs() < 1e-9);
-        assert_eq!(c.choose(slow), Some(1), "not worth its CPU");
-        for _ in 0..RETRY_AFTER - 2 {
-            assert_eq!(c.choose(slow), Some(1));
+        // Level 3 sends 2% more bytes than level 1 (mostly-zero pages do this).
+        c.observe_gain(3, 1_020_000, 1_000_000);
+        assert!((c.gain(3).unwrap() + 0.02).abs() < 1e-9);
+        assert_eq!(
+            c.choose(slow),
+            Some(6),
+            "a level not worth it does not stop the climb"
+        );
+        assert_eq!(c.probe_level(6), Some(1), "compared with the fastest");
+        c.observe(6, 100_000_000, 50_000_000, 1.0);
+        c.observe_gain(6, 700_000, 1_000_000);
+        assert_eq!(c.choose(slow), Some(9), "6 saves 30%: try the next");
+        // Level 9 saves 31% over level 1: barely 1.4% over level 6.
+        c.observe(9, 100_000_000, 50_000_000, 1.0);
+        c.observe_gain(9, 690_000, 1_000_000);
+        // Two choices were made with level 3 held (the tries of 6 and 9).
+        for _ in 0..RETRY_AFTER - 3 {
+            assert_eq!(c.choose(slow), Some(6));
         }
         assert_eq!(
             c.choose(slow),
             Some(3),
             "tried again in case the data changed"
         );
+        assert_eq!(c.probe_level(3), Some(1), "a retry is measured");
+        // A retry that finds it still not worth it doubles the wait before the next one.
+        c.observe_gain(3, 1_020_000, 1_000_000);
+        assert_eq!(c.choose(slow), Some(6));
         assert_eq!(
             c.choose(slow),
-            Some(1),
-            "a retry not measured changes nothing"
+            Some(9),
+            "level 9, held from one batch later, is retried one batch later"
         );
-        for _ in 0..RETRY_AFTER - 2 {
-            assert_eq!(c.choose(slow), Some(1));
-        }
-        assert_eq!(c.choose(slow), Some(3));
-        assert_eq!(c.probe_below(3), Some(1), "a retry is measured");
-        // Now the pages compress better at 3: 19% fewer bytes, 10% on average.
-        c.observe_gain(3, 810_000, 1_000_000);
-        assert!((c.gain(3).unwrap() - 0.1).abs() < 1e-9);
-        assert_eq!(
-            c.choose(slow),
-            Some(6),
-            "worth it: climb to the next untried level"
-        );
+        // Level 3 was held in the last two choices already.
+        let next = (0..2 * RETRY_AFTER)
+            .map(|_| c.choose(slow).unwrap())
+            .position(|l| l == 3)
+            .expect("retried again");
+        assert_eq!(next, 2 * RETRY_AFTER as usize - 3, "after twice the wait");
+        // The data changed: level 3 saves 10% over level 1, level 6 still 30%.
+        c.observe_gain(3, 800_000, 1_000_000);
+        assert!((c.gain(3).unwrap() - 0.09).abs() < 1e-9);
+        assert_eq!(c.choose(slow), Some(6), "6 still saves enough over 3");
         // A level's gain is measured again every PROBE_EVERY batches, not on every one.
         let probes = (0..3 * PROBE_EVERY)
-            .filter(|_| c.probe_below(3).is_some())
+            .filter(|_| c.probe_level(6).is_some())
             .count();
         assert_eq!(probes, 3);
-        assert_eq!(c.probe_below(1), None, "nothing below the fastest");
-        assert_eq!(c.probe_below(4), None, "not a level of this chooser");
+        assert_eq!(
+            c.probe_level(1),
+            None,
+            "nothing to compare the fastest with"
+        );
+        assert_eq!(c.probe_level(4), None, "not a level of this chooser");
     }
 
     /// Random nibbles in printable bytes: 4 bits of entropy per byte, no repetition, so every
@@ -665,12 +707,16 @@ mod tests {
         }
         let gain = zstd.gain(3).expect("level 3 was tried and compared");
         assert!(gain < MIN_LEVEL_GAIN, "level 3 gained {gain}");
-        assert_eq!(levels[0], 1);
-        assert_eq!(levels[1], 3, "fast enough for the link: tried");
-        // Level 3 again once every RETRY_AFTER batches; never a level above it.
-        assert!(levels[2..].iter().all(|&l| l <= 3), "{levels:?}");
-        let retries = levels[2..].iter().filter(|&&l| l == 3).count();
-        assert_eq!(retries, 38 / RETRY_AFTER as usize, "{levels:?}");
+        assert_eq!(levels[..2], [1, 3], "fast enough for the link: tried");
+        // Each level above is tried once (level 9 only if it is fast enough in this build),
+        // then retried once after RETRY_AFTER batches; the rest go at level 1.
+        let tried = levels[2..].iter().take_while(|&&l| l != 1).count();
+        let retries = levels[2 + tried..].iter().filter(|&&l| l != 1).count();
+        assert!(tried <= 2 && retries <= 3, "{levels:?}");
+        assert!(
+            levels[levels.len() - 10..].iter().all(|&l| l == 1),
+            "{levels:?}"
+        );
         // Off: everything stored, no level.
         let mut out = Vec::new();
         let c = AdaptiveCompressor::off().compress(&entropy_limited(1 << 16, 9), &mut out);
@@ -688,7 +734,8 @@ mod tests {
             seen.push((c.level.unwrap(), len));
         }
         assert!(zstd.gain(3).is_some_and(|g| g < MIN_LEVEL_GAIN), "{seen:?}");
-        assert!(seen.iter().all(|&(l, _)| l <= 3), "{seen:?}");
+        let at_1 = seen.iter().filter(|&&(l, _)| l == 1).count();
+        assert!(at_1 >= 180, "{seen:?}");
     }
 
     #[test]
