@@ -229,34 +229,51 @@ static void report_blk_debugfs(const char *dir, int depth)
     closedir(d);
 }
 
-/* Has the kernel handle sysrq `key` and copies what it logged to the console as "D kmsg:". */
-static void report_sysrq(char key)
+/* The kernel stack of every task in uninterruptible sleep (state D), as "D <tid> <comm>: ...":
+ * what the stuck write waits for (the block layer, the journal, a flush), kernel threads
+ * included. Read from /proc rather than asked of sysrq, whose header goes to the console
+ * directly, past the lines the serial protocol keeps whole. */
+static void report_blocked_tasks(void)
 {
-    int k = open("/dev/kmsg", O_RDONLY | O_NONBLOCK);
-    if (k >= 0)
-        lseek(k, 0, SEEK_END);
-    int t = open("/proc/sysrq-trigger", O_WRONLY);
-    if (t < 0 || write(t, &key, 1) != 1)
-        tty_line("D sysrq %c: %s", key, strerror(errno));
-    if (t >= 0)
-        close(t);
-    if (k < 0)
+    DIR *procs = opendir("/proc");
+    if (!procs) {
+        tty_line("D /proc: %s", strerror(errno));
         return;
-    char rec[1024];
-    for (int lines = 0; lines < 2000;) {
-        ssize_t n = read(k, rec, sizeof rec - 1);
-        if (n < 0 && errno == EPIPE)
-            continue; /* records overwritten before we read them */
-        if (n <= 0)
-            break;
-        rec[n] = 0;
-        char *msg = strchr(rec, ';');
-        msg = msg ? msg + 1 : rec;
-        msg[strcspn(msg, "\n")] = 0;
-        tty_line("D kmsg: %s", msg);
-        lines++;
     }
-    close(k);
+    struct dirent *p;
+    while ((p = readdir(procs))) {
+        if (p->d_name[0] < '1' || p->d_name[0] > '9')
+            continue;
+        char dir[64];
+        snprintf(dir, sizeof dir, "/proc/%.16s/task", p->d_name);
+        DIR *tasks = opendir(dir);
+        if (!tasks)
+            continue;
+        struct dirent *t;
+        while ((t = readdir(tasks))) {
+            if (t->d_name[0] == '.')
+                continue;
+            char path[128], stat[512];
+            snprintf(path, sizeof path, "%s/%.16s/stat", dir, t->d_name);
+            FILE *f = fopen(path, "r");
+            if (!f)
+                continue;
+            size_t n = fread(stat, 1, sizeof stat - 1, f);
+            fclose(f);
+            stat[n] = 0;
+            /* "tid (comm) S ...": the state follows the last ')' */
+            char *close = strrchr(stat, ')');
+            char *open = strchr(stat, '(');
+            if (!close || !open || close[1] != ' ' || close[2] != 'D')
+                continue;
+            *close = 0;
+            tty_line("D blocked task %s (%s)", t->d_name, open + 1);
+            snprintf(path, sizeof path, "%s/%.16s/stack", dir, t->d_name);
+            report_file(path, 32);
+        }
+        closedir(tasks);
+    }
+    closedir(procs);
 }
 
 /* A write that never completes hangs the guest's disk verifier and tells nothing; this says
@@ -293,7 +310,7 @@ static void report_stall(double waited_s)
         snprintf(path, sizeof path, "/proc/self/task/%d/stack", (int)tids[i]);
         report_file(path, 64);
     }
-    report_sysrq('w');
+    report_blocked_tasks();
     tty_line("D stall: end of report");
 }
 
