@@ -86,11 +86,18 @@ impl GuestReply {
 }
 
 type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<GuestReply, String>>>>>;
+/// The guest's diagnostic lines (`D ...`: a stalled disk write's report, docs/guest.md), kept
+/// for the error of a command it never answers: the VM's console log goes with the VM.
+type Diagnostics = Arc<Mutex<Vec<String>>>;
+
+/// At most this many diagnostic lines are kept (a report is a few hundred).
+const MAX_DIAGNOSTICS: usize = 1000;
 
 /// One connection to a guest's serial console.
 pub struct GuestLink {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     waiters: Waiters,
+    diagnostics: Diagnostics,
     next_id: AtomicU64,
     heartbeats: Arc<Heartbeats>,
 }
@@ -103,9 +110,11 @@ impl GuestLink {
             .with_context(|| format!("connect to guest serial {}", serial.display()))?;
         let (read, write) = stream.into_split();
         let waiters: Waiters = Arc::default();
+        let diagnostics: Diagnostics = Arc::default();
         tokio::spawn(read_loop(
             BufReader::new(read),
             waiters.clone(),
+            diagnostics.clone(),
             heartbeats.clone(),
         ));
         // Ids start from the clock so replies meant for an earlier connection never match.
@@ -115,6 +124,7 @@ impl GuestLink {
         Ok(GuestLink {
             writer: tokio::sync::Mutex::new(write),
             waiters,
+            diagnostics,
             next_id: AtomicU64::new(base),
             heartbeats,
         })
@@ -145,10 +155,23 @@ impl GuestLink {
             .expect("guest waiters poisoned")
             .remove(&id);
         match reply {
-            Err(_) => bail!(
-                "guest did not answer {command:?} within {:.0}s",
-                timeout.as_secs_f64()
-            ),
+            Err(_) => {
+                let report = self
+                    .diagnostics
+                    .lock()
+                    .expect("guest diagnostics poisoned")
+                    .join("\n");
+                if report.is_empty() {
+                    bail!(
+                        "guest did not answer {command:?} within {:.0}s",
+                        timeout.as_secs_f64()
+                    )
+                }
+                bail!(
+                    "guest did not answer {command:?} within {:.0}s; what it reported meanwhile:\n{report}",
+                    timeout.as_secs_f64()
+                )
+            }
             Ok(Err(_)) => {
                 bail!("guest serial closed while waiting for {command:?} (did the VM stop?)")
             }
@@ -174,6 +197,7 @@ impl GuestLink {
 async fn read_loop(
     mut reader: BufReader<tokio::net::unix::OwnedReadHalf>,
     waiters: Waiters,
+    diagnostics: Diagnostics,
     heartbeats: Arc<Heartbeats>,
 ) {
     let mut buf = Vec::new();
@@ -188,6 +212,13 @@ async fn read_loop(
         // Kernel messages share the console; anything not ours is ignored.
         if line.starts_with("H ") {
             heartbeats.beat(Instant::now());
+            continue;
+        }
+        if line.starts_with("D ") {
+            let mut kept = diagnostics.lock().expect("guest diagnostics poisoned");
+            if kept.len() < MAX_DIAGNOSTICS {
+                kept.push(line.to_owned());
+            }
             continue;
         }
         let Some(rest) = line.strip_prefix("R ") else {
@@ -329,6 +360,47 @@ mod tests {
             "guest refused \"frob\": unknown command \"frob\" (known: ping mem disk)"
         );
         assert_eq!(hb.count(), 3);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// A guest whose disk write stalled: its report comes with the command it never answers.
+    #[tokio::test]
+    async fn a_command_never_answered_carries_the_guests_stall_report() {
+        let path = std::env::temp_dir().join(format!(
+            "ferry-guest-stall-test-{}.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let (reported_tx, reported_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (r, mut w) = s.into_split();
+            w.write_all(
+                b"D stall: a disk write has waited 20 s; the kernel's view follows\n\
+                  H 0 10\nD blocked task 98 (jbd2/vda-8)\n",
+            )
+            .await
+            .unwrap();
+            let _ = reported_tx.send(());
+            // Reads the command and never answers it.
+            let mut lines = BufReader::new(r).lines();
+            while lines.next_line().await.unwrap().is_some() {}
+        });
+        let hb = Arc::new(Heartbeats::default());
+        let link = GuestLink::connect(&path, hb.clone()).await.unwrap();
+        reported_rx.await.unwrap();
+        let err = link
+            .call("disk verify", Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "guest did not answer \"disk verify\" within 0s; what it reported meanwhile:\n\
+             D stall: a disk write has waited 20 s; the kernel's view follows\n\
+             D blocked task 98 (jbd2/vda-8)"
+        );
+        assert_eq!(hb.count(), 1, "heartbeats are not diagnostics");
         let _ = std::fs::remove_file(&path);
     }
 }
