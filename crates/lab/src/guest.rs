@@ -161,16 +161,14 @@ impl GuestLink {
                     .lock()
                     .expect("guest diagnostics poisoned")
                     .join("\n");
-                if report.is_empty() {
-                    bail!(
-                        "guest did not answer {command:?} within {:.0}s",
-                        timeout.as_secs_f64()
-                    )
-                }
-                bail!(
-                    "guest did not answer {command:?} within {:.0}s; what it reported meanwhile:\n{report}",
+                let silent = format!(
+                    "guest did not answer {command:?} within {:.0}s",
                     timeout.as_secs_f64()
-                )
+                );
+                if report.is_empty() {
+                    bail!(silent)
+                }
+                bail!("{silent}; what it reported meanwhile:\n{report}")
             }
             Ok(Err(_)) => {
                 bail!("guest serial closed while waiting for {command:?} (did the VM stop?)")
