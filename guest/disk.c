@@ -28,8 +28,12 @@
 /* Write latency histogram: 10 us buckets up to 1 s; slower writes land in the last one. */
 #define LAT_BUCKETS 100001u
 #define LAT_BUCKET_US 10u
-/* A write outstanding this long is reported once, with the kernel's view of the disk. */
+/* A disk operation outstanding this long is reported once, with the kernel's view of the disk. */
 #define STALL_S 20
+
+/* The operations the stall watcher watches, one per thread that does them. */
+enum { OP_WRITE, OP_READ, OP_VERIFY, OPS };
+static const char *const op_name[OPS] = { "write", "hot-set read", "verifier's read" };
 
 static struct {
     pthread_mutex_t lock;
@@ -54,12 +58,23 @@ static struct {
     uint64_t hot_blocks;
     uint64_t reads;
     double reads_since;
-    /* for the stall report: when the writer's write in progress started (µs of now_s(), 0:
-     * none; atomic: the watcher reads it while the writer holds `lock`), and the threads' ids */
-    uint64_t write_started_us;
+    /* for the stall report: when each operation in progress started (µs of now_s(), 0: none;
+     * atomic: the watcher reads them while the writer or the verifier holds `lock`), and the
+     * threads' ids */
+    uint64_t op_started_us[OPS];
     pid_t writer_tid;
     pid_t reader_tid;
+    pid_t verifier_tid;
 } disk = { .lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1 };
+
+/* pread or pwrite of one block, its start visible to the stall watcher as operation `op`. */
+static ssize_t watched_io(int op, int fd, void *buf, off_t at)
+{
+    __atomic_store_n(&disk.op_started_us[op], (uint64_t)(now_s() * 1e6), __ATOMIC_RELAXED);
+    ssize_t n = op == OP_WRITE ? pwrite(fd, buf, BLOCK_BYTES, at) : pread(fd, buf, BLOCK_BYTES, at);
+    __atomic_store_n(&disk.op_started_us[op], 0, __ATOMIC_RELAXED);
+    return n;
+}
 
 static void *reader(void *arg)
 {
@@ -78,7 +93,7 @@ static void *reader(void *arg)
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        ssize_t n = pread(fd, buf, BLOCK_BYTES, (off_t)((rng % hot) * BLOCK_BYTES));
+        ssize_t n = watched_io(OP_READ, fd, buf, (off_t)((rng % hot) * BLOCK_BYTES));
         if (n == (ssize_t)BLOCK_BYTES)
             __atomic_fetch_add(&disk.reads, 1, __ATOMIC_RELAXED);
         else
@@ -166,9 +181,7 @@ static void *writer(void *arg)
         uint32_t v = disk.version[idx] + 1;
         block_content(buf, idx, v);
         double t0 = now_s();
-        __atomic_store_n(&disk.write_started_us, (uint64_t)(t0 * 1e6), __ATOMIC_RELAXED);
-        ssize_t n = pwrite(disk.fd, buf, BLOCK_BYTES, (off_t)(idx * BLOCK_BYTES));
-        __atomic_store_n(&disk.write_started_us, 0, __ATOMIC_RELAXED);
+        ssize_t n = watched_io(OP_WRITE, disk.fd, buf, (off_t)(idx * BLOCK_BYTES));
         double t1 = now_s();
         if (n == (ssize_t)BLOCK_BYTES) {
             /* only an acknowledged write moves the expected version */
@@ -276,12 +289,12 @@ static void report_blocked_tasks(void)
     closedir(procs);
 }
 
-/* A write that never completes hangs the guest's disk verifier and tells nothing; this says
- * where the kernel holds it: the disk's requests in flight, blk-mq's queues, the two threads'
- * kernel stacks and every blocked task. */
-static void report_stall(double waited_s)
+/* A disk operation that never completes hangs the guest's disk verifier and tells nothing;
+ * this says where the kernel holds it: the disk's requests in flight, blk-mq's queues, the
+ * workload's threads' kernel stacks and every blocked task. */
+static void report_stall(const char *op, double waited_s)
 {
-    tty_line("D stall: a disk write has waited %.0f s; the kernel's view follows", waited_s);
+    tty_line("D stall: a disk %s has waited %.0f s; the kernel's view follows", op, waited_s);
     struct stat st;
     char base[128] = "", path[512];
     if (fstat(disk.fd, &st) == 0) {
@@ -302,9 +315,10 @@ static void report_stall(double waited_s)
         snprintf(path, sizeof path, "/sys/kernel/debug/block/%s", name);
         report_blk_debugfs(path, 0);
     }
-    pid_t tids[2] = { __atomic_load_n(&disk.writer_tid, __ATOMIC_RELAXED),
-                      __atomic_load_n(&disk.reader_tid, __ATOMIC_RELAXED) };
-    for (int i = 0; i < 2; i++) {
+    pid_t tids[3] = { __atomic_load_n(&disk.writer_tid, __ATOMIC_RELAXED),
+                      __atomic_load_n(&disk.reader_tid, __ATOMIC_RELAXED),
+                      __atomic_load_n(&disk.verifier_tid, __ATOMIC_RELAXED) };
+    for (int i = 0; i < 3; i++) {
         if (tids[i] <= 0)
             continue;
         snprintf(path, sizeof path, "/proc/self/task/%d/stack", (int)tids[i]);
@@ -317,16 +331,18 @@ static void report_stall(double waited_s)
 static void *stall_watch(void *arg)
 {
     (void)arg;
-    uint64_t reported = 0;
+    uint64_t reported[OPS] = { 0 };
     for (;;) {
         sleep_ms(1000);
-        uint64_t started = __atomic_load_n(&disk.write_started_us, __ATOMIC_RELAXED);
-        if (started == 0 || started == reported)
-            continue;
-        double waited = now_s() - (double)started / 1e6;
-        if (waited >= STALL_S) {
-            reported = started;
-            report_stall(waited);
+        for (int op = 0; op < OPS; op++) {
+            uint64_t started = __atomic_load_n(&disk.op_started_us[op], __ATOMIC_RELAXED);
+            if (started == 0 || started == reported[op])
+                continue;
+            double waited = now_s() - (double)started / 1e6;
+            if (waited >= STALL_S) {
+                reported[op] = started;
+                report_stall(op_name[op], waited);
+            }
         }
     }
     return NULL;
@@ -423,8 +439,9 @@ int disk_verify(struct verify_result *r, char *err, size_t errlen)
         return -1;
     }
     int rc = 0;
+    __atomic_store_n(&disk.verifier_tid, (pid_t)syscall(SYS_gettid), __ATOMIC_RELAXED);
     for (uint64_t i = 0; i < disk.blocks; i++) {
-        if (pread(disk.fd, buf, BLOCK_BYTES, (off_t)(i * BLOCK_BYTES)) != (ssize_t)BLOCK_BYTES) {
+        if (watched_io(OP_VERIFY, disk.fd, buf, (off_t)(i * BLOCK_BYTES)) != (ssize_t)BLOCK_BYTES) {
             snprintf(err, errlen, "read block %llu: %s", (unsigned long long)i, strerror(errno));
             rc = -1;
             break;
