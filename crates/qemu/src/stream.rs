@@ -321,7 +321,9 @@ impl<'a> Cursor<'a> {
 /// What one parse step found, before it is taken out of the buffer.
 enum Step {
     Opaque,
-    Ram(RamRecord),
+    /// A RAM record; where its payload (a page, an XBZRLE delta) lies in the item's bytes,
+    /// which the record then shares rather than copies.
+    Ram(RamRecord, Option<std::ops::Range<usize>>),
 }
 
 type StepResult = Result<Option<Step>, StreamError>;
@@ -432,6 +434,16 @@ impl StreamParser {
 
     /// The next whole item in `buf`, taken out of it; `None` when more bytes are needed.
     pub fn next_item(&mut self, buf: &mut BytesMut) -> Result<Option<Item>, StreamError> {
+        Ok(self.next_item_with_bytes(buf)?.map(|(item, _)| item))
+    }
+
+    /// The next whole item in `buf` and its bytes as QEMU wrote them, taken out of it; `None`
+    /// when more bytes are needed. A page's or delta's bytes are a view of the item's, not a
+    /// copy: a carrier that passes the item on as it came copies nothing.
+    pub fn next_item_with_bytes(
+        &mut self,
+        buf: &mut BytesMut,
+    ) -> Result<Option<(Item, Bytes)>, StreamError> {
         self.ended_package = false;
         if buf.is_empty() {
             return Ok(None);
@@ -452,14 +464,16 @@ impl StreamParser {
             } else {
                 self.state = State::Package { remaining };
             }
-            return Ok(Some(Item::Opaque(piece.freeze())));
+            let piece = piece.freeze();
+            return Ok(Some((Item::Opaque(piece.clone()), piece)));
         }
         if self.state == State::Tail {
             // In pieces of at most an item's size, so that what a piece becomes downstream
             // (a codec batch, a frame) stays bounded whatever the caller read at once.
             let piece = buf.split_to(buf.len().min(MAX_ITEM_BYTES));
             self.position += piece.len() as u64;
-            return Ok(Some(Item::Opaque(piece.freeze())));
+            let piece = piece.freeze();
+            return Ok(Some((Item::Opaque(piece.clone()), piece)));
         }
         let mut cur = Cursor { buf, at: 0 };
         let step = match self.state {
@@ -483,10 +497,18 @@ impl StreamParser {
         let used = cur.at;
         self.position += used as u64;
         let bytes = buf.split_to(used).freeze();
-        Ok(Some(match step {
-            Step::Opaque => Item::Opaque(bytes),
-            Step::Ram(record) => Item::Ram(record),
-        }))
+        let item = match step {
+            Step::Opaque => Item::Opaque(bytes.clone()),
+            Step::Ram(mut record, payload) => {
+                if let (RamData::Page(data) | RamData::Xbzrle(data), Some(at)) =
+                    (&mut record.data, payload)
+                {
+                    *data = bytes.slice(at);
+                }
+                Item::Ram(record)
+            }
+        };
+        Ok(Some((item, bytes)))
     }
 
     /// Checks that the stream may end here, with `leftover` bytes unparsed.
@@ -782,6 +804,8 @@ impl StreamParser {
                 });
             }
         }
+        // The payload is cut out of the item's bytes once the item is whole.
+        let mut payload = None;
         let data = match flags & (flag::ZERO | flag::PAGE | flag::XBZRLE) {
             0 => RamData::None,
             flag::ZERO => {
@@ -791,10 +815,12 @@ impl StreamParser {
                 RamData::Fill(fill)
             }
             flag::PAGE => {
-                let Some(page) = cur.bytes(PAGE_SIZE) else {
+                let at = cur.at;
+                if cur.bytes(PAGE_SIZE).is_none() {
                     return Ok(None);
-                };
-                RamData::Page(Bytes::copy_from_slice(page))
+                }
+                payload = Some(at..cur.at);
+                RamData::Page(Bytes::new())
             }
             flag::XBZRLE => {
                 let (Some(tag), Some(len)) = (cur.u8(), cur.be16()) else {
@@ -803,10 +829,12 @@ impl StreamParser {
                 if tag != 1 {
                     return Err(StreamError::BadXbzrleTag(tag));
                 }
-                let Some(delta) = cur.bytes(usize::from(len)) else {
+                let at = cur.at;
+                if cur.bytes(usize::from(len)).is_none() {
                     return Ok(None);
-                };
-                RamData::Xbzrle(Bytes::copy_from_slice(delta))
+                }
+                payload = Some(at..cur.at);
+                RamData::Xbzrle(Bytes::new())
             }
             _ => return Err(StreamError::UnsupportedRamFlags { flags, at }),
         };
@@ -818,12 +846,15 @@ impl StreamParser {
             self.state = State::Footer { id };
         }
         self.multifd |= flags & flag::MULTIFD_FLUSH != 0;
-        Ok(Some(Step::Ram(RamRecord {
-            offset,
-            flags,
-            block: block.map(|(name, _)| name),
-            data,
-        })))
+        Ok(Some(Step::Ram(
+            RamRecord {
+                offset,
+                flags,
+                block: block.map(|(name, _)| name),
+                data,
+            },
+            payload,
+        )))
     }
 
     fn footer(&mut self, cur: &mut Cursor, id: u32) -> StepResult {

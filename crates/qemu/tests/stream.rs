@@ -20,7 +20,7 @@ fn stream(name: &str) -> Vec<u8> {
 }
 
 /// Feeds `data` in chunks of the given sizes (cycled) and returns the items and the
-/// re-encoded bytes.
+/// re-encoded bytes, each item's checked against its bytes as they came.
 fn parse_chunked(data: &[u8], chunks: &[usize]) -> Result<(Vec<Item>, Vec<u8>), StreamError> {
     parse_chunked_with(StreamParser::new(), data, chunks)
 }
@@ -40,8 +40,12 @@ fn parse_chunked_with(
         i += 1;
         buf.extend_from_slice(&data[at..at + n]);
         at += n;
-        while let Some(item) = parser.next_item(&mut buf)? {
+        while let Some((item, as_written)) = parser.next_item_with_bytes(&mut buf)? {
+            let start = out.len();
             item.encode(&mut out);
+            // The item's bytes as QEMU wrote them are what it encodes to, its page or delta
+            // a view of them.
+            assert_eq!(&out[start..], &as_written[..]);
             items.push(item);
         }
     }

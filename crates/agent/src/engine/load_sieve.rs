@@ -112,9 +112,9 @@ impl LoadSieve {
         let mut out = BytesMut::with_capacity(self.pending.len() + 64);
         let mut weight = 0;
         while self.held.is_none() {
-            let Some(item) = self
+            let Some((item, as_written)) = self
                 .parser
-                .next_item(&mut self.pending)
+                .next_item_with_bytes(&mut self.pending)
                 .context("the decoded stream")?
             else {
                 break;
@@ -122,26 +122,27 @@ impl LoadSieve {
             if !self.postcopy && self.parser.postcopy() != Postcopy::Off {
                 bail!("the stream switches to postcopy, which this migration did not ask for");
             }
-            let item = match item {
+            let is_page = item.is_page();
+            // What QEMU gets: mostly the item's bytes as they came, not a copy.
+            let bytes = match item {
                 Item::Ram(record) => match self.sieve(record) {
-                    Some(record) => Item::Ram(record),
+                    Some(Sieve::AsWritten) => as_written,
+                    Some(Sieve::Renamed(record)) => {
+                        let mut bytes = BytesMut::with_capacity(record.encoded_len());
+                        record.encode(&mut bytes);
+                        bytes.freeze()
+                    }
                     None => continue,
                 },
-                opaque => opaque,
+                Item::Opaque(_) => as_written,
             };
             if self.parser.ended_package() {
-                let mut piece = BytesMut::with_capacity(item.encoded_len());
-                item.encode(&mut piece);
-                self.held = Some(piece.freeze());
+                self.held = Some(bytes);
                 self.package_end = Some(self.parser.position());
                 break;
             }
-            weight += if item.is_page() {
-                PAGE_SIZE
-            } else {
-                item.encoded_len()
-            };
-            item.encode(&mut out);
+            weight += if is_page { PAGE_SIZE } else { bytes.len() };
+            out.extend_from_slice(&bytes);
         }
         Ok(Sieved {
             bytes: out.freeze(),
@@ -150,13 +151,13 @@ impl LoadSieve {
     }
 
     /// The record QEMU gets in place of `record`, if any.
-    fn sieve(&mut self, mut record: RamRecord) -> Option<RamRecord> {
+    fn sieve(&mut self, mut record: RamRecord) -> Option<Sieve> {
         if record.block.is_some() {
             self.stream_block.clone_from(&record.block);
         }
         let is_page = !matches!(record.data, RamData::None);
         if !is_page {
-            return Some(record);
+            return Some(Sieve::AsWritten);
         }
         let page = record.offset / PAGE_SIZE as u64;
         let known = self
@@ -167,7 +168,8 @@ impl LoadSieve {
             self.skipped += 1;
             return None;
         }
-        if record.block.is_none() && self.qemu_block != self.stream_block {
+        let renamed = record.block.is_none() && self.qemu_block != self.stream_block;
+        if renamed {
             // QEMU's current block is not this record's: name it.
             record.block.clone_from(&self.stream_block);
             record.flags &= !flag::CONTINUE;
@@ -175,8 +177,20 @@ impl LoadSieve {
         if record.block.is_some() {
             self.qemu_block.clone_from(&record.block);
         }
-        Some(record)
+        Some(if renamed {
+            Sieve::Renamed(record)
+        } else {
+            Sieve::AsWritten
+        })
     }
+}
+
+/// What the sieve does with a RAM record it does not leave out.
+enum Sieve {
+    /// QEMU gets it as the stream has it.
+    AsWritten,
+    /// QEMU gets it with its block named (the record that named it was left out).
+    Renamed(RamRecord),
 }
 
 #[cfg(test)]
@@ -328,6 +342,14 @@ mod tests {
         }
     }
 
+    /// The record QEMU gets in place of `record`, if any.
+    fn given(sieve: &mut LoadSieve, record: RamRecord) -> Option<RamRecord> {
+        match sieve.sieve(record.clone())? {
+            Sieve::AsWritten => Some(record),
+            Sieve::Renamed(renamed) => Some(renamed),
+        }
+    }
+
     fn record(flags: u64, offset: u64, block: Option<&str>, data: RamData) -> RamRecord {
         RamRecord {
             offset,
@@ -351,55 +373,45 @@ mod tests {
         let z = flag::ZERO;
         let c = flag::CONTINUE;
         // Named zero page 0: left out; the page after it gets the name.
-        assert!(sieve
-            .sieve(record(z, 0, Some("ram0"), RamData::Fill(0)))
-            .is_none());
-        let r = sieve
-            .sieve(record(
-                flag::PAGE | c,
-                4096,
-                None,
-                RamData::Page(page.clone()),
-            ))
-            .unwrap();
+        assert!(given(&mut sieve, record(z, 0, Some("ram0"), RamData::Fill(0))).is_none());
+        let r = given(
+            &mut sieve,
+            record(flag::PAGE | c, 4096, None, RamData::Page(page.clone())),
+        )
+        .unwrap();
         assert_eq!(
             (r.block.as_deref(), r.flags),
             (Some(&b"ram0"[..]), flag::PAGE)
         );
         // Page 1 now holds data: its zero record goes through, with CONTINUE kept (QEMU's
         // current block is ram0); a second one is left out.
-        let r = sieve
-            .sieve(record(z | c, 4096, None, RamData::Fill(0)))
-            .unwrap();
+        let r = given(&mut sieve, record(z | c, 4096, None, RamData::Fill(0))).unwrap();
         assert_eq!((r.block, r.flags), (None, z | c));
-        assert!(sieve
-            .sieve(record(z | c, 4096, None, RamData::Fill(0)))
-            .is_none());
+        assert!(given(&mut sieve, record(z | c, 4096, None, RamData::Fill(0))).is_none());
         // Another block in between: the next ram0 record left out names nothing; the one given
         // to QEMU after it names ram0 again.
-        let r = sieve
-            .sieve(record(
-                flag::PAGE,
-                0,
-                Some("vga.vram"),
-                RamData::Page(page.clone()),
-            ))
-            .unwrap();
+        let r = given(
+            &mut sieve,
+            record(flag::PAGE, 0, Some("vga.vram"), RamData::Page(page.clone())),
+        )
+        .unwrap();
         assert_eq!(r.block.as_deref(), Some(&b"vga.vram"[..]));
-        assert!(sieve
-            .sieve(record(z, 2 * 4096, Some("ram0"), RamData::Fill(0)))
-            .is_none());
-        let r = sieve
-            .sieve(record(flag::PAGE | c, 3 * 4096, None, RamData::Page(page)))
-            .unwrap();
+        assert!(given(
+            &mut sieve,
+            record(z, 2 * 4096, Some("ram0"), RamData::Fill(0))
+        )
+        .is_none());
+        let r = given(
+            &mut sieve,
+            record(flag::PAGE | c, 3 * 4096, None, RamData::Page(page)),
+        )
+        .unwrap();
         assert_eq!(
             (r.block.as_deref(), r.flags),
             (Some(&b"ram0"[..]), flag::PAGE)
         );
         // Markers pass untouched.
-        let eos = sieve
-            .sieve(record(flag::EOS, 0, None, RamData::None))
-            .unwrap();
+        let eos = given(&mut sieve, record(flag::EOS, 0, None, RamData::None)).unwrap();
         assert_eq!(eos.flags, flag::EOS);
         assert_eq!(sieve.skipped(), 3);
     }

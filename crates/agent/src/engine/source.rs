@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use ferry_api::agent::{Destination, MigrationRequest, MigrationState, Phase};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
@@ -971,8 +971,6 @@ async fn stream(
     let pump = async {
         let mut parser = StreamParser::new();
         let mut input = BytesMut::with_capacity(CHUNK * 2);
-        // QEMU's bytes of one item: what both ends hash.
-        let mut item_bytes = BytesMut::with_capacity(CHUNK);
         // What goes on the stream channel: QEMU's bytes, or the codec's batches.
         let mut out = BytesMut::with_capacity(CHUNK * 2);
         let mut hash = StreamDigest::new();
@@ -1012,11 +1010,11 @@ async fn stream(
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (false, true),
                 Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
             };
-            while let Some(item) = parser.next_item(&mut input)? {
-                item_bytes.clear();
-                item.encode(&mut item_bytes);
+            // `item_bytes`: the item as QEMU wrote it, what both ends hash.
+            while let Some((item, item_bytes)) = parser.next_item_with_bytes(&mut input)? {
                 hash.update(&item_bytes);
-                corrupt_for_test(&mut item_bytes, total, req.settings.test_corrupt_at);
+                let (item_bytes, _) =
+                    corrupt_for_test(item_bytes, total, req.settings.test_corrupt_at);
                 total += item_bytes.len() as u64;
                 // Whether everything read so far is now in `out` (the encoder flushed).
                 let flushed = match &mut encoder {
@@ -1337,15 +1335,17 @@ async fn send_stream(
     Ok(sent)
 }
 
-/// The test hook: flips a bit of QEMU's bytes at stream offset `at` if it falls in this item
-/// (which starts at `start`), after the source hashed it. Returns whether it flipped one.
-pub(crate) fn corrupt_for_test(item: &mut BytesMut, start: u64, at: Option<u64>) -> bool {
+/// The test hook: QEMU's bytes of this item (which starts at stream offset `start`) with
+/// the bit at offset `at` flipped, if it falls in the item, after the source hashed it; and
+/// whether it flipped one.
+pub(crate) fn corrupt_for_test(item: Bytes, start: u64, at: Option<u64>) -> (Bytes, bool) {
     let Some(at) = at.filter(|&at| at >= start && at < start + item.len() as u64) else {
-        return false;
+        return (item, false);
     };
-    item[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
+    let mut altered = BytesMut::from(&item[..]);
+    altered[usize::try_from(at - start).expect("inside the item")] ^= 0x01;
     tracing::warn!("test hook: flipped a bit of the stream at byte {at}");
-    true
+    (altered.freeze(), true)
 }
 
 async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Result<()> {

@@ -256,23 +256,21 @@ enum Parser<'a> {
 
 impl Parser<'_> {
     /// Parses every whole item at the front of `input`, giving each one's bytes (as QEMU
-    /// wrote them, in `item_bytes`) to `hash_and_count` and then to the encoder, whose full
-    /// batches go to `out`. `hash_and_count` says whether the test hook altered the bytes.
+    /// wrote them) to `hash_and_count` and then to the encoder, whose full batches go to
+    /// `out`. `hash_and_count` gives the bytes back, and whether the test hook altered them.
     fn drain(
         &mut self,
         input: &mut BytesMut,
         item_bytes: &mut BytesMut,
         encoder: &mut StreamEncoder,
         out: &mut BytesMut,
-        mut hash_and_count: impl FnMut(&mut BytesMut) -> bool,
+        mut hash_and_count: impl FnMut(Bytes) -> (Bytes, bool),
     ) -> Result<()> {
         match self {
             Parser::Main(parser) => {
-                while let Some(item) = parser.next_item(input)? {
-                    item_bytes.clear();
-                    item.encode(item_bytes);
-                    hash_and_count(item_bytes);
-                    encoder.push(&item, item_bytes);
+                while let Some((item, bytes)) = parser.next_item_with_bytes(input)? {
+                    let (bytes, _) = hash_and_count(bytes);
+                    encoder.push(&item, &bytes);
                     if encoder.is_full() {
                         encoder.flush(out);
                     }
@@ -285,12 +283,13 @@ impl Parser<'_> {
                     }
                     item_bytes.clear();
                     item.encode(item_bytes);
-                    if hash_and_count(item_bytes) {
+                    let (bytes, altered) = hash_and_count(item_bytes.split().freeze());
+                    if altered {
                         // The packet's pages are coded from the parsed item: altered bytes
                         // must cross as they are.
-                        encoder.push_channel_as_is(item_bytes);
+                        encoder.push_channel_as_is(&bytes);
                     } else {
-                        encoder.push_channel(&item, item_bytes);
+                        encoder.push_channel(&item, &bytes);
                     }
                     if encoder.is_full() {
                         encoder.flush(out);
@@ -359,10 +358,10 @@ async fn pump(
             &mut out,
             |item_bytes| {
                 hash.update(&item_bytes[..]);
-                let altered =
+                let (item_bytes, altered) =
                     crate::engine::source::corrupt_for_test(item_bytes, total, corrupt_at);
                 total += item_bytes.len() as u64;
-                altered
+                (item_bytes, altered)
             },
         )?;
         if eof {
