@@ -7,6 +7,9 @@
 //!   a hash collision costs a miss and can never substitute wrong data.
 //! - A **page history**: the last version of each page that crossed, by page key, for deltas.
 //!   Bounded; the oldest page first in is forgotten first.
+//!
+//! Both hold their bytes in one region each, reserved whole at first use (address space only:
+//! the kernel gives pages as they are first written), not one allocation per page.
 
 use std::collections::VecDeque;
 
@@ -115,13 +118,18 @@ impl BlockCache {
 /// stay).
 #[derive(Debug)]
 pub struct PageHistory {
-    /// Each page with the tick of its latest record.
-    pages: FxHashMap<u64, (u64, Box<[u8; PAGE_SIZE]>)>,
+    /// Each page with the tick of its latest record and its slot in `store`.
+    pages: FxHashMap<u64, (u64, u32)>,
     /// (key, tick) per record, oldest first; an entry whose tick is no longer the key's is
     /// stale and skipped.
     order: VecDeque<(u64, u64)>,
     tick: u64,
     max_pages: usize,
+    /// The pages, one slot of [`PAGE_SIZE`] after another, at most `max_pages` slots
+    /// (reserved whole at the first page).
+    store: Vec<u8>,
+    /// Slots of forgotten pages, taken before new ones.
+    free: Vec<u32>,
 }
 
 impl PageHistory {
@@ -132,6 +140,8 @@ impl PageHistory {
             order: VecDeque::new(),
             tick: 0,
             max_pages: bytes / PAGE_SIZE,
+            store: Vec::new(),
+            free: Vec::new(),
         }
     }
 
@@ -140,7 +150,19 @@ impl PageHistory {
     }
 
     pub fn get(&self, key: u64) -> Option<&[u8; PAGE_SIZE]> {
-        self.pages.get(&key).map(|(_, p)| &**p)
+        self.pages.get(&key).map(|&(_, slot)| self.slot(slot))
+    }
+
+    fn slot(&self, slot: u32) -> &[u8; PAGE_SIZE] {
+        let start = slot as usize * PAGE_SIZE;
+        self.store[start..start + PAGE_SIZE]
+            .try_into()
+            .expect("a page")
+    }
+
+    fn slot_mut(&mut self, slot: u32) -> &mut [u8] {
+        let start = slot as usize * PAGE_SIZE;
+        &mut self.store[start..start + PAGE_SIZE]
     }
 
     /// Records `page` as the version of `key` the other side now has.
@@ -151,18 +173,32 @@ impl PageHistory {
         self.tick += 1;
         let tick = self.tick;
         self.order.push_back((key, tick));
-        if let Some((t, p)) = self.pages.get_mut(&key) {
+        if let Some((t, slot)) = self.pages.get_mut(&key) {
             *t = tick;
-            p.copy_from_slice(page);
+            let slot = *slot;
+            self.slot_mut(slot).copy_from_slice(page);
         } else {
-            let mut stored = if self.pages.len() >= self.max_pages {
+            let reused = if self.pages.len() >= self.max_pages {
                 self.evict_oldest()
             } else {
-                None
-            }
-            .unwrap_or_else(|| Box::new([0u8; PAGE_SIZE]));
-            stored.copy_from_slice(page);
-            self.pages.insert(key, (tick, stored));
+                self.free.pop()
+            };
+            let slot = match reused {
+                Some(slot) => {
+                    self.slot_mut(slot).copy_from_slice(page);
+                    slot
+                }
+                None => {
+                    if self.store.capacity() == 0 {
+                        // Address space only, as the block cache's ring.
+                        self.store.reserve_exact(self.max_pages * PAGE_SIZE);
+                    }
+                    let slot = self.store.len() / PAGE_SIZE;
+                    self.store.extend_from_slice(page);
+                    u32::try_from(slot).expect("a history holds fewer than 2^32 pages")
+                }
+            };
+            self.pages.insert(key, (tick, slot));
         }
         // Stale entries pile up as pages are re-sent; drop them before they outgrow the pages.
         if self.order.len() > 2 * self.max_pages + 1024 {
@@ -175,13 +211,16 @@ impl PageHistory {
     /// Forgets `key` (its page became zero: zero pages are sent as such, never as deltas).
     pub fn forget(&mut self, key: u64) {
         // Its entries stay in `order` and are skipped as stale.
-        self.pages.remove(&key);
+        if let Some((_, slot)) = self.pages.remove(&key) {
+            self.free.push(slot);
+        }
     }
 
-    fn evict_oldest(&mut self) -> Option<Box<[u8; PAGE_SIZE]>> {
+    /// The slot of the page sent least recently, which it no longer holds.
+    fn evict_oldest(&mut self) -> Option<u32> {
         while let Some((key, tick)) = self.order.pop_front() {
             if self.pages.get(&key).is_some_and(|(t, _)| *t == tick) {
-                return self.pages.remove(&key).map(|(_, p)| p);
+                return self.pages.remove(&key).map(|(_, slot)| slot);
             }
         }
         None
@@ -235,5 +274,51 @@ mod tests {
         }
         assert!(h.order.len() <= 2 * 2 + 1024 + 1);
         assert!(h.get(0).is_some() && h.get(1).is_some() && h.get(3).is_none());
+    }
+
+    /// Against a plain model (a map and the order pages were last sent in): whatever pages are
+    /// recorded and forgotten, the history holds the latest version of the most recently sent
+    /// ones, and its store never grows past its bound (a forgotten or evicted page's slot is
+    /// taken again).
+    #[test]
+    fn history_slots_are_reused_and_hold_the_latest_versions() {
+        const MAX: usize = 8;
+        let mut h = PageHistory::new(MAX * PAGE_SIZE);
+        let mut model: Vec<(u64, u8)> = Vec::new(); // least recently sent first
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = x % 20;
+            let version = step.to_le_bytes()[0];
+            if x.is_multiple_of(7) {
+                h.forget(key);
+                model.retain(|(k, _)| *k != key);
+            } else {
+                let mut page = [version; PAGE_SIZE];
+                page[..8].copy_from_slice(&key.to_le_bytes());
+                h.record(key, &page);
+                let known = model.iter().any(|(k, _)| *k == key);
+                model.retain(|(k, _)| *k != key);
+                if !known && model.len() >= MAX {
+                    model.remove(0);
+                }
+                model.push((key, version));
+            }
+            assert!(h.store.len() <= MAX * PAGE_SIZE, "step {step}");
+            for key in 0..20 {
+                let want = model.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+                let got = h.get(key).map(|p| {
+                    assert_eq!(
+                        p[..8],
+                        key.to_le_bytes(),
+                        "step {step}: another page's slot"
+                    );
+                    p[PAGE_SIZE - 1]
+                });
+                assert_eq!(got, want, "step {step}, key {key}");
+            }
+        }
     }
 }
