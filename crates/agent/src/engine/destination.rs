@@ -498,26 +498,41 @@ async fn serve(
         tokio::select! {
             r = session.recv(STREAM) => match r? {
                 Received::Data(chunk) => {
-                    let qemu_bytes = match &mut decoder {
-                        Some(decoder) => {
-                            decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
-                            decoded.split().freeze()
+                    let sieved = match &mut decoder {
+                        // Decoded straight into the sieve's input, hashed there: QEMU's bytes
+                        // are copied once less. Without postcopy no package cuts the digest.
+                        Some(decoder) if !postcopy => {
+                            let input = sieve.input();
+                            let start = input.len();
+                            decoder.feed(&chunk, input).context("decoding the stream")?;
+                            hash.update(&input[start..]);
+                            received += (input.len() - start) as u64;
+                            sieve.sieve_input()?
                         }
-                        None => chunk,
+                        _ => {
+                            let qemu_bytes = match &mut decoder {
+                                Some(decoder) => {
+                                    decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
+                                    decoded.split().freeze()
+                                }
+                                None => chunk,
+                            };
+                            let before = received;
+                            received += qemu_bytes.len() as u64;
+                            let sieved = sieve.pass(&qemu_bytes)?;
+                            match sieve.package_end() {
+                                // The digest up to the package's end, for the source's checkpoint.
+                                Some(end) if !gate.has_arrived() => {
+                                    let cut = usize::try_from(end - before).expect("inside this chunk");
+                                    hash.update(&qemu_bytes[..cut]);
+                                    gate.arrived(end, hash.hex())?;
+                                    hash.update(&qemu_bytes[cut..]);
+                                }
+                                _ => hash.update(&qemu_bytes),
+                            }
+                            sieved
+                        }
                     };
-                    let before = received;
-                    received += qemu_bytes.len() as u64;
-                    let sieved = sieve.pass(&qemu_bytes)?;
-                    match sieve.package_end() {
-                        // The digest up to the package's end, for the source's checkpoint.
-                        Some(end) if !gate.has_arrived() => {
-                            let cut = usize::try_from(end - before).expect("inside this chunk");
-                            hash.update(&qemu_bytes[..cut]);
-                            gate.arrived(end, hash.hex())?;
-                            hash.update(&qemu_bytes[cut..]);
-                        }
-                        _ => hash.update(&qemu_bytes),
-                    }
                     if let Err(e) = feeder.push(sieved.bytes, sieved.weight).await {
                         return Err(load_failure(qmp, e).await);
                     }

@@ -107,6 +107,17 @@ impl LoadSieve {
         self.sieve_pending()
     }
 
+    /// Where the next bytes of the stream go to be sieved, for a caller that builds them in
+    /// place (the codec's decoder) rather than copy them in with [`LoadSieve::pass`].
+    pub fn input(&mut self) -> &mut BytesMut {
+        &mut self.pending
+    }
+
+    /// What QEMU gets of what [`LoadSieve::input`] holds, as [`LoadSieve::pass`] gives it.
+    pub fn sieve_input(&mut self) -> Result<Sieved> {
+        self.sieve_pending()
+    }
+
     /// Parses what is pending, up to a held package.
     fn sieve_pending(&mut self) -> Result<Sieved> {
         let mut out = BytesMut::with_capacity(self.pending.len() + 64);

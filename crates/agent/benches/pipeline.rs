@@ -1,0 +1,160 @@
+//! The agents' work per byte of QEMU's stream, on one core and without I/O: the source's
+//! (parse, digest, page codec, zstd) and the destination's (zstd, page codec, digest, load
+//! sieve). What is left out is the transport (TLS, sockets), which `ferry bench` measures with
+//! the rest.
+//!
+//! The stream is a real QEMU 10 stream (`crates/qemu/tests/streams/running`: the setup, its
+//! passes over the guest's memory and the device state) whose pages, and seven in eight of its
+//! zero pages, are replaced with a mix of typical ones, as in the codec's own benchmark:
+//! text-like, repeated elsewhere, incompressible; a page sent again is its last version with a
+//! few bytes changed. Throughput counts QEMU's bytes.
+
+use std::collections::HashMap;
+
+use bytes::{Bytes, BytesMut};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use ferry_agent::engine::digest::StreamDigest;
+use ferry_agent::engine::known_zero::ZeroPages;
+use ferry_agent::engine::load_sieve::LoadSieve;
+use ferry_agent::engine::stream_codec::{StreamDecoder, StreamEncoder, HISTORY_CAP};
+use ferry_api::agent::CodecSettings;
+use ferry_qemu::stream::{flag, Item, RamData, StreamParser, PAGE_SIZE};
+
+/// The link the source's zstd level is chosen for, Mbit/s: a fast one, where level 1 keeps up.
+const LINK_MBIT: f64 = 1000.0;
+/// How QEMU's bytes reach the source agent, and the WAN's frames the destination.
+const READ: usize = 256 << 10;
+const FRAME: usize = 64 << 10;
+
+fn noise(seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..PAGE_SIZE)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()[3]
+        })
+        .collect()
+}
+
+/// The first version of page `i`.
+fn typical_page(i: u64) -> Vec<u8> {
+    let words = b"static int do_page_fault(struct pt_regs *regs, unsigned long address) { ";
+    match i % 8 {
+        0 => vec![0; PAGE_SIZE],
+        1..=3 => {
+            let mut p: Vec<u8> = words
+                .iter()
+                .copied()
+                .cycle()
+                .skip(usize::try_from(i % 61).expect("small"))
+                .take(PAGE_SIZE)
+                .collect();
+            p[..8].copy_from_slice(&i.to_le_bytes());
+            p
+        }
+        4 => noise(i % 512), // 512 distinct pages, repeated
+        _ => noise(i + 1_000_000),
+    }
+}
+
+/// The captured stream with typical pages in place of the guest's.
+fn stream() -> Vec<u8> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../qemu/tests/streams/running.qemu.zst"
+    );
+    let captured = zstd::decode_all(std::fs::File::open(path).expect(path)).expect("zstd");
+    let mut parser = StreamParser::new();
+    let mut input = BytesMut::from(&captured[..]);
+    let mut out = BytesMut::with_capacity(captured.len());
+    // Each page's current version, by the offset of its record (blocks differ in their name
+    // only where QEMU names them, so the offset and the count of names seen so far will do).
+    let mut pages: HashMap<(usize, u64), Vec<u8>> = HashMap::new();
+    let mut block = 0usize;
+    while let Some(item) = parser.next_item(&mut input).expect("a captured stream") {
+        let Item::Ram(mut record) = item else {
+            item.encode(&mut out);
+            continue;
+        };
+        if record.block.is_some() {
+            block += 1;
+        }
+        let key = (block, record.offset / PAGE_SIZE as u64);
+        if matches!(record.data, RamData::Fill(_)) && !key.1.is_multiple_of(8) {
+            // The tiny guest's memory is mostly zero: give it content, as a guest in use has.
+            record.flags = record.flags & !flag::ZERO | flag::PAGE;
+            record.data = RamData::Page(Bytes::new());
+        }
+        if let RamData::Page(_) = record.data {
+            let page = pages
+                .entry(key)
+                .and_modify(|p| {
+                    let at = usize::try_from(key.1 * 97).expect("small") % PAGE_SIZE;
+                    p[at] ^= 0x5a;
+                    p[(at * 31) % PAGE_SIZE] ^= 0x11;
+                })
+                .or_insert_with(|| typical_page(key.1));
+            record.data = RamData::Page(Bytes::copy_from_slice(page));
+        }
+        record.encode(&mut out);
+    }
+    out.to_vec()
+}
+
+/// The source agent's work: QEMU's bytes in, the stream channel's bytes out.
+fn source(stream: &[u8]) -> Vec<u8> {
+    let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
+    let mut parser = StreamParser::new();
+    let mut digest = StreamDigest::new();
+    let mut input = BytesMut::with_capacity(2 * READ);
+    let mut out = BytesMut::new();
+    for read in stream.chunks(READ) {
+        input.extend_from_slice(read);
+        while let Some((item, bytes)) = parser
+            .next_item_with_bytes(&mut input)
+            .expect("a whole stream")
+        {
+            digest.update(&bytes);
+            encoder.push(&item, &bytes);
+            if encoder.is_full() {
+                encoder.flush(&mut out);
+            }
+        }
+        encoder.flush(&mut out);
+    }
+    out.to_vec()
+}
+
+/// The destination agent's work: the stream channel's bytes in, QEMU's bytes out (their
+/// length returned).
+fn destination(channel: &[u8]) -> usize {
+    let mut decoder = StreamDecoder::new(CodecSettings::ALL, HISTORY_CAP);
+    let mut sieve = LoadSieve::new(ZeroPages::none());
+    let mut digest = StreamDigest::new();
+    let mut fed = 0;
+    for frame in channel.chunks(FRAME) {
+        let input = sieve.input();
+        let start = input.len();
+        decoder.feed(frame, input).expect("a whole channel");
+        digest.update(&input[start..]);
+        fed += sieve.sieve_input().expect("the stream").bytes.len();
+    }
+    fed
+}
+
+fn bench(c: &mut Criterion) {
+    let stream = stream();
+    let channel = source(&stream);
+    assert_eq!(destination(&channel), stream.len(), "QEMU gets every byte");
+    let mut g = c.benchmark_group("pipeline");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(stream.len() as u64));
+    g.bench_function("source", |b| b.iter(|| source(&stream).len()));
+    g.bench_function("destination", |b| b.iter(|| destination(&channel)));
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
