@@ -332,6 +332,7 @@ impl Tunnels {
             let relay = RelaySource::new(RelaySettings {
                 mode: settings.disk_mode,
                 buffer_bytes: settings.disk_buffer_mib << 20,
+                link_rate_mbit: link,
             });
             self.relays
                 .lock()

@@ -388,6 +388,7 @@ async fn migrate(
                     mode: req.settings.disk_mode,
                     buffer_bytes: req.settings.disk_buffer_mib.max(1) << 20,
                     codec: req.settings.codec,
+                    link_rate_mbit: req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT),
                     corrupt_at: req.settings.test_corrupt_disk_at,
                     background_copy: req.settings.disk_background_copy,
                     stall_after: req

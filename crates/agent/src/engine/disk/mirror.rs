@@ -140,6 +140,8 @@ pub struct DiskSettings {
     /// The transmit buffer's bound during the bulk copy.
     pub buffer_bytes: u64,
     pub codec: CodecSettings,
+    /// The link's rate, for the frames' zstd level.
+    pub link_rate_mbit: f64,
     /// Test hook: see `MigrationSettings::test_corrupt_disk_at`.
     pub corrupt_at: Option<u64>,
     /// Async and cloudnet: the bulk copy in the background, write-blocking once it is done.
@@ -363,6 +365,7 @@ impl SourceDisks {
             mode,
             buffer_bytes,
             codec,
+            link_rate_mbit,
             corrupt_at,
             background_copy,
             stall_after,
@@ -435,6 +438,7 @@ impl SourceDisks {
                 buffer: buffer.clone(),
                 session: session.clone(),
                 codec,
+                link_rate_mbit,
                 report,
                 status,
                 corrupt_at,
@@ -873,6 +877,8 @@ pub(super) struct Sending {
     pub buffer: Arc<TransmitBuffer>,
     pub session: Session,
     pub codec: CodecSettings,
+    /// The link's rate, for the frames' zstd level.
+    pub link_rate_mbit: f64,
     pub report: DiskReport,
     pub status: Shared,
     /// Test hook: flip a bit of the written data at this offset (after it was hashed).
@@ -890,13 +896,14 @@ async fn send_snapshots(
         buffer,
         session,
         codec,
+        link_rate_mbit,
         mut report,
         status,
         corrupt_at,
     } = sending;
     let mut data_sent = 0u64;
     let mut encoder = DiskEncoder::new(codec_options(codec));
-    let mut zstd = disk_frame_zstd(codec);
+    let mut zstd = disk_frame_zstd(codec, link_rate_mbit);
     let mut hash = StreamDigest::new();
     let mut count = 0u64;
     let mut records = Vec::with_capacity(FRAME_RECORDS + (1 << 20));

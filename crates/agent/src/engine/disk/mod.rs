@@ -89,7 +89,7 @@ pub fn codec_options(settings: CodecSettings) -> Options {
 /// but a guest's disk stopped after the move in 3 of 12 benchmark runs (0 of 9 at level 3;
 /// BENCHMARKS, "The zstd level chosen by what it saves"), and until that is explained the
 /// disk path keeps the timing it was tested with.
-pub fn disk_frame_zstd(settings: CodecSettings) -> AdaptiveCompressor {
+pub fn disk_frame_zstd(settings: CodecSettings, _link_rate_mbit: f64) -> AdaptiveCompressor {
     if settings.zstd {
         AdaptiveCompressor::fixed(3)
     } else {

@@ -41,11 +41,14 @@ pub struct RelaySettings {
     pub mode: DiskMode,
     /// The transmit buffer's bound during the bulk copy.
     pub buffer_bytes: u64,
+    /// The link's rate, for the frames' zstd level.
+    pub link_rate_mbit: f64,
 }
 
 /// The source side of one relayed NBD connection.
 pub struct RelaySource {
     buffer: Arc<TransmitBuffer>,
+    link_rate_mbit: f64,
 }
 
 impl RelaySource {
@@ -55,6 +58,7 @@ impl RelaySource {
                 settings.buffer_bytes,
                 settings.mode == DiskMode::Sync,
             )),
+            link_rate_mbit: settings.link_rate_mbit,
         }
     }
 
@@ -87,6 +91,7 @@ impl RelaySource {
                 buffer: buffer.clone(),
                 session: session.clone(),
                 codec,
+                link_rate_mbit: self.link_rate_mbit,
                 report,
                 status,
                 corrupt_at: None,
@@ -396,6 +401,7 @@ mod tests {
         let relay = RelaySource::new(RelaySettings {
             mode: DiskMode::Async,
             buffer_bytes: 1 << 20,
+            link_rate_mbit: 100.0,
         });
         let session = a.clone();
         let source =
