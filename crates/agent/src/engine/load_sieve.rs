@@ -85,7 +85,7 @@ impl LoadSieve {
     /// Gives back the package's held last piece and what followed it.
     pub fn release(&mut self) -> Result<Sieved> {
         let held = self.held.take().context("no postcopy package is held")?;
-        let rest = self.sieve_pending()?;
+        let rest = self.sieve_input()?;
         let mut bytes = BytesMut::with_capacity(held.len() + rest.bytes.len());
         bytes.extend_from_slice(&held);
         bytes.extend_from_slice(&rest.bytes);
@@ -104,7 +104,7 @@ impl LoadSieve {
     /// record cut between two calls comes out of the call that completes it).
     pub fn pass(&mut self, bytes: &[u8]) -> Result<Sieved> {
         self.pending.extend_from_slice(bytes);
-        self.sieve_pending()
+        self.sieve_input()
     }
 
     /// Where the next bytes of the stream go to be sieved, for a caller that builds them in
@@ -113,13 +113,9 @@ impl LoadSieve {
         &mut self.pending
     }
 
-    /// What QEMU gets of what [`LoadSieve::input`] holds, as [`LoadSieve::pass`] gives it.
+    /// What QEMU gets of what [`LoadSieve::input`] holds, as [`LoadSieve::pass`] gives it:
+    /// everything pending is parsed, up to a held package.
     pub fn sieve_input(&mut self) -> Result<Sieved> {
-        self.sieve_pending()
-    }
-
-    /// Parses what is pending, up to a held package.
-    fn sieve_pending(&mut self) -> Result<Sieved> {
         let mut out = BytesMut::with_capacity(self.pending.len() + 64);
         let mut weight = 0;
         while self.held.is_none() {
