@@ -72,7 +72,12 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     for dir in [&config.work_dir, &config.qmp_dir] {
         std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
-    let peers = TcpListener::bind(&config.listen)
+    let fastest_link = config
+        .peers
+        .values()
+        .filter_map(|peer| peer.rate_mbit)
+        .reduce(f64::max);
+    let peers = ferry_wire::net::listen(&config.listen, fastest_link)
         .await
         .with_context(|| format!("listen for peers on {}", config.listen))?;
     let _ = std::fs::remove_file(&config.api_socket);

@@ -31,6 +31,10 @@ pub struct LinkArgs {
     /// does. Off by default: every frame reaches TCP on its own.
     #[arg(long)]
     pub receive_gro: bool,
+    /// The sites' hosts autotune a TCP connection's receive buffer up to this many MiB
+    /// (`net.ipv4.tcp_rmem`'s maximum), as older kernels do (6). Default: this machine's.
+    #[arg(long)]
+    pub host_tcp_rmem_max_mib: Option<u32>,
 }
 
 impl LinkArgs {
@@ -42,6 +46,7 @@ impl LinkArgs {
             loss_pct: self.loss_pct,
             host_congestion: self.host_congestion,
             receive_gro: self.receive_gro,
+            host_tcp_rmem_max_mib: self.host_tcp_rmem_max_mib,
         }
     }
 }
@@ -188,8 +193,11 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
         LabCmd::Status { json } => status(&lab, json)?,
         LabCmd::Set(link) => {
             lab.state()?;
-            if link.host_congestion.is_some() || link.receive_gro {
-                bail!("--host-congestion and --receive-gro are set when the lab comes up (`ferry lab up`); `lab set` changes the rate, delay, jitter and loss");
+            if link.host_congestion.is_some()
+                || link.receive_gro
+                || link.host_tcp_rmem_max_mib.is_some()
+            {
+                bail!("--host-congestion, --receive-gro and --host-tcp-rmem-max-mib are set when the lab comes up (`ferry lab up`); `lab set` changes the rate, delay, jitter and loss");
             }
             let cfg = link.config();
             cfg.validate()?;

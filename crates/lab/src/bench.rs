@@ -231,6 +231,9 @@ pub struct LinkSummary {
     /// The sites coalesced the frames they received (GRO), when the bench asked for it.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub receive_gro: bool,
+    /// The sites' receive autotuning limit in MiB, when the bench set one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_tcp_rmem_max_mib: Option<u32>,
 }
 
 /// One scenario's settings.
@@ -490,6 +493,7 @@ async fn measured_migration(
             loss_pct: sc.link.loss_pct,
             host_congestion: sc.link.host_congestion,
             receive_gro: sc.link.receive_gro,
+            host_tcp_rmem_max_mib: sc.link.host_tcp_rmem_max_mib,
         },
         mem_mib: sc.vm.mem_mib,
         disk_mib: match (sc.vm.disk, sc.vm.disk_mib) {

@@ -23,6 +23,11 @@ pub struct LinkConfig {
     /// host's NIC does; off, every frame reaches TCP, and a receiver, on its own.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub receive_gro: bool,
+    /// The sites' hosts autotune a connection's receive buffer up to this many MiB
+    /// (`net.ipv4.tcp_rmem`'s maximum), as an older kernel does (6 MiB on many, Debian 12's
+    /// 6.1 among them); `None` keeps this machine's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_tcp_rmem_max_mib: Option<u32>,
 }
 
 /// A TCP congestion control a site's host may default to.
@@ -68,6 +73,7 @@ impl Default for LinkConfig {
             loss_pct: 0.0,
             host_congestion: None,
             receive_gro: false,
+            host_tcp_rmem_max_mib: None,
         }
     }
 }
@@ -83,6 +89,8 @@ pub enum LinkError {
     Jitter(f64),
     #[error("loss {0}% is out of range; use 0 to 100")]
     Loss(f64),
+    #[error("receive buffer limit {0} MiB is out of range; use 1 to 1024")]
+    ReceiveBuffer(u32),
 }
 
 impl LinkConfig {
@@ -100,6 +108,12 @@ impl LinkConfig {
         }
         if !ok(self.loss_pct, 0.0, 100.0) {
             return Err(LinkError::Loss(self.loss_pct));
+        }
+        if let Some(mib) = self
+            .host_tcp_rmem_max_mib
+            .filter(|mib| !(1..=1024).contains(mib))
+        {
+            return Err(LinkError::ReceiveBuffer(mib));
         }
         Ok(())
     }
@@ -142,6 +156,10 @@ mod tests {
         assert_eq!(
             bad(|l| l.jitter_ms = f64::NAN),
             "jitter NaN ms is out of range; use 0 to 1000"
+        );
+        assert_eq!(
+            bad(|l| l.host_tcp_rmem_max_mib = Some(0)),
+            "receive buffer limit 0 MiB is out of range; use 1 to 1024"
         );
     }
 

@@ -255,6 +255,7 @@ impl Lab {
         state.link = LinkConfig {
             host_congestion: state.link.host_congestion,
             receive_gro: state.link.receive_gro,
+            host_tcp_rmem_max_mib: state.link.host_tcp_rmem_max_mib,
             ..link
         };
         fs::write(self.state_path(), serde_json::to_string_pretty(&state)?)?;
@@ -337,6 +338,12 @@ impl Lab {
                         &format!("net.ipv4.tcp_congestion_control={}", congestion.name()),
                     ],
                 )?;
+            }
+        }
+        if let Some(mib) = link.host_tcp_rmem_max_mib {
+            for site in Site::ALL {
+                let rmem = format!("net.ipv4.tcp_rmem=4096 131072 {}", u64::from(mib) << 20);
+                sh::run_in(&self.site_ns(site), "sysctl", &["-qw", &rmem])?;
             }
         }
         for site in Site::ALL {

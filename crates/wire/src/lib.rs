@@ -2,6 +2,7 @@
 //! inside them.
 //!
 //! Layout (growing with issue 3):
+//! - [`buffers`]: socket buffers sized to the link, at both ends.
 //! - [`frame`]: the frame format on the wire, with an incremental decoder that caps every
 //!   length a peer controls.
 //! - [`outbox`]: the sender's side of a channel: numbering, a byte-bounded buffer of
@@ -9,6 +10,7 @@
 //! - [`reorder`]: per-channel in-order delivery of frames that arrive out of order or twice
 //!   (several TCP connections, replay after a reconnect).
 
+pub mod buffers;
 pub mod frame;
 pub mod net;
 pub mod outbox;

@@ -14,6 +14,7 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::buffers::{set_receive_buffer_for_link, set_send_buffer, socket_buffer_for};
 use crate::frame::Frame;
 use crate::session::{
     exchange_hello, read_hello, read_hello_after, ConnectionEnd, Hello, Session, SessionError,
@@ -52,7 +53,7 @@ fn prefer_bbr(socket: &impl AsRawFd) {
     }
 }
 
-fn set_option<T>(
+pub(crate) fn set_option<T>(
     socket: &impl AsRawFd,
     level: libc::c_int,
     name: libc::c_int,
@@ -190,18 +191,6 @@ pub struct Peer {
     pub pool: Arc<Pool>,
 }
 
-/// The send buffer for one of `connections` connections on a link of `rate_mbit` and
-/// `rtt_ms`: twice the connection's share of the bandwidth-delay product, so that one lost
-/// segment does not stall it, and at least 128 KiB (Linux doubles it for its bookkeeping).
-pub fn socket_buffer_for(rate_mbit: f64, rtt_ms: f64, connections: u32) -> u32 {
-    let bdp = rate_mbit * 1e6 / 8.0 * rtt_ms / 1e3;
-    let share = 2.0 * bdp / f64::from(connections.max(1));
-    // Bounded above by 64 MiB: an absurd hint must not pin absurd kernel memory.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped to u32 range
-    let size = share.clamp(128.0 * 1024.0, 64.0 * 1024.0 * 1024.0) as u32;
-    size
-}
-
 /// The pace of one of `connections` connections on a link of `rate_mbit`, bytes per second:
 /// its share of the link, a little under it. Without pacing, TCP sends bursts at the host's
 /// speed into the WAN's bottleneck queue; when QEMU stops the VM and dumps its last pages the
@@ -244,6 +233,29 @@ impl Dialed {
             session.run_connection(self.stream, self.leftover).await
         }
     }
+}
+
+/// Listens for peers on `address` (`host:port`), each connection's receive buffer sized for
+/// the fastest of their links when one is known ([`set_receive_buffer_for_link`]).
+pub async fn listen(
+    address: &str,
+    fastest_link_mbit: Option<f64>,
+) -> std::io::Result<tokio::net::TcpListener> {
+    let addr = tokio::net::lookup_host(address)
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::other("the name has no address"))?;
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }?;
+    socket.set_reuseaddr(true)?;
+    if let Some(rate) = fastest_link_mbit {
+        set_receive_buffer_for_link(&socket, rate);
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
 }
 
 /// Opens one connection of `session` to `peer`: a parked one from the pool when there is one,
@@ -314,6 +326,9 @@ pub async fn dial(
     .map_err(|e| io("socket for", &e))?;
     tcp_user_timeout(&socket, USER_TIMEOUT);
     prefer_bbr(&socket);
+    if let Some(rate) = peer.link_rate_mbit {
+        set_receive_buffer_for_link(&socket, rate);
+    }
     let connect_timeout = timeout.min(CONNECT_TIMEOUT);
     let tcp = tokio::time::timeout(connect_timeout, socket.connect(peer.addr))
         .await
@@ -385,7 +400,8 @@ where
 
 /// Sizes a connection's send buffer and pace for `peer`'s link, when its rate is known. The
 /// send buffer may change at any time (so a parked connection is tuned again for the session
-/// that takes it); the receive side (the peer's) autotunes.
+/// that takes it); the receive side was sized before the handshake (`listen`, and `dial`
+/// for what the peer sends back).
 fn tune_socket(tcp: &TcpStream, peer: &Peer) {
     let Some(rate) = peer.link_rate_mbit else {
         return;
@@ -396,54 +412,6 @@ fn tune_socket(tcp: &TcpStream, peer: &Peer) {
     let pace = pacing_rate_for(rate, peer.connections);
     if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_MAX_PACING_RATE, &pace) {
         tracing::warn!("SO_MAX_PACING_RATE {pace}: {e}");
-    }
-}
-
-/// Sets a connection's send buffer to `size` bytes. `SO_SNDBUF` is capped at
-/// `net.core.wmem_max` (4 MiB by default: an 8 MiB buffer once Linux doubles it, a third of a
-/// 1 Gbit/s, 200 ms link's bandwidth-delay product, so one connection would carry a third of
-/// the link). An agent with `CAP_NET_ADMIN` (root) goes past the cap with `SO_SNDBUFFORCE`;
-/// one without is told once what limits it.
-fn set_send_buffer(tcp: &impl AsRawFd, size: u32) {
-    let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
-    if set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &value).is_ok() {
-        return;
-    }
-    if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
-        tracing::warn!("SO_SNDBUF {size}: {e}");
-        return;
-    }
-    static CAPPED_ONCE: std::sync::Once = std::sync::Once::new();
-    // Linux reports twice what it was asked, its bookkeeping included.
-    if let Some(got) = send_buffer(tcp).filter(|got| u64::from(*got) < 2 * u64::from(size)) {
-        CAPPED_ONCE.call_once(|| {
-            tracing::warn!(
-                "the send buffer is capped at {got} bytes, not the {} this link needs: \
-                 raise net.core.wmem_max or run the agent with CAP_NET_ADMIN",
-                2 * u64::from(size)
-            );
-        });
-    }
-}
-
-/// A socket's send buffer as the kernel sized it, bookkeeping included.
-fn send_buffer(tcp: &impl AsRawFd) -> Option<u32> {
-    let mut value: libc::c_int = 0;
-    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).ok()?;
-    // SAFETY: getsockopt writes at most `len` bytes into `value`, which is that large.
-    let rc = unsafe {
-        libc::getsockopt(
-            tcp.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            std::ptr::from_mut(&mut value).cast(),
-            &mut len,
-        )
-    };
-    if rc == 0 {
-        u32::try_from(value).ok()
-    } else {
-        None
     }
 }
 
@@ -656,22 +624,5 @@ mod tests {
             before
         };
         assert_eq!(congestion_control(&socket), expected);
-    }
-
-    #[test]
-    fn the_send_buffer_goes_past_the_hosts_cap_when_the_agent_may() {
-        let socket = loopback_socket();
-        let cap: u64 = sysctl("/proc/sys/net/core/wmem_max")
-            .trim()
-            .parse()
-            .unwrap_or(0);
-        let wanted: u32 = 4 * u32::try_from(cap).unwrap_or(u32::MAX / 8).max(1 << 20);
-        set_send_buffer(&socket, wanted);
-        let got = u64::from(send_buffer(&socket).expect("SO_SNDBUF"));
-        // SAFETY: geteuid has no preconditions.
-        let root = unsafe { libc::geteuid() } == 0;
-        // Linux doubles what it is given; without CAP_NET_ADMIN it stops at the cap.
-        let expected = if root { 2 * u64::from(wanted) } else { 2 * cap };
-        assert_eq!(got, expected);
     }
 }
