@@ -8,7 +8,8 @@
 //! - [`config`]: the agent's TOML configuration (name, listen address, identity, peers, limits).
 //! - [`pki`]: the fleet's CA and host certificates (`ferry pki`).
 //! - [`libvirt`]: this host's libvirt, through virsh (domains, job figures, `virsh migrate`).
-//! - [`libvirt_migration`]: libvirt's migration driven and steered by ferry (`--libvirt`).
+//! - [`libvirt_migration`]: libvirt's migration driven and steered by ferry (`--libvirt`);
+//!   [`libvirt_fence`]: a domain libvirt left running at both ends, paused at the source.
 //! - [`fleet`]: heartbeats to the fleet's controller, and the migrations it hands over;
 //!   [`group`]: a group member's link to its group (synchronized arrival).
 //! - [`overlay`]: this host's endpoints of the fleet's virtual cloud pools (VXLAN, bridges).
@@ -29,6 +30,7 @@ pub mod group;
 pub mod interrupt;
 pub mod lend;
 pub mod libvirt;
+pub mod libvirt_fence;
 pub mod libvirt_migration;
 pub mod memory;
 pub mod overlay;

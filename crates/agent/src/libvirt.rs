@@ -135,6 +135,11 @@ impl Libvirt {
         Ok(self.virsh(&["domstate", domain]).await?.trim().to_owned())
     }
 
+    /// Pauses the domain (`virsh suspend`).
+    pub async fn suspend(&self, domain: &str) -> Result<()> {
+        self.virsh(&["suspend", domain]).await.map(drop)
+    }
+
     /// Whether the daemon answers (`virsh version`).
     pub async fn answers(&self) -> Result<()> {
         self.virsh(&["version"]).await.map(drop)
@@ -287,6 +292,12 @@ fn parse_domiflist(text: &str) -> Vec<(String, String)> {
 /// The domains with an outgoing migration job at the libvirt daemon behind `socket`.
 pub async fn outgoing_domains(socket: &Path) -> Result<Vec<String>> {
     Libvirt::new(socket).outgoing_domains().await
+}
+
+/// Whether a virsh error says the domain is unknown (rather than libvirt not answering).
+pub fn is_unknown_domain(e: &anyhow::Error) -> bool {
+    let text = format!("{e:#}");
+    text.contains("failed to get domain") || text.contains("Domain not found")
 }
 
 /// virsh's error output as one line: "error: failed to get domain 'x'" and its cause.

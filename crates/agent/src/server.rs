@@ -88,6 +88,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         .overlay
         .clone()
         .map(|o| Arc::new(crate::overlay::Overlay::new(o, config.name.clone())));
+    let journal = Journal::new(&config.work_dir);
     let tunnels = config.libvirt.clone().map(|libvirt| {
         Arc::new(tunnel::Tunnels {
             config: libvirt,
@@ -102,10 +103,10 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             channels: Mutex::default(),
             failures: Mutex::default(),
             overlay: overlay.clone(),
+            journal: journal.clone(),
         })
     });
     let lender = crate::lend::Lender::new(config.lend_bytes);
-    let journal = Journal::new(&config.work_dir);
     let agent = Arc::new(Agent {
         monitors: MonitorDir::new(config.qmp_dir.clone()),
         config,
@@ -142,6 +143,16 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         peer_of,
     )
     .await;
+    if let Some(tunnels) = &agent.tunnels {
+        crate::libvirt_fence::take_up(
+            &agent.journal,
+            |peer| {
+                let known = tunnels.peers.iter().any(|(name, _)| name == peer);
+                known.then(|| tunnels.fence_ends(peer))
+            },
+            &agent.migrations,
+        );
+    }
     tracing::info!(
         "agent {} listening for peers on {} and for the CLI on {}",
         agent.config.name,

@@ -54,6 +54,7 @@ use crate::engine::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_
 use crate::engine::disk::buffer::TransmitBuffer;
 use crate::engine::disk::mirror::memory_phase_buffer;
 use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
+use crate::engine::journal::{Journal, LibvirtStreamRecord};
 use crate::engine::status::{now_ms, Events, Registry, Shared};
 use crate::engine::tunnel_stream;
 use crate::group::GroupLink;
@@ -75,6 +76,9 @@ pub const RELAY_DRAIN_SHARE: u64 = 6;
 /// How long a user's own migration may take to finish at the destination once its stream was
 /// delivered (libvirt's Finish step) before its figures are given up.
 const COMPLETED_JOB_WAIT: Duration = Duration::from_secs(30);
+/// How long a user's own migration may stay unnamed before its record is written without
+/// waiting (libvirt's job is looked up in the background).
+const NAMING_WAIT: Duration = Duration::from_secs(5);
 /// How long the destination waits for its Abort to reach the source.
 const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// How long the destination's socket may take to appear (libvirt has QEMU listen on it in its
@@ -128,6 +132,9 @@ pub struct Tunnels {
     pub failures: Mutex<HashMap<String, String>>,
     /// This host's pool endpoints, re-pointed at each switchover.
     pub overlay: Option<Arc<Overlay>>,
+    /// Where a delivered stream is written down until libvirt settled its migration
+    /// ([`crate::libvirt_fence`]).
+    pub journal: Journal,
 }
 
 /// A driven migration's status and settings (its disk mode and buffer, its downtime target,
@@ -419,6 +426,7 @@ impl Tunnels {
                 Some(status.clone()),
                 None,
             );
+            let recorded = self.record_stream(peer_name, &session, &status);
             let (read, write) = conn.into_split();
             let carried = tunnel_stream::source(
                 tunnel_stream::Source {
@@ -433,6 +441,9 @@ impl Tunnels {
                 &status,
             );
             let result = within_wan_timeout(&session, carried).await;
+            // Its digest is set when the stream's end goes out.
+            let end_sent = result.is_ok() || status.get().digest.is_some();
+            self.settle_after_stream(recorded, end_sent, &status);
             // The destination has the whole verified stream: the VM resumes there next.
             if let (Ok(()), Some(overlay)) = (&result, &self.overlay) {
                 overlay.departed(peer_name).await;
@@ -493,6 +504,91 @@ impl Tunnels {
         for buffer in buffers.iter().filter_map(Weak::upgrade) {
             buffer.set_limit(limit);
         }
+    }
+
+    /// Writes down that `session` carries its domain's stream to `peer`, once the domain is
+    /// known (a user's own migration is named meanwhile), for [`crate::libvirt_fence`]. The
+    /// record is written while the memory still flows, long before the stream's end goes out
+    /// (from which the destination may resume the domain).
+    fn record_stream(
+        &self,
+        peer: &str,
+        session: &Session,
+        status: &Shared,
+    ) -> tokio::task::JoinHandle<Option<LibvirtStreamRecord>> {
+        let (journal, socket, status) = (
+            self.journal.clone(),
+            self.config.socket.clone(),
+            status.clone(),
+        );
+        let (id, peer) = (session.id().to_string(), peer.to_owned());
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + NAMING_WAIT;
+            let mut domain = status.get().vm;
+            while domain.starts_with('(') && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                domain = status.get().vm;
+            }
+            if domain.starts_with('(') {
+                domain = outgoing_domain(&socket).await.unwrap_or(domain);
+            }
+            if domain.starts_with('(') || domain.contains(" or ") {
+                tracing::warn!(
+                    "libvirt's migration to {peer} in session {id}: the domain is not known \
+                     for sure ({domain}); it is not watched until libvirt settles it"
+                );
+                return None;
+            }
+            let record = LibvirtStreamRecord {
+                id,
+                domain,
+                peer,
+                started_unix_ms: now_ms(),
+            };
+            let written = record.clone();
+            match tokio::task::spawn_blocking(move || journal.write_libvirt_stream(&written)).await
+            {
+                Ok(Ok(())) => Some(record),
+                Ok(Err(e)) => {
+                    tracing::warn!("{e:#}");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!("writing the libvirt stream's record: {e}");
+                    None
+                }
+            }
+        })
+    }
+
+    /// Once the stream is over: if its end went out, watches the domain until libvirt settled
+    /// it at both ends; if not (the destination never had the last bytes, so it cannot
+    /// resume), forgets the record.
+    fn settle_after_stream(
+        &self,
+        recorded: tokio::task::JoinHandle<Option<LibvirtStreamRecord>>,
+        end_sent: bool,
+        status: &Shared,
+    ) {
+        let (journal, registry, status) =
+            (self.journal.clone(), self.registry.clone(), status.clone());
+        let config = self.config.clone();
+        tokio::spawn(async move {
+            let Ok(Some(record)) = recorded.await else {
+                return;
+            };
+            if end_sent {
+                let ends = fence_ends(&config, &record.peer);
+                crate::libvirt_fence::watch(journal, ends, record, Some(status), registry);
+            } else if let Err(e) = journal.remove_libvirt_stream(&record.id) {
+                tracing::warn!("{e:#}");
+            }
+        });
+    }
+
+    /// This host's libvirt and `peer`'s, through the RPC tunnel to it.
+    pub fn fence_ends(&self, peer: &str) -> crate::libvirt_fence::Ends {
+        fence_ends(&self.config, peer)
     }
 
     /// Lists a migration stream nobody here drives (a user's own `virsh migrate`), named
@@ -582,6 +678,13 @@ async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
             tracing::warn!("naming the migrating domain: {e:#}");
             None
         }
+    }
+}
+
+fn fence_ends(config: &LibvirtConfig, peer: &str) -> crate::libvirt_fence::Ends {
+    crate::libvirt_fence::Ends {
+        here: Libvirt::new(&config.socket),
+        there: Libvirt::through(socket_path(config, peer, 0, TunnelKind::LibvirtRpc)),
     }
 }
 

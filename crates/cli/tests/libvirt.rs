@@ -394,18 +394,14 @@ fn a_domain_with_a_device_the_destination_lacks_stays_at_the_source() {
     assert_eq!(m["state"], "failed", "{m}");
 }
 
-/// Either agent killed while libvirt's migration flows, and started again: libvirt's job
-/// fails on the closed tunnel, libvirt resumes the domain at site a and removes what it had
-/// at site b (its own job state decides; the agents keep no record of libvirt's migrations),
-/// and the next attempt commits.
-#[test]
-fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() {
+/// A lab (`lab_name`) on a 200 Mbit/s, 20 ms link with a running domain `name` whose guest
+/// rewrites 32 MiB of its memory: the agents' restart tests' setting.
+fn lab_with_a_busy_domain(lab_name: &str, name: &str) -> (TestLab, tokio::runtime::Runtime) {
     let t = TestLab::up(
-        "lvr",
+        lab_name,
         &["--libvirt", "--rate-mbit", "200", "--rtt-ms", "20"],
     );
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let name = "lv4";
     let link = start_domain(
         &t,
         &rt,
@@ -413,17 +409,31 @@ fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() 
         &["mem start pattern=ws mib=32 rate=1"],
     );
     drop(link);
+    (t, rt)
+}
+
+/// `ferry migrate --libvirt name --to site-b` started at site a, its output piped.
+fn spawn_migrate_to_b(t: &TestLab, name: &str) -> std::process::Child {
+    t.lab
+        .host_command(Site::A, common::ferry_bin())
+        .args(["migrate", "--libvirt", name, "--to", "site-b", "--agent"])
+        .arg(t.lab.agent_socket(Site::A))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Either agent killed while libvirt's migration flows, and started again: libvirt's job
+/// fails on the closed tunnel, libvirt resumes the domain at site a and removes what it had
+/// at site b (its own job state decides; the agents keep no record of libvirt's migrations),
+/// and the next attempt commits.
+#[test]
+fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() {
+    let name = "lv4";
+    let (t, rt) = lab_with_a_busy_domain("lvr", name);
     let ferry = std::path::Path::new(common::ferry_bin());
-    let migrate = || {
-        t.lab
-            .host_command(Site::A, common::ferry_bin())
-            .args(["migrate", "--libvirt", name, "--to", "site-b", "--agent"])
-            .arg(t.lab.agent_socket(Site::A))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
+    let migrate = || spawn_migrate_to_b(&t, name);
     let until_memory_flows = || {
         let flowing = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
             t.migrations(Site::A)
@@ -465,4 +475,58 @@ fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() 
     assert!(out.status.success(), "{}", common::text(&out));
     assert_eq!(t.domstate(Site::B, name).as_deref(), Some("running"));
     assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
+}
+
+/// The source agent killed once QEMU's stream ended, and started again: libvirt's Finish call
+/// crosses the RPC tunnel, and once it is cut libvirt's source takes the migration for failed
+/// and resumes its copy, although the destination may have resumed the domain already (it
+/// had, every time this was tried). The restarted agent finds the stream's record, sees the
+/// domain at both ends and pauses the copy at the source: the VM runs once, its memory intact,
+/// and the agent lists what it did.
+#[test]
+fn a_source_agent_restarted_after_the_stream_ended_leaves_the_domain_running_once() {
+    let name = "lv5";
+    let (t, rt) = lab_with_a_busy_domain("lvf", name);
+    let child = spawn_migrate_to_b(&t, name);
+    // The stream's end went out: the destination may resume the domain from here on.
+    let ended = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+        t.migrations(Site::A)
+            .iter()
+            .any(|m| m["vm"] == name && m["phase"] == "awaiting-commit")
+    });
+    assert!(ended.is_ok(), "the stream never ended");
+    ferry_lab::agents::kill(&t.lab, Site::A).unwrap();
+    let ferry = std::path::Path::new(common::ferry_bin());
+    ferry_lab::agents::restart(&t.lab, Site::A, ferry).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", common::text(&out));
+    // Settled: running at exactly one end, the other's copy paused or gone.
+    let once = |a: Option<&str>, b: Option<&str>| {
+        matches!(
+            (a, b),
+            (Some("running"), None | Some("shut off")) | (Some("paused") | None, Some("running"))
+        )
+    };
+    let settled = ferry_lab::topology::wait_until(Duration::from_secs(180), || {
+        once(
+            t.domstate(Site::A, name).as_deref(),
+            t.domstate(Site::B, name).as_deref(),
+        )
+    });
+    let (a, b) = (t.domstate(Site::A, name), t.domstate(Site::B, name));
+    assert!(settled.is_ok(), "at a {a:?}, at b {b:?}");
+    if b.as_deref() == Some("running") {
+        assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
+        let fenced = t
+            .migrations(Site::A)
+            .into_iter()
+            .find(|m| m["vm"] == name && m["state"] == "failed");
+        let error = fenced.as_ref().and_then(|m| m["error"].as_str());
+        assert!(
+            a.is_none() || error.is_some_and(|e| e.contains("ran at both ends")),
+            "at a {a:?}: {fenced:?}"
+        );
+    } else {
+        assert_eq!(verify(&t, &rt, Site::A, name, false), 0, "at site a");
+    }
 }

@@ -12,6 +12,10 @@
 //!   (from then on the stream's end may go out, and only the destination decides); then
 //!   `committed` or `failed`.
 //!
+//! - a libvirt migration's source: a record of the stream when it starts, removed once libvirt
+//!   settled the migration at both ends, or once the stream failed before its end went out
+//!   ([`crate::libvirt_fence`]).
+//!
 //! Records of finished migrations are kept (the newest [`KEPT_FINISHED`] of each side), for
 //! late questions and for `ferry migrations` after a restart. Older ones are removed, and the
 //! destination remembers up to when (its horizon): a question about a session it has no record
@@ -170,6 +174,18 @@ pub mod session_hex {
     }
 }
 
+/// A libvirt migration's stream through this agent, until libvirt settled the migration at
+/// both ends ([`crate::libvirt_fence`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LibvirtStreamRecord {
+    /// The tunnel session that carried the stream.
+    pub id: String,
+    pub domain: String,
+    /// The destination agent's name.
+    pub peer: String,
+    pub started_unix_ms: u64,
+}
+
 /// An agent's records, under its work directory.
 #[derive(Debug, Clone)]
 pub struct Journal {
@@ -189,6 +205,29 @@ impl Journal {
 
     fn outgoing_path(&self, id: &str) -> PathBuf {
         self.dir.join("outgoing").join(format!("{id}.json"))
+    }
+
+    fn libvirt_stream_path(&self, id: &str) -> PathBuf {
+        self.dir.join("libvirt-streams").join(format!("{id}.json"))
+    }
+
+    pub fn write_libvirt_stream(&self, record: &LibvirtStreamRecord) -> Result<()> {
+        write_durably(&self.libvirt_stream_path(&record.id), record)
+    }
+
+    pub fn all_libvirt_streams(&self) -> Result<Vec<LibvirtStreamRecord>> {
+        read_all(&self.dir.join("libvirt-streams"))
+    }
+
+    /// Forgets a libvirt migration libvirt settled (a record already gone is no error).
+    pub fn remove_libvirt_stream(&self, id: &str) -> Result<()> {
+        let path = self.libvirt_stream_path(id);
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(e).with_context(|| format!("remove {}", path.display()))
+            }
+            _ => Ok(()),
+        }
     }
 
     pub fn write_incoming(&self, record: &IncomingRecord) -> Result<()> {
@@ -364,6 +403,24 @@ mod tests {
         std::fs::write(journal.incoming_path(SessionId(7)), b"{\"sess").unwrap();
         let err = journal.incoming(SessionId(7)).unwrap_err();
         assert!(format!("{err:#}").contains("is damaged"), "{err:#}");
+    }
+
+    #[test]
+    fn a_libvirt_streams_record_stays_until_removed_and_removing_it_twice_is_no_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::new(dir.path());
+        assert_eq!(journal.all_libvirt_streams().unwrap(), vec![]);
+        let record = LibvirtStreamRecord {
+            id: "0000000000000007".into(),
+            domain: "web1".into(),
+            peer: "dc2-host3".into(),
+            started_unix_ms: 1,
+        };
+        journal.write_libvirt_stream(&record).unwrap();
+        assert_eq!(journal.all_libvirt_streams().unwrap(), vec![record.clone()]);
+        journal.remove_libvirt_stream(&record.id).unwrap();
+        journal.remove_libvirt_stream(&record.id).unwrap();
+        assert_eq!(journal.all_libvirt_streams().unwrap(), vec![]);
     }
 
     #[test]
