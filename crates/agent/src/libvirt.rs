@@ -135,6 +135,11 @@ impl Libvirt {
         Ok(self.virsh(&["domstate", domain]).await?.trim().to_owned())
     }
 
+    /// Whether libvirt runs a job on the domain (a migration's, until its Confirm step ended).
+    pub async fn has_job(&self, domain: &str) -> Result<bool> {
+        Ok(job_runs(&self.virsh(&["domjobinfo", domain]).await?))
+    }
+
     /// Pauses the domain (`virsh suspend`).
     pub async fn suspend(&self, domain: &str) -> Result<()> {
         self.virsh(&["suspend", domain]).await.map(drop)
@@ -292,6 +297,14 @@ fn parse_domiflist(text: &str) -> Vec<(String, String)> {
 /// The domains with an outgoing migration job at the libvirt daemon behind `socket`.
 pub async fn outgoing_domains(socket: &Path) -> Result<Vec<String>> {
     Libvirt::new(socket).outgoing_domains().await
+}
+
+/// Whether `virsh domjobinfo`'s output shows a job: its `Job type` is not `None`.
+fn job_runs(domjobinfo: &str) -> bool {
+    domjobinfo.lines().any(|line| {
+        line.strip_prefix("Job type:")
+            .is_some_and(|kind| kind.trim() != "None")
+    })
 }
 
 /// Whether a virsh error says the domain is unknown (rather than libvirt not answering).
@@ -460,6 +473,14 @@ fn parse_domstats(text: &str) -> std::collections::HashMap<String, DomainUsage> 
 #[cfg(test)]
 mod domstats_tests {
     use super::*;
+
+    #[test]
+    fn a_job_shows_by_its_type_and_none_is_no_job() {
+        let running = "Job type:         Unbounded\nOperation:        Outgoing migration\n";
+        assert!(job_runs(running));
+        assert!(!job_runs("Job type:         None\n"));
+        assert!(!job_runs(""));
+    }
 
     #[test]
     fn domstats_give_each_domain_its_cpu_time_and_memory() {

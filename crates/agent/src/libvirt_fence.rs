@@ -58,7 +58,8 @@ impl Presence {
     pub fn of(state: Option<&str>) -> Presence {
         match state {
             None | Some("shut off" | "crashed" | "dying") => Presence::Absent,
-            Some("running" | "idle" | "blocked" | "in shutdown") => Presence::Running,
+            Some("running" | "idle" | "blocked") => Presence::Running,
+            // Paused, suspended to memory, or on its way out ("in shutdown"): not settled.
             Some(_) => Presence::Held,
         }
     }
@@ -153,7 +154,7 @@ enum Outcome {
 async fn settle(ends: &Ends, record: &LibvirtStreamRecord) -> Outcome {
     let deadline = tokio::time::Instant::now() + SETTLE_LIMIT;
     loop {
-        let here = presence(&ends.here, &record.domain).await.ok();
+        let here = presence_at_source(&ends.here, &record.domain).await.ok();
         // Unknown here (libvirt does not answer): nothing to decide on, ask again.
         let there = match here {
             Some(Presence::Running) => presence(&ends.there, &record.domain).await.ok(),
@@ -165,10 +166,11 @@ async fn settle(ends: &Ends, record: &LibvirtStreamRecord) -> Outcome {
         };
         match step {
             Step::Settled => return Outcome::Settled,
+            // Asked again at the next poll: libvirt may have changed it meanwhile.
             Step::PauseSource => match ends.here.suspend(&record.domain).await {
                 Ok(()) => return Outcome::PausedAtSource,
-                Err(e) => tracing::error!(
-                    "{} runs at both ends; pausing it here failed: {e:#}",
+                Err(e) => tracing::warn!(
+                    "{} seemed to run at both ends; pausing it here failed: {e:#}",
                     record.domain
                 ),
             },
@@ -179,6 +181,18 @@ async fn settle(ends: &Ends, record: &LibvirtStreamRecord) -> Outcome {
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// The domain's presence at the source. While libvirt's migration job runs it is held
+/// whatever its state says: libvirt reports it running for a while after QEMU stopped it
+/// for the switchover (seen right after the stream's end), and only the job's end (its
+/// Confirm step, which resumes or removes it) settles it.
+async fn presence_at_source(libvirt: &Libvirt, domain: &str) -> Result<Presence> {
+    let presence = presence(libvirt, domain).await?;
+    if presence == Presence::Running && libvirt.has_job(domain).await? {
+        return Ok(Presence::Held);
+    }
+    Ok(presence)
 }
 
 /// The domain's presence in `libvirt`; an error when libvirt does not answer.
@@ -239,6 +253,7 @@ mod tests {
         assert_eq!(Presence::of(Some("running")), Presence::Running);
         assert_eq!(Presence::of(Some("paused")), Presence::Held);
         assert_eq!(Presence::of(Some("pmsuspended")), Presence::Held);
+        assert_eq!(Presence::of(Some("in shutdown")), Presence::Held);
         assert_eq!(Presence::of(Some("shut off")), Presence::Absent);
         assert_eq!(Presence::of(None), Presence::Absent);
     }
