@@ -113,14 +113,19 @@ pub(crate) fn set_send_buffer(tcp: &impl AsRawFd, size: u32) {
 
 /// A socket's send buffer as the kernel sized it, bookkeeping included.
 fn send_buffer(tcp: &impl AsRawFd) -> Option<u32> {
+    buffer_size(tcp, libc::SO_SNDBUF)
+}
+
+/// A socket's buffer (`SO_SNDBUF` or `SO_RCVBUF`) as the kernel sized it.
+fn buffer_size(socket: &impl AsRawFd, option: libc::c_int) -> Option<u32> {
     let mut value: libc::c_int = 0;
     let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).ok()?;
     // SAFETY: getsockopt writes at most `len` bytes into `value`, which is that large.
     let rc = unsafe {
         libc::getsockopt(
-            tcp.as_raw_fd(),
+            socket.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
+            option,
             std::ptr::from_mut(&mut value).cast(),
             &mut len,
         )
@@ -153,20 +158,7 @@ mod tests {
     }
 
     fn receive_buffer(socket: &impl AsRawFd) -> u32 {
-        let mut value: libc::c_int = 0;
-        let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).expect("small");
-        // SAFETY: getsockopt writes at most `len` bytes into `value`, which is that large.
-        let rc = unsafe {
-            libc::getsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUF,
-                std::ptr::from_mut(&mut value).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
-        u32::try_from(value).expect("positive")
+        buffer_size(socket, libc::SO_RCVBUF).expect("SO_RCVBUF")
     }
 
     #[test]
