@@ -1349,6 +1349,10 @@ pub(crate) fn corrupt_for_test(item: Bytes, start: u64, at: Option<u64>) -> (Byt
     (altered.freeze(), true)
 }
 
+/// QEMU's `max-bandwidth` for its stream into this agent: no cap a host reaches (a unix
+/// socket's rate is tens of Gbit/s), so the agent's reading is what paces QEMU.
+const LOCAL_HOP_BYTES_PER_S: u64 = 1 << 40;
+
 async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Result<()> {
     let hold = lookahead(req);
     qmp.execute(&control::stream_capabilities(
@@ -1385,6 +1389,9 @@ async fn set_capabilities(qmp: &Qmp, req: &MigrationRequest, disks: bool) -> Res
         } else {
             0
         }),
+        // QEMU's stream goes to this agent, which paces the WAN itself: QEMU's own default
+        // (128 MiB/s) would cap the stream before the codec shrinks it.
+        max_bandwidth: Some(LOCAL_HOP_BYTES_PER_S),
         cpu_throttle_initial: req.settings.converge.then_some(THROTTLE_INITIAL_PCT),
         cpu_throttle_increment: req.settings.converge.then_some(THROTTLE_INCREMENT_PCT),
         cpu_throttle_tailslow: req.settings.converge.then_some(true),

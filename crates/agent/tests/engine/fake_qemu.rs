@@ -196,6 +196,8 @@ pub struct Seen {
     pub resumed_at_bytes: Option<u64>,
     /// Capabilities set on.
     pub capabilities: Vec<String>,
+    /// Migration parameters as last set (`migrate-set-parameters`), by QMP name.
+    pub parameters: serde_json::Map<String, Value>,
     /// Source: preempt-channel bytes written. Destination: read, and the main stream's bytes
     /// read when they were.
     pub preempt_bytes: u64,
@@ -444,7 +446,12 @@ async fn run_command(shared: &Arc<Shared>, name: &str, cmd: &Value) -> String {
 async fn execute(shared: &Arc<Shared>, name: &str, args: &Value) -> Result<Value, String> {
     let seen = shared.update(|s| s.clone());
     match name {
-        "qmp_capabilities" | "migrate-set-parameters" => Ok(json!({})),
+        "qmp_capabilities" => Ok(json!({})),
+        "migrate-set-parameters" => {
+            let set = args.as_object().cloned().unwrap_or_default();
+            shared.update(|s| s.parameters.extend(set));
+            Ok(json!({}))
+        }
         "migrate-set-capabilities" => {
             let caps = args["capabilities"].as_array().cloned().unwrap_or_default();
             shared.update(|s| {

@@ -137,6 +137,13 @@ async fn a_migration_commits_with_every_byte_in_each_codec_and_connection_count(
         assert_committed(&pair, &status);
         assert_eq!(status.stream_bytes, captured_stream().len() as u64);
         assert!(pair.destination.seen().ran("cont"));
+        // The agent paces the WAN; QEMU's own cap (128 MiB/s by default) must not pace the
+        // local hop into it.
+        let max_bandwidth = &pair.source.seen().parameters["max-bandwidth"];
+        assert!(
+            max_bandwidth.as_u64().is_some_and(|b| b >= 100 << 30),
+            "{max_bandwidth}"
+        );
         // What the agents keep afterwards: the source its parked connections for the next
         // migration to b, neither a session; both report their footprint.
         wait_for_metric(
