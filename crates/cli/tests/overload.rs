@@ -17,8 +17,8 @@ use common::TestLab;
 use ferry_lab::guest::{GuestLink, GuestReply, Heartbeats};
 use ferry_lab::Site;
 
-/// LAN-like (Overdriver's peers share the data center), the controller sampling memory
-/// every 2 s, each host offering 240 MiB.
+/// LAN-like (Overdriver's peers share the data center), the controller judging memory
+/// pressure every 3 s (each interval by its highest reading), each host offering 240 MiB.
 const LAB: &[&str] = &[
     "--libvirt",
     "--controller",
@@ -136,6 +136,8 @@ fn a_short_burst_swaps_to_a_peer_and_a_lasting_one_migrates() {
             &["mem start mib=8 pattern=ws rate=0.5 hot=2"],
         ));
     }
+    // The controller knows a VM once its host's agent has listed it (every 2-3 s).
+    wait_for(&t, "vms", |v| v.iter().any(|vm| vm["name"] == "ov4"));
     common::succeeded(
         "ferry fleet migrate",
         &fleet(&t, &["migrate", "ov4", "--to-site", "b"]),

@@ -14,6 +14,11 @@
 //! With `overload_swap = false` every overload is met by a migration at its first sample
 //! (Overdriver's baseline, for comparison: `ferry bench --overload`).
 //!
+//! Each interval is judged by its highest reading: the host's use is read at every round of
+//! the leader (its VMs' figures as the agents last reported them), and the interval's peak is
+//! what the detector observes. One reading per interval missed a burst shorter than the
+//! interval whenever the burst fell between two readings.
+//!
 //! A host is not sampled while a VM leaves it (its use is about to change), nor when a guest's
 //! use (its balloon's statistics) or a swap's is not reported: the sample would be a guess.
 
@@ -39,6 +44,8 @@ pub struct OverloadState {
 struct Watch {
     detector: Detector,
     sampled_ms: u64,
+    /// The highest reading since the last observation.
+    peak: Option<Sample>,
     pressure: Pressure,
     used_bytes: u64,
     swapped_bytes: u64,
@@ -57,6 +64,7 @@ const SQUEEZE_SLACK: u64 = 8 * MIB;
 const MAX_SQUEEZE_SHARE: u64 = 4;
 
 /// One host's memory in use, as sampled.
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Sample {
     used_bytes: u64,
     swapped_bytes: u64,
@@ -161,19 +169,17 @@ impl Controller {
                 let watch = hosts.entry(host.name.clone()).or_insert_with(|| Watch {
                     detector: Detector::new(DetectorSettings::default()),
                     sampled_ms: 0,
+                    peak: None,
                     pressure: Pressure::Normal,
                     used_bytes: 0,
                     swapped_bytes: 0,
                     capacity_bytes: capacity.mem_bytes,
                     relieving: false,
                 });
-                if leaving || now.saturating_sub(watch.sampled_ms) < interval_ms {
-                    continue;
-                }
-                let Some(s) = sample(loaded, host) else {
+                let reading = (!leaving).then(|| sample(loaded, host)).flatten();
+                let Some(s) = watch.interval_peak(now, interval_ms, leaving, reading) else {
                     continue;
                 };
-                watch.sampled_ms = now;
                 watch.used_bytes = s.used_bytes;
                 watch.swapped_bytes = s.swapped_bytes;
                 watch.capacity_bytes = capacity.mem_bytes;
@@ -397,6 +403,34 @@ impl Controller {
     }
 }
 
+impl Watch {
+    /// Takes this round's reading (`None`: none could be made); at the interval's end, its
+    /// highest reading, to observe. A VM leaving the host voids what was read before.
+    fn interval_peak(
+        &mut self,
+        now_ms: u64,
+        interval_ms: u64,
+        leaving: bool,
+        reading: Option<Sample>,
+    ) -> Option<Sample> {
+        if leaving {
+            self.peak = None;
+            return None;
+        }
+        if let Some(r) = reading {
+            if self.peak.is_none_or(|p| r.used_bytes > p.used_bytes) {
+                self.peak = Some(r);
+            }
+        }
+        if now_ms.saturating_sub(self.sampled_ms) < interval_ms {
+            return None;
+        }
+        let peak = self.peak.take()?;
+        self.sampled_ms = now_ms;
+        Some(peak)
+    }
+}
+
 #[derive(Debug, PartialEq, Eq)]
 enum Action {
     Nothing,
@@ -486,6 +520,64 @@ mod tests {
         assert_eq!(pressure, Pressure::Transient);
         let (action, _) = decide(relieving, pressure, detector.in_episode(), true, 1);
         assert_eq!(action, Action::Swap(1));
+    }
+
+    fn watch() -> Watch {
+        Watch {
+            detector: Detector::new(DetectorSettings::default()),
+            sampled_ms: 0,
+            peak: None,
+            pressure: Pressure::Normal,
+            used_bytes: 0,
+            swapped_bytes: 0,
+            capacity_bytes: 0,
+            relieving: false,
+        }
+    }
+
+    fn reading(mib: u64) -> Option<Sample> {
+        Some(Sample {
+            used_bytes: mib * MIB,
+            swapped_bytes: 0,
+        })
+    }
+
+    #[test]
+    fn an_interval_is_judged_by_its_highest_reading() {
+        let mut w = watch();
+        // The first round observes at once; then one observation every 3 s of 1 s rounds.
+        assert_eq!(
+            w.interval_peak(10_000, 3000, false, reading(100)),
+            reading(100)
+        );
+        // A burst read only at 11 s, gone by the interval's end: observed at 13 s.
+        assert_eq!(w.interval_peak(11_000, 3000, false, reading(250)), None);
+        assert_eq!(w.interval_peak(12_000, 3000, false, reading(100)), None);
+        assert_eq!(
+            w.interval_peak(13_000, 3000, false, reading(100)),
+            reading(250)
+        );
+        // The next interval starts afresh.
+        assert_eq!(w.interval_peak(14_000, 3000, false, reading(120)), None);
+        assert_eq!(w.interval_peak(16_000, 3000, false, None), reading(120));
+    }
+
+    #[test]
+    fn an_interval_without_a_reading_is_not_observed_and_a_leaving_vm_voids_it() {
+        let mut w = watch();
+        // Nothing reported: no observation, the next reading is observed at once.
+        assert_eq!(w.interval_peak(10_000, 3000, false, None), None);
+        assert_eq!(
+            w.interval_peak(11_000, 3000, false, reading(90)),
+            reading(90)
+        );
+        // A burst read, then a VM leaves: what was read before does not count.
+        assert_eq!(w.interval_peak(12_000, 3000, false, reading(300)), None);
+        assert_eq!(w.interval_peak(13_000, 3000, true, reading(300)), None);
+        assert_eq!(
+            w.interval_peak(14_000, 3000, false, reading(80)),
+            reading(80)
+        );
     }
 
     #[test]
