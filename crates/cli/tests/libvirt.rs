@@ -530,3 +530,68 @@ fn a_source_agent_restarted_after_the_stream_ended_leaves_the_domain_running_onc
         assert_eq!(verify(&t, &rt, Site::A, name, false), 0, "at site a");
     }
 }
+
+/// The destination agent lost after libvirt's Finish resumed the domain at site b, before its
+/// answer reached site a: on a 1 s round trip the answer is still on its way when the domain
+/// runs there, and it is cut (the WAN down, its connections reset) while site b's agent is
+/// killed and started again. libvirt's source takes the migration for failed and resumes its
+/// copy; the source agent, running all along, watches the domain since the stream's end, finds
+/// it at both ends and pauses the copy at site a.
+#[test]
+fn a_destination_agent_lost_after_libvirt_resumed_the_domain_there_leaves_it_running_once() {
+    let name = "lv6";
+    let (t, rt) = lab_with_a_busy_domain("lvd", name);
+    let mut child = spawn_migrate_to_b(&t, name);
+    // Once memory flows (the agents' tunnels and libvirt's connection are up), every answer
+    // across the WAN takes 0.5 s to arrive.
+    let flowing = ferry_lab::topology::wait_until(Duration::from_secs(120), || {
+        t.migrations(Site::A)
+            .iter()
+            .any(|m| m["vm"] == name && m["phase"] == "memory")
+    });
+    assert!(flowing.is_ok(), "memory never flowed");
+    t.ok(&["lab", "set", "--rate-mbit", "200", "--rtt-ms", "1000"]);
+    let resumed = ferry_lab::topology::wait_until(Duration::from_secs(300), || {
+        t.domstate(Site::B, name).as_deref() == Some("running")
+            || child.try_wait().unwrap().is_some()
+    });
+    assert!(
+        resumed.is_ok() && child.try_wait().unwrap().is_none(),
+        "the domain never ran at site b: {:?}, {}",
+        t.migrations(Site::A),
+        child
+            .try_wait()
+            .unwrap()
+            .map(|_| common::text(&child.wait_with_output().unwrap()))
+            .unwrap_or_default()
+    );
+    t.ok(&["lab", "outage", "down"]);
+    t.ok(&["lab", "outage", "reset"]);
+    ferry_lab::agents::kill(&t.lab, Site::B).unwrap();
+    let ferry = std::path::Path::new(common::ferry_bin());
+    ferry_lab::agents::restart(&t.lab, Site::B, ferry).unwrap();
+    t.ok(&["lab", "set", "--rate-mbit", "200", "--rtt-ms", "20"]);
+    t.ok(&["lab", "outage", "up"]);
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", common::text(&out));
+    let fenced = ferry_lab::topology::wait_until(Duration::from_secs(180), || {
+        t.domstate(Site::A, name).as_deref() == Some("paused")
+    });
+    let (a, b) = (t.domstate(Site::A, name), t.domstate(Site::B, name));
+    assert!(
+        fenced.is_ok(),
+        "at a {a:?}, at b {b:?}: {:?}",
+        t.migrations(Site::A)
+    );
+    assert_eq!(b.as_deref(), Some("running"), "at a {a:?}");
+    assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
+    let failed = t
+        .migrations(Site::A)
+        .into_iter()
+        .find(|m| m["vm"] == name && m["state"] == "failed");
+    let error = failed.as_ref().and_then(|m| m["error"].as_str());
+    assert!(
+        error.is_some_and(|e| e.contains("ran at both ends")),
+        "{failed:?}"
+    );
+}
