@@ -477,6 +477,18 @@ fn agents_restarted_during_a_libvirt_migration_leave_the_domain_at_the_source() 
     assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
 }
 
+/// Site a's agent's failed migration of `name`, and its error.
+fn failed_at_a(t: &TestLab, name: &str) -> (Option<serde_json::Value>, Option<String>) {
+    let failed = t
+        .migrations(Site::A)
+        .into_iter()
+        .find(|m| m["vm"] == name && m["state"] == "failed");
+    let error = failed
+        .as_ref()
+        .and_then(|m| m["error"].as_str().map(str::to_owned));
+    (failed, error)
+}
+
 /// The source agent killed once QEMU's stream ended, and started again: libvirt's Finish call
 /// crosses the RPC tunnel, and once it is cut libvirt's source takes the migration for failed
 /// and resumes its copy, although the destination may have resumed the domain already (it
@@ -517,11 +529,7 @@ fn a_source_agent_restarted_after_the_stream_ended_leaves_the_domain_running_onc
     assert!(settled.is_ok(), "at a {a:?}, at b {b:?}");
     if b.as_deref() == Some("running") {
         assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
-        let fenced = t
-            .migrations(Site::A)
-            .into_iter()
-            .find(|m| m["vm"] == name && m["state"] == "failed");
-        let error = fenced.as_ref().and_then(|m| m["error"].as_str());
+        let (fenced, error) = failed_at_a(&t, name);
         assert!(
             a.is_none() || error.is_some_and(|e| e.contains("ran at both ends")),
             "at a {a:?}: {fenced:?}"
@@ -585,11 +593,7 @@ fn a_destination_agent_lost_after_libvirt_resumed_the_domain_there_leaves_it_run
     );
     assert_eq!(b.as_deref(), Some("running"), "at a {a:?}");
     assert_eq!(verify(&t, &rt, Site::B, name, false), 0, "at site b");
-    let failed = t
-        .migrations(Site::A)
-        .into_iter()
-        .find(|m| m["vm"] == name && m["state"] == "failed");
-    let error = failed.as_ref().and_then(|m| m["error"].as_str());
+    let (failed, error) = failed_at_a(&t, name);
     assert!(
         error.is_some_and(|e| e.contains("ran at both ends")),
         "{failed:?}"

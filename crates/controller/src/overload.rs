@@ -166,16 +166,9 @@ impl Controller {
                 .any(|m| m.source_host == host.name && !m.state.finished());
             let action = {
                 let mut hosts = self.overload.hosts.lock().expect("overload lock");
-                let watch = hosts.entry(host.name.clone()).or_insert_with(|| Watch {
-                    detector: Detector::new(DetectorSettings::default()),
-                    sampled_ms: 0,
-                    peak: None,
-                    pressure: Pressure::Normal,
-                    used_bytes: 0,
-                    swapped_bytes: 0,
-                    capacity_bytes: capacity.mem_bytes,
-                    relieving: false,
-                });
+                let watch = hosts
+                    .entry(host.name.clone())
+                    .or_insert_with(|| Watch::new(capacity.mem_bytes));
                 let reading = (!leaving).then(|| sample(loaded, host)).flatten();
                 let Some(s) = watch.interval_peak(now, interval_ms, leaving, reading) else {
                     continue;
@@ -404,6 +397,20 @@ impl Controller {
 }
 
 impl Watch {
+    /// A host not yet observed, offering `capacity_bytes`.
+    fn new(capacity_bytes: u64) -> Watch {
+        Watch {
+            detector: Detector::new(DetectorSettings::default()),
+            sampled_ms: 0,
+            peak: None,
+            pressure: Pressure::Normal,
+            used_bytes: 0,
+            swapped_bytes: 0,
+            capacity_bytes,
+            relieving: false,
+        }
+    }
+
     /// Takes this round's reading (`None`: none could be made); at the interval's end, its
     /// highest reading, to observe. A VM leaving the host voids what was read before.
     fn interval_peak(
@@ -522,19 +529,6 @@ mod tests {
         assert_eq!(action, Action::Swap(1));
     }
 
-    fn watch() -> Watch {
-        Watch {
-            detector: Detector::new(DetectorSettings::default()),
-            sampled_ms: 0,
-            peak: None,
-            pressure: Pressure::Normal,
-            used_bytes: 0,
-            swapped_bytes: 0,
-            capacity_bytes: 0,
-            relieving: false,
-        }
-    }
-
     fn reading(mib: u64) -> Option<Sample> {
         Some(Sample {
             used_bytes: mib * MIB,
@@ -544,7 +538,7 @@ mod tests {
 
     #[test]
     fn an_interval_is_judged_by_its_highest_reading() {
-        let mut w = watch();
+        let mut w = Watch::new(0);
         // The first round observes at once; then one observation every 3 s of 1 s rounds.
         assert_eq!(
             w.interval_peak(10_000, 3000, false, reading(100)),
@@ -564,7 +558,7 @@ mod tests {
 
     #[test]
     fn an_interval_without_a_reading_is_not_observed_and_a_leaving_vm_voids_it() {
-        let mut w = watch();
+        let mut w = Watch::new(0);
         // Nothing reported: no observation, the next reading is observed at once.
         assert_eq!(w.interval_peak(10_000, 3000, false, None), None);
         assert_eq!(
