@@ -36,6 +36,7 @@ fuzz_target!(|data: &[u8]| {
         let export = Export {
             name: "disk0".into(),
             size: 1 << 20,
+            write_zeroes: true,
         };
         let served = tokio::spawn(async move { serve(server, &export, Arc::new(Sink)).await });
         let data = data.to_vec();

@@ -263,6 +263,7 @@ impl Exports for Loan {
             let export = Export {
                 name: name.to_owned(),
                 size,
+                write_zeroes: true,
             };
             Ok(Opened {
                 export,

@@ -91,6 +91,7 @@ fn serve_once(
         let export = Export {
             name: "disk0".into(),
             size,
+            write_zeroes: true,
         };
         serve(stream, &export, blocks).await
     });
@@ -427,6 +428,7 @@ async fn a_server_dropped_mid_request_closes_the_connection() {
         let export = Export {
             name: "disk0".into(),
             size: MIB,
+            write_zeroes: true,
         };
         serve(stream, &export, Arc::new(StuckBlocks { began })).await
     });

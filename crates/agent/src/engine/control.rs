@@ -84,7 +84,9 @@ pub struct ImageShape {
 /// 13: `Verdict::PostcopyPaused` (the destination's agent restarted past the switch: the
 /// running source resumes the migration).
 /// 14: `Lost` and `Verdict::Lost` (a QEMU exited past the postcopy switch).
-pub const CONTROL_VERSION: u32 = 14;
+/// 15: `NbdExportOpened.older_copy` and `NbdOlderCopy` (a disk relay's destination indexes the
+/// copy it holds; a version-14 source would take the index's announcement for a stray message).
+pub const CONTROL_VERSION: u32 = 15;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,7 +220,14 @@ pub enum Control {
         size: Option<u64>,
         #[serde(default)]
         error: Option<String>,
+        /// The export holds data (an older copy of the disk): its index follows
+        /// (`NbdOlderCopy`), and the source must not let QEMU zero the export first.
+        #[serde(default)]
+        older_copy: bool,
     },
+    /// Destination, on a disk relay whose export holds data: its index (the export's blocks
+    /// that hold data, hashed, `codec::disk_base`) follows on [`DISK_BASE`], this long.
+    NbdOlderCopy { index_bytes: u64, index_ms: u64 },
     /// Source, instead of `Prepare`: this session carries one unix-socket connection to the
     /// destination's socket of this kind ([`crate::tunnel`]).
     Tunnel {

@@ -361,7 +361,7 @@ async fn serve(
                     None
                 }
                 Err(why) => {
-                    let key = u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked");
+                    let key = super::disk::index_key(session);
                     let t0 = std::time::Instant::now();
                     let index = d.index(qmp, key).await?;
                     if let Some(index) = &index {

@@ -50,6 +50,9 @@ pub trait Blocks: Send + Sync + 'static {
 pub struct Export {
     pub name: String,
     pub size: u64,
+    /// Offer WRITE_ZEROES. QEMU's mirror first zeroes a whole target that takes them (with its
+    /// own `discard=unmap`), which must not happen to a target already holding the data.
+    pub write_zeroes: bool,
 }
 
 /// Where a server finds the export a client names during the handshake: one fixed export, or
@@ -116,6 +119,16 @@ where
     transmission(stream, &export, blocks).await
 }
 
+/// What the server offers on `export`.
+fn transmission_flags(export: &Export) -> u16 {
+    let zeroes = if export.write_zeroes {
+        TFLAG_SEND_WRITE_ZEROES
+    } else {
+        0
+    };
+    TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_TRIM | zeroes
+}
+
 /// The fixed-newstyle handshake. The export the client chose when transmission begins; None
 /// when it aborted.
 async fn handshake<S, E>(stream: &mut S, exports: &E) -> Result<Option<Export>, NbdError>
@@ -141,7 +154,6 @@ where
         return Err(NbdError::ClientFlags(client_flags));
     }
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
-    let tflags = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
 
     loop {
         let magic = match stream.read_u64().await {
@@ -174,7 +186,7 @@ where
                 };
                 let mut reply = Vec::with_capacity(10 + 124);
                 reply.extend_from_slice(&export.size.to_be_bytes());
-                reply.extend_from_slice(&tflags.to_be_bytes());
+                reply.extend_from_slice(&transmission_flags(&export).to_be_bytes());
                 if !no_zeroes {
                     reply.extend_from_slice(&[0u8; 124]);
                 }
@@ -197,7 +209,7 @@ where
                 let mut info = Vec::with_capacity(12);
                 info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 info.extend_from_slice(&export.size.to_be_bytes());
-                info.extend_from_slice(&tflags.to_be_bytes());
+                info.extend_from_slice(&transmission_flags(&export).to_be_bytes());
                 option_reply(stream, option, REP_INFO, &info).await?;
                 if go.infos.contains(&INFO_BLOCK_SIZE) {
                     let mut bs = Vec::with_capacity(14);

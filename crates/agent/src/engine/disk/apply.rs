@@ -27,6 +27,43 @@ use tokio::task::JoinSet;
 use super::{ack_frame, codec_options, digest_so_far, hash_op, Digest32, Frame};
 use crate::engine::control::{DiskPlan, DISK, DISK_ACK};
 
+/// Adds what `ranges` (offset, length; in order, not overlapping, 4 KiB aligned but for the
+/// disk's end) of disk `node` hold to `builder`, read through `client`.
+pub(super) async fn index_ranges(
+    client: &NbdClient,
+    node: &str,
+    ranges: &[(u64, u64)],
+    builder: &mut BaseBuilder,
+) -> Result<()> {
+    // Reads pipelined a few deep: the export is local, the hashing cheap.
+    let mut reads = std::collections::VecDeque::new();
+    for &(start, len) in ranges {
+        let mut at = start;
+        while at < start + len {
+            let n = (start + len - at).min(INDEX_READ_BYTES);
+            reads.push_back((at, n));
+            at += n;
+        }
+    }
+    let mut pending = std::collections::VecDeque::new();
+    while !reads.is_empty() || !pending.is_empty() {
+        while pending.len() < INDEX_READS_IN_FLIGHT {
+            let Some((at, len)) = reads.pop_front() else {
+                break;
+            };
+            let len = u32::try_from(len).expect("capped");
+            pending.push_back((at, client.submit(Command::Read, 0, at, len, None).await?));
+        }
+        let (at, p) = pending.pop_front().expect("non-empty");
+        let data = p
+            .wait()
+            .await
+            .with_context(|| format!("reading disk {node:?} to index it"))?;
+        builder.add(at, &data);
+    }
+    Ok(())
+}
+
 /// Requests in flight per migration: XvMotion's 32 outstanding IOs per destination volume.
 const MAX_IN_FLIGHT: usize = 32;
 /// The largest write or zero request sent in one NBD request (QEMU's server takes 32 MiB).
@@ -139,24 +176,7 @@ impl DestinationDisks {
         let mut builder = BaseBuilder::new(key);
         for (client, plan) in self.clients.iter().zip(&self.plans) {
             builder.disk(plan.size);
-            // Reads pipelined a few deep: the export is local, the hashing cheap.
-            let mut pending = std::collections::VecDeque::new();
-            let mut offset = 0u64;
-            while offset < plan.size || !pending.is_empty() {
-                while offset < plan.size && pending.len() < INDEX_READS_IN_FLIGHT {
-                    let len =
-                        u32::try_from((plan.size - offset).min(INDEX_READ_BYTES)).expect("capped");
-                    let p = client.submit(Command::Read, 0, offset, len, None).await?;
-                    pending.push_back((offset, p));
-                    offset += u64::from(len);
-                }
-                let (at, p) = pending.pop_front().expect("non-empty");
-                let data = p
-                    .wait()
-                    .await
-                    .with_context(|| format!("reading disk {:?} to index it", plan.node))?;
-                builder.add(at, &data);
-            }
+            index_ranges(client, &plan.node, &[(0, plan.size)], &mut builder).await?;
         }
         Ok(Some(builder.finish()))
     }

@@ -11,6 +11,7 @@
 //! switchover (source paused at `pre-switchover`) `block-job-cancel` completes
 //! the mirrors without pivoting, the buffer closes, and its last snapshots go out.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -160,6 +161,17 @@ pub enum OlderCopy {
     Index(DiskBase),
     /// Untouched since the VM left it: what changed since is in the source's dirty bitmaps.
     Since(BitmapView),
+}
+
+/// What the sender knows of the destination's older copy when it starts sending: on ferry's
+/// own path before the copy starts, on libvirt's ([`super::relay`]) once the destination has
+/// indexed the export QEMU's mirror chose.
+#[derive(Default)]
+pub struct Known {
+    pub base: Option<OlderCopy>,
+    /// Why it was indexed rather than matched by bitmap.
+    pub note: Option<String>,
+    pub index_ms: Option<u64>,
 }
 
 /// What the destination said it already holds.
@@ -400,6 +412,7 @@ impl SourceDisks {
             let export = Export {
                 name: plan.node.clone(),
                 size: plan.size,
+                write_zeroes: true,
             };
             servers.push(tokio::spawn(serve_mirror(listener, export, target)));
             sockets.push(sock);
@@ -409,15 +422,6 @@ impl SourceDisks {
             disks: u32::try_from(plans.len()).expect("at most 255 disks"),
             overlay_only: u32::try_from(top_only.iter().filter(|t| **t).count())
                 .expect("at most 255 disks"),
-            older_copy: base.as_ref().map(|b| {
-                match b {
-                    OlderCopy::Index(_) => "index",
-                    OlderCopy::Since(_) => "bitmap",
-                }
-                .to_owned()
-            }),
-            older_copy_note: base_note,
-            index_ms,
             images_made,
             copy: Some(
                 if background {
@@ -433,6 +437,11 @@ impl SourceDisks {
         // (it does when the target can zero cheaply, `discard=unmap`): it copies every block,
         // and the ones the destination holds go as SAME.
         let zero_first = base.is_none();
+        let known = Known {
+            base,
+            note: base_note,
+            index_ms,
+        };
         let (acks, sender) = start_channel(
             Sending {
                 buffer: buffer.clone(),
@@ -443,7 +452,7 @@ impl SourceDisks {
                 status,
                 corrupt_at,
             },
-            base,
+            std::future::ready(known),
         );
         let baseline = match (pacing_floor.filter(|_| background), io_before) {
             (Some(_), Some(before)) => pacing_baseline(qmp, before).await,
@@ -823,7 +832,7 @@ async fn serve_mirror(listener: UnixListener, export: Export, target: Arc<Mirror
 /// that takes the destination's acknowledgements, sharing the digests sent.
 pub(super) fn start_channel(
     sending: Sending,
-    base: Option<OlderCopy>,
+    known: impl Future<Output = Known> + Send + 'static,
 ) -> (JoinHandle<()>, JoinHandle<Result<(u64, String)>>) {
     let digests = Arc::new(SentDigests::default());
     let acks = tokio::spawn(take_acks(
@@ -833,7 +842,7 @@ pub(super) fn start_channel(
     ));
     let session = sending.session.clone();
     let sender = tokio::spawn(async move {
-        let sent = send_snapshots(sending, digests, base).await;
+        let sent = send_snapshots(sending, digests, known.await).await;
         // Nothing would empty the buffer any more: the mirror would wait for room, and the
         // migration for the mirror, until its deadline. The session's failure ends it now.
         if let Err(e) = &sent {
@@ -890,7 +899,7 @@ pub(super) struct Sending {
 async fn send_snapshots(
     sending: Sending,
     digests: Arc<SentDigests>,
-    mut base: Option<OlderCopy>,
+    known: Known,
 ) -> Result<(u64, String)> {
     let Sending {
         buffer,
@@ -901,6 +910,20 @@ async fn send_snapshots(
         status,
         corrupt_at,
     } = sending;
+    let Known {
+        mut base,
+        note,
+        index_ms,
+    } = known;
+    report.older_copy = base.as_ref().map(|b| {
+        match b {
+            OlderCopy::Index(_) => "index",
+            OlderCopy::Since(_) => "bitmap",
+        }
+        .to_owned()
+    });
+    report.older_copy_note = note;
+    report.index_ms = index_ms;
     let mut data_sent = 0u64;
     let mut encoder = DiskEncoder::new(codec_options(codec));
     let mut zstd = disk_frame_zstd(codec, link_rate_mbit);

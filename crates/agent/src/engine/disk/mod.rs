@@ -140,6 +140,12 @@ impl Frame {
 }
 
 /// The digest ([`crate::engine::digest`]) of the disk operations through some snapshot.
+/// The key of a session's disk index (`codec::disk_base`): both ends know it, the guest does
+/// not, so it cannot craft blocks that collide with the destination's.
+pub fn index_key(session: &ferry_wire::Session) -> u64 {
+    u64::try_from(session.id().0 & u128::from(u64::MAX)).expect("masked")
+}
+
 pub type Digest32 = [u8; 32];
 
 pub fn ack_frame(applied: u64, digest: &Digest32) -> Bytes {

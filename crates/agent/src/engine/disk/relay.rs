@@ -16,19 +16,30 @@
 //! names ([`Control::NbdExport`]), the destination opens it on its QEMU's NBD server and
 //! answers with its size ([`Control::NbdExportOpened`]); at the end the source sends the
 //! operations' digest ([`Control::DiskEnd`]).
+//!
+//! A return to an older copy (CloudNet's follow the sun, libvirt keeping the image the domain
+//! left): libvirt reuses an image that exists at the destination, so the export may hold the
+//! disk as it was. The destination asks its QEMU where the export holds data (NBD block
+//! status, `base:allocation`); if anywhere, it says so in its answer, indexes those ranges
+//! and sends the index ([`Control::NbdOlderCopy`], [`control::DISK_BASE`]). The source then
+//! offers QEMU no WRITE_ZEROES, so its mirror copies every block instead of zeroing the export
+//! first, and its sender holds the buffered writes until the index came: blocks the export
+//! holds go as SAME, as on ferry's own path. libvirt's disks carry no dirty bitmaps of
+//! ferry's, so the index is the only way here.
 
 use std::path::Path;
 use std::sync::{Arc, Weak};
 
 use anyhow::{bail, Context, Result};
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
-use ferry_qemu::nbd::{self, Client, Export, Exports};
+use ferry_codec::{disk_base, BaseBuilder, DiskBase};
+use ferry_qemu::nbd::{self, BlockStatusReader, Client, Export, Exports};
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, oneshot, Mutex};
 
-use super::apply::DestinationDisks;
+use super::apply::{index_ranges, DestinationDisks};
 use super::buffer::TransmitBuffer;
-use super::mirror::{start_channel, MirrorTarget, Sending};
+use super::mirror::{start_channel, Known, MirrorTarget, OlderCopy, Sending};
 use crate::engine::control::{self, Control, DiskPlan};
 use crate::engine::status::Shared;
 use ferry_wire::Session;
@@ -86,6 +97,10 @@ impl RelaySource {
             disks: 1,
             ..DiskReport::default()
         };
+        // The sender starts once the destination said what its export holds; QEMU's writes
+        // wait in the buffer meanwhile. (No answer at all: nothing is known, nothing is SAME.)
+        let (known_tx, known_rx) = oneshot::channel();
+        let known = async move { known_rx.await.unwrap_or_default() };
         let (acks, sender) = start_channel(
             Sending {
                 buffer: buffer.clone(),
@@ -96,7 +111,7 @@ impl RelaySource {
                 status,
                 corrupt_at: None,
             },
-            None,
+            known,
         );
         let (acks, mut sender) = (AbortOnDrop(acks), AbortOnDrop(sender));
         let (opened_tx, opened_rx) = mpsc::channel(1);
@@ -112,7 +127,7 @@ impl RelaySource {
         });
         let served = tokio::select! {
             end = nbd::serve(conn, &exports, target) => end.context("QEMU's NBD connection"),
-            e = control_from_destination(session, opened_tx) => Err(e),
+            e = control_from_destination(session, opened_tx, known_tx) => Err(e),
         };
         buffer.close();
         if let Err(e) = served {
@@ -126,21 +141,69 @@ impl RelaySource {
     }
 }
 
+/// The export QEMU chose, as the destination opened it.
+#[derive(Debug, Clone, Copy)]
+struct Opened {
+    size: u64,
+    /// It holds data: its index follows.
+    older_copy: bool,
+}
+
 /// The destination's control messages during a relayed connection: the export's size
-/// (handed to the handshake), or why it stops. Returns only with an error.
+/// (handed to the handshake) and what it holds (handed to the sender), or why it stops.
+/// Returns only with an error.
 async fn control_from_destination(
     session: &Session,
-    opened: mpsc::Sender<Result<u64, String>>,
+    opened: mpsc::Sender<Result<Opened, String>>,
+    known: oneshot::Sender<Known>,
 ) -> anyhow::Error {
+    let mut known = Some(known);
+    let mut size = None;
     loop {
         match control::recv(session).await {
-            Ok(Control::NbdExportOpened { size, error }) => {
-                let answer = match (size, error) {
-                    (Some(size), None) => Ok(size),
-                    (_, error) => Err(error.unwrap_or_else(|| "no size".into())),
-                };
+            Ok(Control::NbdExportOpened {
+                size: Some(bytes),
+                error: None,
+                older_copy,
+            }) => {
+                size = Some(bytes);
+                if !older_copy {
+                    if let Some(k) = known.take() {
+                        let _ = k.send(Known::default());
+                    }
+                }
+                let answer = Ok(Opened {
+                    size: bytes,
+                    older_copy,
+                });
                 if opened.send(answer).await.is_err() {
                     return anyhow::anyhow!("the handshake ended before the destination answered");
+                }
+            }
+            Ok(Control::NbdExportOpened { error, .. }) => {
+                let answer = Err(error.unwrap_or_else(|| "no size".into()));
+                if opened.send(answer).await.is_err() {
+                    return anyhow::anyhow!("the handshake ended before the destination answered");
+                }
+            }
+            Ok(Control::NbdOlderCopy {
+                index_bytes,
+                index_ms,
+            }) => {
+                let (Some(size), Some(k)) = (size, known.take()) else {
+                    return anyhow::anyhow!(
+                        "the destination sent an index without an export holding data"
+                    );
+                };
+                match receive_index(session, index_bytes, size).await {
+                    Ok(base) => {
+                        let _ = k.send(Known {
+                            base: Some(OlderCopy::Index(base)),
+                            note: Some(LIBVIRT_INDEX_NOTE.into()),
+                            index_ms: Some(index_ms),
+                        });
+                    }
+                    Err(e) => return e,
                 }
             }
             Ok(Control::Abort { reason }) => return anyhow::anyhow!("{reason}"),
@@ -152,11 +215,30 @@ async fn control_from_destination(
     }
 }
 
+/// Why a relayed disk's older copy is indexed, for the report.
+const LIBVIRT_INDEX_NOTE: &str =
+    "libvirt's disk copy: the image at the destination was indexed (no dirty bitmaps of ferry's on libvirt's disks)";
+
+/// The index of the destination's export, `index_bytes` long, for an export of `size` bytes.
+async fn receive_index(session: &Session, index_bytes: u64, size: u64) -> Result<DiskBase> {
+    let blob = control::recv_blob(
+        session,
+        control::DISK_BASE,
+        index_bytes,
+        disk_base::max_index_bytes(&[size]),
+        "disk index",
+    )
+    .await?;
+    tokio::task::spawn_blocking(move || DiskBase::parse(&blob, &[size]))
+        .await?
+        .context("the destination's disk index")
+}
+
 /// The export QEMU names, as the destination QEMU serves it.
 struct RemoteExports {
     session: Session,
     codec: CodecSettings,
-    opened: Mutex<mpsc::Receiver<Result<u64, String>>>,
+    opened: Mutex<mpsc::Receiver<Result<Opened, String>>>,
 }
 
 impl Exports for RemoteExports {
@@ -169,13 +251,14 @@ impl Exports for RemoteExports {
         control::send(&self.session, &ask)
             .await
             .map_err(|e| format!("asking the destination for export {name:?}: {e:#}"))?;
-        let size = opened
+        let opened = opened
             .recv()
             .await
             .ok_or_else(|| format!("the destination did not answer for export {name:?}"))??;
         Ok(Export {
             name: name.to_owned(),
-            size,
+            size: opened.size,
+            write_zeroes: !opened.older_copy,
         })
     }
 
@@ -198,13 +281,17 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
     let (client, plan, codec) = loop {
         match control::recv(session).await? {
             Control::NbdExport { name, codec } => match open(socket, &name).await {
-                Ok(client) => {
+                Ok((client, data)) => {
                     let size = client.info().size;
                     let answer = Control::NbdExportOpened {
                         size: Some(size),
                         error: None,
+                        older_copy: !data.is_empty(),
                     };
                     control::send(session, &answer).await?;
+                    if !data.is_empty() {
+                        send_index(session, &client, &name, &data).await?;
+                    }
                     let plan = DiskPlan {
                         node: name,
                         size,
@@ -219,6 +306,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
                     let answer = Control::NbdExportOpened {
                         size: None,
                         error: Some(format!("at the destination: {e:#}")),
+                        older_copy: false,
                     };
                     control::send(session, &answer).await?;
                 }
@@ -264,13 +352,86 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
     Ok(())
 }
 
-async fn open(socket: &Path, name: &str) -> Result<Client<UnixStream>> {
-    let stream = UnixStream::connect(socket)
+/// Opens export `name` of the QEMU NBD server at `socket`; with it, where the export may hold
+/// data (4 KiB aligned; none for a fresh image).
+async fn open(socket: &Path, name: &str) -> Result<(Client<UnixStream>, Vec<(u64, u64)>)> {
+    // The allocation first, on a connection closed before the export's own opens.
+    let data = data_ranges(socket, name).await;
+    let client = Client::connect(connect(socket).await?, name)
         .await
-        .with_context(|| format!("connect to {}", socket.display()))?;
-    Client::connect(stream, name)
+        .with_context(|| format!("the NBD export {name:?} of the destination QEMU"))?;
+    let size = client.info().size;
+    let data = match data {
+        Ok(data) => block_aligned(&data, size),
+        // QEMU always answers; a server that does not is indexed whole, which is always right
+        // (only slower: every block is read, and QEMU's mirror writes zeroes as data).
+        Err(e) => {
+            tracing::warn!(
+                "disk relay: export {name:?}: {e:#}; indexing all of it in case it holds data"
+            );
+            vec![(0, size)]
+        }
+    };
+    Ok((client, data))
+}
+
+/// Where export `name` of the NBD server at `socket` may hold data.
+async fn data_ranges(socket: &Path, name: &str) -> Result<Vec<(u64, u64)>> {
+    let mut allocation = BlockStatusReader::data(connect(socket).await?, name)
         .await
-        .with_context(|| format!("the NBD export {name:?} of the destination QEMU"))
+        .context("its allocation is unknown")?;
+    let size = allocation.size();
+    allocation
+        .ranges(0, size)
+        .await
+        .context("its allocation is unknown")
+}
+
+async fn connect(socket: &Path) -> Result<UnixStream> {
+    UnixStream::connect(socket)
+        .await
+        .with_context(|| format!("connect to {}", socket.display()))
+}
+
+/// `ranges` (in order) widened to whole 4 KiB blocks, those that then touch merged.
+fn block_aligned(ranges: &[(u64, u64)], size: u64) -> Vec<(u64, u64)> {
+    let block = ferry_codec::PAGE_SIZE as u64;
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &(offset, len) in ranges {
+        let start = offset / block * block;
+        let end = (offset + len).div_ceil(block).saturating_mul(block).min(size);
+        match out.last_mut() {
+            Some((o, l)) if *o + *l >= start => *l = end.max(*o + *l) - *o,
+            _ => out.push((start, end - start)),
+        }
+    }
+    out
+}
+
+/// Indexes the `data` ranges of the export (the rest reads as zeros) and sends the index.
+async fn send_index(
+    session: &Session,
+    client: &Client<UnixStream>,
+    name: &str,
+    data: &[(u64, u64)],
+) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let mut builder = BaseBuilder::new(super::index_key(session));
+    builder.disk(client.info().size);
+    index_ranges(client, name, data, &mut builder).await?;
+    let index = builder.finish();
+    let index_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+    tracing::info!(
+        "disk relay: export {name:?} holds an older copy: {} bytes of data indexed in {index_ms} ms, a {}-byte index",
+        data.iter().map(|r| r.1).sum::<u64>(),
+        index.len()
+    );
+    let announce = Control::NbdOlderCopy {
+        index_bytes: index.len() as u64,
+        index_ms,
+    };
+    control::send(session, &announce).await?;
+    control::send_blob(session, control::DISK_BASE, &index).await
 }
 
 #[cfg(test)]
@@ -287,7 +448,8 @@ mod tests {
     const SIZE: u64 = 4 << 20;
 
     /// The destination QEMU's export: memory, failing every write when told to, and holding
-    /// every write while `held` is locked for writing.
+    /// every write while `held` is locked for writing. Its server cannot say where it holds
+    /// data, so the destination indexes all of it (0xee blocks at first).
     struct MemoryDisk {
         bytes: std::sync::Mutex<Vec<u8>>,
         fail_writes: AtomicBool,
@@ -315,6 +477,11 @@ mod tests {
         }
         async fn flush(&self) -> Result<(), u32> {
             Ok(())
+        }
+        async fn read(&self, offset: u64, len: u32) -> Result<Bytes, u32> {
+            let at = usize::try_from(offset).unwrap();
+            let end = at + usize::try_from(len).unwrap();
+            Ok(Bytes::copy_from_slice(&self.bytes.lock().unwrap()[at..end]))
         }
     }
 
@@ -347,6 +514,7 @@ mod tests {
         mirror: Result<Client<UnixStream>, ferry_qemu::nbd::NbdError>,
         /// The source agent's end of the session.
         session: Session,
+        status: Shared,
         source: tokio::task::JoinHandle<Result<()>>,
         destination: tokio::task::JoinHandle<Result<()>>,
         _dir: TempDir,
@@ -381,6 +549,7 @@ mod tests {
             let export = Export {
                 name: "disk0".into(),
                 size: SIZE,
+                write_zeroes: true,
             };
             while let Ok((conn, _)) = listener.accept().await {
                 let _ = nbd::serve(conn, &export, served.clone()).await;
@@ -404,6 +573,7 @@ mod tests {
             link_rate_mbit: 100.0,
         });
         let session = a.clone();
+        let reported = status.clone();
         let source =
             tokio::spawn(async move { relay.run(agent_end, &a, CodecSettings::ALL, status).await });
         let mirror = Client::connect(qemu_end, export).await;
@@ -411,6 +581,7 @@ mod tests {
             disk,
             mirror,
             session,
+            status: reported,
             source,
             destination,
             _dir: TempDir(dir),
@@ -429,6 +600,7 @@ mod tests {
             let export = Export {
                 name: "disk0".into(),
                 size: SIZE,
+                write_zeroes: true,
             };
             let _ = nbd::serve(server_end, &export, disk).await;
         });
@@ -507,6 +679,55 @@ mod tests {
         mirror.disconnect().await.unwrap();
         r.source.await.unwrap().unwrap();
         r.destination.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn blocks_the_destination_holds_cross_as_same_and_its_export_is_never_zeroed_first() {
+        let r = relay("disk0").await;
+        let mirror = r.mirror.unwrap();
+        // QEMU's mirror zeroes a whole target that takes WRITE_ZEROES before it copies.
+        assert_eq!(
+            mirror.info().flags & proto::TFLAG_SEND_WRITE_ZEROES,
+            0,
+            "{:?}",
+            mirror.info()
+        );
+        // A MiB as the destination holds it, a MiB it does not, a block half old half new.
+        let mut mixed = vec![0xee; 4096];
+        mixed[2048..].fill(5);
+        let writes = [
+            (0, vec![0xee; 1 << 20]),
+            (1 << 20, vec![3; 1 << 20]),
+            (2 << 20, mixed.clone()),
+        ];
+        for (at, data) in writes {
+            let p = mirror.write(at, Bytes::from(data)).await.unwrap();
+            p.wait().await.unwrap();
+        }
+        mirror.flush().await.unwrap().wait().await.unwrap();
+        {
+            let disk = r.disk.bytes.lock().unwrap();
+            assert!(disk[..1 << 20].iter().all(|&b| b == 0xee));
+            assert!(disk[1 << 20..2 << 20].iter().all(|&b| b == 3));
+            assert_eq!(disk[2 << 20..(2 << 20) + 4096], mixed[..]);
+            assert!(disk[(2 << 20) + 4096..].iter().all(|&b| b == 0xee));
+        }
+        mirror.disconnect().await.unwrap();
+        r.source.await.unwrap().unwrap();
+        r.destination.await.unwrap().unwrap();
+        let report = r.status.get().disk.expect("a disk report");
+        assert_eq!(report.older_copy.as_deref(), Some("index"), "{report:?}");
+        assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
+        assert!(report.index_ms.is_some(), "{report:?}");
+    }
+
+    #[test]
+    fn allocation_is_widened_to_whole_blocks_and_merged() {
+        let ranges = [(512, 100), (4096, 10), (10_000, 5_000), (20_480, 4096)];
+        assert_eq!(
+            block_aligned(&ranges, 24_000),
+            vec![(0, 16_384), (20_480, 3_520)]
+        );
     }
 
     #[tokio::test]

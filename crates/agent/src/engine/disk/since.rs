@@ -32,7 +32,7 @@ use ferry_qemu::commands::{
     BlockDirtyBitmapAdd, BlockDirtyBitmapRemove, BlockExportAdd, BlockExportDel, BlockNode,
     BlockdevAdd, BlockdevDel, NbdServerStart, NbdServerStop, QueryNamedBlockNodes,
 };
-use ferry_qemu::nbd::DirtyBitmapReader;
+use ferry_qemu::nbd::BlockStatusReader;
 use ferry_qemu::Qmp;
 use tokio::net::UnixStream;
 
@@ -370,7 +370,7 @@ impl BitmapExports {
             let stream = UnixStream::connect(&self.socket)
                 .await
                 .with_context(|| format!("connecting to {}", self.socket.display()))?;
-            let reader = DirtyBitmapReader::connect(
+            let reader = BlockStatusReader::dirty_bitmap(
                 stream,
                 &plan.node,
                 &marker(ARRIVED, session, &plan.node),
@@ -465,7 +465,7 @@ pub async fn none_busy(qmp: &Qmp, disks: &[String]) -> Result<()> {
 /// after its data was read (it is in the buffer), so a part still clean was unchanged then.
 pub struct BitmapView {
     changed: ChangedSince,
-    readers: Vec<DirtyBitmapReader<UnixStream>>,
+    readers: Vec<BlockStatusReader<UnixStream>>,
 }
 
 impl BitmapView {
@@ -476,7 +476,7 @@ impl BitmapView {
                 continue;
             };
             let dirty = reader
-                .dirty(offset, len)
+                .ranges(offset, len)
                 .await
                 .context("reading the source's dirty bitmap")?;
             for (offset, len) in dirty {

@@ -1,14 +1,16 @@
-//! Which parts of a disk a QEMU dirty bitmap has recorded writes to, read through NBD.
+//! Which parts of an export hold something, read through NBD block status: where a QEMU dirty
+//! bitmap has recorded writes, or where the disk holds data at all.
 //!
 //! QEMU's NBD server offers a bitmap exported with a node as the metadata context
-//! `qemu:dirty-bitmap:NAME`. NBD_CMD_BLOCK_STATUS on a range answers with extents (length,
-//! flags) from the range's start, bit 0 of the flags set where the bitmap is dirty. Block
-//! status needs structured replies, which [`super::client::Client`] does not speak, so this
-//! is a connection of its own: one request at a time, as the source agent asks about each
-//! snapshot before it is sent.
+//! `qemu:dirty-bitmap:NAME`, and every export's allocation as `base:allocation`.
+//! NBD_CMD_BLOCK_STATUS on a range answers with extents (length, flags) from the range's
+//! start: for a bitmap, bit 0 set where it is dirty; for the allocation, bit 1
+//! (NBD_STATE_ZERO) set where the disk reads as zeros. Block status needs structured replies,
+//! which [`super::client::Client`] does not speak, so this is a connection of its own: one
+//! request at a time, as the source agent asks about each snapshot before it is sent.
 //!
 //! ```text
-//! options:      STRUCTURED_REPLY; SET_META_CONTEXT(export, ["qemu:dirty-bitmap:NAME"])
+//! options:      STRUCTURED_REPLY; SET_META_CONTEXT(export, [context])
 //!               -> META_CONTEXT(id, name) ACK; GO(export)
 //! request:      BLOCK_STATUS offset, length
 //! reply chunks: u32 0x668e33ef, u16 flags (DONE = 1), u16 type, u64 cookie, u32 length, data
@@ -28,22 +30,60 @@ const MAX_ASK: u64 = 1 << 30;
 const MAX_CHUNK_BYTES: u32 = 4 + 8 * (1 << 18);
 /// Flag bit 0 of a `qemu:dirty-bitmap:` extent: the bitmap is dirty there.
 const DIRTY: u32 = 1;
+/// Flag bit 1 of a `base:allocation` extent (NBD_STATE_ZERO): the disk reads as zeros there.
+const STATE_ZERO: u32 = 2;
 
-/// A connection that reads one dirty bitmap of one export.
-pub struct DirtyBitmapReader<S> {
+/// Which extents a reader reports.
+#[derive(Debug, Clone, Copy)]
+enum Wanted {
+    /// Dirty in a `qemu:dirty-bitmap:` context.
+    Dirty,
+    /// Not known to read as zeros, in `base:allocation`.
+    Data,
+}
+
+impl Wanted {
+    fn matches(self, flags: u32) -> bool {
+        match self {
+            Wanted::Dirty => flags & DIRTY != 0,
+            Wanted::Data => flags & STATE_ZERO == 0,
+        }
+    }
+}
+
+/// A connection that reads one metadata context of one export.
+pub struct BlockStatusReader<S> {
     stream: S,
     context: u32,
+    wanted: Wanted,
     size: u64,
     next_cookie: u64,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
-    /// Handshakes on `stream` for `export` and the bitmap `bitmap` exported with it.
-    pub async fn connect(
-        mut stream: S,
+impl<S: AsyncRead + AsyncWrite + Unpin> BlockStatusReader<S> {
+    /// Handshakes on `stream` for `export` and the bitmap `bitmap` exported with it; the
+    /// ranges read are the bitmap's dirty ones.
+    pub async fn dirty_bitmap(
+        stream: S,
         export: &str,
         bitmap: &str,
-    ) -> Result<DirtyBitmapReader<S>, NbdError> {
+    ) -> Result<BlockStatusReader<S>, NbdError> {
+        let query = format!("qemu:dirty-bitmap:{bitmap}");
+        Self::connect(stream, export, query, Wanted::Dirty).await
+    }
+
+    /// Handshakes on `stream` for `export`'s allocation; the ranges read are those that may
+    /// hold data (everything else reads as zeros).
+    pub async fn data(stream: S, export: &str) -> Result<BlockStatusReader<S>, NbdError> {
+        Self::connect(stream, export, "base:allocation".into(), Wanted::Data).await
+    }
+
+    async fn connect(
+        mut stream: S,
+        export: &str,
+        query: String,
+        wanted: Wanted,
+    ) -> Result<BlockStatusReader<S>, NbdError> {
         greet(&mut stream).await?;
         send_option(&mut stream, OPT_STRUCTURED_REPLY, &[]).await?;
         match option_reply(&mut stream, OPT_STRUCTURED_REPLY, export).await? {
@@ -55,7 +95,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
                 })
             }
         }
-        let query = format!("qemu:dirty-bitmap:{bitmap}");
         send_option(
             &mut stream,
             OPT_SET_META_CONTEXT,
@@ -84,9 +123,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
             detail: format!("export {export:?} has no context {query:?}"),
         })?;
         let info = go(&mut stream, export).await?;
-        Ok(DirtyBitmapReader {
+        Ok(BlockStatusReader {
             stream,
             context,
+            wanted,
             size: info.size,
             next_cookie: 1,
         })
@@ -97,9 +137,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
         self.size
     }
 
-    /// The dirty ranges `(offset, length)` within `offset..offset + len`, in order, adjacent
-    /// ones merged.
-    pub async fn dirty(&mut self, offset: u64, len: u64) -> Result<Vec<(u64, u64)>, NbdError> {
+    /// The ranges `(offset, length)` within `offset..offset + len` the reader reports (dirty,
+    /// or holding data), in order, adjacent ones merged.
+    pub async fn ranges(&mut self, offset: u64, len: u64) -> Result<Vec<(u64, u64)>, NbdError> {
         let end = offset
             .checked_add(len)
             .filter(|&e| e <= self.size)
@@ -119,7 +159,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
         Ok(out)
     }
 
-    /// One BLOCK_STATUS request; appends its dirty extents and returns how many bytes its
+    /// One BLOCK_STATUS request; appends its wanted extents and returns how many bytes its
     /// answer covered (at least one, at most `ask`).
     async fn ask(&mut self, at: u64, ask: u32, out: &mut Vec<(u64, u64)>) -> Result<u64, NbdError> {
         let cookie = self.next_cookie;
@@ -229,7 +269,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> DirtyBitmapReader<S> {
                 return Err(bad("an extent of length 0".into()));
             }
             let len = len.min(left - covered);
-            if flags & DIRTY != 0 {
+            if self.wanted.matches(flags) {
                 let start = from + covered;
                 match out.last_mut() {
                     Some((o, l)) if *o + *l == start => *l += len,
@@ -298,6 +338,7 @@ mod tests {
     /// A scripted server: the handshake QEMU gives, then `answer` for each request.
     async fn server(
         mut s: DuplexStream,
+        query: &'static str,
         has_context: bool,
         answers: Vec<Vec<(u16, u16, Vec<u8>)>>,
     ) {
@@ -311,10 +352,10 @@ mod tests {
         reply(&mut s, OPT_STRUCTURED_REPLY, REP_ACK, &[]).await;
         let (option, data) = read_option(&mut s).await;
         assert_eq!(option, OPT_SET_META_CONTEXT);
-        assert!(data.ends_with(b"qemu:dirty-bitmap:b0"), "{data:?}");
+        assert!(data.ends_with(query.as_bytes()), "{data:?}");
         if has_context {
             let mut ctx = 7u32.to_be_bytes().to_vec();
-            ctx.extend_from_slice(b"qemu:dirty-bitmap:b0");
+            ctx.extend_from_slice(query.as_bytes());
             reply(&mut s, OPT_SET_META_CONTEXT, REP_META_CONTEXT, &ctx).await;
         }
         reply(&mut s, OPT_SET_META_CONTEXT, REP_ACK, &[]).await;
@@ -338,6 +379,23 @@ mod tests {
         }
     }
 
+    const BITMAP: &str = "qemu:dirty-bitmap:b0";
+
+    #[tokio::test]
+    async fn an_exports_data_is_where_it_does_not_read_as_zeros() {
+        let (c, s) = tokio::io::duplex(1 << 16);
+        // A hole reading as zeros, data, allocated zeros, a hole over a backing file's data.
+        let answers = vec![vec![(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_BLOCK_STATUS,
+            extents(7, &[(65536, 3), (65536, 0), (65536, 2), (65536, 1)]),
+        )]];
+        tokio::spawn(server(s, "base:allocation", true, answers));
+        let mut r = BlockStatusReader::data(c, "disk0").await.unwrap();
+        let data = r.ranges(0, 256 << 10).await.unwrap();
+        assert_eq!(data, vec![(65536, 65536), (196_608, 65536)]);
+    }
+
     #[tokio::test]
     async fn dirty_extents_are_merged_cut_to_the_range_and_asked_again_where_an_answer_stops() {
         let (c, s) = tokio::io::duplex(1 << 16);
@@ -358,18 +416,18 @@ mod tests {
                 ),
             ],
         ];
-        tokio::spawn(server(s, true, answers));
-        let mut r = DirtyBitmapReader::connect(c, "disk0", "b0").await.unwrap();
+        tokio::spawn(server(s, BITMAP, true, answers));
+        let mut r = BlockStatusReader::dirty_bitmap(c, "disk0", "b0").await.unwrap();
         assert_eq!(r.size(), 1 << 20);
-        let dirty = r.dirty(0, 320 << 10).await.unwrap();
+        let dirty = r.ranges(0, 320 << 10).await.unwrap();
         assert_eq!(dirty, vec![(65536, 131072), (256 << 10, 64 << 10)]);
     }
 
     #[tokio::test]
     async fn a_missing_bitmap_an_error_chunk_and_a_range_past_the_end_are_errors() {
         let (c, s) = tokio::io::duplex(1 << 16);
-        tokio::spawn(server(s, false, vec![]));
-        let err = DirtyBitmapReader::connect(c, "disk0", "b0")
+        tokio::spawn(server(s, BITMAP, false, vec![]));
+        let err = BlockStatusReader::dirty_bitmap(c, "disk0", "b0")
             .await
             .err()
             .unwrap();
@@ -380,12 +438,13 @@ mod tests {
         error.extend_from_slice(&0u16.to_be_bytes());
         tokio::spawn(server(
             s,
+            BITMAP,
             true,
             vec![vec![(REPLY_FLAG_DONE, REPLY_TYPE_ERROR_BIT | 1, error)]],
         ));
-        let mut r = DirtyBitmapReader::connect(c, "disk0", "b0").await.unwrap();
-        assert!(r.dirty(0, 1 << 21).await.is_err(), "past the end");
-        let err = r.dirty(0, 4096).await.unwrap_err();
+        let mut r = BlockStatusReader::dirty_bitmap(c, "disk0", "b0").await.unwrap();
+        assert!(r.ranges(0, 1 << 21).await.is_err(), "past the end");
+        let err = r.ranges(0, 4096).await.unwrap_err();
         assert!(
             err.to_string().contains("BLOCK_STATUS at 0+4096 failed"),
             "{err}"
