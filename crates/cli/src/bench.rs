@@ -55,7 +55,8 @@ pub struct BenchArgs {
     #[arg(long)]
     return_after_pct: Option<f64>,
     /// Or migrate back after this many seconds at the other site (for disks: the writer's
-    /// changes since are measured against the copy left behind, `disk_changed_pct`).
+    /// changes since are measured against the copy left behind, `disk_changed_pct`; with
+    /// --libvirt, the same system moves the domain back onto the disk image it left).
     #[arg(long, conflicts_with = "return_after_pct")]
     return_after_s: Option<u64>,
     /// With a postcopy mode: once the VM runs at the destination, the WAN goes down (every
@@ -236,6 +237,9 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
             .map(|m| LibvirtSystem::parse(m))
             .collect::<Result<_>>()?
     };
+    if a.return_after_pct.is_some() {
+        bail!("--libvirt returns after --return-after-s seconds; --return-after-pct counts pages on ferry's own path");
+    }
     if a.shape.disk_mib.is_some() || a.shape.disk_template_mib.is_some() {
         bail!("--libvirt copies the guest image's own data disk; drop --disk-mib and --disk-template-mib");
     }
@@ -268,11 +272,14 @@ async fn run_libvirt(a: BenchArgs) -> Result<ExitCode> {
                     run,
                     ferry_exe: exe.clone(),
                     disk,
+                    return_after: a.return_after_s.map(Duration::from_secs),
                 };
                 let what = format!("{} {} run {run}", w.pattern, system.name());
-                let record = libvirt_bench::run_scenario(&lab, &img, &sc).await;
-                let failed = record.as_ref().is_ok_and(|r| !r.completed);
-                failures += print_records(record.map(|r| vec![r]), &what)? + usize::from(failed);
+                let records = libvirt_bench::run_scenario(&lab, &img, &sc).await;
+                let failed = records
+                    .as_ref()
+                    .is_ok_and(|r| r.iter().any(|r| !r.completed));
+                failures += print_records(records, &what)? + usize::from(failed);
             }
         }
     }

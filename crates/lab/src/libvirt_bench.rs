@@ -6,7 +6,9 @@
 //! real pause (the completed job at the destination: its stop at the source to its resume at
 //! the destination). With a disk, the domain's image is copied too (`--copy-storage` /
 //! `--copy-storage-all`, into an empty image of the same size at site b) while the guest's
-//! writer keeps rewriting its file.
+//! writer keeps rewriting its file. With a return, the domain then runs at site b for a while
+//! and the same system moves it back onto the image it left at site a (libvirt reuses an
+//! image that exists), measured the same way (`"leg": "return"`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,6 +91,8 @@ impl LibvirtSystem {
 #[derive(Debug, Clone, Serialize)]
 pub struct LibvirtRecord {
     pub system: &'static str,
+    /// `there` (site a to b) or `return` (back onto the disk image left at site a).
+    pub leg: &'static str,
     pub workload: String,
     pub run: u32,
     pub mem_mib: u32,
@@ -104,6 +108,11 @@ pub struct LibvirtRecord {
     /// With a disk: its verifier at the destination.
     pub disk_errors: Option<u64>,
     pub disk_writer: Option<DiskWriter>,
+    /// ferry's own disk figures (`ferry migrate --json`): disk frames on the WAN, bytes sent
+    /// as SAME (held by an older copy there), the older copy's index time.
+    pub disk_frame_bytes: Option<u64>,
+    pub disk_same_bytes: Option<u64>,
+    pub disk_index_ms: Option<u64>,
     pub error: Option<String>,
 }
 
@@ -118,11 +127,17 @@ pub struct LibvirtScenario {
     pub ferry_exe: PathBuf,
     /// A data disk (the image's, copied) and the guest's writer on it.
     pub disk: Option<DiskWriter>,
+    /// After the move, run this long at site b and move back (a second record).
+    pub return_after: Option<Duration>,
 }
 
 /// Runs one scenario in a lab up with libvirt; the domain is removed afterwards whatever
 /// happened.
-pub async fn run_scenario(lab: &Lab, img: &Image, sc: &LibvirtScenario) -> Result<LibvirtRecord> {
+pub async fn run_scenario(
+    lab: &Lab,
+    img: &Image,
+    sc: &LibvirtScenario,
+) -> Result<Vec<LibvirtRecord>> {
     let name = format!("bench-{}-{}", sc.system.name(), sc.run);
     let result = measure(lab, img, sc, &name).await;
     for site in Site::ALL {
@@ -167,7 +182,7 @@ async fn measure(
     img: &Image,
     sc: &LibvirtScenario,
     name: &str,
-) -> Result<LibvirtRecord> {
+) -> Result<Vec<LibvirtRecord>> {
     let xml = lab.host_dir(Site::A).join(format!("{name}.xml"));
     if sc.disk.is_some() {
         make_disks(lab, img, name)?;
@@ -202,6 +217,25 @@ async fn measure(
         .await?;
     }
     tokio::time::sleep(sc.warmup).await;
+    drop(link);
+    let there = leg(lab, sc, name, (Site::A, Site::B)).await?;
+    let mut records = vec![there];
+    if let (Some(stay), true) = (sc.return_after, records[0].completed) {
+        tokio::time::sleep(stay).await;
+        let mut back = leg(lab, sc, name, (Site::B, Site::A)).await?;
+        back.leg = "return";
+        records.push(back);
+    }
+    Ok(records)
+}
+
+/// Moves domain `name` from `from` to `to` and measures it; the guest's verifiers run at `to`.
+async fn leg(
+    lab: &Lab,
+    sc: &LibvirtScenario,
+    name: &str,
+    (from, to): (Site, Site),
+) -> Result<LibvirtRecord> {
     let wan_before = crate::wan::stats(&lab.wan_socket())?.total_bytes();
     let started = Instant::now();
     let migrated = {
@@ -212,13 +246,20 @@ async fn measure(
             sc.ferry_exe.clone(),
             sc.disk.is_some(),
         );
-        tokio::task::spawn_blocking(move || migrate(&lab, system, &name, &exe, disk)).await?
+        tokio::task::spawn_blocking(move || migrate(&lab, system, &name, &exe, disk, (from, to)))
+            .await?
     };
     let total_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let wan_bytes = crate::wan::stats(&lab.wan_socket())?.total_bytes() - wan_before;
-    drop(link);
+    let ferry_disk = migrated
+        .as_ref()
+        .ok()
+        .and_then(|out| serde_json::from_str::<serde_json::Value>(out).ok())
+        .map(|v| v["outcome"]["disk"].clone())
+        .unwrap_or_default();
     let mut record = LibvirtRecord {
         system: sc.system.name(),
+        leg: "there",
         workload: sc.workload.pattern.clone(),
         run: sc.run,
         mem_mib: sc.mem_mib,
@@ -229,14 +270,21 @@ async fn measure(
         mem_errors: None,
         disk_errors: None,
         disk_writer: sc.disk,
+        disk_frame_bytes: ferry_disk["frame_bytes"].as_u64(),
+        disk_same_bytes: ferry_disk["same_bytes"].as_u64(),
+        disk_index_ms: ferry_disk["index_ms"].as_u64(),
         error: migrated.err().map(|e| format!("{e:#}")),
     };
     if record.completed {
-        let at_b = ferry_agent::libvirt::Libvirt::new(
-            libvirt::site_dir(lab, Site::B).join("run/libvirt-sock"),
-        );
-        record.downtime_ms = at_b.job(name, true).await.ok().and_then(|j| j.downtime_ms);
-        let link = GuestLink::connect(&serial(Site::B), Arc::new(Heartbeats::default())).await?;
+        let at_destination =
+            ferry_agent::libvirt::Libvirt::new(libvirt::site_dir(lab, to).join("run/libvirt-sock"));
+        record.downtime_ms = at_destination
+            .job(name, true)
+            .await
+            .ok()
+            .and_then(|j| j.downtime_ms);
+        let serial = lab.host_dir(to).join(format!("{name}.serial"));
+        let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default())).await?;
         let verified = crate::guest::verify(&link, sc.disk.is_some()).await?;
         record.mem_errors = Some(verified.mem_errors);
         record.disk_errors = sc.disk.map(|_| verified.disk_errors);
@@ -244,10 +292,18 @@ async fn measure(
     Ok(record)
 }
 
-/// Moves domain `name` from site a to site b with `system`, its disk copied if `disk`.
-fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: bool) -> Result<()> {
+/// Moves domain `name` from `from` to `to` with `system`, its disk copied if `disk`; what the
+/// command printed.
+fn migrate(
+    lab: &Lab,
+    system: LibvirtSystem,
+    name: &str,
+    ferry: &Path,
+    disk: bool,
+    (from, to): (Site, Site),
+) -> Result<String> {
     let direct = || -> Vec<String> {
-        let b = Site::B.underlay_ip();
+        let destination = to.underlay_ip();
         [
             "migrate",
             "--live",
@@ -256,9 +312,9 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
             "--undefinesource",
             "--auto-converge",
             name,
-            &libvirt::tcp_uri(Site::B),
+            &libvirt::tcp_uri(to),
             "--migrateuri",
-            &format!("tcp://{b}"),
+            &format!("tcp://{destination}"),
         ]
         .map(str::to_owned)
         .into_iter()
@@ -267,17 +323,11 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
     };
     let command = match system {
         LibvirtSystem::Ferry | LibvirtSystem::FerryParallel => lab
-            .host_command(Site::A, ferry)
-            .args([
-                "migrate",
-                "--libvirt",
-                name,
-                "--to",
-                "site-b",
-                "--json",
-                "--agent",
-            ])
-            .arg(lab.agent_socket(Site::A))
+            .host_command(from, ferry)
+            .args(["migrate", "--libvirt", name, "--to"])
+            .arg(pki::agent_name(to))
+            .args(["--json", "--agent"])
+            .arg(lab.agent_socket(from))
             .args(disk.then_some("--copy-storage"))
             .args(
                 (system == LibvirtSystem::FerryParallel)
@@ -286,8 +336,8 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
                     .flatten(),
             )
             .spawn_piped()?,
-        LibvirtSystem::Plain => virsh_command(lab, Site::A).args(direct()).spawn_piped()?,
-        LibvirtSystem::ParallelZstd => virsh_command(lab, Site::A)
+        LibvirtSystem::Plain => virsh_command(lab, from).args(direct()).spawn_piped()?,
+        LibvirtSystem::ParallelZstd => virsh_command(lab, from)
             .args(direct())
             .args(["--parallel", "--compressed", "--comp-methods", "zstd"])
             .spawn_piped()?,
@@ -296,9 +346,9 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
             let tunnels = format!(
                 "{}/tunnels/{}",
                 crate::topology::HOST_DIR,
-                pki::agent_name(Site::B)
+                pki::agent_name(to)
             );
-            virsh_command(lab, Site::A)
+            virsh_command(lab, from)
                 .args([
                     "migrate",
                     "--live",
@@ -328,12 +378,12 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
                 )
                 .spawn_piped()?
         }
-        LibvirtSystem::SyncWrites => virsh_command(lab, Site::A)
+        LibvirtSystem::SyncWrites => virsh_command(lab, from)
             .args(direct())
             .args(disk.then_some("--copy-storage-synchronous-writes"))
             .spawn_piped()?,
     };
-    let out = finish_within(lab, command, name, DEADLINE)?;
+    let out = finish_within(lab, command, name, DEADLINE, from)?;
     if !out.status.success() {
         bail!(
             "{}: {}",
@@ -341,7 +391,7 @@ fn migrate(lab: &Lab, system: LibvirtSystem, name: &str, ferry: &Path, disk: boo
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// How long any system may take: libvirt's own disk mirror may never converge with a guest
@@ -360,18 +410,19 @@ impl SpawnPiped for Command {
     }
 }
 
-/// Waits for the migrating command; past `deadline`, aborts domain `name`'s job at site a
-/// (the source keeps running) and reports that.
+/// Waits for the migrating command; past `deadline`, aborts domain `name`'s job at `source`
+/// (which keeps running) and reports that.
 fn finish_within(
     lab: &Lab,
     mut child: std::process::Child,
     name: &str,
     deadline: Duration,
+    source: Site,
 ) -> Result<std::process::Output> {
     let started = Instant::now();
     while child.try_wait()?.is_none() {
         if started.elapsed() > deadline {
-            let _ = virsh(lab, Site::A, &["domjobabort", name]);
+            let _ = virsh(lab, source, &["domjobabort", name]);
             let _ = child.wait_with_output();
             bail!(
                 "did not finish within {} s (the job was aborted)",
