@@ -395,7 +395,10 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     assert_eq!(disk["older_copy"], "index", "{v}");
     assert!(disk["index_ms"].as_u64().is_some(), "{v}");
     let same = disk["same_bytes"].as_u64().unwrap();
-    assert!(same >= size / 2, "only {same} of {size} bytes went as SAME: {v}");
+    assert!(
+        same >= size / 2,
+        "only {same} of {size} bytes went as SAME: {v}"
+    );
 }
 
 #[test]

@@ -417,7 +417,9 @@ mod tests {
             ],
         ];
         tokio::spawn(server(s, BITMAP, true, answers));
-        let mut r = BlockStatusReader::dirty_bitmap(c, "disk0", "b0").await.unwrap();
+        let mut r = BlockStatusReader::dirty_bitmap(c, "disk0", "b0")
+            .await
+            .unwrap();
         assert_eq!(r.size(), 1 << 20);
         let dirty = r.ranges(0, 320 << 10).await.unwrap();
         assert_eq!(dirty, vec![(65536, 131072), (256 << 10, 64 << 10)]);
@@ -442,7 +444,9 @@ mod tests {
             true,
             vec![vec![(REPLY_FLAG_DONE, REPLY_TYPE_ERROR_BIT | 1, error)]],
         ));
-        let mut r = BlockStatusReader::dirty_bitmap(c, "disk0", "b0").await.unwrap();
+        let mut r = BlockStatusReader::dirty_bitmap(c, "disk0", "b0")
+            .await
+            .unwrap();
         assert!(r.ranges(0, 1 << 21).await.is_err(), "past the end");
         let err = r.ranges(0, 4096).await.unwrap_err();
         assert!(

@@ -9,7 +9,7 @@ pub mod client;
 pub mod proto;
 pub mod server;
 
-pub use client::{Client, ExportInfo, Pending};
 pub use block_status::BlockStatusReader;
+pub use client::{Client, ExportInfo, Pending};
 pub use proto::{Command, NbdError};
 pub use server::{serve, Blocks, Export, Exports, ServeEnd};

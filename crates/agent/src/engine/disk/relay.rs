@@ -399,7 +399,10 @@ fn block_aligned(ranges: &[(u64, u64)], size: u64) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     for &(offset, len) in ranges {
         let start = offset / block * block;
-        let end = (offset + len).div_ceil(block).saturating_mul(block).min(size);
+        let end = (offset + len)
+            .div_ceil(block)
+            .saturating_mul(block)
+            .min(size);
         match out.last_mut() {
             Some((o, l)) if *o + *l >= start => *l = end.max(*o + *l) - *o,
             _ => out.push((start, end - start)),
