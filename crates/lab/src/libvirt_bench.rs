@@ -108,6 +108,12 @@ pub struct LibvirtRecord {
     /// With a disk: its verifier at the destination.
     pub disk_errors: Option<u64>,
     pub disk_writer: Option<DiskWriter>,
+    /// With a disk: the guest's write latencies (and its hot-set reads) from just before the
+    /// migration to the verifier at the destination, by the guest's own tool.
+    pub disk_write_latency: Option<crate::guest::DiskLatency>,
+    /// The hot-set reader's rate at the source before the migration (the warm-up, or the stay
+    /// there), for the reads during it.
+    pub disk_reads_before_per_s: Option<f64>,
     /// ferry's own disk figures (`ferry migrate --json`): disk frames on the WAN, bytes sent
     /// as SAME (held by an older copy there), the older copy's index time.
     pub disk_frame_bytes: Option<u64>,
@@ -215,6 +221,14 @@ async fn measure(
             Duration::from_secs(600),
         )
         .await?;
+        if w.read_hot_mib > 0 {
+            link.call(
+                &format!("disk read hot={}", w.read_hot_mib),
+                Duration::from_secs(30),
+            )
+            .await?;
+        }
+        crate::guest::reset_disk_latency(&link).await?;
     }
     tokio::time::sleep(sc.warmup).await;
     drop(link);
@@ -236,6 +250,17 @@ async fn leg(
     name: &str,
     (from, to): (Site, Site),
 ) -> Result<LibvirtRecord> {
+    let serial = |site: Site| lab.host_dir(site).join(format!("{name}.serial"));
+    let reader = sc.disk.is_some_and(|w| w.read_hot_mib > 0);
+    // The guest's IO figures start here; the reader's rate so far is the one without a move.
+    let mut disk_reads_before_per_s = None;
+    if sc.disk.is_some() {
+        let link = GuestLink::connect(&serial(from), Arc::new(Heartbeats::default())).await?;
+        if reader {
+            disk_reads_before_per_s = crate::guest::disk_latency(&link).await?.reads_per_s;
+        }
+        crate::guest::reset_disk_latency(&link).await?;
+    }
     let wan_before = crate::wan::stats(&lab.wan_socket())?.total_bytes();
     let started = Instant::now();
     let migrated = {
@@ -270,6 +295,8 @@ async fn leg(
         mem_errors: None,
         disk_errors: None,
         disk_writer: sc.disk,
+        disk_write_latency: None,
+        disk_reads_before_per_s,
         disk_frame_bytes: ferry_disk["frame_bytes"].as_u64(),
         disk_same_bytes: ferry_disk["same_bytes"].as_u64(),
         disk_index_ms: ferry_disk["index_ms"].as_u64(),
@@ -283,11 +310,18 @@ async fn leg(
             .await
             .ok()
             .and_then(|j| j.downtime_ms);
-        let serial = lab.host_dir(to).join(format!("{name}.serial"));
-        let link = GuestLink::connect(&serial, Arc::new(Heartbeats::default())).await?;
+        let link = GuestLink::connect(&serial(to), Arc::new(Heartbeats::default())).await?;
+        if sc.disk.is_some() {
+            record.disk_write_latency = Some(crate::guest::disk_latency(&link).await?);
+        }
         let verified = crate::guest::verify(&link, sc.disk.is_some()).await?;
         record.mem_errors = Some(verified.mem_errors);
         record.disk_errors = sc.disk.map(|_| verified.disk_errors);
+        if reader {
+            // The verifier's full read is not the stay here: the next leg's "before" starts
+            // after it.
+            crate::guest::reset_disk_latency(&link).await?;
+        }
     }
     Ok(record)
 }
