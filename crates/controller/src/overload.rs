@@ -64,10 +64,13 @@ const SQUEEZE_SLACK: u64 = 8 * MIB;
 const MAX_SQUEEZE_SHARE: u64 = 4;
 
 /// One host's memory in use, as sampled.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Sample {
     used_bytes: u64,
     swapped_bytes: u64,
+    /// What each of its VMs used then: a swap goes to the VM that used the most at the
+    /// interval's highest reading, which a short burst may have left by the time it is planned.
+    by_vm: Vec<(String, u64)>,
 }
 
 /// The host's memory in use, or None when some of it is not reported.
@@ -75,11 +78,14 @@ fn sample(loaded: &Loaded, host: &Host) -> Option<Sample> {
     let mut s = Sample {
         used_bytes: 0,
         swapped_bytes: 0,
+        by_vm: Vec::new(),
     };
     for vm in loaded.vms.iter().filter(|v| v.host == host.name) {
         // A guest that does not say what it uses (no balloon statistics, or not yet: a guest
         // booting) is not taken to use all it holds: the host is not sampled.
-        s.used_bytes += vm.usage?.used_bytes?;
+        let used = vm.usage?.used_bytes?;
+        s.used_bytes += used;
+        s.by_vm.push((vm.name.clone(), used));
     }
     for swap in &host.swaps {
         match swap.state {
@@ -164,7 +170,7 @@ impl Controller {
                 .migrations
                 .iter()
                 .any(|m| m.source_host == host.name && !m.state.finished());
-            let action = {
+            let (action, at_peak) = {
                 let mut hosts = self.overload.hosts.lock().expect("overload lock");
                 let watch = hosts
                     .entry(host.name.clone())
@@ -185,14 +191,15 @@ impl Controller {
                     self.config.policy.overload_swap,
                     s.used_bytes.saturating_sub(capacity.mem_bytes),
                 );
-                action
+                (action, s.by_vm)
             };
             let mine: Vec<&SwapPlan> = plans.iter().filter(|p| p.host == host.name).collect();
             match action {
                 Action::Nothing => {}
                 Action::Swap(excess) => {
                     if mine.is_empty() {
-                        self.plan_swap(loaded, &plans, host, excess).await?;
+                        self.plan_swap(loaded, &plans, host, excess, &at_peak)
+                            .await?;
                     }
                 }
                 Action::GiveBack => {
@@ -212,14 +219,16 @@ impl Controller {
         Ok(())
     }
 
-    /// Transient overload: the VM using the most memory swaps to the peer with the most
-    /// memory to lend (at its own site first), squeezed by the excess.
+    /// Transient overload: the VM that used the most memory at the interval's highest reading
+    /// (`at_peak`; its use now for a VM not read then) swaps to the peer with the most memory
+    /// to lend (at its own site first), squeezed by the excess.
     async fn plan_swap(
         &self,
         loaded: &Loaded,
         plans: &[SwapPlan],
         host: &Host,
         excess: u64,
+        at_peak: &[(String, u64)],
     ) -> Result<(), FleetError> {
         let has_swap = |name: &str| host.swaps.iter().any(|s| s.domain == name);
         let Some((vm, used, held)) = loaded
@@ -228,7 +237,9 @@ impl Controller {
             .filter(|v| v.host == host.name && v.kind == VmKind::Libvirt && !has_swap(&v.name))
             .filter_map(|v| {
                 let u = v.usage?;
-                Some((v, u.used_bytes.unwrap_or(u.mem_bytes), u.mem_bytes))
+                let then = at_peak.iter().find(|(name, _)| *name == v.name);
+                let used = then.map_or(u.used_bytes.unwrap_or(u.mem_bytes), |(_, b)| *b);
+                Some((v, used, u.mem_bytes))
             })
             .max_by_key(|(_, used, _)| *used)
         else {
@@ -425,7 +436,11 @@ impl Watch {
             return None;
         }
         if let Some(r) = reading {
-            if self.peak.is_none_or(|p| r.used_bytes > p.used_bytes) {
+            if self
+                .peak
+                .as_ref()
+                .is_none_or(|p| r.used_bytes > p.used_bytes)
+            {
                 self.peak = Some(r);
             }
         }
@@ -533,6 +548,7 @@ mod tests {
         Some(Sample {
             used_bytes: mib * MIB,
             swapped_bytes: 0,
+            by_vm: Vec::new(),
         })
     }
 
