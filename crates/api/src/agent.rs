@@ -484,6 +484,12 @@ pub struct DiskReport {
     /// Disk images the destination made for the migration (it had none at their paths).
     #[serde(default)]
     pub images_made: u32,
+    /// Backing layers the destination lacked (SnapMig), sent whole before the disks' copy,
+    /// and their bytes (before zstd).
+    #[serde(default)]
+    pub layers_shipped: u32,
+    #[serde(default)]
+    pub layer_bytes: u64,
     /// How QEMU's mirror copied the disks: `background` (no guest write waited for the bulk
     /// copy; write-blocking once it was done) or `write-blocking` (from the start).
     #[serde(default)]

@@ -154,6 +154,13 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
                 d.overlay_only
             );
         }
+        if d.layers_shipped > 0 {
+            println!(
+                "                       {} backing layer(s) the destination lacked sent first: {}",
+                d.layers_shipped,
+                bytes(d.layer_bytes)
+            );
+        }
     }
     if let Some(c) = &o.codec {
         println!(

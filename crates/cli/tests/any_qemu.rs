@@ -4,7 +4,8 @@
 //! Both the CLI and the QEMUs run as processes of their site's host (their own view of
 //! `/run/ferry-host`), so the VM's sockets have the same path at both ends, as on two hosts.
 //! The guest's verifiers decide whether its memory and its disk (copied: no shared storage)
-//! arrived intact.
+//! arrived intact. The disk is three images deep, as a template's would be, and the
+//! destination holds only the lowest: the middle one crosses first, then only the overlay.
 
 mod common;
 
@@ -38,6 +39,25 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
     // The VM's disk: its owner's image at site a; none at site b, where the destination agent
     // makes one at the same path.
     bare::prepare(&t, &spec);
+    // Its overlay on a middle layer on a base, each named by file name next to the one above.
+    // Site b's library holds the base only.
+    let at = |site: Site, layer: &str| t.lab.host_dir(site).join(format!("{name}{layer}.qcow2"));
+    std::fs::rename(bare::disk(&t, Site::A, name), at(Site::A, "-base")).unwrap();
+    for (image, below) in [("-mid", "-base"), ("", "-mid")] {
+        common::qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            &format!("{name}{below}.qcow2"),
+            "-F",
+            "qcow2",
+            &at(Site::A, image).to_string_lossy(),
+        ]);
+    }
+    std::fs::copy(at(Site::A, "-base"), at(Site::B, "-base")).unwrap();
+    let mid = std::fs::read(at(Site::A, "-mid")).unwrap();
     let source_pid = bare::start_at_a(&t, &spec);
     let link = common::guest_at(
         &rt,
@@ -143,11 +163,20 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     assert!(left.is_empty(), "left at the destination: {left:?}");
-    // The image made for it went with it.
+    // The image made for it went with it. The middle layer shipped for it stays: its bytes
+    // were checked, and the next attempt needs it. (Removed here, so that the move itself
+    // ships it again.)
     assert!(
         !bare::disk(&t, Site::B, name).exists(),
         "the image made for a failed migration is left"
     );
+    assert_eq!(std::fs::read(at(Site::B, "-mid")).unwrap(), mid);
+    assert!(!t
+        .lab
+        .host_dir(Site::B)
+        .join(format!("{name}-mid.qcow2.partial"))
+        .exists());
+    std::fs::remove_file(at(Site::B, "-mid")).unwrap();
     let v = rt.block_on(ferry_lab::guest::verify(&link, true)).unwrap();
     assert_eq!(
         v.errors(),
@@ -164,6 +193,23 @@ fn a_qemu_started_by_hand_moves_with_migrate_qmp() {
     assert!(v["outcome"]["downtime_ms"].as_f64().unwrap() > 0.0, "{v}");
     assert_eq!(v["outcome"]["disk"]["disks"], 1, "{v}");
     assert_eq!(v["outcome"]["disk"]["images_made"], 1, "{v}");
+    // The middle layer crossed first, whole; then only the overlay.
+    assert_eq!(v["outcome"]["disk"]["layers_shipped"], 1, "{v}");
+    assert_eq!(v["outcome"]["disk"]["layer_bytes"], mid.len() as u64, "{v}");
+    assert_eq!(v["outcome"]["disk"]["overlay_only"], 1, "{v}");
+    assert_eq!(std::fs::read(at(Site::B, "-mid")).unwrap(), mid);
+    let made: serde_json::Value = serde_json::from_str(&common::qemu_img(&[
+        "info",
+        "-U",
+        "--output=json",
+        &bare::disk(&t, Site::B, name).to_string_lossy(),
+    ]))
+    .unwrap();
+    assert_eq!(
+        made["backing-filename"],
+        format!("{name}-mid.qcow2"),
+        "{made}"
+    );
     let tl = common::timeline(&v);
     let kinds: Vec<_> = tl.events.iter().map(|e| e.kind).collect();
     for kind in [

@@ -29,6 +29,9 @@ pub const DISK_BASE: ChannelId = ChannelId(6);
 /// QEMU's postcopy preempt channel (the pages the destination's vCPUs fault on), source to
 /// destination, raw and urgent: its frames overtake the stream's queued ones.
 pub const PREEMPT: ChannelId = ChannelId(7);
+/// The backing layers the destination asked for (`NeedLayers`), source to destination, each
+/// file whole, in the order asked, zstd frame by frame ([`crate::engine::disk::layers`]).
+pub const LAYERS: ChannelId = ChannelId(8);
 
 /// A disk to move: the QEMU node name (the same at both ends) and its size in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,6 +51,32 @@ pub struct DiskPlan {
     /// older source.
     #[serde(default)]
     pub image: Option<ImageShape>,
+    /// The files of the source's backing chain, top down (the digest above is over their
+    /// hashes): what a destination that lacks some of them may ask for (`NeedLayers`).
+    #[serde(default)]
+    pub layers: Vec<Layer>,
+}
+
+/// One file of a disk's backing chain at the source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layer {
+    /// The file as the image above names it (a relative name is relative to that image's
+    /// directory).
+    pub name: String,
+    /// Its format, as the image above records it (None: not recorded).
+    #[serde(default)]
+    pub format: Option<String>,
+    /// The file's length and SHA-256.
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// A layer the destination asks for: layer `layer` (top down, of `DiskPlan.layers`) of disk
+/// `disk` (of `Prepare.disks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerWanted {
+    pub disk: u32,
+    pub layer: u32,
 }
 
 /// A disk image's format and its backing file as the image names it.
@@ -86,7 +115,9 @@ pub struct ImageShape {
 /// 14: `Lost` and `Verdict::Lost` (a QEMU exited past the postcopy switch).
 /// 15: `NbdExportOpened.older_copy` and `NbdOlderCopy` (a disk relay's destination indexes the
 /// copy it holds; a version-14 source would take the index's announcement for a stray message).
-pub const CONTROL_VERSION: u32 = 15;
+/// 16: `NeedLayers` (a destination asks for the backing layers it lacks; a version-15 source
+/// would take it for a wrong answer to `Prepare`).
+pub const CONTROL_VERSION: u32 = 16;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -138,6 +169,10 @@ pub enum Control {
         #[serde(default)]
         disks: Vec<DiskPlan>,
     },
+    /// Destination, before `Ready`, where it starts the VM itself: it lacks these files of the
+    /// disks' backing chains. The source sends them on [`LAYERS`], in this order, before the
+    /// destination makes the disks' images on them and goes on.
+    NeedLayers { layers: Vec<LayerWanted> },
     /// Destination: QEMU listens and the stream may start. With a seed image, its index
     /// (`seed.index_bytes` bytes) follows on the seed channel.
     Ready {

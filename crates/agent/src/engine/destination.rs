@@ -245,6 +245,18 @@ async fn serve(
             let socket = arrival.socket.clone();
             let record = record(&socket)?;
             let (arrival, pid, made) = launched.insert((arrival, None, Vec::new()));
+            // The backing layers this host lacks come first: the images are made on them.
+            let wanted = disk::layers::wanted(&argv, &disks).await;
+            if !wanted.is_empty() {
+                control::send(
+                    session,
+                    &Control::NeedLayers {
+                        layers: wanted.clone(),
+                    },
+                )
+                .await?;
+                disk::layers::receive(session, &argv, &disks, &wanted).await?;
+            }
             *made = disk::image::make_missing(&argv, &disks).await?;
             // Said in the record, for a restart to remove them if this never commits.
             if !made.is_empty() {
@@ -347,7 +359,7 @@ async fn serve(
         Some(d) => {
             let digests: Vec<Option<String>> = backing
                 .iter()
-                .map(|b| b.as_ref().map(|(_, h)| h.clone()))
+                .map(|b| b.as_ref().map(|chain| chain.digest.clone()))
                 .collect();
             let found = since::untouched(qmp, &disks, &digests).await;
             since::forget_markers(qmp, &disks).await;
@@ -385,13 +397,13 @@ async fn serve(
     if disk_base.is_none() && disk_since.is_none() {
         for (plan, ours) in disks.iter().zip(&backing) {
             let same = match (&plan.backing_sha256, ours) {
-                (Some(theirs), Some((path, ours))) => {
-                    let same = theirs == ours;
+                (Some(theirs), Some(ours)) => {
+                    let same = *theirs == ours.digest;
                     tracing::info!(
                         "session {}: disk {:?}: backing image {} {} the source's",
                         session.id(),
                         plan.node,
-                        path.display(),
+                        ours.files[0].display(),
                         if same { "matches" } else { "differs from" }
                     );
                     same

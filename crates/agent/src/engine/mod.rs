@@ -49,4 +49,6 @@ pub mod source;
 pub mod status;
 pub mod stream_codec;
 pub mod switchover;
+#[cfg(test)]
+pub(crate) mod test_session;
 pub mod tunnel_stream;

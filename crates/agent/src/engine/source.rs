@@ -136,12 +136,12 @@ async fn migrate(
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
     let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
     let history_bytes = stream_codec::history_bytes(ram_bytes);
-    let mut disk_plans = if req.disks.is_empty() {
-        Vec::new()
+    let (mut disk_plans, layer_files) = if req.disks.is_empty() {
+        (Vec::new(), Vec::new())
     } else {
         let mut plans = disk::mirror::plan(&qmp, &req.disks).await?;
-        disk::mirror::add_backing(&qmp, &mut plans).await?;
-        plans
+        let files = disk::mirror::add_backing(&qmp, &mut plans).await?;
+        (plans, files)
     };
     // Pacing's baseline: the guest's disk IO from here until its copy starts (while the
     // session connects and the destination prepares).
@@ -230,6 +230,7 @@ async fn migrate(
     let mut disk_base_len: Option<u64> = None;
     let mut disk_top_only: Vec<bool> = Vec::new();
     let mut disk_images_made = 0;
+    let mut layers_shipped = disk::layers::Shipped::default();
     let (mut disk_since, mut disk_base_note, mut disk_index_ms) = (None, None, None);
 
     // Whether QEMU's package went out (its checkpoint sent): the destination's Committed may
@@ -274,7 +275,36 @@ async fn migrate(
         )
         .await?;
         status.enter(Phase::PreparingDestination, "");
-        let (seed, zeroed_blocks) = match watchdog(&session, status, &limits, ctl.recv()).await? {
+        // A destination that starts the VM itself may first ask for backing layers it lacks.
+        let mut answer = watchdog(&session, status, &limits, ctl.recv()).await?;
+        if let Some(Control::NeedLayers { layers }) = &answer {
+            let wanted_bytes: u64 = layers
+                .iter()
+                .filter_map(|w| disk_plans.get(w.disk as usize)?.layers.get(w.layer as usize))
+                .map(|l| l.bytes)
+                .sum();
+            status.update(|s| {
+                s.detail = format!(
+                    "sending {} backing layer(s) the destination lacks ({} MiB)",
+                    layers.len(),
+                    wanted_bytes >> 20
+                );
+            });
+            let sending = disk::layers::send(&session, &disk_plans, &layer_files, layers);
+            // The destination's word, if it gives up on them, ends the wait.
+            layers_shipped = watchdog(&session, status, &limits, async {
+                tokio::select! {
+                    sent = sending => sent,
+                    msg = ctl.recv() => match msg {
+                        Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
+                        other => bail!("unexpected message while sending backing layers: {other:?}"),
+                    },
+                }
+            })
+            .await??;
+            answer = watchdog(&session, status, &limits, ctl.recv()).await?;
+        }
+        let (seed, zeroed_blocks) = match answer {
             Some(Control::Ready {
                 seed,
                 disk_base_bytes,
@@ -408,6 +438,7 @@ async fn migrate(
                     exports: bitmap_exports.take(),
                     top_only: disk_top_only.clone(),
                     images_made: disk_images_made,
+                    layers: layers_shipped,
                 },
                 status.clone(),
             )

@@ -16,6 +16,8 @@ use ferry_qemu::commands::{BlockImage, QueryNamedBlockNodes};
 use ferry_qemu::Qmp;
 use sha2::{Digest, Sha256};
 
+use crate::engine::control::Layer;
+
 type Key = (PathBuf, u64, SystemTime);
 
 static HASHES: Mutex<Option<HashMap<Key, String>>> = Mutex::new(None);
@@ -55,9 +57,18 @@ pub async fn content_sha256(path: &Path) -> Result<String> {
     Ok(hash)
 }
 
-/// The backing image of block node `node` and the digest of its whole chain, if it has one
-/// whose every layer QEMU shows.
-pub async fn backing_of(qmp: &Qmp, node: &str) -> Result<Option<(PathBuf, String)>> {
+/// A disk's backing chain: every file below its overlay, top down.
+pub struct Chain {
+    /// Where each file is on this host.
+    pub files: Vec<PathBuf>,
+    /// Each file as its peer needs to know it (name, format, length, hash).
+    pub layers: Vec<Layer>,
+    /// One digest of them all ([`chain_digest`]).
+    pub digest: String,
+}
+
+/// The backing chain of block node `node`, if it has one whose every layer QEMU shows.
+pub async fn backing_of(qmp: &Qmp, node: &str) -> Result<Option<Chain>> {
     // Not flat: the chain below each image comes with it.
     let nodes = qmp.execute(&QueryNamedBlockNodes { flat: false }).await?;
     let Some(chain) = nodes
@@ -67,26 +78,56 @@ pub async fn backing_of(qmp: &Qmp, node: &str) -> Result<Option<(PathBuf, String
     else {
         return Ok(None);
     };
-    let mut hashes = Vec::with_capacity(chain.len());
-    for layer in &chain {
-        hashes.push(content_sha256(layer).await.with_context(|| {
+    let (mut files, mut layers) = (Vec::new(), Vec::new());
+    for named in chain {
+        let hashing = || {
             format!(
                 "hashing {} in the backing chain of disk {node:?}",
-                layer.display()
+                named.file.display()
             )
-        })?);
+        };
+        let sha256 = content_sha256(&named.file).await.with_context(hashing)?;
+        let bytes = std::fs::metadata(&named.file).with_context(hashing)?.len();
+        layers.push(Layer {
+            name: named.name,
+            format: named.format,
+            bytes,
+            sha256,
+        });
+        files.push(named.file);
     }
-    Ok(Some((chain[0].clone(), chain_digest(&hashes))))
+    let hashes: Vec<String> = layers.iter().map(|l| l.sha256.clone()).collect();
+    Ok(Some(Chain {
+        files,
+        layers,
+        digest: chain_digest(&hashes),
+    }))
+}
+
+/// A backing file: where it is, and the name and format the image above gives it.
+#[derive(Debug, PartialEq)]
+struct Named {
+    file: PathBuf,
+    name: String,
+    format: Option<String>,
 }
 
 /// The files of `image`'s backing chain, top down; None when it has none, or when QEMU does
 /// not show a layer below one that has a backing file (it cannot be compared then).
-fn backing_chain(image: &BlockImage) -> Option<Vec<PathBuf>> {
+fn backing_chain(image: &BlockImage) -> Option<Vec<Named>> {
     let mut files = Vec::new();
     let mut at = image;
     while let Some(file) = &at.full_backing_filename {
-        files.push(PathBuf::from(file));
-        at = at.backing_image.as_deref()?;
+        let below = at.backing_image.as_deref()?;
+        files.push(Named {
+            file: PathBuf::from(file),
+            name: at.backing_filename.clone().unwrap_or_else(|| file.clone()),
+            format: at
+                .backing_filename_format
+                .clone()
+                .or_else(|| below.format.clone()),
+        });
+        at = below;
     }
     (!files.is_empty()).then_some(files)
 }
@@ -114,17 +155,28 @@ mod tests {
         let three = image(serde_json::json!({
             "virtual-size": 1,
             "full-backing-filename": "/lib/mid.qcow2",
+            "backing-filename": "mid.qcow2",
+            "backing-filename-format": "qcow2",
             "backing-image": {
                 "virtual-size": 1,
                 "full-backing-filename": "/lib/base.qcow2",
-                "backing-image": {"virtual-size": 1},
+                "backing-image": {"virtual-size": 1, "format": "raw"},
             },
         }));
         assert_eq!(
             backing_chain(&three),
             Some(vec![
-                PathBuf::from("/lib/mid.qcow2"),
-                PathBuf::from("/lib/base.qcow2")
+                Named {
+                    file: PathBuf::from("/lib/mid.qcow2"),
+                    name: "mid.qcow2".into(),
+                    format: Some("qcow2".into()),
+                },
+                // No name recorded: the full one; no format recorded: the layer's own.
+                Named {
+                    file: PathBuf::from("/lib/base.qcow2"),
+                    name: "/lib/base.qcow2".into(),
+                    format: Some("raw".into()),
+                },
             ])
         );
         assert_eq!(

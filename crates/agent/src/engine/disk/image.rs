@@ -196,6 +196,7 @@ mod tests {
             size: SIZE,
             backing_sha256,
             tracked_since: Vec::new(),
+            layers: Vec::new(),
             image: Some(ImageShape {
                 format: "qcow2".into(),
                 backing: Some("base.qcow2".into()),

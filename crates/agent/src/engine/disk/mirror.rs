@@ -187,6 +187,8 @@ pub struct AtDestination {
     pub top_only: Vec<bool>,
     /// Images the destination made (it had none).
     pub images_made: u32,
+    /// The backing layers it lacked, sent before it made them.
+    pub layers: super::layers::Shipped,
 }
 
 /// How the bulk copy went, once it is done.
@@ -334,6 +336,7 @@ pub async fn plan(qmp: &Qmp, nodes: &[String]) -> Result<Vec<DiskPlan>> {
                 size: found.image.virtual_size,
                 backing_sha256: None,
                 tracked_since: Vec::new(),
+                layers: Vec::new(),
                 image: found.image.format.clone().map(|format| ImageShape {
                     format,
                     backing: found.image.backing_filename.clone(),
@@ -344,12 +347,18 @@ pub async fn plan(qmp: &Qmp, nodes: &[String]) -> Result<Vec<DiskPlan>> {
         .collect()
 }
 
-/// Adds the backing images' hashes to the plans (SnapMig: the destination may hold them).
-pub async fn add_backing(qmp: &Qmp, plans: &mut [DiskPlan]) -> Result<()> {
+/// Adds the backing chains to the plans (SnapMig: the destination may hold them, or some of
+/// their files). Returns each plan's files, for a destination that asks for some of them.
+pub async fn add_backing(qmp: &Qmp, plans: &mut [DiskPlan]) -> Result<Vec<Vec<PathBuf>>> {
+    let mut files = Vec::with_capacity(plans.len());
     for plan in plans {
-        plan.backing_sha256 = backing_of(qmp, &plan.node).await?.map(|(_, h)| h);
+        let chain = backing_of(qmp, &plan.node).await?;
+        plan.backing_sha256 = chain.as_ref().map(|c| c.digest.clone());
+        let (layers, here) = chain.map(|c| (c.layers, c.files)).unwrap_or_default();
+        plan.layers = layers;
+        files.push(here);
     }
-    Ok(())
+    Ok(files)
 }
 
 impl SourceDisks {
@@ -371,6 +380,7 @@ impl SourceDisks {
             exports,
             top_only,
             images_made,
+            layers,
         } = there;
         let top_only = &top_only[..];
         let DiskSettings {
@@ -423,6 +433,8 @@ impl SourceDisks {
             overlay_only: u32::try_from(top_only.iter().filter(|t| **t).count())
                 .expect("at most 255 disks"),
             images_made,
+            layers_shipped: layers.layers,
+            layer_bytes: layers.bytes,
             copy: Some(
                 if background {
                     "background"

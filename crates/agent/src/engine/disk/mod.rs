@@ -23,6 +23,7 @@ pub mod apply;
 pub mod backing;
 pub mod buffer;
 pub mod image;
+pub mod layers;
 pub mod mirror;
 pub mod pacing;
 pub mod relay;

@@ -297,6 +297,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
                         size,
                         backing_sha256: None,
                         tracked_since: Vec::new(),
+                        layers: Vec::new(),
                         image: None,
                     };
                     break (client, plan, codec);
@@ -443,8 +444,6 @@ mod tests {
     use bytes::Bytes;
     use ferry_api::agent::MigrationStatus;
     use ferry_qemu::nbd::{proto, Blocks};
-    use ferry_wire::session::exchange_hello;
-    use ferry_wire::{SessionConfig, SessionId};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
@@ -486,29 +485,6 @@ mod tests {
             let end = at + usize::try_from(len).unwrap();
             Ok(Bytes::copy_from_slice(&self.bytes.lock().unwrap()[at..end]))
         }
-    }
-
-    /// Two ends of one session over an in-memory connection.
-    async fn session_pair() -> (Session, Session) {
-        let id = SessionId::random();
-        let (a, b) = (
-            Session::new(id, SessionConfig::default()),
-            Session::new(id, SessionConfig::default()),
-        );
-        let (mut x, mut y) = tokio::io::duplex(1 << 20);
-        let t = Duration::from_secs(5);
-        let (ha, hb) = (a.hello(0), b.hello(0));
-        let (ra, rb) = tokio::join!(
-            exchange_hello(&mut x, &ha, t),
-            exchange_hello(&mut y, &hb, t)
-        );
-        let ((hello_b, left_a), (hello_a, left_b)) = (ra.unwrap(), rb.unwrap());
-        a.accept_hello(&hello_b).unwrap();
-        b.accept_hello(&hello_a).unwrap();
-        let (a2, b2) = (a.clone(), b.clone());
-        tokio::spawn(async move { a2.run_connection(x, left_a).await });
-        tokio::spawn(async move { b2.run_connection(y, left_b).await });
-        (a, b)
     }
 
     struct Relayed {
@@ -558,7 +534,7 @@ mod tests {
                 let _ = nbd::serve(conn, &export, served.clone()).await;
             }
         });
-        let (a, b) = session_pair().await;
+        let (a, b) = crate::engine::test_session::pair().await;
         // As the tunnel's destination does: a failure is told to the source.
         let destination = tokio::spawn(async move {
             let result = super::destination(&b, &socket).await;
@@ -613,10 +589,11 @@ mod tests {
             size: SIZE,
             backing_sha256: None,
             tracked_since: Vec::new(),
+            layers: Vec::new(),
             image: None,
         };
         let disks = DestinationDisks::adopt(client, plan);
-        let (a, b) = session_pair().await;
+        let (a, b) = crate::engine::test_session::pair().await;
         let applied = tokio::spawn(async move { disks.apply(&b, CodecSettings::NONE).await });
         // Snapshot 0's first frame, then one of snapshot 1 before snapshot 0's last.
         let mut records = Vec::new();
