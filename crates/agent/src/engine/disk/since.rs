@@ -115,6 +115,15 @@ pub async fn untouched(
     let all = nodes(qmp)
         .await
         .map_err(|e| format!("the disks' bitmaps could not be listed: {e:#}"))?;
+    untouched_in(&all, plans, backing)
+}
+
+/// [`untouched`], over the block nodes QEMU listed.
+fn untouched_in(
+    all: &[BlockNode],
+    plans: &[DiskPlan],
+    backing: &[Option<String>],
+) -> std::result::Result<Vec<String>, String> {
     let mut sessions = Vec::new();
     for (plan, ours) in plans.iter().zip(backing) {
         if plan.tracked_since.is_empty() {
@@ -129,7 +138,7 @@ pub async fn untouched(
                 plan.node
             ));
         }
-        let bitmaps = node(&all, &plan.node).map_or(&[][..], |n| &n.dirty_bitmaps[..]);
+        let bitmaps = node(all, &plan.node).map_or(&[][..], |n| &n.dirty_bitmaps[..]);
         let mut why = format!(
             "disk {:?}: no bitmap from the VM's departure here",
             plan.node
@@ -556,6 +565,85 @@ mod tests {
         assert_eq!(
             ranges_to_ask(&ops),
             vec![(0, 0, 12288), (0, 10 << 20, (1 << 20) + 4096), (1, 0, 4096)]
+        );
+    }
+
+    /// Only a clean, recording `left` marker of a session the source tracks matches; every
+    /// other case falls back to the content index, with its reason.
+    #[test]
+    fn a_copy_matches_by_bitmap_only_when_its_marker_is_clean_consistent_and_recording() {
+        let (s1, s2) = (
+            "0123456789abcdef0123456789abcdef",
+            "fedcba9876543210fedcba9876543210",
+        );
+        let plans = [DiskPlan {
+            node: "disk0".into(),
+            size: 1 << 20,
+            backing_sha256: None,
+            tracked_since: vec![s1.into()],
+            image: None,
+            layers: Vec::new(),
+        }];
+        let here = |bitmaps: serde_json::Value| -> Vec<BlockNode> {
+            serde_json::from_value(serde_json::json!([{
+                "node-name": "disk0",
+                "image": {"virtual-size": 1 << 20},
+                "dirty-bitmaps": bitmaps,
+            }]))
+            .unwrap()
+        };
+        let bitmap = |session: &str, count: u64, recording: bool, inconsistent: bool| {
+            serde_json::json!({
+                "name": marker(LEFT, session, "disk0"), "count": count, "granularity": 4096,
+                "recording": recording, "busy": false, "persistent": true,
+                "inconsistent": inconsistent,
+            })
+        };
+        let check = |bitmaps| untouched_in(&here(bitmaps), &plans, &[None]);
+
+        assert_eq!(
+            check(serde_json::json!([bitmap(s1, 0, true, false)])),
+            Ok(vec![s1.to_owned()])
+        );
+        let name = marker(LEFT, s1, "disk0");
+        assert_eq!(
+            check(serde_json::json!([bitmap(s1, 0, true, true)])),
+            Err(format!(
+                "disk \"disk0\": bitmap {name} cannot be trusted (QEMU found it in use when it \
+                 opened the image)"
+            ))
+        );
+        assert_eq!(
+            check(serde_json::json!([bitmap(s1, 0, false, false)])),
+            Err(format!(
+                "disk \"disk0\": bitmap {name} cannot be trusted (it does not record)"
+            ))
+        );
+        assert_eq!(
+            check(serde_json::json!([bitmap(s1, 8192, true, false)])),
+            Err(
+                "disk \"disk0\": the copy here changed after the VM left (8192 bytes written)"
+                    .to_owned()
+            )
+        );
+        // A marker of a session the source does not track, or none at all.
+        for bitmaps in [
+            serde_json::json!([bitmap(s2, 0, true, false)]),
+            serde_json::json!([]),
+        ] {
+            assert_eq!(
+                check(bitmaps),
+                Err("disk \"disk0\": no bitmap from the VM's departure here".to_owned())
+            );
+        }
+        // Another chain below the disk: its marker says nothing of it.
+        assert_eq!(
+            untouched_in(
+                &here(serde_json::json!([bitmap(s1, 0, true, false)])),
+                &plans,
+                &[Some("their chain".into())]
+            ),
+            Err("disk \"disk0\": its backing images differ from the source's".to_owned())
         );
     }
 
