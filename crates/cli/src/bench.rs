@@ -77,7 +77,7 @@ pub struct BenchArgs {
     disk_read_hot_mib: u32,
     /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
     /// site running its own libvirtd; --modes names the systems (ferry, ferry-parallel: with
-    /// `--parallel 4`, virsh, virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh
+    /// `--parallel 4`, ferry-none: with `--codec none`, virsh, virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh
     /// migrate --parallel` at the agents' tunnels, virsh-sync-writes; default ferry, virsh and
     /// virsh-parallel-zstd).
     #[arg(long)]

@@ -33,6 +33,9 @@ pub enum LibvirtSystem {
     /// `ferry migrate --libvirt --parallel 4`: the same, QEMU's memory on four multifd
     /// channels, each coded by the agents.
     FerryParallel,
+    /// `ferry migrate --libvirt --codec none`: carried and steered by the agents, QEMU's bytes
+    /// as they are (what the codec's CPU costs the guest, apart from the rest).
+    FerryUncoded,
     /// `virsh migrate --live --p2p` straight to the destination's libvirtd.
     Plain,
     /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
@@ -46,9 +49,10 @@ pub enum LibvirtSystem {
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 6] = [
+    pub const ALL: [LibvirtSystem; 7] = [
         LibvirtSystem::Ferry,
         LibvirtSystem::FerryParallel,
+        LibvirtSystem::FerryUncoded,
         LibvirtSystem::Plain,
         LibvirtSystem::ParallelZstd,
         LibvirtSystem::ParallelViaFerry,
@@ -66,6 +70,7 @@ impl LibvirtSystem {
         match self {
             LibvirtSystem::Ferry => "ferry",
             LibvirtSystem::FerryParallel => "ferry-parallel",
+            LibvirtSystem::FerryUncoded => "ferry-none",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
             LibvirtSystem::ParallelViaFerry => "virsh-parallel-via-ferry",
@@ -356,7 +361,7 @@ fn migrate(
         .collect()
     };
     let command = match system {
-        LibvirtSystem::Ferry | LibvirtSystem::FerryParallel => lab
+        LibvirtSystem::Ferry | LibvirtSystem::FerryParallel | LibvirtSystem::FerryUncoded => lab
             .host_command(from, ferry)
             .args(["migrate", "--libvirt", name, "--to"])
             .arg(pki::agent_name(to))
@@ -366,6 +371,12 @@ fn migrate(
             .args(
                 (system == LibvirtSystem::FerryParallel)
                     .then_some(["--parallel", "4"])
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(
+                (system == LibvirtSystem::FerryUncoded)
+                    .then_some(["--codec", "none"])
                     .into_iter()
                     .flatten(),
             )

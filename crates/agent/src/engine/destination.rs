@@ -255,7 +255,7 @@ async fn serve(
                     },
                 )
                 .await?;
-                disk::layers::receive(session, &argv, &disks, &wanted).await?;
+                disk::layers::receive(session, &argv, &disks, &wanted, wan_timeout).await?;
             }
             *made = disk::image::make_missing(&argv, &disks).await?;
             // Said in the record, for a restart to remove them if this never commits.

@@ -297,7 +297,8 @@ async fn migrate(
                     sent = sending => sent,
                     msg = ctl.recv() => match msg {
                         Some(Control::Abort { reason }) => bail!("the destination refused: {reason}"),
-                        other => bail!("unexpected message while sending backing layers: {other:?}"),
+                        Some(other) => bail!("unexpected message while sending backing layers: {other:?}"),
+                        None => bail!("{}", control_ended(&session)),
                     },
                 }
             })

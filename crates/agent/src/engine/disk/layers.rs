@@ -6,9 +6,11 @@
 //! layer it lacks is asked for (`NeedLayers`), and a layer it holds with other bytes is never
 //! overwritten (the disk then crosses whole, as without a chain). The source sends each file
 //! asked for whole, zstd piece by piece, lowest layer first, so a cut link leaves complete
-//! lower layers behind; the destination writes it as `NAME.partial`, checks its length and
-//! hash, and renames it into place. Then its image is made as an overlay on the completed
-//! chain, and only the source's overlay crosses (`Ready.top_only`).
+//! lower layers behind; the destination writes it as `NAME.<session>.partial`, checks its
+//! length and hash, and links it into place (never replacing a file: one that appeared
+//! meanwhile is taken only with the same bytes). Then its image is made as an overlay on the
+//! completed chain, and only the source's overlay crosses (`Ready.top_only`). Only names
+//! that keep every layer below the image's directory are shipped, and only as regular files.
 //!
 //! A layer that arrived stays after a failed migration: its bytes were checked, and the next
 //! attempt, or the next VM on the same template, needs it.
@@ -16,9 +18,10 @@
 //! Layers frame, on [`LAYERS`]: one zstd frame of at most [`PIECE`] bytes of the file; the
 //! files follow one another in the order asked, each as long as its [`Layer::bytes`].
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
@@ -28,7 +31,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
 use super::backing::content_sha256;
-use crate::engine::control::{DiskPlan, Layer, LayerWanted, LAYERS};
+use crate::engine::control::{self, Control, DiskPlan, Layer, LayerWanted, LAYERS};
 
 /// The deepest chain a destination walks (a count a peer states, capped like every other).
 pub const MAX_LAYERS: usize = 16;
@@ -56,12 +59,14 @@ fn layer_paths(image: &Path, layers: &[Layer]) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Whether a layer this host lacks may be written where its name puts it: only a name
-/// relative to the image above and below its directory. A peer never chooses an absolute
-/// path on this host, nor one outside the image's own tree.
+/// Whether a name keeps a layer below the directory of the image that names it: relative,
+/// only plain components (no `..`, no `.`), and no `:` (QEMU reads `proto:` names as
+/// protocols, not files).
 fn shippable(name: &str) -> bool {
-    let name = Path::new(name);
-    !name.as_os_str().is_empty() && name.components().all(|c| matches!(c, Component::Normal(_)))
+    let path = Path::new(name);
+    !name.is_empty()
+        && !name.contains(':')
+        && path.components().all(|c| matches!(c, Component::Normal(_)))
 }
 
 /// What this host holds of one disk's backing chain.
@@ -83,9 +88,16 @@ async fn walk(image: &Path, layers: &[Layer]) -> Found {
         ));
     }
     let mut lacks = Vec::new();
+    // Whether every name so far kept the chain below the image's directory: a missing layer
+    // is written only there (a peer never picks where on this host a file goes).
+    let mut beneath = true;
     for (i, (layer, path)) in layers.iter().zip(layer_paths(image, layers)).enumerate() {
-        match path.try_exists() {
-            Ok(true) => match content_sha256(&path).await {
+        beneath &= shippable(&layer.name);
+        match std::fs::metadata(&path) {
+            Ok(meta) if !meta.is_file() => {
+                return Found::Not(format!("{} is not a regular file", path.display()))
+            }
+            Ok(_) => match content_sha256(&path).await {
                 Ok(ours) if ours == layer.sha256 => {}
                 Ok(_) => {
                     return Found::Not(format!(
@@ -96,22 +108,24 @@ async fn walk(image: &Path, layers: &[Layer]) -> Found {
                 }
                 Err(e) => return Found::Not(format!("{e:#}")),
             },
-            Ok(false) if !shippable(&layer.name) => {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Found::Not(format!("{}: {e}", path.display()))
+            }
+            Err(_) if !beneath => {
                 return Found::Not(format!(
-                    "{} is missing, and the source names it {:?}: only a name relative to the \
-                     image, below its directory, is shipped",
+                    "{} is missing, and the chain names it {:?}: only layers named relative to \
+                     the image, below its directory, are shipped",
                     path.display(),
                     layer.name
                 ))
             }
-            Ok(false) if !path.parent().is_some_and(Path::is_dir) => {
+            Err(_) if !path.parent().is_some_and(Path::is_dir) => {
                 return Found::Not(format!(
                     "{} is missing, and so is its directory",
                     path.display()
                 ))
             }
-            Ok(false) => lacks.push(i),
-            Err(e) => return Found::Not(format!("{}: {e}", path.display())),
+            Err(_) => lacks.push(i),
         }
     }
     if lacks.is_empty() {
@@ -122,19 +136,22 @@ async fn walk(image: &Path, layers: &[Layer]) -> Found {
 }
 
 /// The layers to ask the source for: of each disk whose image `argv` opens is missing here
-/// (it is made here, and can be an overlay only on a whole chain), the layers this host
-/// lacks, lowest first, each file once (two disks may share a template). A chain that cannot
-/// be completed is said in the log: its disk crosses whole.
+/// (it is made here, as an overlay on the chain the source's image names), the layers this
+/// host lacks, lowest first, each file once (two disks may share a template). A chain that
+/// cannot be completed is said in the log: its disk crosses whole.
 pub async fn wanted(argv: &[String], disks: &[DiskPlan]) -> Vec<LayerWanted> {
     let mut wanted = Vec::new();
     let mut asked: HashSet<PathBuf> = HashSet::new();
-    let mut bytes = 0u64;
-    let mut room = None;
+    let mut room = Room::default();
     for (disk, plan) in disks.iter().enumerate() {
         let Some(image) = image_file(argv, &plan.node) else {
             continue;
         };
-        if plan.layers.is_empty() || image.try_exists().unwrap_or(true) {
+        // Only a chain the image made here will name: its backing file as the source's does.
+        let names_chain = plan.layers.first().is_some_and(|top| {
+            plan.image.as_ref().and_then(|i| i.backing.as_deref()) == Some(top.name.as_str())
+        });
+        if !names_chain || image.try_exists().unwrap_or(true) {
             continue;
         }
         let paths = layer_paths(&image, &plan.layers);
@@ -146,26 +163,26 @@ pub async fn wanted(argv: &[String], disks: &[DiskPlan]) -> Vec<LayerWanted> {
                 continue;
             }
         };
-        let dir = image.parent().unwrap_or(Path::new("/")).to_owned();
-        let free = *room.get_or_insert_with(|| free_bytes(&dir).unwrap_or(0));
+        // Lowest first; a file another disk (or this one, twice) asked for goes once.
+        let mut seen = asked.clone();
         let new: Vec<usize> = lacks
             .into_iter()
             .rev()
-            .filter(|&i| !asked.contains(&paths[i]))
+            .filter(|&i| seen.insert(paths[i].clone()))
             .collect();
-        let need: u64 = new.iter().map(|&i| plan.layers[i].bytes).sum();
-        if bytes.saturating_add(need) > free {
-            tracing::info!(
-                "disk {:?}: its missing layers take {need} bytes, more than the {} free here: \
-                 the disk crosses whole",
-                plan.node,
-                free.saturating_sub(bytes)
-            );
+        let takes: Vec<(PathBuf, u64)> = new
+            .iter()
+            .map(|&i| {
+                let dir = paths[i].parent().unwrap_or(Path::new("/")).to_owned();
+                (dir, plan.layers[i].bytes)
+            })
+            .collect();
+        if let Err(why) = room.take(&takes) {
+            tracing::info!("disk {:?}: {why}: the disk crosses whole", plan.node);
             continue;
         }
-        bytes += need;
+        asked = seen;
         for i in new {
-            asked.insert(paths[i].clone());
             wanted.push(LayerWanted {
                 disk: u32::try_from(disk).expect("at most 255 disks"),
                 layer: u32::try_from(i).expect("at most MAX_LAYERS"),
@@ -175,8 +192,42 @@ pub async fn wanted(argv: &[String], disks: &[DiskPlan]) -> Vec<LayerWanted> {
     wanted
 }
 
-/// Bytes an unprivileged writer may still put on the file system holding `dir`.
-fn free_bytes(dir: &Path) -> Result<u64> {
+/// The free space of each file system layers go to, less what the layers asked for so far
+/// take there.
+#[derive(Default)]
+struct Room(HashMap<u64, u64>);
+
+impl Room {
+    /// Takes room for each (directory, bytes) if every file system has it; else nothing, and
+    /// says where it lacks.
+    fn take(&mut self, takes: &[(PathBuf, u64)]) -> std::result::Result<(), String> {
+        let mut per_fs: HashMap<u64, (u64, u64, &Path)> = HashMap::new();
+        for (dir, bytes) in takes {
+            let (fs, free) = free_bytes(dir).map_err(|e| format!("{e:#}"))?;
+            let free = self.0.get(&fs).copied().unwrap_or(free);
+            let (need, _, _) = per_fs.entry(fs).or_insert((0, free, dir));
+            *need = need
+                .checked_add(*bytes)
+                .ok_or("its layers' stated sizes overflow")?;
+        }
+        for (need, free, dir) in per_fs.values() {
+            if need > free {
+                return Err(format!(
+                    "its missing layers take {need} bytes in {}, more than the {free} free there",
+                    dir.display()
+                ));
+            }
+        }
+        for (fs, (need, free, _)) in per_fs {
+            self.0.insert(fs, free - need);
+        }
+        Ok(())
+    }
+}
+
+/// The file system holding `dir` (its id) and the bytes an unprivileged writer may still put
+/// on it.
+fn free_bytes(dir: &Path) -> Result<(u64, u64)> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
     // SAFETY: `statvfs` is a plain C struct of integers, for which all zeros is a value.
@@ -185,7 +236,7 @@ fn free_bytes(dir: &Path) -> Result<u64> {
     if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
         return Err(std::io::Error::last_os_error()).context(format!("statvfs {}", dir.display()));
     }
-    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+    Ok((st.f_fsid, st.f_bavail.saturating_mul(st.f_frsize)))
 }
 
 /// What was shipped: how many files and their bytes.
@@ -196,12 +247,14 @@ pub struct Shipped {
 }
 
 /// Destination: receives the layers asked for and puts each in place, checked. Layers placed
-/// before a failure stay (see the module's doc).
+/// before a failure stay (see the module's doc). The source's `Abort` ends the wait, and so
+/// does its silence past `wan_timeout`.
 pub async fn receive(
     session: &Session,
     argv: &[String],
     disks: &[DiskPlan],
     wanted: &[LayerWanted],
+    wan_timeout: Duration,
 ) -> Result<Shipped> {
     let mut shipped = Shipped::default();
     for w in wanted {
@@ -209,7 +262,7 @@ pub async fn receive(
         let layer = &plan.layers[w.layer as usize];
         let image = image_file(argv, &plan.node).context("the disk's image left the argv")?;
         let path = layer_paths(&image, &plan.layers)[w.layer as usize].clone();
-        receive_one(session, layer, &path)
+        receive_one(session, layer, &path, wan_timeout)
             .await
             .with_context(|| format!("receiving backing layer {}", path.display()))?;
         tracing::info!(
@@ -219,17 +272,46 @@ pub async fn receive(
             layer.bytes
         );
         shipped.layers += 1;
-        shipped.bytes += layer.bytes;
+        shipped.bytes = shipped.bytes.saturating_add(layer.bytes);
     }
     Ok(shipped)
 }
 
-async fn receive_one(session: &Session, layer: &Layer, path: &Path) -> Result<()> {
+/// The next frame of the layers channel, unless the source gives up or falls silent first.
+async fn next_frame(session: &Session, wan_timeout: Duration) -> Result<Bytes> {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            got = session.recv(LAYERS) => return match got? {
+                Received::Data(frame) => Ok(frame),
+                Received::Barrier => bail!("unexpected barrier on the layers channel"),
+            },
+            msg = control::recv(session) => match msg? {
+                Control::Abort { reason } => bail!("the source gave up: {reason}"),
+                other => bail!("unexpected message from the source: {other:?}"),
+            },
+            _ = tick.tick() => {
+                if session.idle_for() > wan_timeout {
+                    bail!(
+                        "no connection from the source agent for {}s (the WAN timeout)",
+                        wan_timeout.as_secs()
+                    );
+                }
+            }
+        }
+    }
+}
+
+async fn receive_one(
+    session: &Session,
+    layer: &Layer,
+    path: &Path,
+    wan_timeout: Duration,
+) -> Result<()> {
+    // The session's own file: another migration receiving the same layer writes its own.
     let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
+    partial.push(format!(".{}.partial", session.id()));
     let partial = PathBuf::from(partial);
-    // What an attempt cut short left: it starts over.
-    let _ = std::fs::remove_file(&partial);
     let written = async {
         let mut file = tokio::fs::File::options()
             .write(true)
@@ -240,10 +322,7 @@ async fn receive_one(session: &Session, layer: &Layer, path: &Path) -> Result<()
         let mut hash = Sha256::new();
         let mut got = 0u64;
         while got < layer.bytes {
-            let frame = match session.recv(LAYERS).await? {
-                Received::Data(frame) => frame,
-                Received::Barrier => bail!("unexpected barrier on the layers channel"),
-            };
+            let frame = next_frame(session, wan_timeout).await?;
             let piece = zstd::bulk::decompress(&frame, PIECE)
                 .context("a layer frame that does not decompress to at most 1 MiB")?;
             got += piece.len() as u64;
@@ -264,15 +343,38 @@ async fn receive_one(session: &Session, layer: &Layer, path: &Path) -> Result<()
                 layer.sha256
             );
         }
-        anyhow::Ok(())
+        place(&partial, path, &layer.sha256).await
     }
     .await;
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&partial);
-        return Err(e);
+    let _ = std::fs::remove_file(&partial);
+    written
+}
+
+/// Puts the checked file `partial` at `path` without ever replacing a file there: one that
+/// appeared meanwhile (another migration brought the same layer) is taken if it holds the
+/// same bytes, and is an error otherwise.
+async fn place(partial: &Path, path: &Path, sha256: &str) -> Result<()> {
+    match std::fs::hard_link(partial, path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let theirs = content_sha256(path).await?;
+            if theirs != sha256 {
+                bail!(
+                    "{} appeared meanwhile, with other bytes: left as it is",
+                    path.display()
+                );
+            }
+        }
+        Err(e) => {
+            return Err(e).with_context(|| format!("linking {} into place", partial.display()))
+        }
     }
-    std::fs::rename(&partial, path)
-        .with_context(|| format!("renaming {} into place", partial.display()))?;
+    // The new name lasts a crash of the host once its directory is on disk.
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .with_context(|| format!("syncing {}", dir.display()))?;
+    }
     Ok(())
 }
 
@@ -315,7 +417,7 @@ pub async fn send(
             .await
             .with_context(|| format!("sending backing layer {}", path.display()))?;
         shipped.layers += 1;
-        shipped.bytes += layer.bytes;
+        shipped.bytes = shipped.bytes.saturating_add(layer.bytes);
     }
     Ok(shipped)
 }
@@ -388,7 +490,15 @@ mod tests {
             ]
         );
         assert!(shippable("mid.qcow2") && shippable("lib/base.qcow2"));
-        for name in ["/abs/root.raw", "../x.qcow2", "lib/../../x", "./x", ""] {
+        for name in [
+            "/abs/root.raw",
+            "../x.qcow2",
+            "lib/../../x",
+            "./x",
+            "",
+            "json:{\"driver\":\"file\"}",
+            "nbd:host:10809",
+        ] {
             assert!(!shippable(name), "{name:?}");
         }
     }
@@ -418,7 +528,32 @@ mod tests {
         let Found::Not(why) = walk(&image, &outside).await else {
             panic!("a layer outside the image's directory was asked for");
         };
-        assert!(why.contains("only a name relative to the image"), "{why}");
+        assert!(
+            why.contains("only layers named relative to the image"),
+            "{why}"
+        );
+        // Below a layer held elsewhere (named absolutely), a missing one is not written
+        // there either.
+        let elsewhere = tempfile::tempdir().unwrap();
+        let held = elsewhere.path().join("held");
+        std::fs::write(&held, b"held").unwrap();
+        let via = [
+            layer(&held.to_string_lossy(), b"held"),
+            layer("below", b"x"),
+        ];
+        let Found::Not(why) = walk(&image, &via).await else {
+            panic!("a layer below an absolute one was asked for");
+        };
+        assert!(
+            why.contains("only layers named relative to the image"),
+            "{why}"
+        );
+        // A name that is not a regular file here.
+        std::fs::create_dir(dir.path().join("adir")).unwrap();
+        let Found::Not(why) = walk(&image, &[layer("adir", b"x")]).await else {
+            panic!("a directory was taken for a layer");
+        };
+        assert!(why.ends_with("is not a regular file"), "{why}");
     }
 
     fn argv(image: &Path) -> Vec<String> {
@@ -431,15 +566,33 @@ mod tests {
         ]
     }
 
+    /// A disk whose image names the first of `layers` as its backing file.
     fn plan(layers: Vec<Layer>) -> DiskPlan {
         DiskPlan {
             node: "d".into(),
             size: 1 << 20,
             backing_sha256: None,
             tracked_since: Vec::new(),
-            image: None,
+            image: Some(crate::engine::control::ImageShape {
+                format: "qcow2".into(),
+                backing: layers.first().map(|l| l.name.clone()),
+                backing_format: Some("qcow2".into()),
+            }),
             layers,
         }
+    }
+
+    fn partials(dir: &Path) -> usize {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .to_string_lossy()
+                    .ends_with(".partial")
+            })
+            .count()
     }
 
     #[tokio::test]
@@ -470,7 +623,7 @@ mod tests {
         let (a, b) = crate::engine::test_session::pair().await;
         let (sent, got) = tokio::join!(
             send(&a, &disks, &files, &wanted),
-            receive(&b, &argv, &disks, &wanted)
+            receive(&b, &argv, &disks, &wanted, Duration::from_secs(5))
         );
         let expected = Shipped {
             layers: 2,
@@ -479,7 +632,7 @@ mod tests {
         assert_eq!((sent.unwrap(), got.unwrap()), (expected, expected));
         assert_eq!(std::fs::read(dst.path().join("base")).unwrap(), base_bytes);
         assert_eq!(std::fs::read(dst.path().join("mid")).unwrap(), mid_bytes);
-        assert!(!dst.path().join("base.partial").exists());
+        assert_eq!(partials(dst.path()), 0);
         // Now held: nothing more is asked for.
         assert!(super::wanted(&argv, &disks).await.is_empty());
     }
@@ -500,7 +653,7 @@ mod tests {
         let files = [vec![src.path().join("base")]];
         let (sent, got) = tokio::join!(
             send(&a, &disks_here, &files, &wanted),
-            receive(&b, &argv, &disks_there, &wanted)
+            receive(&b, &argv, &disks_there, &wanted, Duration::from_secs(5))
         );
         sent.unwrap();
         let err = format!("{:#}", got.unwrap_err());
@@ -512,7 +665,69 @@ mod tests {
             "{err}"
         );
         assert!(!dst.path().join("base").exists());
-        assert!(!dst.path().join("base.partial").exists());
+        assert_eq!(partials(dst.path()), 0);
+    }
+
+    /// A source that gives up (its file changed, the user cancelled) says so on the control
+    /// channel: the destination stops waiting for the layer and leaves nothing of it.
+    #[tokio::test]
+    async fn the_sources_abort_ends_the_wait_for_a_layer() {
+        let dst = tempfile::tempdir().unwrap();
+        let disks = [plan(vec![layer("base", b"x")])];
+        let argv = argv(&dst.path().join("top.qcow2"));
+        let (a, b) = crate::engine::test_session::pair().await;
+        let abort = Control::Abort {
+            reason: "it changed since it was hashed".into(),
+        };
+        control::send(&a, &abort).await.unwrap();
+        let wanted = [LayerWanted { disk: 0, layer: 0 }];
+        let err = receive(&b, &argv, &disks, &wanted, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            format!("{err:#}"),
+            format!(
+                "receiving backing layer {}: the source gave up: it changed since it was hashed",
+                dst.path().join("base").display()
+            )
+        );
+        assert_eq!(partials(dst.path()), 0);
+    }
+
+    #[tokio::test]
+    async fn a_layer_that_appeared_meanwhile_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let (partial, path) = (dir.path().join("l.partial"), dir.path().join("l"));
+        let ours = format!("{:x}", Sha256::digest(b"ours"));
+        std::fs::write(&partial, b"ours").unwrap();
+        std::fs::write(&path, b"theirs").unwrap();
+        let err = place(&partial, &path, &ours).await.unwrap_err();
+        assert!(err
+            .to_string()
+            .ends_with("appeared meanwhile, with other bytes: left as it is"));
+        assert_eq!(std::fs::read(&path).unwrap(), b"theirs");
+        // The same bytes: taken as they are.
+        std::fs::write(&path, b"ours").unwrap();
+        place(&partial, &path, &ours).await.unwrap();
+        std::fs::remove_file(&path).unwrap();
+        place(&partial, &path, &ours).await.unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"ours");
+    }
+
+    #[tokio::test]
+    async fn only_a_chain_the_made_image_names_is_completed() {
+        let dir = tempfile::tempdir().unwrap();
+        let argv = argv(&dir.path().join("top.qcow2"));
+        let mut other = plan(vec![layer("base", b"x")]);
+        other.image.as_mut().unwrap().backing = Some("another".into());
+        assert!(wanted(&argv, &[other]).await.is_empty());
+        let mut none = plan(vec![layer("base", b"x")]);
+        none.image = None;
+        assert!(wanted(&argv, &[none]).await.is_empty());
+        // Stated sizes beyond any file system: the disk crosses whole.
+        let mut huge = plan(vec![layer("mid", b"x"), layer("base", b"y")]);
+        huge.layers.iter_mut().for_each(|l| l.bytes = u64::MAX);
+        assert!(wanted(&argv, &[huge]).await.is_empty());
     }
 
     #[tokio::test]
