@@ -735,19 +735,18 @@ mod tests {
         let (a, _b) = crate::engine::test_session::pair().await;
         let disks = [plan(vec![layer("base", b"x")])];
         let files = [vec![PathBuf::from("/nonexistent/base")]];
-        let err = send(&a, &disks, &files, &[LayerWanted { disk: 0, layer: 3 }])
-            .await
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "the destination asked for layer 3 of disk \"d\", whose chain has 1"
-        );
-        let err = send(&a, &disks, &files, &[LayerWanted { disk: 2, layer: 0 }])
-            .await
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "the destination asked for a layer of disk 2, which this migration has not"
-        );
+        for (asked, refusal) in [
+            (
+                LayerWanted { disk: 0, layer: 3 },
+                "the destination asked for layer 3 of disk \"d\", whose chain has 1",
+            ),
+            (
+                LayerWanted { disk: 2, layer: 0 },
+                "the destination asked for a layer of disk 2, which this migration has not",
+            ),
+        ] {
+            let err = send(&a, &disks, &files, &[asked]).await.unwrap_err();
+            assert_eq!(err.to_string(), refusal);
+        }
     }
 }
