@@ -36,6 +36,7 @@ pub mod memory;
 pub mod overlay;
 pub mod pki;
 pub mod refusal;
+mod relay_pacing;
 pub mod server;
 pub mod tunnel;
 

@@ -10,6 +10,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tokio::process::{Child, Command};
 
+use crate::engine::disk::pacing::GuestIo;
+
 /// How long one `virsh` query may take.
 const VIRSH_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -97,6 +99,12 @@ impl Libvirt {
         }
         args.push("--list-active");
         Ok(parse_domstats(&self.virsh(&args).await?))
+    }
+
+    /// The guest's disk operations so far, summed over its disks: QEMU's accounting of each
+    /// device (`virsh domstats --block`), which counts the guest's IO and not a block job's.
+    pub async fn guest_io(&self, domain: &str) -> Result<GuestIo> {
+        parse_block_io(&self.virsh(&["domstats", "--block", domain]).await?)
     }
 
     /// Whether `domain` runs under KVM (`<domain type='kvm'>`), not emulated.
@@ -417,6 +425,42 @@ pub struct DirtyRate {
     pub mib_per_s: u64,
 }
 
+/// One domain's `virsh domstats --block`: `block.<n>.{rd,wr,fl}.{reqs,times}` summed over
+/// its disks (times in ns).
+fn parse_block_io(text: &str) -> Result<GuestIo> {
+    let mut io = GuestIo::default();
+    let mut counted = false;
+    for line in text.lines() {
+        let Some((key, value)) = line.trim().split_once('=') else {
+            continue;
+        };
+        let Some(field) = key.strip_prefix("block.") else {
+            continue;
+        };
+        if field == "count" {
+            counted = true;
+            continue;
+        }
+        // block.<n>.<kind>.<what>
+        let Some((_, stat)) = field.split_once('.') else {
+            continue;
+        };
+        let target = match stat {
+            "rd.reqs" | "wr.reqs" | "fl.reqs" => &mut io.ops,
+            "rd.times" | "wr.times" | "fl.times" => &mut io.busy_ns,
+            _ => continue,
+        };
+        let value: u64 = value
+            .parse()
+            .with_context(|| format!("virsh domstats: {key}={value} is not a count"))?;
+        *target = target.saturating_add(value);
+    }
+    if !counted {
+        bail!("virsh domstats --block gave no block statistics");
+    }
+    Ok(io)
+}
+
 /// `virsh domstats` output: a `Domain: 'name'` line, then `  key=value` lines.
 fn parse_domstats(text: &str) -> std::collections::HashMap<String, DomainUsage> {
     let mut out = std::collections::HashMap::new();
@@ -480,6 +524,29 @@ mod domstats_tests {
         assert!(job_runs(running));
         assert!(!job_runs("Job type:         None\n"));
         assert!(!job_runs(""));
+    }
+
+    #[test]
+    fn block_domstats_sum_the_guests_operations_and_their_time_over_its_disks() {
+        let text = "Domain: 'web'\n  block.count=2\n  block.0.name=vda\n  block.0.path=/var/lib/a.qcow2\n  block.0.rd.reqs=100\n  block.0.rd.bytes=409600\n  block.0.rd.times=5000000\n  block.0.wr.reqs=10\n  block.0.wr.bytes=40960\n  block.0.wr.times=2000000\n  block.0.fl.reqs=1\n  block.0.fl.times=300\n  block.0.allocation=123\n  block.1.name=vdb\n  block.1.rd.reqs=5\n  block.1.rd.times=700\n";
+        assert_eq!(
+            parse_block_io(text).unwrap(),
+            GuestIo {
+                ops: 116,
+                busy_ns: 7_001_000,
+            }
+        );
+        // A domain without disks says so; one that says nothing of blocks is an error.
+        assert_eq!(
+            parse_block_io("Domain: 'x'\n  block.count=0\n").unwrap(),
+            GuestIo::default()
+        );
+        assert!(parse_block_io("Domain: 'x'\n").is_err());
+        let bad = parse_block_io("  block.count=1\n  block.0.rd.reqs=lots\n").unwrap_err();
+        assert_eq!(
+            format!("{bad:#}"),
+            "virsh domstats: block.0.rd.reqs=lots is not a count: invalid digit found in string"
+        );
     }
 
     #[test]

@@ -45,11 +45,14 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         // libvirt's disk copy has no hook of ferry's inside it.
         (s.test_corrupt_disk_at.is_some(), "test_corrupt_disk_at"),
         (s.test_disk_stall_ms.is_some(), "test_disk_stall_ms"),
-        // libvirt runs its own mirror (its speed is libvirt's --bandwidth).
-        (s.disk_pacing_floor_pct.is_some(), "disk_pacing_floor_pct"),
     ];
     if let Some((_, what)) = unsupported.iter().find(|(set, _)| *set) {
         return Err(Refusal::NotWithLibvirt(what.to_string()));
+    }
+    if s.disk_pacing_floor_pct.is_some() && !req.copy_storage {
+        return Err(Refusal::Malformed(
+            "disk_pacing_floor_pct paces a disk copy: it needs copy_storage".into(),
+        ));
     }
     match req.parallel {
         // QEMU's multifd-channels is a u8 and needs one at least.
@@ -439,6 +442,15 @@ mod tests {
             "{refusal}"
         );
         req.settings.test_corrupt_disk_at = None;
+        // Pacing paces the disk copy the relay answers: there must be one.
+        req.settings.disk_pacing_floor_pct = Some(50);
+        let refusal = check_settings(&req).unwrap_err();
+        assert!(
+            refusal.to_string().contains("needs copy_storage"),
+            "{refusal}"
+        );
+        req.copy_storage = true;
+        assert!(check_settings(&req).is_ok());
         for (channels, ok) in [(0, false), (1, true), (4, true), (255, true), (256, false)] {
             req.parallel = Some(channels);
             assert_eq!(check_settings(&req).is_ok(), ok, "{channels}");

@@ -29,6 +29,7 @@ use crate::engine::status::{now_ms, Registry, Shared};
 use crate::engine::{destination, postcopy_recovery, recovery, source};
 use crate::libvirt::Libvirt;
 use crate::refusal::Refusal;
+use crate::relay_pacing::RelayPacing;
 use crate::{libvirt_migration, tunnel};
 
 /// How long a new session may take to say what it is for.
@@ -704,6 +705,27 @@ async fn start_libvirt(State(agent): State<Arc<Agent>>, body: axum::body::Bytes)
     }
 }
 
+/// A paced disk copy's baseline starts here: the guest's IO before libvirt starts anything.
+/// libvirt not saying: the copy is not paced (said in the log).
+async fn relay_pacing(libvirt: &Libvirt, req: &LibvirtMigrationRequest) -> Option<RelayPacing> {
+    let floor = f64::from(req.settings.disk_pacing_floor_pct?) / 100.0;
+    match libvirt.guest_io(&req.domain).await {
+        Ok(io) => Some(RelayPacing {
+            libvirt: libvirt.clone(),
+            domain: req.domain.clone(),
+            before: (std::time::Instant::now(), io),
+            floor,
+        }),
+        Err(e) => {
+            tracing::warn!(
+                "{}'s disk IO is unknown ({e:#}): its disk copy is not paced",
+                req.domain
+            );
+            None
+        }
+    }
+}
+
 /// Checks a libvirt migration request (its settings, its peer, the domain in libvirt, the
 /// agent's limits) and starts it, for the fleet controller's migration `fleet_id` if given;
 /// returns its first status.
@@ -725,6 +747,7 @@ pub(crate) async fn start_libvirt_migration(
         return Err(Refusal::MigratingWithSwap(req.domain));
     }
     tunnels.check_peer_libvirt(&req.to).await?;
+    let pacing = relay_pacing(&libvirt, &req).await;
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let group = match (&fleet_id, group) {
         (Some(fleet_id), Some(group)) => Some(agent.groups.join(fleet_id, &group)),
@@ -743,6 +766,7 @@ pub(crate) async fn start_libvirt_migration(
                 status: status.clone(),
                 settings: req.settings.clone(),
                 group: group.clone(),
+                pacing,
             },
         )?;
         drop(migrations);

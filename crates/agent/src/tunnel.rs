@@ -53,6 +53,7 @@ use crate::config::{LibvirtConfig, PeerConfig};
 use crate::engine::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
 use crate::engine::disk::buffer::TransmitBuffer;
 use crate::engine::disk::mirror::memory_phase_buffer;
+use crate::engine::disk::pacing::BulkGate;
 use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
 use crate::engine::journal::{Journal, LibvirtStreamRecord};
 use crate::engine::status::{now_ms, Events, Registry, Shared};
@@ -63,6 +64,7 @@ use crate::libvirt::Libvirt;
 use crate::libvirt_migration::record_completed;
 use crate::overlay::Overlay;
 use crate::refusal::Refusal;
+use crate::relay_pacing::RelayPacing;
 
 /// How long the WAN may be down before a tunnelled connection is given up (libvirt's own
 /// keepalive gives up on its RPC connection after 30 s; a migration after its own timeout).
@@ -119,9 +121,9 @@ pub struct Tunnels {
     /// Migrations this agent drives through libvirt, by peer and tunnel directory: what comes
     /// to that directory is theirs ([`Tunnels::claim`]).
     pub claims: Mutex<HashMap<SlotKey, Claimed>>,
-    /// The transmit buffers of the disk relays by peer and directory: when QEMU's memory
-    /// stream starts there, their bound tightens to what crosses within the pause.
-    pub relays: Mutex<HashMap<SlotKey, Vec<Weak<TransmitBuffer>>>>,
+    /// The disk relays by peer and directory: when QEMU's memory stream starts there, their
+    /// buffers' bound tightens to what crosses within the pause, and their pacing ends.
+    pub relays: Mutex<HashMap<SlotKey, Vec<RelayLevers>>>,
     /// The migration whose main stream last started in each directory: its multifd channels
     /// add their figures to it as they end.
     pub streams: Mutex<HashMap<SlotKey, Shared>>,
@@ -145,6 +147,15 @@ pub struct Claimed {
     pub settings: MigrationSettings,
     /// A group member's link to its group.
     pub group: Option<GroupLink>,
+    /// Its disk copy is paced by the guest's IO.
+    pub pacing: Option<RelayPacing>,
+}
+
+/// What the memory phase changes in a disk relay: its buffer's bound, and the end of its bulk
+/// copy's pacing.
+pub struct RelayLevers {
+    buffer: Weak<TransmitBuffer>,
+    bulk_gate: Option<Weak<BulkGate>>,
 }
 
 /// What a tunnel session carries, as its first control message says.
@@ -336,19 +347,36 @@ impl Tunnels {
             );
             let defaults = MigrationSettings::default();
             let settings = settings.unwrap_or(&defaults);
+            let pacing = claimed.as_ref().and_then(|c| c.pacing.clone());
             let relay = RelaySource::new(RelaySettings {
                 mode: settings.disk_mode,
                 buffer_bytes: settings.disk_buffer_mib << 20,
                 link_rate_mbit: link,
+                paced: pacing.is_some(),
             });
+            let bulk_gate = relay.bulk_gate();
+            let buffer = relay.buffer();
             self.relays
                 .lock()
                 .expect("relays lock")
                 .entry((peer_name.clone(), slot))
                 .or_default()
-                .push(relay.buffer());
-            let carried = relay.run(conn, &session, settings.codec, status);
-            within_wan_timeout(&session, carried).await
+                .push(RelayLevers {
+                    buffer: buffer.clone(),
+                    bulk_gate: bulk_gate.as_ref().map(Arc::downgrade),
+                });
+            // The pacing runs beside the copy and ends with it.
+            let paced = async {
+                if let (Some(pacing), Some(gate)) = (pacing, bulk_gate) {
+                    crate::relay_pacing::pace(pacing, gate, buffer, status.clone()).await;
+                }
+                std::future::pending::<Result<()>>().await
+            };
+            let carried = relay.run(conn, &session, settings.codec, status.clone());
+            tokio::select! {
+                result = within_wan_timeout(&session, carried) => result,
+                never = paced => never,
+            }
         } else if multifd {
             // QEMU opens its channels together, before the first connection has measured the
             // round trip: by then each knows how many share the window.
@@ -495,14 +523,21 @@ impl Tunnels {
     /// there buffer must now cross within the pause.
     fn memory_phase(&self, peer: &str, slot: u32, link_rate_mbit: f64, downtime_ms: u64) {
         let mut relays = self.relays.lock().expect("relays lock");
-        let Some(buffers) = relays.get_mut(&(peer.to_owned(), slot)) else {
+        let Some(levers) = relays.get_mut(&(peer.to_owned(), slot)) else {
             return;
         };
-        buffers.retain(|b| b.strong_count() > 0);
+        levers.retain(|l| l.buffer.strong_count() > 0);
         // memory_phase_buffer drains in a third of what it is given.
         let limit = memory_phase_buffer(link_rate_mbit, downtime_ms * 3 / RELAY_DRAIN_SHARE);
-        for buffer in buffers.iter().filter_map(Weak::upgrade) {
-            buffer.set_limit(limit);
+        for l in levers.iter() {
+            if let Some(buffer) = l.buffer.upgrade() {
+                buffer.set_limit(limit);
+            }
+            // libvirt starts the memory only once every mirror is ready: the bulk copy is
+            // over, and what is left are the guest's writes.
+            if let Some(gate) = l.bulk_gate.as_ref().and_then(Weak::upgrade) {
+                gate.lift();
+            }
         }
     }
 

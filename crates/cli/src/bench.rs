@@ -77,9 +77,10 @@ pub struct BenchArgs {
     disk_read_hot_mib: u32,
     /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
     /// site running its own libvirtd; --modes names the systems (ferry, ferry-parallel: with
-    /// `--parallel 4`, ferry-none: with `--codec none`, virsh, virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh
-    /// migrate --parallel` at the agents' tunnels, virsh-sync-writes; default ferry, virsh and
-    /// virsh-parallel-zstd).
+    /// `--parallel 4`, ferry-none: with `--codec none`, ferry-paced: with
+    /// `--disk-pacing-floor-pct 50`, virsh, virsh-parallel-zstd, virsh-parallel-via-ferry: a
+    /// user's `virsh migrate --parallel` at the agents' tunnels, virsh-sync-writes; default
+    /// ferry, virsh and virsh-parallel-zstd).
     #[arg(long)]
     libvirt: bool,
     /// Virtual cloud pools: a pool VM's client (TCP stall, pings lost) across moves to site b

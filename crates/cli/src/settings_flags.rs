@@ -91,9 +91,9 @@ pub struct SettingsFlags {
     /// writes from the start of the copy, not only once it is done (for comparison).
     #[arg(long)]
     pub no_disk_background_copy: bool,
-    /// ferry, VMs with disks, background copy: pace the copy by the guest's disk IO; while
-    /// the guest's operations run slower than before the copy, the copy slows down to this
-    /// percentage of its unpaced rate at the least (5 to 100).
+    /// VMs with disks, background copy (or libvirt's with --copy-storage): pace the copy by
+    /// the guest's disk IO; while the guest's operations run slower than before the copy, the
+    /// copy slows down to this percentage of its unpaced rate at the least (5 to 100).
     #[arg(long)]
     pub disk_pacing_floor_pct: Option<u32>,
     /// Give up after this many seconds; the source keeps running.

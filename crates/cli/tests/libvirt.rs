@@ -254,6 +254,20 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
         !out.status.success() && err.contains("parallel: 0 channels; QEMU takes 1 to 255"),
         "{err}"
     );
+    let out = ferry(&[
+        "migrate",
+        "--libvirt",
+        name,
+        "--to",
+        "site-b",
+        "--disk-pacing-floor-pct",
+        "50",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("disk_pacing_floor_pct paces a disk copy"),
+        "{err}"
+    );
 
     // A destination without the disk's storage: libvirt's own words name it, the domain keeps
     // running at site a and nothing is defined at site b.
@@ -368,12 +382,15 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
 
     // Back to site a, driven by site b's agent: libvirt reuses the image the domain left at
     // site a, whose agent indexes it; the blocks it still holds cross as SAME, and the guest's
-    // verifiers find memory and disk intact.
+    // verifiers find memory and disk intact. The copy is paced by the guest's IO (its writer's
+    // 128 writes a second are enough to judge): the relay holds QEMU's bulk copy until it has
+    // looked at the guest, then takes it at the pacer's speed.
     let out = t
         .lab
         .host_command(Site::B, common::ferry_bin())
         .args(["migrate", "--libvirt", name, "--to", "site-a"])
-        .args(["--copy-storage", "--json", "--agent"])
+        .args(["--copy-storage", "--disk-pacing-floor-pct", "50"])
+        .args(["--json", "--agent"])
         .arg(t.lab.agent_socket(Site::B))
         .output()
         .unwrap();
@@ -394,6 +411,10 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     eprintln!("the return's disk report: {disk}");
     assert_eq!(disk["older_copy"], "index", "{v}");
     assert!(disk["index_ms"].as_u64().is_some(), "{v}");
+    assert!(
+        disk["paced_ms"].is_u64(),
+        "the pacer never judged the guest: {v}"
+    );
     let same = disk["same_bytes"].as_u64().unwrap();
     assert!(
         same >= size / 2,

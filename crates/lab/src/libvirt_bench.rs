@@ -36,6 +36,9 @@ pub enum LibvirtSystem {
     /// `ferry migrate --libvirt --codec none`: carried and steered by the agents, QEMU's bytes
     /// as they are (what the codec's CPU costs the guest, apart from the rest).
     FerryUncoded,
+    /// `ferry migrate --libvirt --disk-pacing-floor-pct 50`: the relay takes libvirt's bulk
+    /// disk copy at a speed paced by the guest's IO, down to half its unpaced rate.
+    FerryPaced,
     /// `virsh migrate --live --p2p` straight to the destination's libvirtd.
     Plain,
     /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
@@ -49,10 +52,11 @@ pub enum LibvirtSystem {
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 7] = [
+    pub const ALL: [LibvirtSystem; 8] = [
         LibvirtSystem::Ferry,
         LibvirtSystem::FerryParallel,
         LibvirtSystem::FerryUncoded,
+        LibvirtSystem::FerryPaced,
         LibvirtSystem::Plain,
         LibvirtSystem::ParallelZstd,
         LibvirtSystem::ParallelViaFerry,
@@ -71,6 +75,7 @@ impl LibvirtSystem {
             LibvirtSystem::Ferry => "ferry",
             LibvirtSystem::FerryParallel => "ferry-parallel",
             LibvirtSystem::FerryUncoded => "ferry-none",
+            LibvirtSystem::FerryPaced => "ferry-paced",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
             LibvirtSystem::ParallelViaFerry => "virsh-parallel-via-ferry",
@@ -124,6 +129,8 @@ pub struct LibvirtRecord {
     pub disk_frame_bytes: Option<u64>,
     pub disk_same_bytes: Option<u64>,
     pub disk_index_ms: Option<u64>,
+    /// How long ferry's pacing held the disk copy below its unpaced rate (paced runs only).
+    pub disk_paced_ms: Option<u64>,
     pub error: Option<String>,
 }
 
@@ -305,6 +312,7 @@ async fn leg(
         disk_frame_bytes: ferry_disk["frame_bytes"].as_u64(),
         disk_same_bytes: ferry_disk["same_bytes"].as_u64(),
         disk_index_ms: ferry_disk["index_ms"].as_u64(),
+        disk_paced_ms: ferry_disk["paced_ms"].as_u64(),
         error: migrated.err().map(|e| format!("{e:#}")),
     };
     if record.completed {
@@ -361,7 +369,10 @@ fn migrate(
         .collect()
     };
     let command = match system {
-        LibvirtSystem::Ferry | LibvirtSystem::FerryParallel | LibvirtSystem::FerryUncoded => lab
+        LibvirtSystem::Ferry
+        | LibvirtSystem::FerryParallel
+        | LibvirtSystem::FerryUncoded
+        | LibvirtSystem::FerryPaced => lab
             .host_command(from, ferry)
             .args(["migrate", "--libvirt", name, "--to"])
             .arg(pki::agent_name(to))
@@ -377,6 +388,12 @@ fn migrate(
             .args(
                 (system == LibvirtSystem::FerryUncoded)
                     .then_some(["--codec", "none"])
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(
+                (system == LibvirtSystem::FerryPaced)
+                    .then_some(["--disk-pacing-floor-pct", "50"])
                     .into_iter()
                     .flatten(),
             )

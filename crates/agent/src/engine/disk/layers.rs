@@ -13,7 +13,9 @@
 //! that keep every layer below the image's directory are shipped, and only as regular files.
 //!
 //! A layer that arrived stays after a failed migration: its bytes were checked, and the next
-//! attempt, or the next VM on the same template, needs it.
+//! attempt, or the next VM on the same template, needs it. A partial file a dead agent left
+//! is removed by the next receipt of the same layer once nothing has written it for twice the
+//! WAN timeout (a live receipt writes at least once per WAN timeout, or fails and removes it).
 //!
 //! Layers frame, on [`LAYERS`]: one zstd frame of at most [`PIECE`] bytes of the file; the
 //! files follow one another in the order asked, each as long as its [`Layer::bytes`].
@@ -309,6 +311,7 @@ async fn receive_one(
     wan_timeout: Duration,
 ) -> Result<()> {
     // The session's own file: another migration receiving the same layer writes its own.
+    sweep_stale_partials(path, wan_timeout * 2);
     let mut partial = path.as_os_str().to_owned();
     partial.push(format!(".{}.partial", session.id()));
     let partial = PathBuf::from(partial);
@@ -348,6 +351,46 @@ async fn receive_one(
     .await;
     let _ = std::fs::remove_file(&partial);
     written
+}
+
+/// Removes the partial files of `path` (`NAME.<session>.partial`) that nothing has written for
+/// `idle`: an agent that died while receiving left them. Failures only leave them (logged).
+fn sweep_stale_partials(path: &Path, idle: Duration) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!("{}.", name.to_string_lossy());
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let file_name = file_name.to_string_lossy();
+        let Some(session) = file_name
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.strip_suffix(".partial"))
+        else {
+            continue;
+        };
+        if session.is_empty() || !session.chars().all(|c| c.is_ascii_alphanumeric()) {
+            continue;
+        }
+        let stale = entry.metadata().ok().filter(|m| m.is_file()).and_then(|m| {
+            m.modified()
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .map(|age| age > idle)
+        });
+        if stale == Some(true) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(
+                    "removed {}, a backing layer's partial copy left by an earlier receipt",
+                    entry.path().display()
+                ),
+                Err(e) => tracing::warn!("{}: {e}", entry.path().display()),
+            }
+        }
+    }
 }
 
 /// Puts the checked file `partial` at `path` without ever replacing a file there: one that
@@ -580,6 +623,40 @@ mod tests {
             }),
             layers,
         }
+    }
+
+    #[test]
+    fn partial_copies_nothing_wrote_for_long_are_swept_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = dir.path().join("base.qcow2");
+        let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+        let make = |name: &str, old: bool| {
+            let f = std::fs::File::create(dir.path().join(name)).unwrap();
+            if old {
+                f.set_modified(hour_ago).unwrap();
+            }
+        };
+        make("base.qcow2.00ff17.partial", true);
+        // A live receipt's, another layer's, and not a partial of ours at all.
+        make("base.qcow2.77aa01.partial", false);
+        make("other.qcow2.00ff17.partial", true);
+        make("base.qcow2.x.y.partial", true);
+        make("base.qcow2", true);
+        sweep_stale_partials(&layer, Duration::from_secs(240));
+        let mut left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "base.qcow2",
+                "base.qcow2.77aa01.partial",
+                "base.qcow2.x.y.partial",
+                "other.qcow2.00ff17.partial"
+            ]
+        );
     }
 
     fn partials(dir: &Path) -> usize {

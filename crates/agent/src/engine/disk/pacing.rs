@@ -197,7 +197,77 @@ impl Pacer {
 }
 
 /// The shortest look at the guest's IO before a paced copy starts.
-const PACING_BASELINE: Duration = Duration::from_secs(1);
+pub const PACING_BASELINE: Duration = Duration::from_secs(1);
+
+/// The lever where libvirt owns the mirror's job ([`super::relay`]): the relay takes QEMU's
+/// bulk copy writes no faster than the speed it is given. Until the pacer has looked at the
+/// guest before the copy, the gate is shut to bulk writes (the copy waits, as ferry's own
+/// waits for its baseline); the guest's own writes are never held. Once lifted (the bulk copy
+/// is over, or nothing paces any more) it stays open.
+pub struct BulkGate {
+    state: tokio::sync::watch::Sender<Gate>,
+    /// When the next bulk byte may be taken at a limited speed.
+    next: std::sync::Mutex<tokio::time::Instant>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gate {
+    Shut,
+    Open(Speed),
+    Lifted,
+}
+
+impl BulkGate {
+    /// A gate shut until the pacer opens it.
+    pub fn shut() -> BulkGate {
+        BulkGate {
+            state: tokio::sync::watch::Sender::new(Gate::Shut),
+            next: std::sync::Mutex::new(tokio::time::Instant::now()),
+        }
+    }
+
+    /// Sets the speed (ignored once lifted).
+    pub fn set(&self, speed: Speed) {
+        self.state.send_if_modified(|g| {
+            let changed = *g != Gate::Lifted && *g != Gate::Open(speed);
+            if changed {
+                *g = Gate::Open(speed);
+            }
+            changed
+        });
+    }
+
+    /// Opens the gate for good: nothing paces the copy any more.
+    pub fn lift(&self) {
+        self.state.send_replace(Gate::Lifted);
+    }
+
+    pub fn is_lifted(&self) -> bool {
+        *self.state.borrow() == Gate::Lifted
+    }
+
+    /// Waits until `len` bulk bytes may be taken.
+    pub async fn admit(&self, len: u64) {
+        let mut rx = self.state.subscribe();
+        let gate = match rx.wait_for(|g| *g != Gate::Shut).await {
+            Ok(g) => *g,
+            // The sender lives in `self`.
+            Err(_) => return,
+        };
+        let Gate::Open(Speed::Limited(rate)) = gate else {
+            return;
+        };
+        let start = {
+            let mut next = self.next.lock().expect("gate lock");
+            let start = (*next).max(tokio::time::Instant::now());
+            #[allow(clippy::cast_precision_loss)]
+            let takes = Duration::from_secs_f64(len as f64 / rate.max(1) as f64);
+            *next = start + takes;
+            start
+        };
+        tokio::time::sleep_until(start).await;
+    }
+}
 
 /// The guest's IO from `before` to now, at least [`PACING_BASELINE`] of it (the copy waits
 /// for the rest): what pacing compares the guest with. None: QEMU did not say.
@@ -368,6 +438,35 @@ mod tests {
         let mut r = Run::new(0.5);
         r.tick(1000, 1);
         assert_eq!(r.tick(1000, 8), Some(Speed::Limited(7_000_000)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_bulk_gate_holds_bulk_writes_until_opened_and_spaces_them_at_its_speed() {
+        let gate = std::sync::Arc::new(BulkGate::shut());
+        let waiting = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.admit(1 << 20).await }
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!waiting.is_finished(), "a shut gate took a bulk write");
+        // 1 MiB/s: the first write goes at once, each next one a second after the last.
+        gate.set(Speed::Limited(1 << 20));
+        waiting.await.unwrap();
+        let t0 = tokio::time::Instant::now();
+        gate.admit(1 << 20).await;
+        assert_eq!(t0.elapsed(), Duration::from_secs(1));
+        gate.admit(1 << 20).await;
+        assert_eq!(t0.elapsed(), Duration::from_secs(2));
+        // Unlimited takes everything at once; lifted, a later speed is ignored.
+        gate.set(Speed::Unlimited);
+        gate.lift();
+        gate.set(Speed::Limited(1));
+        let t1 = tokio::time::Instant::now();
+        for _ in 0..10 {
+            gate.admit(1 << 20).await;
+        }
+        assert!(gate.is_lifted());
+        assert!(t1.elapsed() <= Duration::from_secs(1), "{:?}", t1.elapsed());
     }
 
     #[test]

@@ -40,6 +40,7 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use super::apply::{index_ranges, DestinationDisks};
 use super::buffer::TransmitBuffer;
 use super::mirror::{start_channel, Known, MirrorTarget, OlderCopy, Sending};
+use super::pacing::BulkGate;
 use crate::engine::control::{self, Control, DiskPlan};
 use crate::engine::status::Shared;
 use ferry_wire::Session;
@@ -54,12 +55,16 @@ pub struct RelaySettings {
     pub buffer_bytes: u64,
     /// The link's rate, for the frames' zstd level.
     pub link_rate_mbit: f64,
+    /// The bulk copy is paced by the guest's IO: its writes wait at a gate the caller drives
+    /// ([`RelaySource::bulk_gate`]), shut until the caller has looked at the guest.
+    pub paced: bool,
 }
 
 /// The source side of one relayed NBD connection.
 pub struct RelaySource {
     buffer: Arc<TransmitBuffer>,
     link_rate_mbit: f64,
+    bulk_gate: Option<Arc<BulkGate>>,
 }
 
 impl RelaySource {
@@ -70,7 +75,13 @@ impl RelaySource {
                 settings.mode == DiskMode::Sync,
             )),
             link_rate_mbit: settings.link_rate_mbit,
+            bulk_gate: settings.paced.then(|| Arc::new(BulkGate::shut())),
         }
+    }
+
+    /// The gate QEMU's bulk copy writes pass, when paced.
+    pub fn bulk_gate(&self) -> Option<Arc<BulkGate>> {
+        self.bulk_gate.clone()
     }
 
     /// A handle to the buffer, for the memory phase's tighter bound.
@@ -124,6 +135,7 @@ impl RelaySource {
             buffer: buffer.clone(),
             disk: 0,
             flush_commits: true,
+            bulk_gate: self.bulk_gate.clone(),
         });
         let served = tokio::select! {
             end = nbd::serve(conn, &exports, target) => end.context("QEMU's NBD connection"),
@@ -440,6 +452,8 @@ async fn send_index(
 
 #[cfg(test)]
 mod tests {
+    use super::super::buffer::BULK_WRITE;
+    use super::super::pacing::Speed;
     use super::*;
     use bytes::Bytes;
     use ferry_api::agent::MigrationStatus;
@@ -496,6 +510,8 @@ mod tests {
         status: Shared,
         source: tokio::task::JoinHandle<Result<()>>,
         destination: tokio::task::JoinHandle<Result<()>>,
+        /// A paced relay's gate.
+        bulk_gate: Option<Arc<BulkGate>>,
         _dir: TempDir,
     }
 
@@ -509,6 +525,10 @@ mod tests {
 
     /// A relay from a mirror asking for `export` to a destination QEMU serving "disk0".
     async fn relay(export: &str) -> Relayed {
+        relay_paced(export, false).await
+    }
+
+    async fn relay_paced(export: &str, paced: bool) -> Relayed {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "ferry-relay-{}-{}",
@@ -550,7 +570,9 @@ mod tests {
             mode: DiskMode::Async,
             buffer_bytes: 1 << 20,
             link_rate_mbit: 100.0,
+            paced,
         });
+        let bulk_gate = relay.bulk_gate();
         let session = a.clone();
         let reported = status.clone();
         let source =
@@ -563,6 +585,7 @@ mod tests {
             status: reported,
             source,
             destination,
+            bulk_gate,
             _dir: TempDir(dir),
         }
     }
@@ -655,6 +678,42 @@ mod tests {
             assert!(disk[usize::try_from(SIZE).unwrap() - (64 << 10)..]
                 .iter()
                 .all(|&b| b == 0));
+        }
+        mirror.disconnect().await.unwrap();
+        r.source.await.unwrap().unwrap();
+        r.destination.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_paced_relay_holds_the_bulk_copy_at_its_gate_but_never_the_guests_writes() {
+        let r = relay_paced("disk0", true).await;
+        let mirror = r.mirror.unwrap();
+        let gate = r.bulk_gate.expect("a paced relay has a gate");
+        let bulk = mirror
+            .write(0, Bytes::from(vec![1; BULK_WRITE as usize]))
+            .await
+            .unwrap();
+        // The guest's own write, sent after the bulk one, completes while the gate is shut.
+        let guest = mirror
+            .write(1 << 20, Bytes::from(vec![2; 4096]))
+            .await
+            .unwrap();
+        guest.wait().await.unwrap();
+        let held = tokio::time::timeout(Duration::from_millis(200), bulk.wait()).await;
+        assert!(held.is_err(), "a bulk write passed the shut gate");
+        gate.set(Speed::Unlimited);
+        mirror
+            .write(0, Bytes::from(vec![3; BULK_WRITE as usize]))
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        mirror.flush().await.unwrap().wait().await.unwrap();
+        {
+            let disk = r.disk.bytes.lock().unwrap();
+            assert!(disk[..BULK_WRITE as usize].iter().all(|&b| b == 3));
+            assert!(disk[1 << 20..(1 << 20) + 4096].iter().all(|&b| b == 2));
         }
         mirror.disconnect().await.unwrap();
         r.source.await.unwrap().unwrap();
