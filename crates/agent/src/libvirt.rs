@@ -429,7 +429,8 @@ pub struct DirtyRate {
 /// its disks (times in ns).
 fn parse_block_io(text: &str) -> Result<GuestIo> {
     let mut io = GuestIo::default();
-    let mut counted = false;
+    let mut count = None;
+    let mut counted = std::collections::BTreeSet::new();
     for line in text.lines() {
         let Some((key, value)) = line.trim().split_once('=') else {
             continue;
@@ -437,12 +438,16 @@ fn parse_block_io(text: &str) -> Result<GuestIo> {
         let Some(field) = key.strip_prefix("block.") else {
             continue;
         };
+        let number = |v: &str| {
+            v.parse::<u64>()
+                .with_context(|| format!("virsh domstats: {key}={value} is not a count"))
+        };
         if field == "count" {
-            counted = true;
+            count = Some(number(value)?);
             continue;
         }
         // block.<n>.<kind>.<what>
-        let Some((_, stat)) = field.split_once('.') else {
+        let Some((disk, stat)) = field.split_once('.') else {
             continue;
         };
         let target = match stat {
@@ -450,13 +455,19 @@ fn parse_block_io(text: &str) -> Result<GuestIo> {
             "rd.times" | "wr.times" | "fl.times" => &mut io.busy_ns,
             _ => continue,
         };
-        let value: u64 = value
-            .parse()
-            .with_context(|| format!("virsh domstats: {key}={value} is not a count"))?;
-        *target = target.saturating_add(value);
+        *target = target.saturating_add(number(value)?);
+        counted.insert(disk.to_owned());
     }
-    if !counted {
+    let Some(count) = count else {
         bail!("virsh domstats --block gave no block statistics");
+    };
+    // libvirt lists a disk without its counters when it could not ask QEMU: a sum without
+    // them would read as the guest going idle.
+    if (counted.len() as u64) < count {
+        bail!(
+            "virsh domstats --block gave the counters of {} of {count} disks",
+            counted.len()
+        );
     }
     Ok(io)
 }
@@ -542,6 +553,14 @@ mod domstats_tests {
             GuestIo::default()
         );
         assert!(parse_block_io("Domain: 'x'\n").is_err());
+        let short = parse_block_io(
+            "  block.count=2\n  block.0.name=vda\n  block.0.rd.reqs=1\n  block.1.name=vdb\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            format!("{short:#}"),
+            "virsh domstats --block gave the counters of 1 of 2 disks"
+        );
         let bad = parse_block_io("  block.count=1\n  block.0.rd.reqs=lots\n").unwrap_err();
         assert_eq!(
             format!("{bad:#}"),

@@ -87,7 +87,11 @@ pub async fn pace(
             gate.0.set(speed);
         }
         let paced_ms = u64::try_from(pacer.paced().as_millis()).unwrap_or(u64::MAX);
-        status.update(|s| s.disk.get_or_insert_with(Default::default).paced_ms = Some(paced_ms));
+        // Each disk's relay paces its own copy: the report keeps the longest.
+        status.update(|s| {
+            let d = s.disk.get_or_insert_with(Default::default);
+            d.paced_ms = Some(d.paced_ms.unwrap_or(0).max(paced_ms));
+        });
     }
     if let Some(summary) = pacer.summary() {
         tracing::info!("{}: {summary}", pacing.domain);

@@ -13,9 +13,9 @@
 //! that keep every layer below the image's directory are shipped, and only as regular files.
 //!
 //! A layer that arrived stays after a failed migration: its bytes were checked, and the next
-//! attempt, or the next VM on the same template, needs it. A partial file a dead agent left
-//! is removed by the next receipt of the same layer once nothing has written it for twice the
-//! WAN timeout (a live receipt writes at least once per WAN timeout, or fails and removes it).
+//! attempt, or the next VM on the same template, needs it. A receipt holds a lock on its
+//! partial file (`flock`, released by the kernel when its agent dies); the next receipt of the
+//! same layer removes the partial files no one holds that are older than a minute.
 //!
 //! Layers frame, on [`LAYERS`]: one zstd frame of at most [`PIECE`] bytes of the file; the
 //! files follow one another in the order asked, each as long as its [`Layer::bytes`].
@@ -311,7 +311,7 @@ async fn receive_one(
     wan_timeout: Duration,
 ) -> Result<()> {
     // The session's own file: another migration receiving the same layer writes its own.
-    sweep_stale_partials(path, wan_timeout * 2);
+    sweep_stale_partials(path, STALE_PARTIAL_AGE);
     let mut partial = path.as_os_str().to_owned();
     partial.push(format!(".{}.partial", session.id()));
     let partial = PathBuf::from(partial);
@@ -322,6 +322,11 @@ async fn receive_one(
             .open(&partial)
             .await
             .with_context(|| format!("creating {}", partial.display()))?;
+        // Held while the file is open: it tells a live receipt's file from one a dead agent
+        // left ([`sweep_stale_partials`]).
+        if !try_lock(&file)? {
+            bail!("{} is locked by another process", partial.display());
+        }
         let mut hash = Sha256::new();
         let mut got = 0u64;
         while got < layer.bytes {
@@ -353,9 +358,28 @@ async fn receive_one(
     written
 }
 
-/// Removes the partial files of `path` (`NAME.<session>.partial`) that nothing has written for
-/// `idle`: an agent that died while receiving left them. Failures only leave them (logged).
-fn sweep_stale_partials(path: &Path, idle: Duration) {
+/// How old a partial file no receipt holds must be to be removed: a receipt locks its file
+/// right after creating it, so a younger one may be a live receipt's not yet locked.
+const STALE_PARTIAL_AGE: Duration = Duration::from_secs(60);
+
+/// An exclusive `flock` on `file` if no one else holds one; false if someone does.
+fn try_lock(file: &impl std::os::fd::AsRawFd) -> std::io::Result<bool> {
+    // SAFETY: flock on a descriptor the caller keeps open; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Removes the partial files of `path` (`NAME.<session>.partial`) that no receipt holds and
+/// that are older than `min_age`: an agent that died while receiving left them. Failures
+/// only leave them (logged).
+fn sweep_stale_partials(path: &Path, min_age: Duration) {
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
         return;
     };
@@ -375,13 +399,17 @@ fn sweep_stale_partials(path: &Path, idle: Duration) {
         if session.is_empty() || !session.chars().all(|c| c.is_ascii_alphanumeric()) {
             continue;
         }
-        let stale = entry.metadata().ok().filter(|m| m.is_file()).and_then(|m| {
+        let old = entry.metadata().ok().filter(|m| m.is_file()).and_then(|m| {
             m.modified()
                 .ok()
                 .and_then(|t| t.elapsed().ok())
-                .map(|age| age > idle)
+                .map(|age| age > min_age)
         });
-        if stale == Some(true) {
+        // Locked: a live receipt's. The lock is kept until the file is removed.
+        let unheld = std::fs::File::open(entry.path())
+            .ok()
+            .filter(|f| try_lock(f).unwrap_or(false));
+        if old == Some(true) && unheld.is_some() {
             match std::fs::remove_file(entry.path()) {
                 Ok(()) => tracing::info!(
                     "removed {}, a backing layer's partial copy left by an earlier receipt",
@@ -626,7 +654,7 @@ mod tests {
     }
 
     #[test]
-    fn partial_copies_nothing_wrote_for_long_are_swept_and_nothing_else() {
+    fn partial_copies_no_receipt_holds_are_swept_once_a_minute_old_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
         let layer = dir.path().join("base.qcow2");
         let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
@@ -637,12 +665,16 @@ mod tests {
             }
         };
         make("base.qcow2.00ff17.partial", true);
-        // A live receipt's, another layer's, and not a partial of ours at all.
+        // A live receipt's (locked, however old), a young one, another layer's, and not a
+        // partial of ours at all.
+        make("base.qcow2.5e55.partial", true);
+        let live = std::fs::File::open(dir.path().join("base.qcow2.5e55.partial")).unwrap();
+        assert!(try_lock(&live).unwrap());
         make("base.qcow2.77aa01.partial", false);
         make("other.qcow2.00ff17.partial", true);
         make("base.qcow2.x.y.partial", true);
         make("base.qcow2", true);
-        sweep_stale_partials(&layer, Duration::from_secs(240));
+        sweep_stale_partials(&layer, STALE_PARTIAL_AGE);
         let mut left: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -652,6 +684,7 @@ mod tests {
             left,
             [
                 "base.qcow2",
+                "base.qcow2.5e55.partial",
                 "base.qcow2.77aa01.partial",
                 "base.qcow2.x.y.partial",
                 "other.qcow2.00ff17.partial"

@@ -32,8 +32,8 @@ use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
 use super::backing::backing_of;
-use super::buffer::{Extent, TransmitBuffer, BULK_WRITE};
-use super::pacing::{pacing_baseline, BulkGate, GuestIo, Pacer, Pacing};
+use super::buffer::{Extent, TransmitBuffer};
+use super::pacing::{pacing_baseline, BulkGate, GuestIo, Pacer, Pacing, MIRROR_CHUNK};
 use super::since::{self, BitmapExports, BitmapView};
 use super::SentDigests;
 use super::{
@@ -66,8 +66,8 @@ pub(super) struct MirrorTarget {
     /// and are released when the migration ends: the source's own disk holds the write and
     /// the source keeps running on it.
     pub flush_commits: bool,
-    /// libvirt's path: the bulk copy's writes pass this gate first (pacing by the guest's IO,
-    /// where the mirror's job speed is libvirt's).
+    /// libvirt's path: the bulk copy's writes (whole [`MIRROR_CHUNK`]s) pass this gate first
+    /// (pacing by the guest's IO, where the mirror's job speed is libvirt's).
     pub bulk_gate: Option<Arc<BulkGate>>,
 }
 
@@ -112,7 +112,7 @@ impl MirrorTarget {
 impl Blocks for MirrorTarget {
     async fn write(&self, offset: u64, data: Bytes) -> Result<(), u32> {
         let len = data.len() as u64;
-        if let Some(gate) = self.bulk_gate.as_ref().filter(|_| len >= BULK_WRITE) {
+        if let Some(gate) = self.bulk_gate.as_ref().filter(|_| len >= MIRROR_CHUNK) {
             gate.admit(len).await;
         }
         self.put(offset, len, Extent::Data(data)).await

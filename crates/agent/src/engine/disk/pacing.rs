@@ -135,11 +135,14 @@ impl Pacer {
         if self.speed.is_some() {
             self.paced += dt;
         }
-        // While unpaced, the sender's rate so far is the reference.
+        // While unpaced, the sender's rate so far is the reference, counted from when it
+        // first sent (on libvirt's path it may wait for the destination's index first).
         if self.speed.is_none() {
             if let Some((since, sent0)) = self.unpaced_since {
                 let s = now.duration_since(since).as_secs_f64();
-                if s >= PACING_INTERVAL.as_secs_f64() {
+                if sent == sent0 {
+                    self.unpaced_since = Some((now, sent));
+                } else if s >= PACING_INTERVAL.as_secs_f64() {
                     #[allow(clippy::cast_precision_loss)]
                     let rate = sent.saturating_sub(sent0) as f64 / s;
                     if rate > 0.0 {
@@ -199,11 +202,18 @@ impl Pacer {
 /// The shortest look at the guest's IO before a paced copy starts.
 pub const PACING_BASELINE: Duration = Duration::from_secs(1);
 
+/// The writes the relay's gate takes for QEMU's bulk copy: the mirror copies in chunks of up to
+/// 1 MiB (`MAX_IO_BYTES` in QEMU's `block/mirror.c`; its default 16 MiB buffer over 16
+/// operations), whole ones wherever the data runs on. In write-blocking mode the guest's own
+/// writes reach the relay as the guest made them, nearly always smaller (a guest write of 1
+/// MiB or more is taken for the copy's while paced).
+pub const MIRROR_CHUNK: u64 = 1 << 20;
+
 /// The lever where libvirt owns the mirror's job ([`super::relay`]): the relay takes QEMU's
 /// bulk copy writes no faster than the speed it is given. Until the pacer has looked at the
-/// guest before the copy, the gate is shut to bulk writes (the copy waits, as ferry's own
-/// waits for its baseline); the guest's own writes are never held. Once lifted (the bulk copy
-/// is over, or nothing paces any more) it stays open.
+/// guest before the copy, the gate is shut to them (the copy waits, as ferry's own waits for
+/// its baseline). Once lifted (the bulk copy is over, or nothing paces any more) it stays
+/// open. A change of speed reaches the writes already waiting.
 pub struct BulkGate {
     state: tokio::sync::watch::Sender<Gate>,
     /// When the next bulk byte may be taken at a limited speed.
@@ -226,12 +236,13 @@ impl BulkGate {
         }
     }
 
-    /// Sets the speed (ignored once lifted).
+    /// Sets the speed (ignored once lifted); the next write starts a new pace.
     pub fn set(&self, speed: Speed) {
         self.state.send_if_modified(|g| {
             let changed = *g != Gate::Lifted && *g != Gate::Open(speed);
             if changed {
                 *g = Gate::Open(speed);
+                *self.next.lock().expect("gate lock") = tokio::time::Instant::now();
             }
             changed
         });
@@ -246,26 +257,50 @@ impl BulkGate {
         *self.state.borrow() == Gate::Lifted
     }
 
-    /// Waits until `len` bulk bytes may be taken.
+    /// Waits until `len` bulk bytes may be taken: while shut, and at a limited speed until
+    /// the bytes taken before them have had their time. Whatever it waits for is looked at
+    /// again when the speed changes.
     pub async fn admit(&self, len: u64) {
         let mut rx = self.state.subscribe();
-        let gate = match rx.wait_for(|g| *g != Gate::Shut).await {
-            Ok(g) => *g,
-            // The sender lives in `self`.
-            Err(_) => return,
-        };
-        let Gate::Open(Speed::Limited(rate)) = gate else {
-            return;
-        };
-        let start = {
-            let mut next = self.next.lock().expect("gate lock");
-            let start = (*next).max(tokio::time::Instant::now());
-            #[allow(clippy::cast_precision_loss)]
-            let takes = Duration::from_secs_f64(len as f64 / rate.max(1) as f64);
-            *next = start + takes;
-            start
-        };
-        tokio::time::sleep_until(start).await;
+        loop {
+            let gate = *rx.borrow_and_update();
+            let rate = match gate {
+                Gate::Shut => None,
+                Gate::Open(Speed::Limited(rate)) => Some(rate.max(1)),
+                Gate::Open(Speed::Unlimited) | Gate::Lifted => return,
+            };
+            let turn = rate.map(|rate| {
+                let mut next = self.next.lock().expect("gate lock");
+                let now = tokio::time::Instant::now();
+                if *next <= now {
+                    #[allow(clippy::cast_precision_loss)]
+                    let takes = Duration::from_secs_f64(len as f64 / rate as f64);
+                    *next = now + takes;
+                    None
+                } else {
+                    Some(*next)
+                }
+            });
+            let wait_until = match turn {
+                Some(None) => return,
+                Some(Some(at)) => Some(at),
+                None => None,
+            };
+            tokio::select! {
+                changed = rx.changed() => {
+                    // The sender lives in `self`: it never goes.
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                () = async {
+                    match wait_until {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+        }
     }
 }
 
@@ -434,6 +469,20 @@ mod tests {
     }
 
     #[test]
+    fn the_reference_rate_starts_when_the_sender_first_sends() {
+        let mut r = Run::new(0.5);
+        // The sender waits (for the destination's index) through three looks, then drains
+        // 5 MB a look: the reference is 10 MB/s, not the average over the wait.
+        for _ in 0..3 {
+            r.t += PACING_INTERVAL;
+            r.io = io(r.io, 1000, 1, PACING_INTERVAL);
+            assert_eq!(r.pacer.tick(r.t, r.io, 0), None);
+        }
+        r.tick(1000, 1);
+        assert_eq!(r.tick(500, 1), Some(Speed::Limited(7_000_000)));
+    }
+
+    #[test]
     fn slower_operations_count_as_slowed_even_at_the_same_rate() {
         let mut r = Run::new(0.5);
         r.tick(1000, 1);
@@ -457,16 +506,29 @@ mod tests {
         assert_eq!(t0.elapsed(), Duration::from_secs(1));
         gate.admit(1 << 20).await;
         assert_eq!(t0.elapsed(), Duration::from_secs(2));
+        // At 1 byte a second a write would wait for days; a faster speed reaches it at once.
+        gate.set(Speed::Limited(1));
+        gate.admit(1 << 20).await;
+        let crawling = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.admit(1 << 20).await }
+        });
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(!crawling.is_finished());
+        gate.set(Speed::Limited(1 << 20));
+        let t1 = tokio::time::Instant::now();
+        crawling.await.unwrap();
+        assert!(t1.elapsed() <= Duration::from_secs(1), "{:?}", t1.elapsed());
         // Unlimited takes everything at once; lifted, a later speed is ignored.
         gate.set(Speed::Unlimited);
         gate.lift();
         gate.set(Speed::Limited(1));
-        let t1 = tokio::time::Instant::now();
+        let t2 = tokio::time::Instant::now();
         for _ in 0..10 {
             gate.admit(1 << 20).await;
         }
         assert!(gate.is_lifted());
-        assert!(t1.elapsed() <= Duration::from_secs(1), "{:?}", t1.elapsed());
+        assert!(t2.elapsed() <= Duration::from_secs(1), "{:?}", t2.elapsed());
     }
 
     #[test]

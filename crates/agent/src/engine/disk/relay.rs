@@ -452,8 +452,7 @@ async fn send_index(
 
 #[cfg(test)]
 mod tests {
-    use super::super::buffer::BULK_WRITE;
-    use super::super::pacing::Speed;
+    use super::super::pacing::{Speed, MIRROR_CHUNK};
     use super::*;
     use bytes::Bytes;
     use ferry_api::agent::MigrationStatus;
@@ -689,21 +688,19 @@ mod tests {
         let r = relay_paced("disk0", true).await;
         let mirror = r.mirror.unwrap();
         let gate = r.bulk_gate.expect("a paced relay has a gate");
-        let bulk = mirror
-            .write(0, Bytes::from(vec![1; BULK_WRITE as usize]))
-            .await
-            .unwrap();
-        // The guest's own write, sent after the bulk one, completes while the gate is shut.
-        let guest = mirror
-            .write(1 << 20, Bytes::from(vec![2; 4096]))
-            .await
-            .unwrap();
-        guest.wait().await.unwrap();
+        let chunk = usize::try_from(MIRROR_CHUNK).unwrap();
+        let bulk = mirror.write(0, Bytes::from(vec![1; chunk])).await.unwrap();
+        // The guest's own writes, sent after the bulk one (a small one and a large one, as
+        // QEMU's write-blocking mirror passes them on), complete while the gate is shut.
+        for (at, len) in [(2 << 20, 4096), (3 << 20, 256 << 10)] {
+            let guest = mirror.write(at, Bytes::from(vec![2; len])).await.unwrap();
+            guest.wait().await.unwrap();
+        }
         let held = tokio::time::timeout(Duration::from_millis(200), bulk.wait()).await;
         assert!(held.is_err(), "a bulk write passed the shut gate");
         gate.set(Speed::Unlimited);
         mirror
-            .write(0, Bytes::from(vec![3; BULK_WRITE as usize]))
+            .write(0, Bytes::from(vec![3; chunk]))
             .await
             .unwrap()
             .wait()
@@ -712,8 +709,11 @@ mod tests {
         mirror.flush().await.unwrap().wait().await.unwrap();
         {
             let disk = r.disk.bytes.lock().unwrap();
-            assert!(disk[..BULK_WRITE as usize].iter().all(|&b| b == 3));
-            assert!(disk[1 << 20..(1 << 20) + 4096].iter().all(|&b| b == 2));
+            assert!(disk[..chunk].iter().all(|&b| b == 3));
+            assert!(disk[2 << 20..(2 << 20) + 4096].iter().all(|&b| b == 2));
+            assert!(disk[3 << 20..(3 << 20) + (256 << 10)]
+                .iter()
+                .all(|&b| b == 2));
         }
         mirror.disconnect().await.unwrap();
         r.source.await.unwrap().unwrap();
