@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::engine::digest::StreamDigest;
 use anyhow::{bail, Context, Result};
@@ -73,6 +74,30 @@ const FRESH_IMAGE_BYTES: u64 = 1 << 20;
 /// Indexing reads 4 MiB at a time, 4 in flight.
 const INDEX_READ_BYTES: u64 = 4 << 20;
 const INDEX_READS_IN_FLIGHT: usize = 4;
+/// How long the destination's QEMU may take to take or answer one request on its export. A
+/// local QEMU answers in milliseconds; one whose main loop is stuck (a failed incoming
+/// migration can leave it so) would otherwise hold the applier, and with it the source's
+/// flush and the whole migration's failure path, forever. (Tests: 2 s.)
+const EXPORT_ANSWER: Duration = if cfg!(test) {
+    Duration::from_secs(2)
+} else {
+    Duration::from_secs(120)
+};
+
+/// `request` to the destination's export, answered within [`EXPORT_ANSWER`].
+async fn answered<T>(
+    what: &str,
+    request: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(EXPORT_ANSWER, request)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "the destination's QEMU did not answer {what} on its disk export within {}s",
+                EXPORT_ANSWER.as_secs()
+            )
+        })?
+}
 
 type NbdClient = Client<UnixStream>;
 
@@ -219,10 +244,7 @@ impl DestinationDisks {
                 applier.drain().await?;
                 let drained_ms = t0.elapsed().as_secs_f64() * 1e3;
                 for (client, plan) in self.clients.iter().zip(&self.plans) {
-                    client
-                        .flush()
-                        .await?
-                        .wait()
+                    answered("a flush", async { Ok(client.flush().await?.wait().await?) })
                         .await
                         .with_context(|| format!("flushing disk {:?}", plan.node))?;
                 }
@@ -306,10 +328,7 @@ impl Applier<'_> {
             };
             self.drain().await?;
             let client = self.client(disk)?;
-            client
-                .flush()
-                .await?
-                .wait()
+            answered("a flush", async { Ok(client.flush().await?.wait().await?) })
                 .await
                 .context("flushing a disk")?;
             return Ok(());
@@ -328,7 +347,7 @@ impl Applier<'_> {
             self.complete_one().await?;
         }
         let client = self.client(disk)?.clone();
-        let pending = submit(&client, op).await?;
+        let pending = answered("a request", submit(&client, op)).await?;
         let id = self.next_id;
         self.next_id += 1;
         self.ranges.insert(id, (seq, disk, offset, end));
@@ -336,9 +355,9 @@ impl Applier<'_> {
         self.in_flight.spawn(async move {
             let mut result = Ok(());
             for p in pending {
-                if let Err(e) = p.wait().await {
-                    result =
-                        Err(anyhow::Error::new(e).context("writing to the destination's disk"));
+                let written = answered("a write", async { Ok(p.wait().await?) }).await;
+                if let Err(e) = written {
+                    result = Err(e.context("writing to the destination's disk"));
                 }
             }
             (id, result)

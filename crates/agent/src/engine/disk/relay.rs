@@ -830,6 +830,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_export_that_stops_answering_fails_the_flush_and_ends_the_relay() {
+        let r = relay("disk0").await;
+        let mirror = r.mirror.unwrap();
+        // The destination's QEMU stops answering (its main loop stuck) with the session up:
+        // its applier gives up after its bound, and the source's flush fails instead of
+        // holding QEMU's mirror, and libvirt's failure path, forever.
+        let held = r.disk.held.write().await;
+        let write = mirror.write(0, Bytes::from(vec![5u8; 4096])).await.unwrap();
+        write.wait().await.unwrap();
+        let flush = mirror.flush().await.unwrap();
+        let within = Duration::from_secs(30);
+        let flushed = tokio::time::timeout(within, flush.wait()).await;
+        assert!(flushed.expect("the flush is answered").is_err());
+        let ended = tokio::time::timeout(within, r.source).await;
+        let err = ended.expect("the relay ends").unwrap().unwrap_err();
+        assert!(
+            format!("{err:#}").contains("did not answer a write on its disk export"),
+            "{err:#}"
+        );
+        drop(held);
+    }
+
+    #[tokio::test]
     async fn an_export_the_destination_lacks_is_refused_with_its_words() {
         let r = relay("nope").await;
         let err = r.mirror.err().expect("refused").to_string();
