@@ -240,34 +240,23 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("site-x"), "{err}");
-    let out = ferry(&[
-        "migrate",
-        "--libvirt",
-        name,
-        "--to",
-        "site-b",
-        "--parallel",
-        "0",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("parallel: 0 channels; QEMU takes 1 to 255"),
-        "{err}"
-    );
-    let out = ferry(&[
-        "migrate",
-        "--libvirt",
-        name,
-        "--to",
-        "site-b",
-        "--disk-pacing-floor-pct",
-        "50",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("disk_pacing_floor_pct paces a disk copy"),
-        "{err}"
-    );
+    // Settings libvirt's migration cannot take, each refused in the agent's words.
+    for (flags, says) in [
+        (
+            ["--parallel", "0"],
+            "parallel: 0 channels; QEMU takes 1 to 255",
+        ),
+        (
+            ["--disk-pacing-floor-pct", "50"],
+            "disk_pacing_floor_pct paces a disk copy",
+        ),
+    ] {
+        let mut args = vec!["migrate", "--libvirt", name, "--to", "site-b"];
+        args.extend(flags);
+        let out = ferry(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{err}");
+    }
 
     // A destination without the disk's storage: libvirt's own words name it, the domain keeps
     // running at site a and nothing is defined at site b.
