@@ -23,16 +23,18 @@ if cargo tree -p ferry-cli --no-default-features -e normal --locked | grep -q 'f
     echo "test: ferry without the lab feature still depends on ferry-lab" >&2
     exit 1
 fi
-# First the fast tests that need no root or guest: the engine's two agents in one process
-# (crates/agent/tests/engine), the wire, the codec, the policies.
-fast=(-p ferry-agent -p ferry-wire -p ferry-codec -p ferry-policy)
-cargo test --release --locked "${fast[@]}"
-cargo build --release --locked --quiet
+# One build of every test and of the ferry binary. Every cargo command below selects the whole
+# workspace: features are unified over the packages a command selects, so a command with fewer
+# packages would build the shared crates again with other features (it did, three times over).
+tests=(--workspace --release --locked)
+cargo test "${tests[@]}" --lib --bins --test '*' --no-run --quiet
+# First the unit tests, which need no root or guest.
+cargo test "${tests[@]}" --lib --bins
 ./target/release/ferry image build
 ./scripts/debian-guest.sh
-cargo test --workspace --release --locked \
-    --exclude ferry-agent --exclude ferry-wire --exclude ferry-codec --exclude ferry-policy \
-    -- --test-threads=1
+# Then every integration test, one at a time: the end-to-end tests boot TCG guests, and two at
+# once would fight over 2 cores.
+cargo test "${tests[@]}" --test '*' -- --test-threads=1
 # Every fuzz target briefly, from its seeds (docs/testing.md, "Fuzzing").
 # Built unoptimized: the instrumented release build took 7 of CI's 45 minutes, the dev one 3.
 FERRY_FUZZ_PROFILE=dev ./scripts/fuzz.sh 15
