@@ -5,7 +5,8 @@
  * latency; the verifier reads every block back, bypassing the page cache, and compares it with
  * the version the table says the guest saw acknowledged. A reader (`disk read hot=MIB`) reads
  * random blocks of the file's first MIB back to back (O_DIRECT, one at a time) and counts
- * them: the guest's read throughput on a hot set, with and without a migration.
+ * them: the guest's read throughput on a hot set, with and without a migration, and per second
+ * of the guest's time (`disk read-counts`), so a host can tell which phase of a move cost it.
  */
 #define _GNU_SOURCE
 #include "guest.h"
@@ -30,6 +31,9 @@
 #define LAT_BUCKET_US 10u
 /* A disk operation outstanding this long is reported once, with the kernel's view of the disk. */
 #define STALL_S 20
+/* The reader's per-second counts: ten minutes, 50 to a reply line. */
+#define READ_SECONDS 600u
+#define READ_COUNTS_PER_LINE 50u
 
 /* The operations the stall watcher watches, one per thread that does them. */
 enum { OP_WRITE, OP_READ, OP_VERIFY, OPS };
@@ -58,6 +62,8 @@ static struct {
     uint64_t hot_blocks;
     uint64_t reads;
     double reads_since;
+    /* the reads in each second since that reset (atomic: the reader adds, a reset clears) */
+    uint32_t reads_by_s[READ_SECONDS];
     /* for the stall report: when each operation in progress started (µs of now_s(), 0: none;
      * atomic: the watcher reads them while the writer or the verifier holds `lock`), and the
      * threads' ids */
@@ -94,12 +100,26 @@ static void *reader(void *arg)
         rng ^= rng >> 7;
         rng ^= rng << 17;
         ssize_t n = watched_io(OP_READ, fd, buf, (off_t)((rng % hot) * BLOCK_BYTES));
-        if (n == (ssize_t)BLOCK_BYTES)
+        if (n == (ssize_t)BLOCK_BYTES) {
             __atomic_fetch_add(&disk.reads, 1, __ATOMIC_RELAXED);
-        else
+            double since;
+            __atomic_load(&disk.reads_since, &since, __ATOMIC_RELAXED);
+            double s = now_s() - since;
+            if (s >= 0 && s < READ_SECONDS)
+                __atomic_fetch_add(&disk.reads_by_s[(size_t)s], 1, __ATOMIC_RELAXED);
+        } else
             sleep_ms(1); /* a failing disk must not take the whole vCPU */
     }
     return NULL;
+}
+
+/* Restarts the per-second counts at second 0 of now (the caller holds `lock`). */
+static void disk_reset_read_counts(void)
+{
+    for (size_t i = 0; i < READ_SECONDS; i++)
+        __atomic_store_n(&disk.reads_by_s[i], 0, __ATOMIC_RELAXED);
+    double now = now_s();
+    __atomic_store(&disk.reads_since, &now, __ATOMIC_RELAXED);
 }
 
 int disk_read(uint64_t hot_mib, char *err, size_t errlen)
@@ -126,7 +146,7 @@ int disk_read(uint64_t hot_mib, char *err, size_t errlen)
     }
     disk.hot_blocks = hot_mib * 1024 * 1024 / BLOCK_BYTES;
     __atomic_store_n(&disk.reads, 0, __ATOMIC_RELAXED);
-    disk.reads_since = now_s();
+    disk_reset_read_counts();
     int rc = pthread_create(&disk.reader_thread, NULL, reader, (void *)(intptr_t)fd);
     if (rc != 0) {
         disk.hot_blocks = 0;
@@ -530,8 +550,26 @@ void disk_reset_stats(void)
     disk.lat_writes = 0;
     disk.lat_max_us = 0;
     __atomic_store_n(&disk.reads, 0, __ATOMIC_RELAXED);
-    disk.reads_since = now_s();
+    disk_reset_read_counts();
     pthread_mutex_unlock(&disk.lock);
+}
+
+/* The reader's counts per second from second `from` on, at most `READ_COUNTS_PER_LINE` of them
+ * (a reply is one serial line): `seconds=S from=F counts=C,C,...`, S the seconds since the last
+ * reset (the last one still running). */
+void disk_read_counts(uint64_t from, char *out, size_t len)
+{
+    double since;
+    __atomic_load(&disk.reads_since, &since, __ATOMIC_RELAXED);
+    double elapsed = now_s() - since;
+    uint64_t seconds = elapsed < 0 ? 0 : (uint64_t)elapsed + 1;
+    if (seconds > READ_SECONDS)
+        seconds = READ_SECONDS;
+    int n = snprintf(out, len, "seconds=%llu from=%llu counts=", (unsigned long long)seconds,
+                     (unsigned long long)from);
+    for (uint64_t i = from; i < seconds && i < from + READ_COUNTS_PER_LINE && n > 0 && (size_t)n < len; i++)
+        n += snprintf(out + n, len - (size_t)n, i == from ? "%u" : ",%u",
+                      __atomic_load_n(&disk.reads_by_s[i], __ATOMIC_RELAXED));
 }
 
 void disk_stats(char *out, size_t len)

@@ -42,6 +42,7 @@ int disk_verify(struct verify_result *r, char *err, size_t errlen);
 int disk_sum(const char *path, char *out, size_t len, char *err, size_t errlen);
 void disk_stats(char *out, size_t len);
 void disk_reset_stats(void);
+void disk_read_counts(uint64_t from, char *out, size_t len);
 /* The same for a disk block (the write goes through O_DIRECT like the writer's). */
 long long disk_inject(int stale, char *err, size_t errlen);
 

@@ -261,6 +261,12 @@ static void command(char *line)
         } else if (strcmp(sub, "stats") == 0) {
             disk_stats(out, sizeof out);
             tty_line("R %s ok %s", id, out);
+        } else if (strcmp(sub, "read-counts") == 0) {
+            double from = 0;
+            if (opt_num(id, argc, argv, "from", &from) < 0)
+                return;
+            disk_read_counts((uint64_t)from, out, sizeof out);
+            tty_line("R %s ok %s", id, out);
         } else if (strcmp(sub, "reset-stats") == 0) {
             disk_reset_stats();
             tty_line("R %s ok", id);

@@ -30,6 +30,8 @@ pub struct JobStats {
     pub memory_iteration: u64,
     pub disk_processed: u64,
     pub disk_total: u64,
+    /// The vCPU throttle auto-converge applies now, percent (None: not throttled).
+    pub cpu_throttle_pct: Option<u64>,
     /// Set once the job completed, at the destination: the VM's real pause, from its stop at
     /// the source to its resume at the destination (libvirt carries the stop's time over).
     /// While the job runs: QEMU's expected pause (`expected-downtime`: the dirty set at its
@@ -352,6 +354,10 @@ impl JobStats {
             memory_iteration: get("memory_iteration"),
             disk_processed: get("disk_processed"),
             disk_total: get("disk_total"),
+            cpu_throttle_pct: fields
+                .get("auto_converge_throttle")
+                .copied()
+                .filter(|&p| p > 0),
             downtime_ms: fields.get("downtime").copied(),
         }
     }
@@ -363,18 +369,26 @@ mod tests {
 
     #[test]
     fn job_stats_are_read_from_either_raw_form() {
-        let colon = "Job type:         Unbounded\noperation: 1\nmemory_processed: 10\nmemory_remaining: 20\nmemory_total: 30\nmemory_iteration: 2\ndisk_total: 7\n";
+        let colon = "Job type:         Unbounded\noperation: 1\nmemory_processed: 10\nmemory_remaining: 20\nmemory_total: 30\nmemory_iteration: 2\ndisk_total: 7\nauto_converge_throttle: 20\n";
         let s = JobStats::parse(colon);
         assert_eq!(
             (s.memory_processed, s.memory_remaining, s.memory_total),
             (10, 20, 30)
         );
         assert_eq!(
-            (s.memory_iteration, s.disk_total, s.downtime_ms),
-            (2, 7, None)
+            (
+                s.memory_iteration,
+                s.disk_total,
+                s.downtime_ms,
+                s.cpu_throttle_pct
+            ),
+            (2, 7, None, Some(20))
         );
-        let eq = JobStats::parse("downtime=123\nmemory_total=5\n");
-        assert_eq!((eq.downtime_ms, eq.memory_total), (Some(123), 5));
+        let eq = JobStats::parse("downtime=123\nmemory_total=5\nauto_converge_throttle=0\n");
+        assert_eq!(
+            (eq.downtime_ms, eq.memory_total, eq.cpu_throttle_pct),
+            (Some(123), 5, None)
+        );
     }
 
     #[test]

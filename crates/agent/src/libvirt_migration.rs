@@ -200,6 +200,7 @@ async fn drive(
             _ = poll.tick() => {
                 if let Ok(job) = libvirt.job(&req.domain, false).await {
                     record_job(status, &job);
+                    record_throttle(status, &job);
                     status.update(|s| s.qemu.expected_downtime_ms = job.downtime_ms);
                 }
             }
@@ -375,6 +376,20 @@ pub(crate) fn record_completed(status: &Shared, job: Result<JobStats>) {
                 format!("the destination's job figures: {e:#}"),
             );
         }),
+    }
+}
+
+/// Auto-converge's throttle in a running job's figures, read every [`POLL`], as on ferry's own
+/// path: its highest percent, and the vCPU time it took (the percent over the poll).
+fn record_throttle(status: &Shared, job: &JobStats) {
+    if let Some(pct) = job.cpu_throttle_pct {
+        status.update(|s| {
+            s.max_cpu_throttle_pct = Some(s.max_cpu_throttle_pct.unwrap_or(0).max(pct));
+            #[allow(clippy::cast_precision_loss)]
+            {
+                s.throttle_vcpu_s += pct as f64 / 100.0 * POLL.as_secs_f64();
+            }
+        });
     }
 }
 

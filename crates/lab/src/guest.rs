@@ -318,10 +318,50 @@ pub async fn disk_latency(link: &GuestLink) -> Result<DiskLatency> {
     })
 }
 
+/// The hot-set reader's reads in each second of the guest's time since the last
+/// [`reset_disk_latency`] (the last second still running; the guest's clock stops while it is
+/// paused). Empty without a reader.
+pub async fn disk_read_counts(link: &GuestLink) -> Result<Vec<u32>> {
+    let mut counts = Vec::new();
+    loop {
+        let d = link
+            .call(
+                &format!("disk read-counts from={}", counts.len()),
+                Duration::from_secs(30),
+            )
+            .await?;
+        let page = parse_counts(d.fields.get("counts").map_or("", String::as_str))?;
+        let seconds = usize::try_from(d.u64("seconds")?)?;
+        if page.is_empty() || counts.len() + page.len() >= seconds {
+            counts.extend(page);
+            return Ok(counts);
+        }
+        counts.extend(page);
+    }
+}
+
+/// `C,C,...` (empty: none).
+fn parse_counts(list: &str) -> Result<Vec<u32>> {
+    list.split(',')
+        .filter(|c| !c.is_empty())
+        .map(|c| {
+            c.parse()
+                .with_context(|| format!("the guest's read count {c:?} is not a number"))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    #[test]
+    fn read_counts_are_a_comma_list_or_nothing() {
+        assert_eq!(parse_counts("").unwrap(), Vec::<u32>::new());
+        assert_eq!(parse_counts("3,0,12").unwrap(), vec![3, 0, 12]);
+        assert!(parse_counts("3,x").is_err());
+    }
 
     /// A fake guest: kernel noise, heartbeats, an ok reply with fields and a refusal.
     #[tokio::test]

@@ -39,6 +39,9 @@ pub enum LibvirtSystem {
     /// `ferry migrate --libvirt --disk-pacing-floor-pct 50`: the relay takes libvirt's bulk
     /// disk copy at a speed paced by the guest's IO, down to half its unpaced rate.
     FerryPaced,
+    /// `ferry migrate --libvirt --no-converge`: auto-converge off, the guest's vCPU never
+    /// throttled (what the throttle costs the guest's IO, apart from the rest).
+    FerryUnthrottled,
     /// `virsh migrate --live --p2p` straight to the destination's libvirtd.
     Plain,
     /// The same with `--parallel --compressed --comp-methods zstd` (multifd with zstd).
@@ -52,11 +55,12 @@ pub enum LibvirtSystem {
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 8] = [
+    pub const ALL: [LibvirtSystem; 9] = [
         LibvirtSystem::Ferry,
         LibvirtSystem::FerryParallel,
         LibvirtSystem::FerryUncoded,
         LibvirtSystem::FerryPaced,
+        LibvirtSystem::FerryUnthrottled,
         LibvirtSystem::Plain,
         LibvirtSystem::ParallelZstd,
         LibvirtSystem::ParallelViaFerry,
@@ -76,6 +80,7 @@ impl LibvirtSystem {
             LibvirtSystem::FerryParallel => "ferry-parallel",
             LibvirtSystem::FerryUncoded => "ferry-none",
             LibvirtSystem::FerryPaced => "ferry-paced",
+            LibvirtSystem::FerryUnthrottled => "ferry-unthrottled",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
             LibvirtSystem::ParallelViaFerry => "virsh-parallel-via-ferry",
@@ -131,6 +136,21 @@ pub struct LibvirtRecord {
     pub disk_index_ms: Option<u64>,
     /// How long ferry's pacing held the disk copy below its unpaced rate (paced runs only).
     pub disk_paced_ms: Option<u64>,
+    /// With a reader: its reads in each second of the guest's time from the same start as
+    /// `disk_write_latency` (the guest's clock stops in the pause).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_reads_by_s: Option<Vec<u32>>,
+    /// When libvirt's job at the source first showed memory sent, ms from that start (polled
+    /// every [`JOB_POLL`]): before it the disks are copied, after it the memory. None: never
+    /// seen (a move whose memory phase fell between two polls, or a failed one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_phase_at_ms: Option<u64>,
+    /// ferry's runs: the highest vCPU throttle auto-converge applied, percent, and the vCPU
+    /// time it took, s (None: never throttled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_pct: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throttle_vcpu_s: Option<f64>,
     pub error: Option<String>,
 }
 
@@ -275,6 +295,14 @@ async fn leg(
     }
     let wan_before = crate::wan::stats(&lab.wan_socket())?.total_bytes();
     let started = Instant::now();
+    let memory_phase = reader.then(|| {
+        let source = libvirt::site_dir(lab, from).join("run/libvirt-sock");
+        tokio::spawn(memory_phase_start(
+            ferry_agent::libvirt::Libvirt::new(source),
+            name.to_owned(),
+            started,
+        ))
+    });
     let migrated = {
         let (lab, system, name, exe, disk) = (
             lab.clone(),
@@ -287,13 +315,21 @@ async fn leg(
             .await?
     };
     let total_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let memory_phase_at_ms = match memory_phase {
+        Some(poll) => {
+            poll.abort();
+            poll.await.ok().flatten()
+        }
+        None => None,
+    };
     let wan_bytes = crate::wan::stats(&lab.wan_socket())?.total_bytes() - wan_before;
-    let ferry_disk = migrated
+    let ferry_outcome = migrated
         .as_ref()
         .ok()
         .and_then(|out| serde_json::from_str::<serde_json::Value>(out).ok())
-        .map(|v| v["outcome"]["disk"].clone())
+        .map(|v| v["outcome"].clone())
         .unwrap_or_default();
+    let ferry_disk = &ferry_outcome["disk"];
     let mut record = LibvirtRecord {
         system: sc.system.name(),
         leg: "there",
@@ -313,6 +349,10 @@ async fn leg(
         disk_same_bytes: ferry_disk["same_bytes"].as_u64(),
         disk_index_ms: ferry_disk["index_ms"].as_u64(),
         disk_paced_ms: ferry_disk["paced_ms"].as_u64(),
+        disk_reads_by_s: None,
+        memory_phase_at_ms,
+        cpu_throttle_pct: ferry_outcome["cpu_throttle_pct"].as_u64(),
+        throttle_vcpu_s: ferry_outcome["throttle_vcpu_s"].as_f64(),
         error: migrated.err().map(|e| format!("{e:#}")),
     };
     if record.completed {
@@ -327,6 +367,9 @@ async fn leg(
         if sc.disk.is_some() {
             record.disk_write_latency = Some(crate::guest::disk_latency(&link).await?);
         }
+        if reader {
+            record.disk_reads_by_s = Some(crate::guest::disk_read_counts(&link).await?);
+        }
         let verified = crate::guest::verify(&link, sc.disk.is_some()).await?;
         record.mem_errors = Some(verified.mem_errors);
         record.disk_errors = sc.disk.map(|_| verified.disk_errors);
@@ -337,6 +380,25 @@ async fn leg(
         }
     }
     Ok(record)
+}
+
+/// How often [`memory_phase_start`] asks libvirt.
+const JOB_POLL: Duration = Duration::from_millis(500);
+
+/// Polls libvirt's job for `domain` until it shows memory sent: ms since `started` (None: the
+/// job ended or libvirt stopped answering first). Runs until then or until aborted.
+async fn memory_phase_start(
+    libvirt: ferry_agent::libvirt::Libvirt,
+    domain: String,
+    started: Instant,
+) -> Option<u64> {
+    loop {
+        tokio::time::sleep(JOB_POLL).await;
+        let job = libvirt.job(&domain, false).await.ok()?;
+        if job.memory_processed > 0 {
+            return u64::try_from(started.elapsed().as_millis()).ok();
+        }
+    }
 }
 
 /// Moves domain `name` from `from` to `to` with `system`, its disk copied if `disk`; what the
@@ -372,7 +434,8 @@ fn migrate(
         LibvirtSystem::Ferry
         | LibvirtSystem::FerryParallel
         | LibvirtSystem::FerryUncoded
-        | LibvirtSystem::FerryPaced => lab
+        | LibvirtSystem::FerryPaced
+        | LibvirtSystem::FerryUnthrottled => lab
             .host_command(from, ferry)
             .args(["migrate", "--libvirt", name, "--to"])
             .arg(pki::agent_name(to))
@@ -397,6 +460,7 @@ fn migrate(
                     .into_iter()
                     .flatten(),
             )
+            .args((system == LibvirtSystem::FerryUnthrottled).then_some("--no-converge"))
             .spawn_piped()?,
         LibvirtSystem::Plain => virsh_command(lab, from).args(direct()).spawn_piped()?,
         LibvirtSystem::ParallelZstd => virsh_command(lab, from)
