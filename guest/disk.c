@@ -113,13 +113,17 @@ static void *reader(void *arg)
     return NULL;
 }
 
-/* Restarts the per-second counts at second 0 of now (the caller holds `lock`). */
+/* Restarts the per-second counts at second 0 of now (the caller holds `lock`). A start in the
+ * future first, so that a read counted meanwhile falls before second 0 and is left out
+ * instead of landing, after the clearing, in a second of the new count. */
 static void disk_reset_read_counts(void)
 {
+    double later = now_s() + 2.0 * READ_SECONDS;
+    __atomic_store(&disk.reads_since, &later, __ATOMIC_SEQ_CST);
     for (size_t i = 0; i < READ_SECONDS; i++)
         __atomic_store_n(&disk.reads_by_s[i], 0, __ATOMIC_RELAXED);
     double now = now_s();
-    __atomic_store(&disk.reads_since, &now, __ATOMIC_RELAXED);
+    __atomic_store(&disk.reads_since, &now, __ATOMIC_SEQ_CST);
 }
 
 int disk_read(uint64_t hot_mib, char *err, size_t errlen)

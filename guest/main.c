@@ -265,7 +265,7 @@ static void command(char *line)
             double from = 0;
             if (opt_num(id, argc, argv, "from", &from) < 0)
                 return;
-            disk_read_counts((uint64_t)from, out, sizeof out);
+            disk_read_counts(from < 1e6 ? (uint64_t)from : 1000000u, out, sizeof out);
             tty_line("R %s ok %s", id, out);
         } else if (strcmp(sub, "reset-stats") == 0) {
             disk_reset_stats();

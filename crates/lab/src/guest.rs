@@ -320,7 +320,7 @@ pub async fn disk_latency(link: &GuestLink) -> Result<DiskLatency> {
 
 /// The hot-set reader's reads in each second of the guest's time since the last
 /// [`reset_disk_latency`] (the last second still running; the guest's clock stops while it is
-/// paused). Empty without a reader.
+/// paused). All zeros without a reader.
 pub async fn disk_read_counts(link: &GuestLink) -> Result<Vec<u32>> {
     let mut counts = Vec::new();
     loop {

@@ -297,11 +297,11 @@ async fn leg(
     let started = Instant::now();
     let memory_phase = reader.then(|| {
         let source = libvirt::site_dir(lab, from).join("run/libvirt-sock");
-        tokio::spawn(memory_phase_start(
+        AbortOnDrop(tokio::spawn(memory_phase_start(
             ferry_agent::libvirt::Libvirt::new(source),
             name.to_owned(),
             started,
-        ))
+        )))
     });
     let migrated = {
         let (lab, system, name, exe, disk) = (
@@ -316,9 +316,9 @@ async fn leg(
     };
     let total_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let memory_phase_at_ms = match memory_phase {
-        Some(poll) => {
-            poll.abort();
-            poll.await.ok().flatten()
+        Some(mut poll) => {
+            poll.0.abort();
+            (&mut poll.0).await.ok().flatten()
         }
         None => None,
     };
@@ -385,8 +385,8 @@ async fn leg(
 /// How often [`memory_phase_start`] asks libvirt.
 const JOB_POLL: Duration = Duration::from_millis(500);
 
-/// Polls libvirt's job for `domain` until it shows memory sent: ms since `started` (None: the
-/// job ended or libvirt stopped answering first). Runs until then or until aborted.
+/// Polls libvirt's job for `domain` until it shows memory sent: ms since `started`. Runs until
+/// then or until aborted (a poll libvirt does not answer is skipped).
 async fn memory_phase_start(
     libvirt: ferry_agent::libvirt::Libvirt,
     domain: String,
@@ -394,10 +394,23 @@ async fn memory_phase_start(
 ) -> Option<u64> {
     loop {
         tokio::time::sleep(JOB_POLL).await;
-        let job = libvirt.job(&domain, false).await.ok()?;
-        if job.memory_processed > 0 {
+        if libvirt
+            .job(&domain, false)
+            .await
+            .is_ok_and(|job| job.memory_processed > 0)
+        {
             return u64::try_from(started.elapsed().as_millis()).ok();
         }
+    }
+}
+
+/// A task stopped when its handle goes, however the caller ends (a move that failed or
+/// panicked leaves no poller behind).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
