@@ -81,7 +81,7 @@ const COMPLETED_JOB_WAIT: Duration = Duration::from_secs(30);
 /// How long a user's own migration may stay unnamed before its record is written without
 /// waiting (libvirt's job is looked up in the background).
 const NAMING_WAIT: Duration = Duration::from_secs(5);
-/// How long the destination waits for its Abort to reach the source.
+/// How long a failing end of a tunnel waits for its Abort to reach the other end.
 const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// How long the destination's socket may take to appear (libvirt has QEMU listen on it in its
 /// Prepare step, just before the source connects).
@@ -499,7 +499,7 @@ impl Tunnels {
             }
             result
         };
-        finish(&session, &result).await;
+        finish(&session, &result, "source").await;
         result
     }
 
@@ -802,18 +802,8 @@ pub async fn serve_destination(session: Session, carried: Carried, here: Reachab
     .await;
     if let Err(e) = &result {
         tracing::warn!("tunnel {kind:?} session {}: {e:#}", session.id());
-        let _ = control::send(
-            &session,
-            &Control::Abort {
-                reason: format!("destination: {e:#}"),
-            },
-        )
-        .await;
-        // The source learns why before the session ends (it would otherwise redial for the
-        // whole WAN timeout).
-        let _ = tokio::time::timeout(ABORT_GRACE, session.flushed(control::CONTROL)).await;
     }
-    finish(&session, &result).await;
+    finish(&session, &result, "destination").await;
 }
 
 /// Serves swap in this host's memory ([`crate::lend`]) to the peer `from` over `session`,
@@ -942,8 +932,10 @@ async fn within_wan_timeout<T>(
     }
 }
 
-/// Ends a tunnel session: its connections park for the next one when it ended well.
-async fn finish(session: &Session, result: &Result<()>) {
+/// Ends a tunnel session: its connections park for the next one when it ended well; when it
+/// failed, the other end (`side` names this one) is told why first, so that it gives up at
+/// once instead of waiting out the WAN timeout for connections that will not come back.
+async fn finish(session: &Session, result: &Result<()>, side: &str) {
     match result {
         Ok(()) => {
             let _ = tokio::time::timeout(Duration::from_secs(5), session.flushed(STREAM)).await;
@@ -951,6 +943,52 @@ async fn finish(session: &Session, result: &Result<()>) {
                 tokio::time::timeout(Duration::from_secs(5), session.flushed(RETURN_PATH)).await;
             control::park_and_end(session, "tunnel closed").await;
         }
-        Err(e) => session.fail(format!("{e:#}")),
+        Err(e) => {
+            let reason = format!("{side}: {e:#}");
+            let _ = control::send(session, &Control::Abort { reason }).await;
+            // Acknowledged once the other end read it; a peer that gave up first never will.
+            let _ = tokio::time::timeout(ABORT_GRACE, session.flushed(control::CONTROL)).await;
+            session.fail(format!("{e:#}"));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::test_session;
+
+    /// Half of a local socket pair standing in for QEMU's end of a tunnel.
+    fn qemu_end() -> (
+        tokio::net::unix::OwnedReadHalf,
+        tokio::net::unix::OwnedWriteHalf,
+        UnixStream,
+    ) {
+        let (ours, qemu) = UnixStream::pair().unwrap();
+        let (read, write) = ours.into_split();
+        (read, write, qemu)
+    }
+
+    #[tokio::test]
+    async fn a_source_that_fails_tells_the_destination_at_once() {
+        let (source, destination) = test_session::pair().await;
+        let (read, write, _qemu) = qemu_end();
+        let waiting =
+            tokio::spawn(
+                async move { tunnel_stream::destination(&destination, read, write).await },
+            );
+        let failed = Err(anyhow!("QEMU's stream: connection reset"));
+        finish(&source, &failed, "source").await;
+        // Without the Abort the destination would wait for connections that never come back
+        // (the tunnel's WAN timeout, minutes).
+        let error = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .expect("the destination gave up at once")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(
+            format!("{error:#}"),
+            "source: QEMU's stream: connection reset"
+        );
     }
 }

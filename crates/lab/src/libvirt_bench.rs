@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::bench::{DiskWriter, Workload};
 use crate::guest::{GuestLink, Heartbeats};
@@ -295,9 +296,10 @@ async fn leg(
     }
     let wan_before = crate::wan::stats(&lab.wan_socket())?.total_bytes();
     let started = Instant::now();
+    // Stopped when its handle goes, however this ends: a move that failed leaves no poller.
     let memory_phase = reader.then(|| {
         let source = libvirt::site_dir(lab, from).join("run/libvirt-sock");
-        AbortOnDrop(tokio::spawn(memory_phase_start(
+        AbortOnDropHandle::new(tokio::spawn(memory_phase_start(
             ferry_agent::libvirt::Libvirt::new(source),
             name.to_owned(),
             started,
@@ -317,8 +319,8 @@ async fn leg(
     let total_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let memory_phase_at_ms = match memory_phase {
         Some(mut poll) => {
-            poll.0.abort();
-            (&mut poll.0).await.ok().flatten()
+            poll.abort();
+            (&mut poll).await.ok().flatten()
         }
         None => None,
     };
@@ -401,16 +403,6 @@ async fn memory_phase_start(
         {
             return u64::try_from(started.elapsed().as_millis()).ok();
         }
-    }
-}
-
-/// A task stopped when its handle goes, however the caller ends (a move that failed or
-/// panicked leaves no poller behind).
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -19,6 +19,7 @@ use ferry_qemu::Qmp;
 use ferry_wire::{Received, Session};
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::engine::control::{self, Carried, Control, Incoming, RETURN_PATH, SEED, STREAM};
 use crate::engine::digest::{StreamDigest, ALGORITHM};
@@ -37,7 +38,7 @@ use crate::engine::postcopy::{self, PackageGate};
 use crate::engine::postcopy_recovery::{self, HeldMonitors};
 use crate::engine::preempt;
 use crate::engine::seed_store;
-use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
+use crate::engine::source::RemoveOnDrop;
 use crate::engine::status::now_ms;
 use crate::engine::stream_codec::{self, StreamDecoder};
 
@@ -319,7 +320,7 @@ async fn serve(
     // QEMU opened its own (which removes the file); whatever happens, it goes with this.
     let _socket_file = RemoveOnDrop(sock.clone());
     let mut preempt = if postcopy {
-        Some(AbortHandleOnDrop(tokio::spawn(preempt::deliver(
+        Some(AbortOnDropHandle::new(tokio::spawn(preempt::deliver(
             session.clone(),
             sock.clone(),
         ))))
@@ -643,7 +644,7 @@ async fn serve(
             };
             let arrived = loop {
                 tokio::select! {
-                    r = &mut task.0 => break r.context("the preempt channel's task")??,
+                    r = &mut *task => break r.context("the preempt channel's task")??,
                     _ = tokio::time::sleep(Duration::from_millis(500)) => idle_check(true)?,
                 }
             };

@@ -43,6 +43,7 @@ use ferry_qemu::{Qmp, QmpError};
 use ferry_wire::{Received, Session, SessionId};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::engine::control::{self, Control, CONTROL_VERSION, PREEMPT, RETURN_PATH, STREAM};
 use crate::engine::destination;
@@ -54,7 +55,7 @@ use crate::engine::monitor_keeper;
 use crate::engine::postcopy::HOLD_AFTER_SWITCH;
 use crate::engine::preempt;
 use crate::engine::recovery::{connect_to, PeerLink};
-use crate::engine::source::{AbortHandleOnDrop, RemoveOnDrop};
+use crate::engine::source::RemoveOnDrop;
 use crate::engine::status::{now_ms, Events, Shared};
 
 /// How long a QEMU may take to notice its lost connection and pause.
@@ -378,13 +379,13 @@ async fn carry_resumed_source(
     let (mut from_qemu, mut to_qemu) = conn.into_split();
     // A resumed migration opens a new preempt channel on the same socket.
     session.make_urgent(PREEMPT);
-    let mut preempt_task = AbortHandleOnDrop(tokio::spawn(preempt::forward(
+    let mut preempt_task = AbortOnDropHandle::new(tokio::spawn(preempt::forward(
         listener,
         session.clone(),
         status.clone(),
     )));
     let rp_session = session.clone();
-    let _return_path = AbortHandleOnDrop(tokio::spawn(async move {
+    let _return_path = AbortOnDropHandle::new(tokio::spawn(async move {
         while let Ok(Received::Data(b)) = rp_session.recv(RETURN_PATH).await {
             if to_qemu.write_all(&b).await.is_err() {
                 break;
@@ -401,7 +402,7 @@ async fn carry_resumed_source(
     )
     .await?;
     // QEMU closes its connections once its migration completed.
-    let preempt_carried = (&mut preempt_task.0)
+    let preempt_carried = (&mut preempt_task)
         .await
         .context("the preempt channel's task")??;
     match migration_status(qmp).await.as_deref() {
@@ -525,14 +526,14 @@ async fn carry_resumed_destination(
     let _socket_file = RemoveOnDrop(sock.clone());
     let conn = connect_listening(&sock).await?;
     // The preempt channel is QEMU's second connection to the same socket.
-    let mut preempt_task = AbortHandleOnDrop(tokio::spawn(preempt::deliver(
+    let mut preempt_task = AbortOnDropHandle::new(tokio::spawn(preempt::deliver(
         session.clone(),
         sock.clone(),
     )));
     control::send(session, &Control::PostcopyRecovering).await?;
     let (from_qemu, mut to_qemu) = conn.into_split();
     let _return_path =
-        AbortHandleOnDrop(destination::spawn_return_path(from_qemu, session.clone()));
+        AbortOnDropHandle::new(destination::spawn_return_path(from_qemu, session.clone()));
     let mut hash = StreamDigest::new();
     let mut received = 0u64;
     let mut end = None;
@@ -590,7 +591,7 @@ async fn carry_resumed_destination(
         }
     };
     if let Some(announced) = &announced_preempt {
-        let arrived = (&mut preempt_task.0)
+        let arrived = (&mut preempt_task)
             .await
             .context("the preempt channel's task")??;
         preempt::check(announced, &arrived)?;

@@ -26,6 +26,7 @@ use ferry_wire::{Received, Session, SessionConfig, SessionId};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::engine::control::{
     self, Carried, Control, Incoming, PREEMPT, RETURN_PATH, SEED, STREAM,
@@ -217,7 +218,7 @@ async fn migrate(
         req.settings.connections.max(1),
     ));
     let ledger = Arc::new(Mutex::new(PageLedger::default()));
-    let _progress = AbortOnDrop(tokio::spawn(track_progress(
+    let _progress = AbortOnDropHandle::new(tokio::spawn(track_progress(
         qmp.clone(),
         session.clone(),
         status.clone(),
@@ -653,10 +654,10 @@ async fn migrate(
     // The session's control messages stop when it fails: then only asking tells.
     let mut control_open = true;
     // A question under way, in a task of its own: a word on the session is not held up by it.
-    let mut asking: Option<AbortHandleOnDrop<Result<Verdict>>> = None;
+    let mut asking: Option<AbortOnDropHandle<Result<Verdict>>> = None;
     let verdict = loop {
         tokio::select! {
-            answer = async { (&mut asking.as_mut().expect("only when asking").0).await }, if asking.is_some() => {
+            answer = async { asking.as_mut().expect("only when asking").await }, if asking.is_some() => {
                 asking = None;
                 match answer.map_err(anyhow::Error::from).and_then(|r| r) {
                     // In postcopy the destination has run the VM since the switch; what
@@ -750,7 +751,7 @@ async fn migrate(
                 {
                     last_asked = Some(Instant::now());
                     let (peer, started) = (asked.clone(), record.started_unix_ms);
-                    asking = Some(AbortHandleOnDrop(tokio::spawn(async move {
+                    asking = Some(AbortOnDropHandle::new(tokio::spawn(async move {
                         recovery::ask_verdict(&peer, id, started).await
                     })));
                 }
@@ -883,7 +884,7 @@ async fn watchdog<T>(
 ) -> Result<T> {
     tokio::pin!(fut);
     // Aborted with the wait: a question outliving it would only overlap the next one's.
-    let mut asking: Option<AbortHandleOnDrop<Result<Verdict>>> = None;
+    let mut asking: Option<AbortOnDropHandle<Result<Verdict>>> = None;
     let mut last_asked: Option<Instant> = None;
     // Whether the status says the session is holding on through an outage.
     let mut holding = false;
@@ -891,7 +892,7 @@ async fn watchdog<T>(
         tokio::select! {
             v = &mut fut => return Ok(v),
             () = status.cancelled() => bail!("cancelled by the user"),
-            answer = async { (&mut asking.as_mut().expect("asking").0).await }, if asking.is_some() => {
+            answer = async { asking.as_mut().expect("asking").await }, if asking.is_some() => {
                 asking = None;
                 match answer {
                     Ok(Ok(Verdict::Aborted { reason })) => bail!("the destination aborted: {reason}"),
@@ -932,7 +933,7 @@ async fn watchdog<T>(
                     {
                         last_asked = Some(Instant::now());
                         let (peer, of, started) = (q.peer.clone(), q.of, q.started_unix_ms);
-                        asking = Some(AbortHandleOnDrop(tokio::spawn(async move {
+                        asking = Some(AbortOnDropHandle::new(tokio::spawn(async move {
                             recovery::ask_verdict(&peer, of, started).await
                         })));
                     }
@@ -979,7 +980,7 @@ async fn stream(
     // Postcopy: QEMU opens its preempt channel on the same socket at the switch.
     let preempt = if req.settings.postcopy_possible() {
         session.make_urgent(PREEMPT);
-        Some(AbortHandleOnDrop(tokio::spawn(preempt::forward(
+        Some(AbortOnDropHandle::new(tokio::spawn(preempt::forward(
             listener,
             session.clone(),
             status.clone(),
@@ -999,7 +1000,7 @@ async fn stream(
             rp_status.update(|s| s.return_path_bytes += b.len() as u64);
         }
     });
-    let _abort_rp = AbortOnDrop(return_path);
+    let _abort_rp = AbortOnDropHandle::new(return_path);
 
     let pump = async {
         let mut parser = StreamParser::new();
@@ -1217,7 +1218,7 @@ async fn stream(
     // it completes.
     let preempt = match preempt {
         Some(mut task) if switch.package_sent.load(Ordering::Relaxed) => Some(
-            watchdog(session, status, limits, &mut task.0)
+            watchdog(session, status, limits, &mut task)
                 .await?
                 .context("the preempt channel's task")??,
         ),
@@ -1872,20 +1873,5 @@ pub(crate) struct RemoveOnDrop(pub PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-/// A task whose result is awaited, aborted if it is not.
-pub(crate) struct AbortHandleOnDrop<T>(pub tokio::task::JoinHandle<T>);
-impl<T> Drop for AbortHandleOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

@@ -101,9 +101,10 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
             bail!("the return path ended before QEMU's stream did")
         }
         _ = status.cancelled() => bail!("cancelled by the user"),
-        // The destination speaks during the stream only to give up (a digest that did not match).
+        // The destination speaks during the stream only to give up (a digest that did not
+        // match); an Abort's reason names the end that gave up.
         msg = control::recv(session) => match msg? {
-            Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+            Control::Abort { reason } => bail!("{reason}"),
             other => bail!("unexpected message from the destination during the stream: {other:?}"),
         },
     };
@@ -163,7 +164,7 @@ pub async fn channel_source(
     let (total, digest) = tokio::select! {
         r = pump => r?,
         msg = control::recv(session) => match msg? {
-            Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+            Control::Abort { reason } => bail!("{reason}"),
             other => bail!("unexpected message from the destination during a multifd channel: {other:?}"),
         },
     };
@@ -196,7 +197,7 @@ async fn end_and_deliver(session: &Session, bytes: u64, digest: String) -> Resul
         .context("no word from the destination within 60s of the stream's end")??
     {
         Control::Delivered { fed_unix_us, .. } => Ok(fed_unix_us),
-        Control::Abort { reason } => bail!("the destination aborted: {reason}"),
+        Control::Abort { reason } => bail!("{reason}"),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
     }
 }
@@ -507,7 +508,7 @@ pub async fn destination(
                 msg = control::recv(session) => match msg? {
                     Control::Checkpoint { bytes, digest } => gate.expect(bytes, digest, false)?,
                     Control::End { bytes, digest, .. } => gate.expect(bytes, digest, true)?,
-                    Control::Abort { reason } => bail!("the source aborted: {reason}"),
+                    Control::Abort { reason } => bail!("{reason}"),
                     other => bail!("unexpected control message during the stream: {other:?}"),
                 },
             }

@@ -22,6 +22,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
+use tokio_util::task::AbortOnDropHandle;
 
 use super::proto::*;
 
@@ -405,15 +406,6 @@ async fn send_reply<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Aborts its task when dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 async fn transmission<S, B>(
     stream: S,
     export: &Export,
@@ -429,7 +421,7 @@ where
     // Stopped however this ends, also when the caller drops this future (its peer gave up):
     // the reader holds the connection's read half, and while it lives QEMU's client never sees
     // the connection close and waits for its replies for ever.
-    let _reader = AbortOnDrop(tokio::spawn(read_requests(r, tx)));
+    let _reader = AbortOnDropHandle::new(tokio::spawn(read_requests(r, tx)));
     let mut running: Vec<Running> = Vec::new();
     let mut parked: VecDeque<(u64, Incoming)> = VecDeque::new();
     let mut tasks: JoinSet<Outcome> = JoinSet::new();

@@ -36,6 +36,7 @@ use ferry_codec::{disk_base, BaseBuilder, DiskBase};
 use ferry_qemu::nbd::{self, BlockStatusReader, Client, Export, Exports};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_util::task::AbortOnDropHandle;
 
 use super::apply::{index_ranges, DestinationDisks};
 use super::buffer::TransmitBuffer;
@@ -124,7 +125,7 @@ impl RelaySource {
             },
             known,
         );
-        let (acks, mut sender) = (AbortOnDrop(acks), AbortOnDrop(sender));
+        let (acks, mut sender) = (AbortOnDropHandle::new(acks), AbortOnDropHandle::new(sender));
         let (opened_tx, opened_rx) = mpsc::channel(1);
         let exports = RemoteExports {
             session: session.clone(),
@@ -146,7 +147,7 @@ impl RelaySource {
             buffer.stop_acknowledging();
             return Err(e);
         }
-        let (snapshots, digest) = (&mut sender.0).await.context("the disk sender task")??;
+        let (snapshots, digest) = (&mut sender).await.context("the disk sender task")??;
         control::send(session, &Control::DiskEnd { snapshots, digest }).await?;
         drop(acks);
         Ok(())
@@ -276,14 +277,6 @@ impl Exports for RemoteExports {
 
     fn names(&self) -> Vec<String> {
         Vec::new()
-    }
-}
-
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
