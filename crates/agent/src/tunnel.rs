@@ -50,7 +50,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
-use crate::engine::control::{self, Control, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM};
+use crate::engine::control::{
+    self, Control, PeerAborted, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM,
+};
 use crate::engine::disk::buffer::TransmitBuffer;
 use crate::engine::disk::mirror::memory_phase_buffer;
 use crate::engine::disk::pacing::BulkGate;
@@ -830,7 +832,12 @@ async fn lend_swap(session: &Session, from: String, lender: Arc<Lender>) -> Resu
             Err(e) => return Err(e),
             Ok(end) => (Ok(end), carried.await),
         },
-        c = &mut carried => (served.await, c),
+        c = &mut carried => match c {
+            // The export goes with the tunnel (it would wait for the borrower forever); the
+            // loan, not ended cleanly, is kept for the borrower's return.
+            Err(e) => return Err(e),
+            Ok(()) => (served.await, Ok(())),
+        },
     };
     tracing::info!(
         "swap loan ended ({:?}); it held {} MiB",
@@ -889,7 +896,7 @@ async fn pipe(
         tokio::select! {
             r = async { tokio::try_join!(upstream, downstream) } => r.map(|_| ()),
             msg = control::recv(session) => match msg {
-                Ok(Control::Abort { reason }) => bail!("{reason}"),
+                Ok(Control::Abort { reason }) => Err(PeerAborted(reason).into()),
                 Ok(other) => bail!("unexpected control message in a tunnel: {other:?}"),
                 Err(e) => Err(e),
             },
@@ -933,8 +940,9 @@ async fn within_wan_timeout<T>(
 }
 
 /// Ends a tunnel session: its connections park for the next one when it ended well; when it
-/// failed, the other end (`side` names this one) is told why first, so that it gives up at
-/// once instead of waiting out the WAN timeout for connections that will not come back.
+/// failed, the other end (`side` names this one) is told why first, unless its own `Abort` is
+/// the failure, so that it gives up at once instead of waiting out the WAN timeout for
+/// connections that will not come back.
 async fn finish(session: &Session, result: &Result<()>, side: &str) {
     match result {
         Ok(()) => {
@@ -944,10 +952,19 @@ async fn finish(session: &Session, result: &Result<()>, side: &str) {
             control::park_and_end(session, "tunnel closed").await;
         }
         Err(e) => {
-            let reason = format!("{side}: {e:#}");
-            let _ = control::send(session, &Control::Abort { reason }).await;
-            // Acknowledged once the other end read it; a peer that gave up first never will.
-            let _ = tokio::time::timeout(ABORT_GRACE, session.flushed(control::CONTROL)).await;
+            if !e.chain().any(|cause| cause.is::<PeerAborted>()) {
+                let abort = Control::Abort {
+                    reason: format!("{side}: {e:#}"),
+                };
+                // Done once the other end read it. Frames queued before it (a stream's End
+                // among them) may still cross meanwhile: the source watches a stream whose End
+                // went out whatever became of it (`settle_after_stream`).
+                let _ = tokio::time::timeout(ABORT_GRACE, async {
+                    control::send(session, &abort).await?;
+                    Ok::<_, anyhow::Error>(session.flushed(control::CONTROL).await?)
+                })
+                .await;
+            }
             session.fail(format!("{e:#}"));
         }
     }
@@ -972,6 +989,7 @@ mod tests {
     #[tokio::test]
     async fn a_source_that_fails_tells_the_destination_at_once() {
         let (source, destination) = test_session::pair().await;
+        let destination_end = destination.clone();
         let (read, write, _qemu) = qemu_end();
         let waiting =
             tokio::spawn(
@@ -989,6 +1007,15 @@ mod tests {
         assert_eq!(
             format!("{error:#}"),
             "source: QEMU's stream: connection reset"
+        );
+        // Failed by the source's Abort, the destination has nobody to tell and does not wait
+        // for an answer that will not come.
+        let started = tokio::time::Instant::now();
+        finish(&destination_end, &Err(error), "destination").await;
+        assert!(
+            started.elapsed() < ABORT_GRACE,
+            "waited {:?}",
+            started.elapsed()
         );
     }
 }

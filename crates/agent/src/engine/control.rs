@@ -138,6 +138,12 @@ pub enum Incoming {
     Launch(Vec<String>),
 }
 
+/// The other end's `Abort` in a libvirt tunnel, as an error (its reason names the end that gave
+/// up): an end failed by it has nobody left to tell.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PeerAborted(pub String);
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]
 pub enum Control {

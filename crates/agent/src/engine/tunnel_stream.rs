@@ -45,7 +45,7 @@ use ferry_wire::{ChannelId, Received, Session};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use crate::engine::control::{self, Control, RETURN_PATH, STREAM};
+use crate::engine::control::{self, Control, PeerAborted, RETURN_PATH, STREAM};
 use crate::engine::digest::{StreamDigest, ALGORITHM};
 use crate::engine::feeder::{self, Feeder};
 use crate::engine::status::{now_ms, Events, Shared};
@@ -104,7 +104,7 @@ pub async fn source(source: Source, session: &Session, status: &Shared) -> Resul
         // The destination speaks during the stream only to give up (a digest that did not
         // match); an Abort's reason names the end that gave up.
         msg = control::recv(session) => match msg? {
-            Control::Abort { reason } => bail!("{reason}"),
+            Control::Abort { reason } => return Err(PeerAborted(reason).into()),
             other => bail!("unexpected message from the destination during the stream: {other:?}"),
         },
     };
@@ -164,7 +164,7 @@ pub async fn channel_source(
     let (total, digest) = tokio::select! {
         r = pump => r?,
         msg = control::recv(session) => match msg? {
-            Control::Abort { reason } => bail!("{reason}"),
+            Control::Abort { reason } => return Err(PeerAborted(reason).into()),
             other => bail!("unexpected message from the destination during a multifd channel: {other:?}"),
         },
     };
@@ -197,7 +197,7 @@ async fn end_and_deliver(session: &Session, bytes: u64, digest: String) -> Resul
         .context("no word from the destination within 60s of the stream's end")??
     {
         Control::Delivered { fed_unix_us, .. } => Ok(fed_unix_us),
-        Control::Abort { reason } => bail!("{reason}"),
+        Control::Abort { reason } => Err(PeerAborted(reason).into()),
         other => bail!("unexpected message from the destination after the stream: {other:?}"),
     }
 }
@@ -508,7 +508,7 @@ pub async fn destination(
                 msg = control::recv(session) => match msg? {
                     Control::Checkpoint { bytes, digest } => gate.expect(bytes, digest, false)?,
                     Control::End { bytes, digest, .. } => gate.expect(bytes, digest, true)?,
-                    Control::Abort { reason } => bail!("{reason}"),
+                    Control::Abort { reason } => return Err(PeerAborted(reason).into()),
                     other => bail!("unexpected control message during the stream: {other:?}"),
                 },
             }

@@ -42,7 +42,7 @@ use super::apply::{index_ranges, DestinationDisks};
 use super::buffer::TransmitBuffer;
 use super::mirror::{start_channel, Known, MirrorTarget, OlderCopy, Sending};
 use super::pacing::BulkGate;
-use crate::engine::control::{self, Control, DiskPlan};
+use crate::engine::control::{self, Control, DiskPlan, PeerAborted};
 use crate::engine::status::Shared;
 use ferry_wire::Session;
 
@@ -219,7 +219,7 @@ async fn control_from_destination(
                     Err(e) => return e,
                 }
             }
-            Ok(Control::Abort { reason }) => return anyhow::anyhow!("{reason}"),
+            Ok(Control::Abort { reason }) => return PeerAborted(reason).into(),
             Ok(other) => {
                 return anyhow::anyhow!("unexpected control message in a disk relay: {other:?}")
             }
@@ -319,7 +319,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
             },
             // QEMU left before it chose an export.
             Control::DiskEnd { snapshots: 0, .. } => return Ok(()),
-            Control::Abort { reason } => bail!("{reason}"),
+            Control::Abort { reason } => return Err(PeerAborted(reason).into()),
             other => bail!("unexpected control message in a disk relay: {other:?}"),
         }
     };
@@ -332,7 +332,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
             r = &mut apply => break r?,
             msg = control::recv(session), if end.is_none() => match msg? {
                 Control::DiskEnd { snapshots, digest } => end = Some((snapshots, digest)),
-                Control::Abort { reason } => bail!("{reason}"),
+                Control::Abort { reason } => return Err(PeerAborted(reason).into()),
                 other => bail!("unexpected control message in a disk relay: {other:?}"),
             },
         }
@@ -341,7 +341,7 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
         Some(end) => end,
         None => match control::recv(session).await? {
             Control::DiskEnd { snapshots, digest } => (snapshots, digest),
-            Control::Abort { reason } => bail!("{reason}"),
+            Control::Abort { reason } => return Err(PeerAborted(reason).into()),
             other => bail!("unexpected control message in a disk relay: {other:?}"),
         },
     };
