@@ -1,6 +1,7 @@
-//! The agents' work per byte of QEMU's stream, on one core and without I/O: the source's
-//! (parse, digest, page codec, zstd) and the destination's (zstd, page codec, digest, load
-//! sieve). What is left out is the transport (TLS, sockets), which `ferry bench` measures with
+//! The agents' work per byte of QEMU's stream, without I/O: the source's (parse, digest, page
+//! codec, zstd) and the destination's (zstd, page codec, digest, load sieve), on one thread
+//! each but for the digest's spans, hashed on a helper thread as in the agents; and the digest
+//! alone. What is left out is the transport (TLS, sockets), which `ferry bench` measures with
 //! the rest.
 //!
 //! The stream is a real QEMU 10 stream (`crates/qemu/tests/streams/running`: the setup, its
@@ -13,7 +14,7 @@ use std::collections::HashMap;
 
 use bytes::{Bytes, BytesMut};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ferry_agent::engine::digest::StreamDigest;
+use ferry_agent::engine::digest::{StreamDigest, TreeDigest};
 use ferry_agent::engine::known_zero::ZeroPages;
 use ferry_agent::engine::load_sieve::LoadSieve;
 use ferry_agent::engine::stream_codec::{StreamDecoder, StreamEncoder, HISTORY_CAP};
@@ -107,7 +108,7 @@ fn stream() -> Vec<u8> {
 fn source(stream: &[u8]) -> Vec<u8> {
     let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
     let mut parser = StreamParser::new();
-    let mut digest = StreamDigest::new();
+    let mut digest = TreeDigest::new();
     let mut input = BytesMut::with_capacity(2 * READ);
     let mut out = BytesMut::new();
     for read in stream.chunks(READ) {
@@ -124,6 +125,7 @@ fn source(stream: &[u8]) -> Vec<u8> {
         }
         encoder.flush(&mut out);
     }
+    digest.hex();
     out.to_vec()
 }
 
@@ -132,7 +134,7 @@ fn source(stream: &[u8]) -> Vec<u8> {
 fn destination(channel: &[u8]) -> usize {
     let mut decoder = StreamDecoder::new(CodecSettings::ALL, HISTORY_CAP);
     let mut sieve = LoadSieve::new(ZeroPages::none());
-    let mut digest = StreamDigest::new();
+    let mut digest = TreeDigest::new();
     let mut fed = 0;
     for frame in channel.chunks(FRAME) {
         let input = sieve.input();
@@ -141,7 +143,37 @@ fn destination(channel: &[u8]) -> usize {
         digest.update(&input[start..]);
         fed += sieve.sieve_input().expect("the stream").bytes.len();
     }
+    digest.hex();
     fed
+}
+
+/// The digest alone, fed QEMU's stream in pages as the source feeds it: one hasher on the
+/// caller's thread, and the tree digest with its spans on 0 (inline), 1, 2 and 4 helpers.
+fn digests(c: &mut Criterion, stream: &[u8]) {
+    let mut g = c.benchmark_group("digest");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(stream.len() as u64));
+    g.bench_function("stream", |b| {
+        b.iter(|| {
+            let mut digest = StreamDigest::new();
+            stream
+                .chunks(PAGE_SIZE)
+                .for_each(|page| digest.update(page));
+            digest.hex()
+        })
+    });
+    for helpers in [0, 1, 2, 4] {
+        g.bench_function(format!("tree/{helpers}"), |b| {
+            b.iter(|| {
+                let mut digest = TreeDigest::with_helpers(helpers);
+                stream
+                    .chunks(PAGE_SIZE)
+                    .for_each(|page| digest.update(page));
+                digest.hex()
+            })
+        });
+    }
+    g.finish();
 }
 
 fn bench(c: &mut Criterion) {
@@ -154,6 +186,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("source", |b| b.iter(|| source(&stream).len()));
     g.bench_function("destination", |b| b.iter(|| destination(&channel)));
     g.finish();
+    digests(c, &stream);
 }
 
 criterion_group!(benches, bench);

@@ -22,7 +22,7 @@ use tokio::net::UnixStream;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::engine::control::{self, Carried, Control, Incoming, RETURN_PATH, SEED, STREAM};
-use crate::engine::digest::{StreamDigest, ALGORITHM};
+use crate::engine::digest::{TreeDigest, ALGORITHM};
 use crate::engine::disk;
 use crate::engine::disk::apply::DestinationDisks;
 use crate::engine::disk::backing::backing_of;
@@ -470,7 +470,7 @@ async fn serve(
     let mut disk_end: Option<(u64, String)> = None;
 
     // The stream, until the source's End and every byte it announces have arrived.
-    let mut hash = StreamDigest::new();
+    let mut hash = TreeDigest::new();
     // QEMU's bytes rebuilt so far (the codec's records decoded, or the channel's bytes).
     let mut received = 0u64;
     let mut decoded = BytesMut::with_capacity(128 << 10);

@@ -6,6 +6,13 @@
 //! 1 KiB chunks of a longer input side by side in SIMD lanes, so the hasher gathers what it is
 //! given (pages, record headers, disk operations of a few bytes) into runs of [`RUN`] first.
 
+use std::collections::BTreeMap;
+use std::sync::{mpsc, Arc, Mutex};
+
+use blake3::hazmat::{
+    merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode,
+};
+
 /// Bytes gathered before they are hashed: enough for BLAKE3 to fill its widest SIMD lanes.
 const RUN: usize = 64 * 1024;
 
@@ -72,6 +79,248 @@ impl StreamDigest {
     }
 }
 
+/// Bytes of one span of [`TreeDigest`]: a power of two of BLAKE3's 1 KiB chunks, so a span that
+/// starts at a multiple of its length is a whole subtree of BLAKE3's tree (the last one may be
+/// short) and spans hash independently.
+const SPAN: usize = 1 << 20;
+
+/// Spans handed to the helpers and not yet hashed, at most: the stream waits beyond this, and
+/// the copies stay within 8 MiB.
+const SPANS_IN_FLIGHT: usize = 8;
+
+/// The digest of the main stream, the same value as [`StreamDigest`]'s (BLAKE3 of the whole),
+/// with the hashing on helper threads: the stream's bytes are cut into [`SPAN`]s by offset,
+/// a helper hashes each span as a subtree (its chaining value), and this end combines the
+/// values in order by BLAKE3's own rule. At 1 Gbit/s the digest was 7% of the source agent's
+/// CPU, on the task that also parses and codes the stream; here it runs beside that task.
+pub struct TreeDigest {
+    span_len: usize,
+    /// The bytes after the last span handed out: never empty once the stream has a byte, so
+    /// the last span is always here and a stream of one span is hashed as BLAKE3's root.
+    span: Vec<u8>,
+    /// Spans handed out so far (the next one's index).
+    handed_out: u64,
+    /// The chaining values of spans `0..combined`, merged as far as BLAKE3's tree allows while
+    /// more may follow: one value per 1 bit of `combined` (the stack of BLAKE3's hasher).
+    stack: Vec<ChainingValue>,
+    combined: u64,
+    /// Values hashed ahead of a span still being hashed (several helpers finish out of order).
+    early: BTreeMap<u64, ChainingValue>,
+    /// `None`: no helpers, each span is hashed inline as it is handed out.
+    helpers: Option<Helpers>,
+    /// Span buffers the helpers gave back, to be filled again.
+    spare: Vec<Vec<u8>>,
+}
+
+struct Helpers {
+    spans: mpsc::SyncSender<Span>,
+    hashed: mpsc::Receiver<(u64, ChainingValue, Vec<u8>)>,
+}
+
+/// A span handed to the helpers: its index, where it starts in the stream, its bytes.
+type Span = (u64, u64, Vec<u8>);
+
+impl std::fmt::Debug for TreeDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TreeDigest")
+            .field("handed_out", &self.handed_out)
+            .field("combined", &self.combined)
+            .field("gathered", &self.span.len())
+            .finish()
+    }
+}
+
+impl TreeDigest {
+    /// A digest hashed on one helper thread (inline if the thread cannot be started).
+    pub fn new() -> TreeDigest {
+        TreeDigest::with_helpers(1)
+    }
+
+    /// A digest hashed on `helpers` threads; 0 hashes inline, on the caller's.
+    pub fn with_helpers(helpers: usize) -> TreeDigest {
+        TreeDigest::with(helpers, SPAN)
+    }
+
+    /// `helpers` threads (0: inline) and spans of `span_len` bytes, a power of two of at
+    /// least BLAKE3's chunk.
+    fn with(helpers: usize, span_len: usize) -> TreeDigest {
+        assert!(span_len.is_power_of_two() && span_len >= blake3::CHUNK_LEN);
+        TreeDigest {
+            span_len,
+            span: Vec::with_capacity(span_len),
+            handed_out: 0,
+            stack: Vec::new(),
+            combined: 0,
+            early: BTreeMap::new(),
+            helpers: Helpers::start(helpers),
+            spare: Vec::new(),
+        }
+    }
+
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            // A full span is handed out only when a byte after it arrives: until then it may
+            // be the last, which BLAKE3 hashes differently when it is the only one.
+            if self.span.len() == self.span_len {
+                self.hand_out();
+            }
+            let take = (self.span_len - self.span.len()).min(bytes.len());
+            self.span.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+        }
+    }
+
+    fn hand_out(&mut self) {
+        let next = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(self.span_len));
+        let span = std::mem::replace(&mut self.span, next);
+        let index = self.handed_out;
+        let offset = index * self.span_len as u64;
+        self.handed_out += 1;
+        match &self.helpers {
+            Some(helpers) => {
+                // Waits while SPANS_IN_FLIGHT are queued: the helpers set the pace then.
+                helpers
+                    .spans
+                    .send((index, offset, span))
+                    .expect("a digest helper ended early");
+                self.take_hashed(false);
+            }
+            None => {
+                let value = subtree(offset, &span);
+                self.add(index, value);
+                let mut span = span;
+                span.clear();
+                self.spare.push(span);
+            }
+        }
+    }
+
+    /// Takes the helpers' values; with `all`, waits for every span handed out.
+    fn take_hashed(&mut self, all: bool) {
+        while self.combined + (self.early.len() as u64) < self.handed_out {
+            let Some(helpers) = &self.helpers else {
+                unreachable!("spans are hashed inline without helpers")
+            };
+            let hashed = if all {
+                helpers
+                    .hashed
+                    .recv()
+                    .expect("a digest helper ended with spans still to hash")
+            } else {
+                match helpers.hashed.try_recv() {
+                    Ok(hashed) => hashed,
+                    Err(mpsc::TryRecvError::Empty) => return,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        panic!("a digest helper ended with spans still to hash")
+                    }
+                }
+            };
+            let (index, value, mut span) = hashed;
+            span.clear();
+            self.spare.push(span);
+            self.add(index, value);
+        }
+    }
+
+    /// Combines span `index`'s value, and any that waited for it, in stream order.
+    fn add(&mut self, index: u64, value: ChainingValue) {
+        self.early.insert(index, value);
+        while let Some(value) = self.early.remove(&self.combined) {
+            push_subtree(&mut self.stack, self.combined, value);
+            self.combined += 1;
+        }
+    }
+
+    /// The digest of everything so far; the stream may go on. Waits for the helpers.
+    pub fn bytes(&mut self) -> [u8; 32] {
+        self.take_hashed(true);
+        if self.handed_out == 0 {
+            return *blake3::hash(&self.span).as_bytes();
+        }
+        let mut stack = self.stack.clone();
+        let last = subtree(self.handed_out * self.span_len as u64, &self.span);
+        push_subtree(&mut stack, self.handed_out, last);
+        while stack.len() > 2 {
+            let right = stack.pop().expect("more than two");
+            let left = stack.pop().expect("more than two");
+            stack.push(merge_subtrees_non_root(&left, &right, Mode::Hash));
+        }
+        *merge_subtrees_root(&stack[0], &stack[1], Mode::Hash).as_bytes()
+    }
+
+    /// [`Self::bytes`] as lowercase hex, as the control messages carry it.
+    pub fn hex(&mut self) -> String {
+        blake3::Hash::from_bytes(self.bytes()).to_hex().to_string()
+    }
+}
+
+impl Default for TreeDigest {
+    fn default() -> TreeDigest {
+        TreeDigest::new()
+    }
+}
+
+impl Helpers {
+    /// Starts `count` threads that hash spans; `None` if none could be started.
+    fn start(count: usize) -> Option<Helpers> {
+        let (spans, queue) = mpsc::sync_channel::<Span>(SPANS_IN_FLIGHT);
+        let (done, hashed) = mpsc::channel();
+        let queue = Arc::new(Mutex::new(queue));
+        let mut started = 0;
+        for _ in 0..count {
+            let (queue, done) = (queue.clone(), done.clone());
+            let helper = std::thread::Builder::new()
+                .name("ferry-digest".into())
+                .spawn(move || hash_spans(&queue, &done));
+            match helper {
+                Ok(_) => started += 1,
+                Err(e) => tracing::warn!("digest helper not started, hashing inline: {e}"),
+            }
+        }
+        (started > 0).then_some(Helpers { spans, hashed })
+    }
+}
+
+/// A helper's loop: until the digest is dropped, hash the next span handed out.
+fn hash_spans(
+    queue: &Mutex<mpsc::Receiver<Span>>,
+    done: &mpsc::Sender<(u64, ChainingValue, Vec<u8>)>,
+) {
+    loop {
+        let next = queue.lock().expect("digest queue").recv();
+        let Ok((index, offset, span)) = next else {
+            return;
+        };
+        let value = subtree(offset, &span);
+        if done.send((index, value, span)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The chaining value of the span at `offset` in the stream.
+fn subtree(offset: u64, span: &[u8]) -> ChainingValue {
+    blake3::Hasher::new()
+        .set_input_offset(offset)
+        .update(span)
+        .finalize_non_root()
+}
+
+/// Pushes the value of subtree `index` (of equal-sized ones) after merging the ones before it
+/// that are now known not to be on the tree's right edge: BLAKE3's hasher keeps one value per
+/// 1 bit of the count of subtrees before the new one.
+fn push_subtree(stack: &mut Vec<ChainingValue>, index: u64, value: ChainingValue) {
+    while stack.len() > index.count_ones() as usize {
+        let right = stack.pop().expect("above the count's bits");
+        let left = stack.pop().expect("a left subtree for each right one");
+        stack.push(merge_subtrees_non_root(&left, &right, Mode::Hash));
+    }
+    stack.push(value);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,16 +334,92 @@ mod tests {
             cuts in proptest::collection::vec(0usize..100_000, 0..12),
         ) {
             let mut d = StreamDigest::new();
-            let mut at = 0;
-            for cut in cuts {
-                let end = (at + cut).min(data.len());
-                d.update(&data[at..end]);
-                prop_assert_eq!(d.hex(), StreamDigest::of(&data[..end]));
-                at = end;
-            }
-            d.update(&data[at..]);
-            prop_assert_eq!(d.hex(), StreamDigest::of(&data));
+            fed_in_cuts(&mut d, &data, &cuts)?;
             prop_assert_eq!(d.bytes(), *blake3::hash(&data).as_bytes());
+        }
+
+        /// The tree digest equals BLAKE3's of the whole however the stream is cut, with any
+        /// span length and any number of helpers, midway (every prefix asked for) and at the
+        /// end: spans of 1-16 chunks make trees of every shape from short inputs.
+        #[test]
+        fn the_tree_digest_is_blake3_of_the_whole(
+            data in proptest::collection::vec(any::<u8>(), 0..70_000),
+            cuts in proptest::collection::vec(0usize..20_000, 0..10),
+            span_chunks in prop_oneof![Just(1usize), Just(2), Just(4), Just(16)],
+            helpers in 0usize..4,
+        ) {
+            let mut d = TreeDigest::with(helpers, span_chunks * blake3::CHUNK_LEN);
+            fed_in_cuts(&mut d, &data, &cuts)?;
+            prop_assert_eq!(d.bytes(), *blake3::hash(&data).as_bytes());
+        }
+    }
+
+    /// Either digest, for the same checks.
+    trait Fed {
+        fn feed(&mut self, bytes: &[u8]);
+        fn so_far(&mut self) -> String;
+    }
+
+    impl Fed for StreamDigest {
+        fn feed(&mut self, bytes: &[u8]) {
+            self.update(bytes);
+        }
+        fn so_far(&mut self) -> String {
+            self.hex()
+        }
+    }
+
+    impl Fed for TreeDigest {
+        fn feed(&mut self, bytes: &[u8]) {
+            self.update(bytes);
+        }
+        fn so_far(&mut self) -> String {
+            self.hex()
+        }
+    }
+
+    /// Feeds `data` cut after each of `cuts` (then the rest), checking the digest of every
+    /// prefix fed against BLAKE3's of it.
+    fn fed_in_cuts(d: &mut impl Fed, data: &[u8], cuts: &[usize]) -> Result<(), TestCaseError> {
+        let mut at = 0;
+        for &cut in cuts.iter().chain([&data.len()]) {
+            let end = (at + cut).min(data.len());
+            d.feed(&data[at..end]);
+            prop_assert_eq!(d.so_far(), StreamDigest::of(&data[..end]));
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// At the real span length: streams of exactly one and two spans, one byte either side of
+    /// them, and several spans with a short last one; fed in pieces of a page and more.
+    #[test]
+    fn real_spans_give_blake3_of_the_whole() {
+        let data: Vec<u8> = (0..5 * SPAN + 7)
+            .map(|i| u8::try_from(i * 31 % 251).expect("below 251"))
+            .collect();
+        for len in [
+            0,
+            1,
+            SPAN - 1,
+            SPAN,
+            SPAN + 1,
+            2 * SPAN,
+            2 * SPAN + 1,
+            3 * SPAN,
+            data.len(),
+        ] {
+            for helpers in [0, 1, 3] {
+                let mut d = TreeDigest::with(helpers, SPAN);
+                for piece in data[..len].chunks(4096 + 13) {
+                    d.update(piece);
+                }
+                assert_eq!(
+                    d.bytes(),
+                    *blake3::hash(&data[..len]).as_bytes(),
+                    "{len} bytes"
+                );
+            }
         }
     }
 }

@@ -31,7 +31,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::engine::control::{
     self, Carried, Control, Incoming, PREEMPT, RETURN_PATH, SEED, STREAM,
 };
-use crate::engine::digest::{StreamDigest, ALGORITHM};
+use crate::engine::digest::{TreeDigest, ALGORITHM};
 use crate::engine::disk;
 use crate::engine::disk::mirror::{
     memory_phase_buffer, AtDestination, DiskSettings, OlderCopy, SourceDisks,
@@ -1007,7 +1007,7 @@ async fn stream(
         let mut input = BytesMut::with_capacity(CHUNK * 2);
         // What goes on the stream channel: QEMU's bytes, or the codec's batches.
         let mut out = BytesMut::with_capacity(CHUNK * 2);
-        let mut hash = StreamDigest::new();
+        let mut hash = TreeDigest::new();
         let mut total = 0u64;
         // Bytes handed to the stream channel.
         let mut stream_sent = 0u64;
