@@ -513,7 +513,8 @@ async fn serve(
                 Received::Data(chunk) => {
                     let sieved = match &mut decoder {
                         // Decoded straight into the sieve's input, hashed there: QEMU's bytes
-                        // are copied once less. Without postcopy no package cuts the digest.
+                        // are copied once less on their way to QEMU. Without postcopy no
+                        // package cuts the digest.
                         Some(decoder) if !postcopy => {
                             let input = sieve.input();
                             let start = input.len();

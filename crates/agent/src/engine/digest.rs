@@ -81,12 +81,15 @@ impl StreamDigest {
 
 /// Bytes of one span of [`TreeDigest`]: a power of two of BLAKE3's 1 KiB chunks, so a span that
 /// starts at a multiple of its length is a whole subtree of BLAKE3's tree (the last one may be
-/// short) and spans hash independently.
-const SPAN: usize = 1 << 20;
+/// short) and spans hash independently. Large enough for BLAKE3's widest SIMD lanes and to
+/// make a hand-over rare (4,000 per GB), small enough that what is queued when the stream ends
+/// is hashed in about a millisecond: the digest at `End` is on the VM's pause.
+const SPAN: usize = 256 << 10;
 
-/// Spans handed to the helpers and not yet hashed, at most: the stream waits beyond this, and
-/// the copies stay within 8 MiB.
-const SPANS_IN_FLIGHT: usize = 8;
+/// Spans handed to the helpers and not yet hashed, at most: the stream waits beyond this. With
+/// the one being hashed and the one gathering, at most 1.5 MiB is still to hash when the
+/// digest is asked for (with 1 MiB spans and 8 queued, up to 10 MiB, and the pause grew).
+const SPANS_IN_FLIGHT: usize = 4;
 
 /// The digest of the main stream, the same value as [`StreamDigest`]'s (BLAKE3 of the whole),
 /// with the hashing on helper threads: the stream's bytes are cut into [`SPAN`]s by offset,
