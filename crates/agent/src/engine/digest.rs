@@ -7,7 +7,9 @@
 //! given (pages, record headers, disk operations of a few bytes) into runs of [`RUN`] first.
 
 use std::collections::BTreeMap;
-use std::sync::{mpsc, Arc, Mutex};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 
 use blake3::hazmat::{
     merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode,
@@ -86,9 +88,11 @@ impl StreamDigest {
 /// is hashed in about a millisecond: the digest at `End` is on the VM's pause.
 const SPAN: usize = 256 << 10;
 
-/// Spans handed to the helpers and not yet hashed, at most: the stream waits beyond this. With
-/// the one being hashed and the one gathering, at most 1.5 MiB is still to hash when the
-/// digest is asked for (with 1 MiB spans and 8 queued, up to 10 MiB, and the pause grew).
+/// Spans queued for the helpers, at most: beyond this the stream's own thread hashes the span
+/// it hands out, and a digest asked for hashes what is queued itself rather than wait for the
+/// helpers (on a loaded host a helper may wait for a CPU for milliseconds). So at most the
+/// spans the helpers are hashing are waited for when the stream ends, on the VM's pause (with
+/// 1 MiB spans, 8 queued and only the helpers hashing them, the pause's median grew).
 const SPANS_IN_FLIGHT: usize = 4;
 
 /// The digest of the main stream, the same value as [`StreamDigest`]'s (BLAKE3 of the whole),
@@ -116,12 +120,25 @@ pub struct TreeDigest {
 }
 
 struct Helpers {
-    spans: mpsc::SyncSender<Span>,
-    hashed: mpsc::Receiver<(u64, ChainingValue, Vec<u8>)>,
+    spans: Sender<Span>,
+    /// The queue's other end, as the helpers have it: a digest asked for takes spans from it.
+    queued: Receiver<Span>,
+    hashed: Receiver<Hashed>,
 }
 
-/// A span handed to the helpers: its index, where it starts in the stream, its bytes.
-type Span = (u64, u64, Vec<u8>);
+/// A span handed out: its index, where it starts in the stream, its bytes.
+struct Span {
+    index: u64,
+    offset: u64,
+    bytes: Vec<u8>,
+}
+
+/// A span back from a helper with its chaining value, or without one if hashing it panicked
+/// there (the span is then hashed on the stream's thread, as if there were no helpers).
+struct Hashed {
+    value: Option<ChainingValue>,
+    span: Span,
+}
 
 impl std::fmt::Debug for TreeDigest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -147,6 +164,10 @@ impl TreeDigest {
     /// `helpers` threads (0: inline) and spans of `span_len` bytes, a power of two of at
     /// least BLAKE3's chunk.
     fn with(helpers: usize, span_len: usize) -> TreeDigest {
+        TreeDigest::with_queue(Helpers::start(helpers), span_len)
+    }
+
+    fn with_queue(helpers: Option<Helpers>, span_len: usize) -> TreeDigest {
         assert!(span_len.is_power_of_two() && span_len >= blake3::CHUNK_LEN);
         TreeDigest {
             span_len,
@@ -155,7 +176,7 @@ impl TreeDigest {
             stack: Vec::new(),
             combined: 0,
             early: BTreeMap::new(),
-            helpers: Helpers::start(helpers),
+            helpers,
             spare: Vec::new(),
         }
     }
@@ -178,54 +199,60 @@ impl TreeDigest {
             .spare
             .pop()
             .unwrap_or_else(|| Vec::with_capacity(self.span_len));
-        let span = std::mem::replace(&mut self.span, next);
         let index = self.handed_out;
-        let offset = index * self.span_len as u64;
+        let span = Span {
+            index,
+            offset: index * self.span_len as u64,
+            bytes: std::mem::replace(&mut self.span, next),
+        };
         self.handed_out += 1;
-        match &self.helpers {
-            Some(helpers) => {
-                // Waits while SPANS_IN_FLIGHT are queued: the helpers set the pace then.
-                helpers
-                    .spans
-                    .send((index, offset, span))
-                    .expect("a digest helper ended early");
-                self.take_hashed(false);
-            }
-            None => {
-                let value = subtree(offset, &span);
-                self.add(index, value);
-                let mut span = span;
-                span.clear();
-                self.spare.push(span);
-            }
+        let span = match &self.helpers {
+            Some(helpers) => match helpers.spans.try_send(span) {
+                Ok(()) => None,
+                // The helpers are behind: this thread hashes rather than wait for them.
+                Err(TrySendError::Full(span)) => Some(span),
+                Err(TrySendError::Disconnected(_)) => unreachable!("this digest holds a receiver"),
+            },
+            None => Some(span),
+        };
+        if let Some(span) = span {
+            self.take(Hashed { value: None, span });
         }
+        self.take_hashed(false);
     }
 
-    /// Takes the helpers' values; with `all`, waits for every span handed out.
+    /// Takes the helpers' values; with `all`, until every span handed out is in, hashing the
+    /// queued ones here rather than wait for a helper to get to them.
     fn take_hashed(&mut self, all: bool) {
         while self.combined + (self.early.len() as u64) < self.handed_out {
             let Some(helpers) = &self.helpers else {
-                unreachable!("spans are hashed inline without helpers")
+                unreachable!("spans are hashed as they are handed out without helpers")
             };
-            let hashed = if all {
-                helpers
-                    .hashed
-                    .recv()
-                    .expect("a digest helper ended with spans still to hash")
-            } else {
-                match helpers.hashed.try_recv() {
-                    Ok(hashed) => hashed,
-                    Err(mpsc::TryRecvError::Empty) => return,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        panic!("a digest helper ended with spans still to hash")
+            let hashed = match helpers.hashed.try_recv() {
+                Ok(hashed) => hashed,
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) if all => {
+                    match helpers.queued.try_recv() {
+                        Ok(span) => Hashed { value: None, span },
+                        // Only spans a helper is hashing are left: wait for them.
+                        Err(_) => helpers
+                            .hashed
+                            .recv()
+                            .expect("a digest helper ended with a span still to hash"),
                     }
                 }
+                Err(_) => return,
             };
-            let (index, value, mut span) = hashed;
-            span.clear();
-            self.spare.push(span);
-            self.add(index, value);
+            self.take(hashed);
         }
+    }
+
+    /// Combines a span's value (hashing it here if it has none yet) and keeps its buffer.
+    fn take(&mut self, hashed: Hashed) {
+        let Hashed { value, mut span } = hashed;
+        let value = value.unwrap_or_else(|| subtree(span.offset, &span.bytes));
+        self.add(span.index, value);
+        span.bytes.clear();
+        self.spare.push(span.bytes);
     }
 
     /// Combines span `index`'s value, and any that waited for it, in stream order.
@@ -269,12 +296,10 @@ impl Default for TreeDigest {
 impl Helpers {
     /// Starts `count` threads that hash spans; `None` if none could be started.
     fn start(count: usize) -> Option<Helpers> {
-        let (spans, queue) = mpsc::sync_channel::<Span>(SPANS_IN_FLIGHT);
-        let (done, hashed) = mpsc::channel();
-        let queue = Arc::new(Mutex::new(queue));
+        let (helpers, done) = Helpers::queue();
         let mut started = 0;
         for _ in 0..count {
-            let (queue, done) = (queue.clone(), done.clone());
+            let (queue, done) = (helpers.queued.clone(), done.clone());
             let helper = std::thread::Builder::new()
                 .name("ferry-digest".into())
                 .spawn(move || hash_spans(&queue, &done));
@@ -283,22 +308,29 @@ impl Helpers {
                 Err(e) => tracing::warn!("digest helper not started, hashing inline: {e}"),
             }
         }
-        (started > 0).then_some(Helpers { spans, hashed })
+        (started > 0).then_some(helpers)
+    }
+
+    /// The queues, and where helpers send what they hashed.
+    fn queue() -> (Helpers, Sender<Hashed>) {
+        let (spans, queued) = crossbeam_channel::bounded(SPANS_IN_FLIGHT);
+        let (done, hashed) = crossbeam_channel::unbounded();
+        let helpers = Helpers {
+            spans,
+            queued,
+            hashed,
+        };
+        (helpers, done)
     }
 }
 
 /// A helper's loop: until the digest is dropped, hash the next span handed out.
-fn hash_spans(
-    queue: &Mutex<mpsc::Receiver<Span>>,
-    done: &mpsc::Sender<(u64, ChainingValue, Vec<u8>)>,
-) {
-    loop {
-        let next = queue.lock().expect("digest queue").recv();
-        let Ok((index, offset, span)) = next else {
-            return;
-        };
-        let value = subtree(offset, &span);
-        if done.send((index, value, span)).is_err() {
+fn hash_spans(queue: &Receiver<Span>, done: &Sender<Hashed>) {
+    while let Ok(span) = queue.recv() {
+        // A panic here gives the span back unhashed rather than lose it: the digest would
+        // wait for it forever.
+        let value = catch_unwind(AssertUnwindSafe(|| subtree(span.offset, &span.bytes))).ok();
+        if done.send(Hashed { value, span }).is_err() {
             return;
         }
     }
@@ -392,6 +424,39 @@ mod tests {
             at = end;
         }
         Ok(())
+    }
+
+    /// A digest asked for hashes the queued spans itself: helpers that never get to them (on
+    /// a host whose CPUs are busy) do not hold it up, nor does one whose hashing panicked and
+    /// gave its span back unhashed.
+    #[test]
+    fn a_digest_asked_for_does_not_wait_for_queued_spans() {
+        let data: Vec<u8> = (0..40 * blake3::CHUNK_LEN + 5)
+            .map(|i| u8::try_from(i * 7 % 253).expect("below 253"))
+            .collect();
+        let (helpers, done) = Helpers::queue();
+        let queue = helpers.queued.clone();
+        let (digested, digest) = std::sync::mpsc::channel();
+        let fed = data.clone();
+        std::thread::spawn(move || {
+            let mut d = TreeDigest::with_queue(Some(helpers), blake3::CHUNK_LEN);
+            d.update(&fed[..5000]);
+            // The one helper takes the first span and gives it back unhashed, as after a
+            // panic; the rest stay queued or are hashed here as the queue is full.
+            let first = queue.recv().expect("a span is queued");
+            assert_eq!(first.index, 0);
+            done.send(Hashed {
+                value: None,
+                span: first,
+            })
+            .expect("the digest waits");
+            d.update(&fed[5000..]);
+            digested.send(d.bytes()).expect("the test waits");
+        });
+        let digest = digest
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the digest waited for helpers that never came");
+        assert_eq!(digest, *blake3::hash(&data).as_bytes());
     }
 
     /// At the real span length: streams of exactly one and two spans, one byte either side of
