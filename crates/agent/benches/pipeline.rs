@@ -1,8 +1,8 @@
 //! The agents' work per byte of QEMU's stream, without I/O: the source's (parse, digest, page
 //! codec, zstd) and the destination's (zstd, page codec, digest, load sieve), on one thread
-//! each but for the digest's spans, hashed on a helper thread as in the agents; and the digest
-//! alone. What is left out is the transport (TLS, sockets), which `ferry bench` measures with
-//! the rest.
+//! each but for the digest's spans, hashed on a helper thread as in agents on hosts of 4 cores
+//! or more; and the digest alone. What is left out is the transport (TLS, sockets), which
+//! `ferry bench` measures with the rest.
 //!
 //! The stream is a real QEMU 10 stream (`crates/qemu/tests/streams/running`: the setup, its
 //! passes over the guest's memory and the device state) whose pages, and seven in eight of its
@@ -108,7 +108,7 @@ fn stream() -> Vec<u8> {
 fn source(stream: &[u8]) -> Vec<u8> {
     let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
     let mut parser = StreamParser::new();
-    let mut digest = TreeDigest::new();
+    let mut digest = TreeDigest::with_helpers(1);
     let mut input = BytesMut::with_capacity(2 * READ);
     let mut out = BytesMut::new();
     for read in stream.chunks(READ) {
@@ -134,7 +134,7 @@ fn source(stream: &[u8]) -> Vec<u8> {
 fn destination(channel: &[u8]) -> usize {
     let mut decoder = StreamDecoder::new(CodecSettings::ALL, HISTORY_CAP);
     let mut sieve = LoadSieve::new(ZeroPages::none());
-    let mut digest = TreeDigest::new();
+    let mut digest = TreeDigest::with_helpers(1);
     let mut fed = 0;
     for frame in channel.chunks(FRAME) {
         let input = sieve.input();

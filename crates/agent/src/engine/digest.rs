@@ -95,6 +95,11 @@ const SPAN: usize = 256 << 10;
 /// 1 MiB spans, 8 queued and only the helpers hashing them, the pause's median grew).
 const SPANS_IN_FLIGHT: usize = 4;
 
+/// Cores a host needs for the main stream's digest to get a helper thread. Each agent shares
+/// its host with QEMU (vCPUs, migration thread): on 2 cores at 1 Gbit/s those are already
+/// full, and a helper there cost the agents 3-12% more CPU for no time gained (BENCHMARKS.md).
+const CORES_FOR_A_HELPER: usize = 4;
+
 /// The digest of the main stream, the same value as [`StreamDigest`]'s (BLAKE3 of the whole),
 /// with the hashing on helper threads: the stream's bytes are cut into [`SPAN`]s by offset,
 /// a helper hashes each span as a subtree (its chaining value), and this end combines the
@@ -151,9 +156,11 @@ impl std::fmt::Debug for TreeDigest {
 }
 
 impl TreeDigest {
-    /// A digest hashed on one helper thread (inline if the thread cannot be started).
+    /// A digest hashed on one helper thread where the host has [`CORES_FOR_A_HELPER`], else
+    /// inline (also if the thread cannot be started).
     pub fn new() -> TreeDigest {
-        TreeDigest::with_helpers(1)
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        TreeDigest::with_helpers(usize::from(cores >= CORES_FOR_A_HELPER))
     }
 
     /// A digest hashed on `helpers` threads; 0 hashes inline, on the caller's.
