@@ -95,16 +95,18 @@ const SPAN: usize = 256 << 10;
 /// 1 MiB spans, 8 queued and only the helpers hashing them, the pause's median grew).
 const SPANS_IN_FLIGHT: usize = 4;
 
-/// Cores a host needs for the main stream's digest to get a helper thread. Each agent shares
+/// CPUs the agent may use (`available_parallelism`: the host's cores within its affinity and
+/// cgroup quota) for the main stream's digest to get a helper thread. Each agent shares
 /// its host with QEMU (vCPUs, migration thread): on 2 cores at 1 Gbit/s those are already
 /// full, and a helper there cost the agents 3-12% more CPU for no time gained (BENCHMARKS.md).
 const CORES_FOR_A_HELPER: usize = 4;
 
 /// The digest of the main stream, the same value as [`StreamDigest`]'s (BLAKE3 of the whole),
-/// with the hashing on helper threads: the stream's bytes are cut into [`SPAN`]s by offset,
-/// a helper hashes each span as a subtree (its chaining value), and this end combines the
-/// values in order by BLAKE3's own rule. At 1 Gbit/s the digest was 7% of the source agent's
-/// CPU, on the task that also parses and codes the stream; here it runs beside that task.
+/// with the hashing on helper threads where the host has CPUs to spare: the stream's bytes are
+/// cut into [`SPAN`]s by offset, a helper (or this end) hashes each span as a subtree (its
+/// chaining value), and this end combines the values in order by BLAKE3's own rule. At
+/// 1 Gbit/s the digest was 7% of the source agent's CPU, on the task that also parses and
+/// codes the stream; with a helper it runs beside that task.
 pub struct TreeDigest {
     span_len: usize,
     /// The bytes after the last span handed out: never empty once the stream has a byte, so
@@ -116,11 +118,12 @@ pub struct TreeDigest {
     /// more may follow: one value per 1 bit of `combined` (the stack of BLAKE3's hasher).
     stack: Vec<ChainingValue>,
     combined: u64,
-    /// Values hashed ahead of a span still being hashed (several helpers finish out of order).
+    /// Values hashed ahead of a span still being hashed (helpers and this end finish out of
+    /// order).
     early: BTreeMap<u64, ChainingValue>,
     /// `None`: no helpers, each span is hashed inline as it is handed out.
     helpers: Option<Helpers>,
-    /// Span buffers the helpers gave back, to be filled again.
+    /// Span buffers hashed, to be filled again.
     spare: Vec<Vec<u8>>,
 }
 
@@ -139,7 +142,8 @@ struct Span {
 }
 
 /// A span back from a helper with its chaining value, or without one if hashing it panicked
-/// there (the span is then hashed on the stream's thread, as if there were no helpers).
+/// there: the stream's thread then hashes it, so a second panic is the migration task's error
+/// rather than a digest waiting forever for a span no helper will give back.
 struct Hashed {
     value: Option<ChainingValue>,
     span: Span,
@@ -156,8 +160,8 @@ impl std::fmt::Debug for TreeDigest {
 }
 
 impl TreeDigest {
-    /// A digest hashed on one helper thread where the host has [`CORES_FOR_A_HELPER`], else
-    /// inline (also if the thread cannot be started).
+    /// A digest hashed on one helper thread where the agent may use [`CORES_FOR_A_HELPER`]
+    /// CPUs, else inline (also if the thread cannot be started).
     pub fn new() -> TreeDigest {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         TreeDigest::with_helpers(usize::from(cores >= CORES_FOR_A_HELPER))
@@ -334,8 +338,6 @@ impl Helpers {
 /// A helper's loop: until the digest is dropped, hash the next span handed out.
 fn hash_spans(queue: &Receiver<Span>, done: &Sender<Hashed>) {
     while let Ok(span) = queue.recv() {
-        // A panic here gives the span back unhashed rather than lose it: the digest would
-        // wait for it forever.
         let value = catch_unwind(AssertUnwindSafe(|| subtree(span.offset, &span.bytes))).ok();
         if done.send(Hashed { value, span }).is_err() {
             return;
@@ -462,7 +464,7 @@ mod tests {
         });
         let digest = digest
             .recv_timeout(std::time::Duration::from_secs(30))
-            .expect("the digest waited for helpers that never came");
+            .expect("the digest is done without the helpers (a timeout: it waited for them)");
         assert_eq!(digest, *blake3::hash(&data).as_bytes());
     }
 
