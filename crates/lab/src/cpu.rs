@@ -6,6 +6,12 @@
 //! commit and the destination QEMU starts during the migration: a process's figure is its last
 //! reading less its first (a destination QEMU counts from its start, which the migration
 //! caused). What a source QEMU spends in its last interval before it exits is missed.
+//!
+//! For the agents it also counts what their work is cut into: voluntary context switches
+//! (`/proc/<pid>/task/*/status`; each is a thread that went to sleep waiting for something;
+//! threads that end during the migration take theirs with them), read and write system calls
+//! (`/proc/<pid>/io`'s `syscr` and `syscw`: reads, writes, sends, receives) and minor page
+//! faults (`/proc/<pid>/stat`: memory touched for the first time).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -25,7 +31,10 @@ pub struct MigrationCpu {
     pub destination_qemu_s: f64,
     pub source_agent_s: f64,
     pub destination_agent_s: f64,
-    /// All of the above per GB (10^9 bytes) on the WAN, when bytes crossed.
+    /// Per agent: voluntary context switches, read and write system calls, minor page faults.
+    pub source_agent_work: AgentWork,
+    pub destination_agent_work: AgentWork,
+    /// All of the CPU seconds per GB (10^9 bytes) on the WAN, when bytes crossed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub per_wan_gb_s: Option<f64>,
 }
@@ -41,6 +50,36 @@ impl MigrationCpu {
     pub fn with_wan_bytes(mut self, wan_bytes: u64) -> MigrationCpu {
         self.per_wan_gb_s = (wan_bytes > 0).then(|| self.total_s() / (wan_bytes as f64 / 1e9));
         self
+    }
+}
+
+/// What an agent's work was cut into (see the module's doc).
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct AgentWork {
+    pub switches: u64,
+    pub syscalls: u64,
+    pub minor_faults: u64,
+}
+
+impl AgentWork {
+    fn since(self, first: AgentWork) -> AgentWork {
+        AgentWork {
+            switches: self.switches.saturating_sub(first.switches),
+            syscalls: self.syscalls.saturating_sub(first.syscalls),
+            minor_faults: self.minor_faults.saturating_sub(first.minor_faults),
+        }
+    }
+
+    /// This agent's counts so far (what cannot be read counts as zero).
+    fn of(pid: u32) -> AgentWork {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+        AgentWork {
+            switches: voluntary_switches(pid).unwrap_or(0),
+            syscalls: parse_io_field(&io, "syscr:").unwrap_or(0)
+                + parse_io_field(&io, "syscw:").unwrap_or(0),
+            minor_faults: parse_stat_field(&stat, 10).unwrap_or(0),
+        }
     }
 }
 
@@ -81,10 +120,24 @@ pub async fn measure<F: Future>(
     (output, sampler.spent())
 }
 
-/// First and last reading (clock ticks) of each process seen, with its role.
+/// First and last reading of each process seen, with its role.
 #[derive(Debug, Default)]
 struct Sampler {
-    seen: HashMap<u32, (Role, u64, u64)>,
+    seen: HashMap<u32, Readings>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Readings {
+    role: Role,
+    first: Reading,
+    last: Reading,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Reading {
+    ticks: u64,
+    /// Agents only (zero for the QEMUs).
+    work: AgentWork,
 }
 
 impl Sampler {
@@ -102,7 +155,7 @@ impl Sampler {
             else {
                 continue;
             };
-            let known = self.seen.get(&pid).map(|(role, _, _)| *role);
+            let known = self.seen.get(&pid).map(|r| r.role);
             let role = match known {
                 Some(role) => role,
                 None => match role_of(pid, vm, agent_configs, first) {
@@ -113,28 +166,44 @@ impl Sampler {
             let Some(ticks) = cpu_ticks(pid) else {
                 continue;
             };
+            let work = match role {
+                Role::SourceAgent | Role::DestinationAgent => AgentWork::of(pid),
+                Role::SourceQemu | Role::DestinationQemu => AgentWork::default(),
+            };
+            let now = Reading { ticks, work };
             let start = if first || role != Role::DestinationQemu {
-                ticks
+                now
             } else {
-                0
+                Reading::default()
             };
             self.seen
                 .entry(pid)
-                .and_modify(|(_, _, last)| *last = ticks)
-                .or_insert((role, start, ticks));
+                .and_modify(|r| r.last = now)
+                .or_insert(Readings {
+                    role,
+                    first: start,
+                    last: now,
+                });
         }
     }
 
     fn spent(&self) -> MigrationCpu {
         let hz = ticks_per_second();
         let mut cpu = MigrationCpu::default();
-        for (role, first, last) in self.seen.values() {
-            let s = last.saturating_sub(*first) as f64 / hz;
-            match role {
+        for r in self.seen.values() {
+            let s = r.last.ticks.saturating_sub(r.first.ticks) as f64 / hz;
+            let work = r.last.work.since(r.first.work);
+            match r.role {
                 Role::SourceQemu => cpu.source_qemu_s += s,
                 Role::DestinationQemu => cpu.destination_qemu_s += s,
-                Role::SourceAgent => cpu.source_agent_s += s,
-                Role::DestinationAgent => cpu.destination_agent_s += s,
+                Role::SourceAgent => {
+                    cpu.source_agent_s += s;
+                    cpu.source_agent_work = work;
+                }
+                Role::DestinationAgent => {
+                    cpu.destination_agent_s += s;
+                    cpu.destination_agent_work = work;
+                }
             }
         }
         cpu
@@ -174,14 +243,49 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     parse_stat_ticks(&stat)
 }
 
-/// utime + stime from a `/proc/<pid>/stat` line (fields 14 and 15; the command name in
-/// field 2 may hold spaces and parentheses, so fields are counted after its last `)`).
+/// utime + stime from a `/proc/<pid>/stat` line (fields 14 and 15).
 fn parse_stat_ticks(stat: &str) -> Option<u64> {
+    Some(parse_stat_field(stat, 14)? + parse_stat_field(stat, 15)?)
+}
+
+/// Field `n` (counted from 1, as in proc(5)) of a `/proc/<pid>/stat` line, a number. The
+/// command name in field 2 may hold spaces and parentheses, so fields are counted after its
+/// last `)`.
+fn parse_stat_field(stat: &str, n: usize) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
+    rest.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
+}
+
+/// A `name: value` line of `/proc/<pid>/io`.
+fn parse_io_field(io: &str, name: &str) -> Option<u64> {
+    io.lines()
+        .find_map(|l| l.strip_prefix(name))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Voluntary context switches of every live thread of `pid` so far.
+fn voluntary_switches(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0;
+    for task in tasks.flatten() {
+        // A thread that ended since the directory was listed has nothing more to count.
+        if let Ok(status) = std::fs::read_to_string(task.path().join("status")) {
+            total += parse_voluntary_switches(&status).unwrap_or(0);
+        }
+    }
+    Some(total)
+}
+
+/// The `voluntary_ctxt_switches` line of a `/proc/<pid>/task/<tid>/status`.
+fn parse_voluntary_switches(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 fn ticks_per_second() -> f64 {
@@ -203,6 +307,7 @@ mod tests {
         let stat =
             "4242 (tokio (rt) 1) S 1 4242 4242 0 -1 4194560 500 0 0 0 150 25 0 0 20 0 4 0 1 2 3";
         assert_eq!(parse_stat_ticks(stat), Some(175));
+        assert_eq!(parse_stat_field(stat, 10), Some(500));
         assert_eq!(parse_stat_ticks("garbage"), None);
     }
 
@@ -220,6 +325,30 @@ mod tests {
     }
 
     #[test]
+    fn voluntary_switches_are_read_from_their_line() {
+        let status =
+            "Name:\tferry\nvoluntary_ctxt_switches:\t1234\nnonvoluntary_ctxt_switches:\t56\n";
+        assert_eq!(parse_voluntary_switches(status), Some(1234));
+        assert_eq!(parse_voluntary_switches("Name:\tferry\n"), None);
+    }
+
+    #[test]
+    fn system_calls_are_read_from_their_lines() {
+        let io = "rchar: 10\nwchar: 20\nsyscr: 7\nsyscw: 3\nread_bytes: 0\n";
+        assert_eq!(parse_io_field(io, "syscr:"), Some(7));
+        assert_eq!(parse_io_field(io, "syscw:"), Some(3));
+        assert_eq!(parse_io_field(io, "cancelled_write_bytes:"), None);
+    }
+
+    #[test]
+    fn this_process_has_switched_voluntarily() {
+        let pid = std::process::id();
+        let before = voluntary_switches(pid).unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+        assert!(voluntary_switches(pid).unwrap() > before);
+    }
+
+    #[test]
     fn the_figure_per_gb_divides_the_total_by_the_wan_bytes() {
         let cpu = MigrationCpu {
             source_qemu_s: 1.0,
@@ -227,6 +356,7 @@ mod tests {
             source_agent_s: 0.25,
             destination_agent_s: 0.25,
             per_wan_gb_s: None,
+            ..MigrationCpu::default()
         };
         assert_eq!(cpu.with_wan_bytes(500_000_000).per_wan_gb_s, Some(4.0));
         assert_eq!(cpu.with_wan_bytes(0).per_wan_gb_s, None);

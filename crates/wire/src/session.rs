@@ -472,6 +472,11 @@ impl Session {
         self.wake();
     }
 
+    /// Every send channel's unacknowledged-bytes limit now.
+    pub fn send_limit(&self) -> usize {
+        self.lock().config.send_limit_bytes
+    }
+
     /// The Hello this side sends on a new connection.
     pub fn hello(&self, connection: u32) -> Hello {
         let st = self.lock();

@@ -47,9 +47,11 @@ use crate::engine::status::{now_ms, Events, Shared};
 use crate::engine::stream_codec::{self, StreamEncoder};
 use crate::engine::switchover;
 
-/// Stream bytes per frame: small enough that N connections share the stream evenly, large
-/// enough that the 20-byte header is noise.
+/// What the pump reads from QEMU's socket at a time, at least.
 const CHUNK: usize = 64 << 10;
+/// Stream bytes per frame, at least and at most (see [`stream_frame_len`]).
+const MIN_FRAME: usize = 64 << 10;
+const MAX_FRAME: usize = 1 << 20;
 /// The page window: guest pages read from QEMU that the destination has not consumed, at most
 /// (see `page_ledger`). 64 MiB of guest memory: some 65 ms of the destination QEMU's time on
 /// zero pages (~4 µs each here), which is what QEMU's first pass may leave it when the pass
@@ -1044,6 +1046,9 @@ async fn stream(
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (false, true),
                 Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
             };
+            // Whether the encoder closed a batch: it goes out whole, not held back until more
+            // fills a frame (the destination decodes a batch only once all of it arrived).
+            let mut batch_closed = false;
             // `item_bytes`: the item as QEMU wrote it, what both ends hash.
             while let Some((item, item_bytes)) = parser.next_item_with_bytes(&mut input)? {
                 hash.update(&item_bytes);
@@ -1058,6 +1063,7 @@ async fn stream(
                         if full {
                             encoder.flush(&mut out);
                         }
+                        batch_closed |= full;
                         full
                     }
                     None => {
@@ -1109,7 +1115,11 @@ async fn stream(
                     .expect("ledger lock")
                     .mark(stream_sent + out.len() as u64);
             }
-            if send_stream(session, ledger, &mut out, &mut stream_sent, drained).await? {
+            let all = drained || batch_closed;
+            let sent = send_stream(session, ledger, &mut out, &mut stream_sent, all).await?;
+            // Every turn that sent: the switchover's steering reads the codec's resend cost
+            // from the status, so it is kept as fresh as the stream.
+            if sent {
                 let report = encoder.as_ref().map(StreamEncoder::report);
                 status.update(|s| {
                     s.stream_bytes = total;
@@ -1348,8 +1358,18 @@ impl Switch<'_> {
     }
 }
 
-/// Sends `out` on the stream channel in frames of at most `CHUNK`: all of it, or only whole
-/// frames (the rest waits for more). Returns whether anything was sent.
+/// Stream bytes per frame for a send window of `send_limit`: an eighth of it, so that several
+/// frames are in flight and N connections share the stream evenly, and at least [`MIN_FRAME`]
+/// so that the 20-byte header is noise. At most [`MAX_FRAME`]: a frame goes out whole, and
+/// an urgent frame waits behind it. Each frame costs a lock, a writer's wake-up and
+/// (when the destination has caught up) an acknowledgement at both ends, so a fast link's
+/// larger window takes fewer, larger frames.
+fn stream_frame_len(send_limit: usize) -> usize {
+    (send_limit / 8).clamp(MIN_FRAME, MAX_FRAME)
+}
+
+/// Sends `out` on the stream channel in frames of [`stream_frame_len`]: all of it, or only
+/// whole frames (the rest waits for more). Returns whether anything was sent.
 async fn send_stream(
     session: &Session,
     ledger: &Mutex<PageLedger>,
@@ -1358,8 +1378,9 @@ async fn send_stream(
     all: bool,
 ) -> Result<bool> {
     let mut sent = false;
-    while out.len() >= CHUNK || (all && !out.is_empty()) {
-        let chunk = out.split_to(out.len().min(CHUNK)).freeze();
+    let frame_len = stream_frame_len(session.send_limit());
+    while out.len() >= frame_len || (all && !out.is_empty()) {
+        let chunk = out.split_to(out.len().min(frame_len)).freeze();
         let len = chunk.len() as u64;
         session.send(STREAM, chunk).await?;
         *stream_sent += len;
