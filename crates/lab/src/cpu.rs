@@ -9,9 +9,13 @@
 //!
 //! For the agents it also counts what their work is cut into: voluntary context switches
 //! (`/proc/<pid>/task/*/status`; each is a thread that went to sleep waiting for something;
-//! threads that end during the migration take theirs with them), read and write system calls
-//! (`/proc/<pid>/io`'s `syscr` and `syscw`: reads, writes, sends, receives) and minor page
-//! faults (`/proc/<pid>/stat`: memory touched for the first time).
+//! threads that end during the migration take theirs with them), the read and write system
+//! calls `/proc/<pid>/io` counts (`syscr`, `syscw`: read, write and their vector forms, so the
+//! TLS writes to the WAN, the writes to QEMU's socket and eventfd wake-ups, but not the
+//! `recv` and `send` with which the standard library reads sockets) and minor page faults
+//! (`/proc/<pid>/stat`, every thread's: memory touched for the first time). A role's figures
+//! are summed over its processes (the destination agent's forked monitor keeper shares its
+//! command line).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -31,7 +35,8 @@ pub struct MigrationCpu {
     pub destination_qemu_s: f64,
     pub source_agent_s: f64,
     pub destination_agent_s: f64,
-    /// Per agent: voluntary context switches, read and write system calls, minor page faults.
+    /// Per agent: voluntary context switches, read and write system calls (those
+    /// `/proc/<pid>/io` counts), minor page faults.
     pub source_agent_work: AgentWork,
     pub destination_agent_work: AgentWork,
     /// All of the CPU seconds per GB (10^9 bytes) on the WAN, when bytes crossed.
@@ -59,6 +64,14 @@ pub struct AgentWork {
     pub switches: u64,
     pub syscalls: u64,
     pub minor_faults: u64,
+}
+
+impl std::ops::AddAssign for AgentWork {
+    fn add_assign(&mut self, other: AgentWork) {
+        self.switches += other.switches;
+        self.syscalls += other.syscalls;
+        self.minor_faults += other.minor_faults;
+    }
 }
 
 impl AgentWork {
@@ -198,11 +211,11 @@ impl Sampler {
                 Role::DestinationQemu => cpu.destination_qemu_s += s,
                 Role::SourceAgent => {
                     cpu.source_agent_s += s;
-                    cpu.source_agent_work = work;
+                    cpu.source_agent_work += work;
                 }
                 Role::DestinationAgent => {
                     cpu.destination_agent_s += s;
-                    cpu.destination_agent_work = work;
+                    cpu.destination_agent_work += work;
                 }
             }
         }

@@ -1013,6 +1013,13 @@ async fn stream(
         let mut total = 0u64;
         // Bytes handed to the stream channel.
         let mut stream_sent = 0u64;
+        // After a postcopy switch the pages the guest faults on cross in urgent frames, each
+        // waiting behind the bulk frame a connection is writing: keep those small.
+        let max_frame = if req.settings.postcopy_possible() {
+            MIN_FRAME
+        } else {
+            MAX_FRAME
+        };
         loop {
             // Take what QEMU has written so far; when it has nothing more right now, send
             // what was parsed even if it is less than a frame: QEMU may be waiting for an
@@ -1031,7 +1038,7 @@ async fn stream(
                     .lock()
                     .expect("ledger lock")
                     .mark(stream_sent + out.len() as u64);
-                send_stream(session, ledger, &mut out, &mut stream_sent, true).await?;
+                send_stream(session, ledger, &mut out, &mut stream_sent, true, max_frame).await?;
                 let allowed = ledger
                     .lock()
                     .expect("ledger lock")
@@ -1089,7 +1096,8 @@ async fn stream(
                         .lock()
                         .expect("ledger lock")
                         .mark(stream_sent + out.len() as u64);
-                    send_stream(session, ledger, &mut out, &mut stream_sent, true).await?;
+                    send_stream(session, ledger, &mut out, &mut stream_sent, true, max_frame)
+                        .await?;
                     control::send(
                         session,
                         &Control::Checkpoint {
@@ -1116,7 +1124,8 @@ async fn stream(
                     .mark(stream_sent + out.len() as u64);
             }
             let all = drained || batch_closed;
-            let sent = send_stream(session, ledger, &mut out, &mut stream_sent, all).await?;
+            let sent =
+                send_stream(session, ledger, &mut out, &mut stream_sent, all, max_frame).await?;
             // Every turn that sent: the switchover's steering reads the codec's resend cost
             // from the status, so it is kept as fresh as the stream.
             if sent {
@@ -1360,26 +1369,31 @@ impl Switch<'_> {
 
 /// Stream bytes per frame for a send window of `send_limit`: an eighth of it, so that several
 /// frames are in flight and N connections share the stream evenly, and at least [`MIN_FRAME`]
-/// so that the 20-byte header is noise. At most [`MAX_FRAME`]: a frame goes out whole, and
-/// an urgent frame waits behind it. Each frame costs a lock, a writer's wake-up and
-/// (when the destination has caught up) an acknowledgement at both ends, so a fast link's
-/// larger window takes fewer, larger frames.
-fn stream_frame_len(send_limit: usize) -> usize {
-    (send_limit / 8).clamp(MIN_FRAME, MAX_FRAME)
+/// so that the 20-byte header is noise (the smallest window, 128 KiB near a switchover, still
+/// takes two). At most `max_frame`: a frame goes out whole, and an urgent frame waits behind
+/// it. Each frame costs a lock, a writer's wake-up and (when the destination has caught up)
+/// an acknowledgement at both ends, so a fast link's larger window takes fewer, larger frames.
+fn stream_frame_len(send_limit: usize, max_frame: usize) -> usize {
+    (send_limit / 8).clamp(MIN_FRAME, max_frame.max(MIN_FRAME))
 }
 
-/// Sends `out` on the stream channel in frames of [`stream_frame_len`]: all of it, or only
-/// whole frames (the rest waits for more). Returns whether anything was sent.
+/// Sends `out` on the stream channel in frames of [`stream_frame_len`], sized for the window
+/// as each frame goes (it shrinks near the switchover): all of it, or only whole frames (the
+/// rest waits for more). Returns whether anything was sent.
 async fn send_stream(
     session: &Session,
     ledger: &Mutex<PageLedger>,
     out: &mut BytesMut,
     stream_sent: &mut u64,
     all: bool,
+    max_frame: usize,
 ) -> Result<bool> {
     let mut sent = false;
-    let frame_len = stream_frame_len(session.send_limit());
-    while out.len() >= frame_len || (all && !out.is_empty()) {
+    loop {
+        let frame_len = stream_frame_len(session.send_limit(), max_frame);
+        if out.is_empty() || (!all && out.len() < frame_len) {
+            break;
+        }
         let chunk = out.split_to(out.len().min(frame_len)).freeze();
         let len = chunk.len() as u64;
         session.send(STREAM, chunk).await?;
@@ -1894,5 +1908,24 @@ pub(crate) struct RemoveOnDrop(pub PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_an_eighth_of_the_window_within_their_bounds() {
+        // 1 Gbit/s, 10 ms, paced: a 2.5 MB window.
+        let window = send_window(Some(1000.0), 10.0);
+        assert_eq!(stream_frame_len(window, MAX_FRAME), window / 8);
+        // The smallest windows still take two frames; the largest, frames of 1 MiB.
+        let end_game = 128 << 10;
+        assert_eq!(stream_frame_len(end_game, MAX_FRAME), MIN_FRAME);
+        assert!(2 * stream_frame_len(end_game, MAX_FRAME) <= end_game);
+        assert_eq!(stream_frame_len(64 << 20, MAX_FRAME), MAX_FRAME);
+        // Postcopy keeps them small whatever the window.
+        assert_eq!(stream_frame_len(64 << 20, MIN_FRAME), MIN_FRAME);
     }
 }
