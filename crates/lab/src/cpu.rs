@@ -83,15 +83,15 @@ impl AgentWork {
         }
     }
 
-    /// This agent's counts so far (what cannot be read counts as zero).
-    fn of(pid: u32) -> AgentWork {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    /// This agent's counts so far, `stat` its `/proc/<pid>/stat` (what cannot be read counts
+    /// as zero).
+    fn of(pid: u32, stat: &str) -> AgentWork {
         let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
         AgentWork {
             switches: voluntary_switches(pid).unwrap_or(0),
-            syscalls: parse_io_field(&io, "syscr:").unwrap_or(0)
-                + parse_io_field(&io, "syscw:").unwrap_or(0),
-            minor_faults: parse_stat_field(&stat, 10).unwrap_or(0),
+            syscalls: parse_named_field(&io, "syscr:").unwrap_or(0)
+                + parse_named_field(&io, "syscw:").unwrap_or(0),
+            minor_faults: parse_stat_field(stat, 10).unwrap_or(0),
         }
     }
 }
@@ -176,11 +176,14 @@ impl Sampler {
                     None => continue,
                 },
             };
-            let Some(ticks) = cpu_ticks(pid) else {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let Some(ticks) = parse_stat_ticks(&stat) else {
                 continue;
             };
             let work = match role {
-                Role::SourceAgent | Role::DestinationAgent => AgentWork::of(pid),
+                Role::SourceAgent | Role::DestinationAgent => AgentWork::of(pid, &stat),
                 Role::SourceQemu | Role::DestinationQemu => AgentWork::default(),
             };
             let now = Reading { ticks, work };
@@ -250,12 +253,6 @@ fn role_of(pid: u32, vm: &str, agent_configs: &[(String, Role)], first: bool) ->
         .map(|(_, role)| *role)
 }
 
-/// User and system clock ticks of every thread of `pid` so far.
-fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    parse_stat_ticks(&stat)
-}
-
 /// utime + stime from a `/proc/<pid>/stat` line (fields 14 and 15).
 fn parse_stat_ticks(stat: &str) -> Option<u64> {
     Some(parse_stat_field(stat, 14)? + parse_stat_field(stat, 15)?)
@@ -269,9 +266,9 @@ fn parse_stat_field(stat: &str, n: usize) -> Option<u64> {
     rest.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
 }
 
-/// A `name: value` line of `/proc/<pid>/io`.
-fn parse_io_field(io: &str, name: &str) -> Option<u64> {
-    io.lines()
+/// The number on a `name: value` line, as `/proc/<pid>/io` and `/proc/<pid>/status` have.
+fn parse_named_field(text: &str, name: &str) -> Option<u64> {
+    text.lines()
         .find_map(|l| l.strip_prefix(name))?
         .trim()
         .parse()
@@ -285,20 +282,10 @@ fn voluntary_switches(pid: u32) -> Option<u64> {
     for task in tasks.flatten() {
         // A thread that ended since the directory was listed has nothing more to count.
         if let Ok(status) = std::fs::read_to_string(task.path().join("status")) {
-            total += parse_voluntary_switches(&status).unwrap_or(0);
+            total += parse_named_field(&status, "voluntary_ctxt_switches:").unwrap_or(0);
         }
     }
     Some(total)
-}
-
-/// The `voluntary_ctxt_switches` line of a `/proc/<pid>/task/<tid>/status`.
-fn parse_voluntary_switches(status: &str) -> Option<u64> {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
-        .trim()
-        .parse()
-        .ok()
 }
 
 fn ticks_per_second() -> f64 {
@@ -324,6 +311,11 @@ mod tests {
         assert_eq!(parse_stat_ticks("garbage"), None);
     }
 
+    /// User and system clock ticks of every thread of `pid` so far.
+    fn cpu_ticks(pid: u32) -> Option<u64> {
+        parse_stat_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    }
+
     #[test]
     fn this_process_has_spent_some_cpu() {
         let pid = std::process::id();
@@ -341,16 +333,17 @@ mod tests {
     fn voluntary_switches_are_read_from_their_line() {
         let status =
             "Name:\tferry\nvoluntary_ctxt_switches:\t1234\nnonvoluntary_ctxt_switches:\t56\n";
-        assert_eq!(parse_voluntary_switches(status), Some(1234));
-        assert_eq!(parse_voluntary_switches("Name:\tferry\n"), None);
+        let name = "voluntary_ctxt_switches:";
+        assert_eq!(parse_named_field(status, name), Some(1234));
+        assert_eq!(parse_named_field("Name:\tferry\n", name), None);
     }
 
     #[test]
     fn system_calls_are_read_from_their_lines() {
         let io = "rchar: 10\nwchar: 20\nsyscr: 7\nsyscw: 3\nread_bytes: 0\n";
-        assert_eq!(parse_io_field(io, "syscr:"), Some(7));
-        assert_eq!(parse_io_field(io, "syscw:"), Some(3));
-        assert_eq!(parse_io_field(io, "cancelled_write_bytes:"), None);
+        assert_eq!(parse_named_field(io, "syscr:"), Some(7));
+        assert_eq!(parse_named_field(io, "syscw:"), Some(3));
+        assert_eq!(parse_named_field(io, "cancelled_write_bytes:"), None);
     }
 
     #[test]
