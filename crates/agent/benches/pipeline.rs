@@ -2,7 +2,9 @@
 //! codec, zstd) and the destination's (zstd, page codec, digest, load sieve), on one thread
 //! each but for the digest's spans, hashed on a helper thread as in agents on hosts of 4 cores
 //! or more; and the digest alone. What is left out is the transport (TLS, sockets), which
-//! `ferry bench` measures with the rest.
+//! `ferry bench` measures with the rest. Then the same codec in shards (the parallel
+//! pipeline's, issue 19), still on one thread: its bytes and CPU per S, and the serial stage
+//! it cannot spread.
 //!
 //! The stream is a real QEMU 10 stream (`crates/qemu/tests/streams/running`: the setup, its
 //! passes over the guest's memory and the device state) whose pages, and seven in eight of its
@@ -17,6 +19,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ferry_agent::engine::digest::{StreamDigest, TreeDigest};
 use ferry_agent::engine::known_zero::ZeroPages;
 use ferry_agent::engine::load_sieve::LoadSieve;
+use ferry_agent::engine::pipeline::{Dispatcher, Route, ShardedDecoder, ShardedEncoder};
 use ferry_agent::engine::stream_codec::{StreamDecoder, StreamEncoder, HISTORY_CAP};
 use ferry_api::agent::CodecSettings;
 use ferry_qemu::stream::{flag, Item, RamData, StreamParser, PAGE_SIZE};
@@ -129,6 +132,107 @@ fn source(stream: &[u8]) -> Vec<u8> {
     out.to_vec()
 }
 
+/// The source's codec in `shards` shards, all on this thread (no digest): the cost of the
+/// sharding in bytes (returned: the channel, and the order units' bytes) and in CPU.
+fn sharded_source(stream: &[u8], shards: usize) -> (Vec<u8>, u64) {
+    let mut encoder = ShardedEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT, shards);
+    let mut parser = StreamParser::new();
+    let mut input = BytesMut::with_capacity(2 * READ);
+    let mut out = BytesMut::new();
+    for read in stream.chunks(READ) {
+        input.extend_from_slice(read);
+        while let Some((item, bytes)) = parser
+            .next_item_with_bytes(&mut input)
+            .expect("a whole stream")
+        {
+            encoder.push(&item, &bytes, &mut out);
+            if encoder.is_full() {
+                encoder.flush(&mut out);
+            }
+        }
+        encoder.flush(&mut out);
+    }
+    (out.to_vec(), encoder.order_bytes())
+}
+
+fn sharded_destination(channel: &[u8], shards: usize) -> usize {
+    let mut decoder = ShardedDecoder::new(CodecSettings::ALL, HISTORY_CAP, shards);
+    let mut out = BytesMut::new();
+    let mut fed = 0;
+    for frame in channel.chunks(FRAME) {
+        decoder.feed(frame, &mut out).expect("a whole channel");
+        fed += out.len();
+        out.clear();
+    }
+    fed
+}
+
+/// The source's serial stage alone, the bound on what shards on other cores can gain: parse,
+/// route, and copy each shard's bytes out (as into a worker's job).
+fn serial_stage(stream: &[u8], shards: usize) -> usize {
+    let mut dispatcher = Dispatcher::new(shards, true);
+    let mut parser = StreamParser::new();
+    let mut input = BytesMut::with_capacity(2 * READ);
+    let mut jobs: Vec<Vec<u8>> = vec![Vec::with_capacity(READ); shards];
+    let mut out = BytesMut::new();
+    let mut copied = 0;
+    for read in stream.chunks(READ) {
+        input.extend_from_slice(read);
+        while let Some((item, bytes)) = parser
+            .next_item_with_bytes(&mut input)
+            .expect("a whole stream")
+        {
+            match dispatcher.route(&item, &bytes) {
+                Route::Serial => {}
+                Route::Page {
+                    shard,
+                    header,
+                    page,
+                    ..
+                } => {
+                    jobs[shard].extend_from_slice(header);
+                    jobs[shard].extend_from_slice(page);
+                }
+                Route::Opaque { shard, bytes } => jobs[shard].extend_from_slice(bytes),
+            }
+        }
+        for job in &mut jobs {
+            copied += job.len();
+            job.clear();
+        }
+        dispatcher.close_round(&mut out);
+        out.clear();
+    }
+    copied
+}
+
+/// The sharded codec on one thread, S in 1, 2, 4, 8: bytes out (printed), CPU per QEMU byte
+/// at each end, and the serial stage alone.
+fn sharded(c: &mut Criterion, stream: &[u8], unsharded: usize) {
+    let mut g = c.benchmark_group("sharded");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(stream.len() as u64));
+    for shards in [1, 2, 4, 8] {
+        let (channel, order) = sharded_source(stream, shards);
+        assert_eq!(sharded_destination(&channel, shards), stream.len());
+        eprintln!(
+            "sharded/{shards}: {} bytes out ({order} of order units), {:.4}x the unsharded {unsharded}",
+            channel.len(),
+            channel.len() as f64 / unsharded as f64
+        );
+        g.bench_function(format!("source/{shards}"), |b| {
+            b.iter(|| sharded_source(stream, shards).0.len())
+        });
+        g.bench_function(format!("destination/{shards}"), |b| {
+            b.iter(|| sharded_destination(&channel, shards))
+        });
+        g.bench_function(format!("serial/{shards}"), |b| {
+            b.iter(|| serial_stage(stream, shards))
+        });
+    }
+    g.finish();
+}
+
 /// The destination agent's work: the stream channel's bytes in, QEMU's bytes out (their
 /// length returned).
 fn destination(channel: &[u8]) -> usize {
@@ -186,6 +290,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("source", |b| b.iter(|| source(&stream).len()));
     g.bench_function("destination", |b| b.iter(|| destination(&channel)));
     g.finish();
+    sharded(c, &stream, channel.len());
     digests(c, &stream);
 }
 

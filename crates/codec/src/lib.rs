@@ -11,6 +11,7 @@
 //!   by QEMU's dirty bitmaps, so the rest goes as SAME without the receiver reading its copy.
 //! - [`seed`]: pages the other side already holds in an earlier image, indexed by content
 //!   there, sent as references to that image.
+//! - [`shard`]: which shard of a parallel codec a page belongs to.
 //!
 //! Every technique can be switched off on its own ([`Options`]) for ablations. Both ends must
 //! use the same options; the decoder checks everything it is given and fails with a
@@ -24,7 +25,8 @@ pub mod disk_since;
 pub mod page;
 pub mod rle;
 pub mod seed;
-mod varint;
+pub mod shard;
+pub mod varint;
 
 pub use batch::{
     compress_batch, decompress_batch, AdaptiveCompressor, BatchCompressor, BatchDecompressor,

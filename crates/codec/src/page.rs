@@ -18,6 +18,8 @@
 //! the blocks that missed the cache are inserted, in order; after any record the page becomes
 //! the key's version in the history (a zero page is forgotten instead).
 
+use std::sync::Arc;
+
 use crate::dictionary::{BlockCache, BlockHasher, PageHistory, Slot};
 use crate::seed::{SeedImage, SeedIndex};
 use crate::{rle, varint, CodecError, Options, BLOCK_SIZE, PAGE_SIZE};
@@ -139,7 +141,7 @@ pub struct Encoder {
     dict: Dictionary,
     stats: PageStats,
     /// What the receiver's seed image holds, if it gave an index.
-    seed: Option<SeedIndex>,
+    seed: Option<Arc<SeedIndex>>,
 }
 
 impl Encoder {
@@ -158,8 +160,9 @@ impl Encoder {
 
     /// From now on, pages whose content the receiver's seed image holds go as references to
     /// it (the receiver's [`Decoder::set_seed`] must have the image the index was made from).
-    pub fn set_seed(&mut self, index: SeedIndex) {
-        self.seed = Some(index);
+    /// The index may be shared by several encoders (the shards of one stream).
+    pub fn set_seed(&mut self, index: impl Into<Arc<SeedIndex>>) {
+        self.seed = Some(index.into());
     }
 
     pub fn stats(&self) -> &PageStats {

@@ -16,6 +16,8 @@
 //! different pages with the same hash are out of practical reach; the stream's end-to-end
 //! digest (the agents compare SHA-256 of QEMU's bytes) would still catch one.
 
+use std::sync::Arc;
+
 use rustc_hash::FxHashMap;
 
 use crate::page::is_zero;
@@ -100,9 +102,10 @@ impl SeedIndex {
 
 /// The receiver's image, whole pages; a reference names one of them. Any byte container will
 /// do (a vector, a file mapped into memory); it must not change while the decoder uses it.
-#[derive(Default)]
+/// Clones share the bytes (the shards of one stream each hold one).
+#[derive(Default, Clone)]
 pub struct SeedImage {
-    bytes: Option<Box<dyn AsRef<[u8]> + Send + Sync>>,
+    bytes: Option<Arc<dyn AsRef<[u8]> + Send + Sync>>,
 }
 
 impl std::fmt::Debug for SeedImage {
@@ -114,7 +117,7 @@ impl std::fmt::Debug for SeedImage {
 impl SeedImage {
     pub fn new(bytes: impl AsRef<[u8]> + Send + Sync + 'static) -> SeedImage {
         SeedImage {
-            bytes: Some(Box::new(bytes)),
+            bytes: Some(Arc::new(bytes)),
         }
     }
 

@@ -12,7 +12,8 @@
 //! - [`load_sieve`]: the stream as the destination QEMU gets it: no-op zero pages left out,
 //!   weighed by QEMU's work.
 //! - [`page_ledger`]: the pages the destination has yet to consume (QEMU's work ahead of it).
-//! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back.
+//! - [`stream_codec`]: QEMU's stream as codec records on the WAN, and back; [`pipeline`]: the
+//!   same cut into shards that can run in parallel, and QEMU's order rebuilt from them.
 //! - [`seed_store`]: memory images of VMs that left, kept for their return, and their index.
 //! - [`switchover`]: QEMU's downtime-limit that makes the real pause fit the target.
 //! - [`disk`]: disks: the mirror's NBD target, the transmit buffer, the destination's applier.
@@ -40,6 +41,7 @@ pub mod load_sieve;
 pub mod monitor_dir;
 pub mod monitor_keeper;
 pub mod page_ledger;
+pub mod pipeline;
 pub mod postcopy;
 pub mod postcopy_recovery;
 pub mod preempt;

@@ -24,10 +24,12 @@
 //! QEMU already made them small.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
+use ferry_codec::shard::shard_of;
 use ferry_codec::{
     AdaptiveCompressor, BatchDecompressor, Compressed, Decoder, Encoder, Options, PageKind,
     SeedImage, SeedIndex,
@@ -48,12 +50,12 @@ pub const BATCH_BYTES: usize = 1 << 20;
 pub const BATCH_QEMU_BYTES: usize = 16 << 20;
 /// The most records a batch holds: the encoder closes it at [`BATCH_BYTES`], after the item
 /// that reached it (a page record, or at most an item of QEMU's stream with its header).
-const MAX_BATCH_RECORDS: usize = BATCH_BYTES + ferry_qemu::stream::MAX_ITEM_BYTES + 64;
+pub(crate) const MAX_BATCH_RECORDS: usize = BATCH_BYTES + ferry_qemu::stream::MAX_ITEM_BYTES + 64;
 /// The largest length prefix a decoder accepts (a batch plus its header; incompressible
 /// records are stored, a few bytes longer).
-const MAX_FRAMED: usize = MAX_BATCH_RECORDS + 16;
+pub(crate) const MAX_FRAMED: usize = MAX_BATCH_RECORDS + 16;
 /// The most QEMU bytes one batch decodes to.
-const MAX_BATCH_DECODED: usize = BATCH_QEMU_BYTES + ferry_qemu::stream::MAX_ITEM_BYTES;
+pub(crate) const MAX_BATCH_DECODED: usize = BATCH_QEMU_BYTES + ferry_qemu::stream::MAX_ITEM_BYTES;
 /// Page index bits in a codec key; the block number sits above them.
 const BLOCK_SHIFT: u32 = 40;
 
@@ -141,19 +143,27 @@ impl ResendCost {
     }
 
     fn estimate(&self) -> Option<f64> {
-        (self.qemu >= Self::MIN_QEMU_BYTES).then(|| self.wire / self.qemu)
+        resend_estimate(self.qemu, self.wire)
     }
+}
+
+/// The resend cost from decayed sums of resent pages' QEMU bytes and wire bytes (one
+/// encoder's, or several shards' added up); `None` while too few were resent.
+pub(crate) fn resend_estimate(qemu: f64, wire: f64) -> Option<f64> {
+    (qemu >= ResendCost::MIN_QEMU_BYTES).then(|| wire / qemu)
 }
 
 /// Numbers RAM blocks by first appearance and remembers which one `CONTINUE` records mean.
 #[derive(Debug, Default)]
-struct BlockNumbers {
+pub(crate) struct BlockNumbers {
     numbers: HashMap<Bytes, u64>,
     current: Option<u64>,
 }
 
 impl BlockNumbers {
-    fn key(&mut self, block: Option<&Bytes>, offset: u64) -> Option<u64> {
+    /// The key of the page at `offset` of `block` (`None`: the block QEMU continues), or
+    /// `None` before any block was named.
+    pub(crate) fn key(&mut self, block: Option<&Bytes>, offset: u64) -> Option<u64> {
         if let Some(name) = block {
             let next = self.numbers.len() as u64;
             self.current = Some(*self.numbers.entry(name.clone()).or_insert(next));
@@ -165,10 +175,105 @@ impl BlockNumbers {
 /// The source's half: items in, framed batches out.
 #[derive(Debug)]
 pub struct StreamEncoder {
+    batches: BatchEncoder,
+    blocks: BlockNumbers,
+}
+
+impl StreamEncoder {
+    pub fn new(settings: CodecSettings, history_bytes: u64, link_rate_mbit: f64) -> StreamEncoder {
+        StreamEncoder {
+            batches: BatchEncoder::new(settings, options(settings, history_bytes), link_rate_mbit),
+            blocks: BlockNumbers::default(),
+        }
+    }
+
+    /// Pages the destination's seed image holds go as references to it from now on.
+    pub fn set_seed(&mut self, index: SeedIndex, offer: SeedReport) {
+        self.batches.set_seed(Arc::new(index), offer);
+    }
+
+    /// Adds one parsed item; `qemu` is the item's bytes as QEMU wrote them (what both ends
+    /// hash).
+    pub fn push(&mut self, item: &Item, qemu: &[u8]) {
+        self.batches.took(qemu.len());
+        if let Item::Ram(record) = item {
+            if let RamData::Page(_) = record.data {
+                if let Some(key) = self.blocks.key(record.block.as_ref(), record.offset) {
+                    let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
+                    self.batches.push_page(key, Some(header), page);
+                    return;
+                }
+            } else if let Some(name) = &record.block {
+                // Markers and zero pages can name the block that later pages continue.
+                self.blocks.key(Some(name), record.offset);
+            }
+        }
+        self.batches.push_opaque(qemu);
+    }
+
+    /// Adds one parsed item of a multifd channel; `qemu` is the item's bytes as QEMU wrote
+    /// them (what both ends hash).
+    pub fn push_channel(&mut self, item: &multifd::Item, qemu: &[u8]) {
+        self.batches.took(qemu.len());
+        let multifd::Item::Ram(packet) = item else {
+            self.batches.push_opaque(qemu);
+            return;
+        };
+        let multifd::Payload::Pages(pages) = &packet.payload else {
+            self.batches.push_opaque(qemu);
+            return;
+        };
+        self.batches.push_opaque(&packet.header);
+        for (&offset, page) in packet.normal.iter().zip(pages) {
+            let key = self
+                .blocks
+                .key(Some(&packet.block), offset)
+                .expect("a named block has a number");
+            self.batches.push_page(key, None, page);
+        }
+    }
+
+    /// Adds one item of a multifd channel as QEMU's bytes, its pages not coded (the test
+    /// hook's altered packet: the pages would be coded from the item as parsed).
+    pub fn push_channel_as_is(&mut self, qemu: &[u8]) {
+        self.batches.took(qemu.len());
+        self.batches.push_opaque(qemu);
+    }
+
+    /// Bytes of records waiting in the open batch.
+    pub fn pending(&self) -> usize {
+        self.batches.pending()
+    }
+
+    /// Whether the open batch should be closed now: it holds [`BATCH_BYTES`] of records or
+    /// [`BATCH_QEMU_BYTES`] of QEMU's stream.
+    pub fn is_full(&self) -> bool {
+        self.batches.is_full()
+    }
+
+    /// Closes the open batch (if any) and appends it, framed, to `out`.
+    pub fn flush(&mut self, out: &mut BytesMut) {
+        if let Some(batch) = self.batches.close(4) {
+            out.put_u32_le(u32::try_from(batch.len()).expect("batches are far below 4 GiB"));
+            out.extend_from_slice(batch);
+        }
+    }
+
+    /// What the codec did so far.
+    pub fn report(&self) -> CodecReport {
+        self.batches.report()
+    }
+}
+
+/// One sequence of batches: pages coded against one page history and block cache, records
+/// gathered into batches, each batch zstd-compressed on its own. The stream's encoder is one;
+/// each shard of the parallel codec ([`crate::engine::pipeline`]) is another. Callers frame
+/// the batches.
+#[derive(Debug)]
+pub(crate) struct BatchEncoder {
     pages: Encoder,
     /// zstd at the level the link, the CPU and the pages call for.
     zstd: AdaptiveCompressor,
-    blocks: BlockNumbers,
     /// Records of the batch being built.
     records: Vec<u8>,
     /// The closed batch, kept from batch to batch.
@@ -182,12 +287,17 @@ pub struct StreamEncoder {
     report: CodecReport,
 }
 
-impl StreamEncoder {
-    pub fn new(settings: CodecSettings, history_bytes: u64, link_rate_mbit: f64) -> StreamEncoder {
-        StreamEncoder {
-            pages: Encoder::new(options(settings, history_bytes)),
+impl BatchEncoder {
+    /// `link_rate_mbit` is the share of the link these batches get (what zstd must keep up
+    /// with).
+    pub(crate) fn new(
+        settings: CodecSettings,
+        options: Options,
+        link_rate_mbit: f64,
+    ) -> BatchEncoder {
+        BatchEncoder {
+            pages: Encoder::new(options),
             zstd: zstd_for_link(settings, link_rate_mbit),
-            blocks: BlockNumbers::default(),
             records: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             batch: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             open_opaque: None,
@@ -201,64 +311,19 @@ impl StreamEncoder {
         }
     }
 
-    /// Pages the destination's seed image holds go as references to it from now on.
-    pub fn set_seed(&mut self, index: SeedIndex, offer: SeedReport) {
+    pub(crate) fn set_seed(&mut self, index: Arc<SeedIndex>, offer: SeedReport) {
         self.pages.set_seed(index);
         self.report.seed = Some(offer);
     }
 
-    /// Adds one parsed item; `qemu` is the item's bytes as QEMU wrote them (what both ends
-    /// hash).
-    pub fn push(&mut self, item: &Item, qemu: &[u8]) {
-        self.report.bytes_in += qemu.len() as u64;
-        self.batch_qemu += qemu.len();
-        if let Item::Ram(record) = item {
-            if let RamData::Page(_) = record.data {
-                if let Some(key) = self.blocks.key(record.block.as_ref(), record.offset) {
-                    let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
-                    self.push_page(key, Some(header), page);
-                    return;
-                }
-            } else if let Some(name) = &record.block {
-                // Markers and zero pages can name the block that later pages continue.
-                self.blocks.key(Some(name), record.offset);
-            }
-        }
-        self.push_opaque(qemu);
+    /// Counts `qemu_bytes` of QEMU's stream taken into the open batch (an item's, once,
+    /// whatever records it becomes).
+    pub(crate) fn took(&mut self, qemu_bytes: usize) {
+        self.report.bytes_in += qemu_bytes as u64;
+        self.batch_qemu += qemu_bytes;
     }
 
-    /// Adds one parsed item of a multifd channel; `qemu` is the item's bytes as QEMU wrote
-    /// them (what both ends hash).
-    pub fn push_channel(&mut self, item: &multifd::Item, qemu: &[u8]) {
-        self.report.bytes_in += qemu.len() as u64;
-        self.batch_qemu += qemu.len();
-        let multifd::Item::Ram(packet) = item else {
-            self.push_opaque(qemu);
-            return;
-        };
-        let multifd::Payload::Pages(pages) = &packet.payload else {
-            self.push_opaque(qemu);
-            return;
-        };
-        self.push_opaque(&packet.header);
-        for (&offset, page) in packet.normal.iter().zip(pages) {
-            let key = self
-                .blocks
-                .key(Some(&packet.block), offset)
-                .expect("a named block has a number");
-            self.push_page(key, None, page);
-        }
-    }
-
-    /// Adds one item of a multifd channel as QEMU's bytes, its pages not coded (the test
-    /// hook's altered packet: the pages would be coded from the item as parsed).
-    pub fn push_channel_as_is(&mut self, qemu: &[u8]) {
-        self.report.bytes_in += qemu.len() as u64;
-        self.batch_qemu += qemu.len();
-        self.push_opaque(qemu);
-    }
-
-    fn push_opaque(&mut self, bytes: &[u8]) {
+    pub(crate) fn push_opaque(&mut self, bytes: &[u8]) {
         let at = match self.open_opaque {
             Some(at) => at,
             None => {
@@ -277,7 +342,7 @@ impl StreamEncoder {
 
     /// A page record: with QEMU's record header (the main stream), or without (a multifd
     /// packet's page, its header already sent).
-    fn push_page(&mut self, key: u64, header: Option<&[u8]>, page: &[u8]) {
+    pub(crate) fn push_page(&mut self, key: u64, header: Option<&[u8]>, page: &[u8]) {
         self.open_opaque = None;
         let start = self.records.len();
         match header {
@@ -297,21 +362,19 @@ impl StreamEncoder {
         }
     }
 
-    /// Bytes of records waiting in the open batch.
-    pub fn pending(&self) -> usize {
+    pub(crate) fn pending(&self) -> usize {
         self.records.len()
     }
 
-    /// Whether the open batch should be closed now: it holds [`BATCH_BYTES`] of records or
-    /// [`BATCH_QEMU_BYTES`] of QEMU's stream.
-    pub fn is_full(&self) -> bool {
+    pub(crate) fn is_full(&self) -> bool {
         self.records.len() >= BATCH_BYTES || self.batch_qemu >= BATCH_QEMU_BYTES
     }
 
-    /// Closes the open batch (if any) and appends it, framed, to `out`.
-    pub fn flush(&mut self, out: &mut BytesMut) {
+    /// Closes the open batch and returns it compressed (`None`: nothing was open);
+    /// `framing` is what the caller adds in front of it on the wire.
+    pub(crate) fn close(&mut self, framing: usize) -> Option<&[u8]> {
         if self.records.is_empty() {
-            return;
+            return None;
         }
         self.batch.clear();
         let compressed = self.zstd.compress(&self.records, &mut self.batch);
@@ -322,24 +385,23 @@ impl StreamEncoder {
             compressed,
             self.records.len(),
         );
-        out.extend_from_slice(
-            &u32::try_from(batch_len)
-                .expect("batches are far below 4 GiB")
-                .to_le_bytes(),
-        );
-        out.extend_from_slice(&self.batch);
         self.resend
-            .close_batch((4 + batch_len) as f64 / self.records.len() as f64);
+            .close_batch((framing + batch_len) as f64 / self.records.len() as f64);
         self.report.resend_cost = self.resend.estimate();
-        self.report.bytes_out += 4 + batch_len as u64;
+        self.report.bytes_out += (framing + batch_len) as u64;
         self.report.zstd_level = level;
         self.records.clear();
         self.batch_qemu = 0;
         self.open_opaque = None;
+        Some(&self.batch)
     }
 
-    /// What the codec did so far.
-    pub fn report(&self) -> CodecReport {
+    /// The resend cost's decayed sums: (QEMU bytes, wire bytes).
+    pub(crate) fn resend_sums(&self) -> (f64, f64) {
+        (self.resend.qemu, self.resend.wire)
+    }
+
+    pub(crate) fn report(&self) -> CodecReport {
         let s = self.pages.stats();
         CodecReport {
             pages: s.pages,
@@ -396,25 +458,21 @@ pub fn count_level(
 /// The destination's half: framed batches in (cut anywhere), QEMU's bytes out.
 #[derive(Debug)]
 pub struct StreamDecoder {
-    pages: Decoder,
-    batches: BatchDecompressor,
+    batches: BatchDecoder,
     input: BytesMut,
-    page: Box<[u8; PAGE_SIZE]>,
 }
 
 impl StreamDecoder {
     pub fn new(settings: CodecSettings, history_bytes: u64) -> StreamDecoder {
         StreamDecoder {
-            pages: Decoder::new(options(settings, history_bytes)),
-            batches: BatchDecompressor::new(MAX_BATCH_RECORDS),
+            batches: BatchDecoder::new(options(settings, history_bytes), None),
             input: BytesMut::new(),
-            page: Box::new([0; PAGE_SIZE]),
         }
     }
 
     /// The seed image whose index the source was given.
     pub fn set_seed(&mut self, image: SeedImage) {
-        self.pages.set_seed(image);
+        self.batches.set_seed(image);
     }
 
     /// Takes the next bytes of the channel and appends the QEMU bytes of every batch they
@@ -432,8 +490,7 @@ impl StreamDecoder {
             }
             self.input.advance(4);
             let batch = self.input.split_to(len);
-            let records = self.batches.decompress(&batch).context("codec batch")?;
-            decode_records(&mut self.pages, &mut self.page, records, out)?;
+            self.batches.decode(&batch, out)?;
         }
         Ok(())
     }
@@ -444,11 +501,43 @@ impl StreamDecoder {
     }
 }
 
+/// The other end of a [`BatchEncoder`]: whole batches in, QEMU's bytes out.
+#[derive(Debug)]
+pub(crate) struct BatchDecoder {
+    pages: Decoder,
+    batches: BatchDecompressor,
+    page: Box<[u8; PAGE_SIZE]>,
+    /// `(shard, shards)` when these batches are one shard's: every page must be the shard's.
+    shard: Option<(usize, usize)>,
+}
+
+impl BatchDecoder {
+    pub(crate) fn new(options: Options, shard: Option<(usize, usize)>) -> BatchDecoder {
+        BatchDecoder {
+            pages: Decoder::new(options),
+            batches: BatchDecompressor::new(MAX_BATCH_RECORDS),
+            page: Box::new([0; PAGE_SIZE]),
+            shard,
+        }
+    }
+
+    pub(crate) fn set_seed(&mut self, image: SeedImage) {
+        self.pages.set_seed(image);
+    }
+
+    /// Appends QEMU's bytes for one whole `batch` to `out`.
+    pub(crate) fn decode(&mut self, batch: &[u8], out: &mut BytesMut) -> Result<()> {
+        let records = self.batches.decompress(batch).context("codec batch")?;
+        decode_records(&mut self.pages, &mut self.page, self.shard, records, out)
+    }
+}
+
 /// Appends QEMU's bytes for one batch's `records` to `out`, decoding pages through `pages`
 /// into `page`.
 fn decode_records(
     pages: &mut Decoder,
     page: &mut [u8; PAGE_SIZE],
+    shard: Option<(usize, usize)>,
     mut records: &[u8],
     out: &mut BytesMut,
 ) -> Result<()> {
@@ -483,10 +572,17 @@ fn decode_records(
                 if key & ((1 << BLOCK_SHIFT) - 1) != index {
                     bail!("page record for key {key:#x} under a header for page {index:#x}");
                 }
+                if let Some((shard, shards)) = shard {
+                    let owner = shard_of(key, shards);
+                    ensure!(
+                        owner == shard,
+                        "page {key:#x} of shard {owner} arrived in shard {shard}'s batch"
+                    );
+                }
                 out.extend_from_slice(header);
                 out.extend_from_slice(&page[..]);
             }
-            CHANNEL_PAGE => {
+            CHANNEL_PAGE if shard.is_none() => {
                 grow(PAGE_SIZE)?;
                 pages.decode(&mut records, page).context("page record")?;
                 out.extend_from_slice(&page[..]);

@@ -1,0 +1,84 @@
+//! The stream channel's codec cut into shards that can run in parallel (issue 19;
+//! docs/plans/parallel-pipeline.md). Pages are spread over S shards by
+//! [`ferry_codec::shard::shard_of`], each coded by a [`ShardEncoder`] with its own page
+//! history, block cache and zstd context; everything else of QEMU's stream, and the order in
+//! which the shards' outputs make up QEMU's bytes, goes in order units from the
+//! [`Dispatcher`]. At the destination each shard's units go to its [`ShardDecoder`] and the
+//! [`Splicer`] rebuilds QEMU's stream byte for byte from the order units.
+//!
+//! On the channel (bytes, cut into frames anywhere):
+//!
+//! ```text
+//! channel := unit*
+//! unit    := le32 len, u8 lane, u8 flags, body    len counts lane, flags and body
+//! lane 0  : an order unit; body = a ferry_codec batch of
+//!           varint n, run * n, serial bytes       run := varint(bytes << 5 | lane)
+//! lane s  : (1..=S) a batch of shard s-1, as crate::engine::stream_codec's records
+//! flags   : 0 (other values are refused)
+//! ```
+//!
+//! A run says "the next `bytes` of QEMU's stream come from `lane`'s decoded output" (lane 0:
+//! the next bytes of this order unit's serial part). Runs count QEMU's bytes, not records, so
+//! the order does not depend on how a shard merges records or cuts its batches.
+//!
+//! The encoder works in **rounds**: every shard unit of round k goes out before order unit
+//! k, and nothing of round k+1 before it. So no unit of a later round is needed to rebuild
+//! an earlier one, and at the end of each order unit every shard's decoded output has been
+//! placed (the decoder checks that it has).
+//!
+//! What goes where: whole RAM pages to their page's shard as page records; QEMU's own zero
+//! pages and XBZRLE pages (they name a page too) to that page's shard as QEMU's bytes, so a
+//! pass's runs stay long; the rest (headers, sections, markers, commands, device state) to
+//! the order unit's serial part.
+//!
+//! Here everything runs on the calling thread ([`ShardedEncoder`], [`ShardedDecoder`]); the
+//! parts are separate so that shards can be given threads of their own.
+
+mod dispatcher;
+mod shard;
+mod sharded;
+mod splicer;
+
+pub use dispatcher::{Dispatcher, Route};
+pub use shard::{ShardDecoder, ShardEncoder};
+pub use sharded::{ShardedDecoder, ShardedEncoder};
+pub use splicer::Splicer;
+
+use bytes::{BufMut, BytesMut};
+use ferry_api::agent::CodecSettings;
+use ferry_codec::Options;
+
+use crate::engine::stream_codec::{options, MAX_FRAMED};
+
+/// The order units' lane.
+pub const ORDER_LANE: u8 = 0;
+/// A unit's bytes before its body: its length, its lane, its flags.
+pub const UNIT_HEADER: usize = 6;
+/// The largest unit length a decoder accepts (a batch and its header, lane and flags).
+pub const MAX_UNIT: usize = MAX_FRAMED + 2;
+/// Bits of a run's lane.
+const LANE_BITS: u32 = 5;
+
+/// The codec's options for one of `shards` shards: the stream's page history and block cache
+/// shared out, so the total memory is the single encoder's.
+pub fn shard_options(settings: CodecSettings, history_bytes: u64, shards: usize) -> Options {
+    let whole = options(settings, history_bytes);
+    Options {
+        history_bytes: whole.history_bytes / shards,
+        cache_bytes: whole.cache_bytes / shards,
+        ..whole
+    }
+}
+
+/// Appends one unit to `out`.
+fn put_unit(out: &mut BytesMut, lane: u8, body: &[u8]) {
+    let len = u32::try_from(body.len() + 2).expect("units are far below 4 GiB");
+    out.reserve(UNIT_HEADER + body.len());
+    out.put_u32_le(len);
+    out.put_u8(lane);
+    out.put_u8(0);
+    out.extend_from_slice(body);
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,203 @@
+//! The sharded codec on the calling thread: the dispatcher and every shard at the source,
+//! every shard and the splicer at the destination.
+
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use bytes::{Buf, BytesMut};
+use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
+use ferry_codec::{SeedImage, SeedIndex};
+use ferry_qemu::stream::Item;
+
+use super::{
+    Dispatcher, Route, ShardDecoder, ShardEncoder, Splicer, MAX_UNIT, ORDER_LANE, UNIT_HEADER,
+};
+use crate::engine::stream_codec::resend_estimate;
+
+/// The source's half: items in, units out, rounds closed where the caller flushes.
+#[derive(Debug)]
+pub struct ShardedEncoder {
+    dispatcher: Dispatcher,
+    shards: Vec<ShardEncoder>,
+}
+
+impl ShardedEncoder {
+    pub fn new(
+        settings: CodecSettings,
+        history_bytes: u64,
+        link_rate_mbit: f64,
+        shards: usize,
+    ) -> ShardedEncoder {
+        ShardedEncoder {
+            dispatcher: Dispatcher::new(shards, settings.zstd),
+            shards: (0..shards)
+                .map(|s| ShardEncoder::new(settings, history_bytes, link_rate_mbit, s, shards))
+                .collect(),
+        }
+    }
+
+    /// Pages the destination's seed image holds go as references to it from now on.
+    pub fn set_seed(&mut self, index: SeedIndex, offer: SeedReport) {
+        let index = Arc::new(index);
+        for shard in &mut self.shards {
+            shard.set_seed(index.clone(), offer.clone());
+        }
+    }
+
+    /// Adds one parsed item; a shard whose batch fills appends its unit to `out`.
+    pub fn push(&mut self, item: &Item, qemu: &[u8], out: &mut BytesMut) {
+        let shard = match self.dispatcher.route(item, qemu) {
+            Route::Serial => return,
+            Route::Page {
+                shard,
+                key,
+                header,
+                page,
+            } => {
+                self.shards[shard].push_page(key, header, page);
+                shard
+            }
+            Route::Opaque { shard, bytes } => {
+                self.shards[shard].push_opaque(bytes);
+                shard
+            }
+        };
+        if self.shards[shard].is_full() {
+            self.shards[shard].flush(out);
+        }
+    }
+
+    /// Whether the round should be closed now.
+    pub fn is_full(&self) -> bool {
+        self.dispatcher.round_is_full()
+    }
+
+    /// Closes the round: every shard's open batch, then the order unit.
+    pub fn flush(&mut self, out: &mut BytesMut) {
+        for shard in &mut self.shards {
+            shard.flush(out);
+        }
+        self.dispatcher.close_round(out);
+    }
+
+    /// Bytes of order units so far.
+    pub fn order_bytes(&self) -> u64 {
+        self.dispatcher.order_bytes()
+    }
+
+    /// What the codec did so far, over all shards; the order units count in `bytes_out`.
+    pub fn report(&self) -> CodecReport {
+        let mut sum = self.shards[0].report();
+        for shard in &self.shards[1..] {
+            add_report(&mut sum, shard.report());
+        }
+        // The shards counted their own input; the serial part went to the order units.
+        sum.bytes_in = self.dispatcher.bytes_in();
+        sum.bytes_out += self.dispatcher.order_bytes();
+        let (qemu, wire) = self
+            .shards
+            .iter()
+            .map(ShardEncoder::resend_sums)
+            .fold((0.0, 0.0), |(q, w), (sq, sw)| (q + sq, w + sw));
+        sum.resend_cost = resend_estimate(qemu, wire);
+        sum
+    }
+}
+
+/// Adds one shard's counts into `sum`.
+fn add_report(sum: &mut CodecReport, r: CodecReport) {
+    sum.bytes_in += r.bytes_in;
+    sum.bytes_out += r.bytes_out;
+    sum.pages += r.pages;
+    sum.raw += r.raw;
+    sum.zero += r.zero;
+    sum.unchanged += r.unchanged;
+    sum.delta += r.delta;
+    sum.blocks += r.blocks;
+    sum.block_hits += r.block_hits;
+    sum.seeded += r.seeded;
+    for level in r.zstd_levels {
+        add_level(&mut sum.zstd_levels, level);
+    }
+}
+
+fn add_level(levels: &mut Vec<ZstdLevelReport>, level: ZstdLevelReport) {
+    match levels.iter_mut().find(|l| l.level == level.level) {
+        Some(l) => {
+            l.batches += level.batches;
+            l.bytes_in += level.bytes_in;
+            l.bytes_out += level.bytes_out;
+            l.seconds += level.seconds;
+        }
+        None => levels.push(level),
+    }
+}
+
+/// The destination's half: units in (cut anywhere), QEMU's bytes out.
+#[derive(Debug)]
+pub struct ShardedDecoder {
+    shards: Vec<ShardDecoder>,
+    splicer: Splicer,
+    input: BytesMut,
+}
+
+impl ShardedDecoder {
+    pub fn new(settings: CodecSettings, history_bytes: u64, shards: usize) -> ShardedDecoder {
+        ShardedDecoder {
+            shards: (0..shards)
+                .map(|s| ShardDecoder::new(settings, history_bytes, s, shards))
+                .collect(),
+            splicer: Splicer::new(shards),
+            input: BytesMut::new(),
+        }
+    }
+
+    /// The seed image whose index the source was given.
+    pub fn set_seed(&mut self, image: SeedImage) {
+        for shard in &mut self.shards {
+            shard.set_seed(image.clone());
+        }
+    }
+
+    /// Takes the next bytes of the channel and appends the QEMU bytes of every round they
+    /// complete to `out`.
+    pub fn feed(&mut self, bytes: &[u8], out: &mut BytesMut) -> Result<()> {
+        self.input.extend_from_slice(bytes);
+        while self.input.len() >= UNIT_HEADER {
+            let len = u32::from_le_bytes(self.input[..4].try_into().expect("4 bytes")) as usize;
+            ensure!(
+                (2..=MAX_UNIT).contains(&len),
+                "codec unit of {len} bytes announced, outside 2..={MAX_UNIT}"
+            );
+            if self.input.len() < 4 + len {
+                break;
+            }
+            let (lane, flags) = (self.input[4], self.input[5]);
+            ensure!(flags == 0, "codec unit with unknown flags {flags:#04x}");
+            self.input.advance(UNIT_HEADER);
+            let body = self.input.split_to(len - 2);
+            if lane == ORDER_LANE {
+                self.splicer.splice(&body, out)?;
+                continue;
+            }
+            let shard = usize::from(lane - 1);
+            let Some(decoder) = self.shards.get_mut(shard) else {
+                bail!(
+                    "codec unit for lane {lane}, beyond the stream's {} shards",
+                    self.shards.len()
+                );
+            };
+            decoder
+                .decode(&body, self.splicer.lane(shard))
+                .with_context(|| format!("shard {shard}"))?;
+            self.splicer.check_held()?;
+        }
+        Ok(())
+    }
+
+    /// Whether every byte fed so far was decoded and placed (nothing waits for the rest of a
+    /// unit or for a round's order unit).
+    pub fn is_idle(&self) -> bool {
+        self.input.is_empty() && self.splicer.held() == 0
+    }
+}

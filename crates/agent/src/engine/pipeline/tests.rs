@@ -1,0 +1,371 @@
+//! The sharded codec against captured QEMU streams, synthetic streams and damaged input.
+
+use bytes::{Bytes, BytesMut};
+use ferry_api::agent::{CodecReport, CodecSettings};
+use ferry_codec::shard::{shard_of, MAX_SHARDS};
+use ferry_qemu::stream::{flag, Item, RamData, RamRecord, StreamParser, PAGE_SIZE};
+use proptest::prelude::*;
+
+use super::dispatcher::order_unit;
+use super::{put_unit, ShardEncoder, ShardedDecoder, ShardedEncoder};
+use crate::engine::stream_codec::{MAX_BATCH_DECODED, MAX_FRAMED};
+
+const STREAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../qemu/tests/streams");
+const HISTORY: u64 = 64 << 20;
+
+/// Every captured main stream, the postcopy one included (not the streams of a resumed
+/// postcopy: they travel raw, and start mid-stream).
+fn captured() -> Vec<(String, Vec<u8>)> {
+    let mut streams = Vec::new();
+    for dir in [STREAMS.to_string(), format!("{STREAMS}/postcopy")] {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let resumed = path.to_string_lossy().contains("resumed.");
+            if path.extension().is_some_and(|x| x == "zst") && !resumed {
+                let bytes = zstd::decode_all(std::fs::File::open(&path).unwrap()).unwrap();
+                streams.push((path.display().to_string(), bytes));
+            }
+        }
+    }
+    streams.sort();
+    assert!(streams.len() >= 3, "captured streams: {}", streams.len());
+    streams
+}
+
+/// Parses `stream`, encodes it in `shards` shards closing a round every `round_items` items
+/// (and wherever the encoder is full), decodes the channel cut into `cut`-byte pieces.
+fn round_trip(
+    stream: &[u8],
+    settings: CodecSettings,
+    shards: usize,
+    round_items: usize,
+    cut: usize,
+) -> (Vec<u8>, CodecReport, u64) {
+    let mut parser = StreamParser::new();
+    let mut input = BytesMut::from(stream);
+    let mut enc = ShardedEncoder::new(settings, HISTORY, 1000.0, shards);
+    let (mut wire, mut qemu) = (BytesMut::new(), BytesMut::new());
+    let mut items = 0;
+    while let Some(item) = parser.next_item(&mut input).unwrap() {
+        qemu.clear();
+        item.encode(&mut qemu);
+        enc.push(&item, &qemu, &mut wire);
+        items += 1;
+        if enc.is_full() || items % round_items == 0 {
+            enc.flush(&mut wire);
+        }
+    }
+    parser.finish(input.len()).unwrap();
+    enc.flush(&mut wire);
+    let report = enc.report();
+    assert_eq!(report.bytes_out, wire.len() as u64, "bytes out miscounted");
+    let mut dec = ShardedDecoder::new(settings, HISTORY, shards);
+    let mut out = BytesMut::new();
+    for piece in wire.chunks(cut) {
+        dec.feed(piece, &mut out).unwrap();
+    }
+    assert!(dec.is_idle());
+    (out.to_vec(), report, enc.order_bytes())
+}
+
+fn every_mix() -> Vec<CodecSettings> {
+    (0..16u8)
+        .map(|m| CodecSettings {
+            zero: m & 1 != 0,
+            dedup: m & 2 != 0,
+            delta: m & 4 != 0,
+            zstd: m & 8 != 0,
+            seed: false,
+        })
+        .collect()
+}
+
+#[test]
+fn captured_streams_come_back_byte_for_byte_in_any_number_of_shards() {
+    let mixes = every_mix();
+    for (name, stream) in captured() {
+        for shards in [1, 2, 3, 8, 16] {
+            for (i, &settings) in mixes.iter().enumerate() {
+                // Rounds of a few items to hundreds, cut anywhere.
+                let round_items = 7 + i * 61;
+                let (out, report, order) =
+                    round_trip(&stream, settings, shards, round_items, 1 + i * 997);
+                assert!(
+                    out == stream,
+                    "{name}: {settings} in {shards} shards changed it"
+                );
+                assert_eq!(report.bytes_in, stream.len() as u64, "{name}");
+                assert!(report.pages > 0 && order > 0, "{name}");
+            }
+        }
+    }
+}
+
+/// What the sharding costs on the captured streams: the order units, and the block-cache
+/// hits lost between shards. The captured guests are tiny (about 120 whole pages, the rest
+/// QEMU's zero pages), and most of their block-cache hits are between stripes, so sharding
+/// costs them up to a third more bytes (dedup hits 145 in one shard, 62 in two); the codec
+/// bench measures typical memory. Bounded here so that a change costing much more shows.
+#[test]
+fn shards_cost_a_few_percent_on_captured_streams() {
+    for (name, stream) in captured() {
+        let bytes = |shards| {
+            let (_, report, order) = round_trip(&stream, CodecSettings::ALL, shards, 256, 4096);
+            (report.bytes_out, order)
+        };
+        let (one, _) = bytes(1);
+        for shards in [2, 4, 16] {
+            let (n, order) = bytes(shards);
+            eprintln!("{name}: {shards} shards: {n} bytes ({order} of order units) vs {one}");
+            assert!(
+                n as f64 <= one as f64 * 1.4,
+                "{name}: {shards} shards sent {n} bytes against {one} in one"
+            );
+        }
+    }
+}
+
+/// One RAM record of block "pc.ram" (named, or continued) at page `index`.
+fn record(index: u64, named: bool, flags: u64, data: RamData) -> Item {
+    Item::Ram(RamRecord {
+        offset: index * PAGE_SIZE as u64,
+        flags: if named { flags } else { flags | flag::CONTINUE },
+        block: named.then(|| Bytes::from_static(b"pc.ram")),
+        data,
+    })
+}
+
+/// A page whose content is `kind`: zero, a repeated byte, or noise.
+fn content(kind: u8, seed: u64) -> Bytes {
+    match kind {
+        0 => Bytes::from(vec![0u8; PAGE_SIZE]),
+        1 => Bytes::from(vec![seed.to_le_bytes()[0]; PAGE_SIZE]),
+        _ => {
+            let mut x = seed.wrapping_mul(2) | 1;
+            Bytes::from(
+                (0..PAGE_SIZE)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        x.to_le_bytes()[0]
+                    })
+                    .collect::<Vec<u8>>(),
+            )
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Page {
+        index: u64,
+        kind: u8,
+        seed: u64,
+        named: bool,
+    },
+    Zero {
+        index: u64,
+        named: bool,
+    },
+    Marker,
+    Opaque(Vec<u8>),
+    Round,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => (0..512u64, 0..3u8, 0..8u64, any::<bool>())
+            .prop_map(|(index, kind, seed, named)| Step::Page { index, kind, seed, named }),
+        2 => (0..512u64, any::<bool>()).prop_map(|(index, named)| Step::Zero { index, named }),
+        1 => Just(Step::Marker),
+        1 => proptest::collection::vec(any::<u8>(), 1..64).prop_map(Step::Opaque),
+        1 => Just(Step::Round),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Any mix of pages (rewritten, moved between contents, in any order), QEMU's zero pages,
+    /// markers and opaque bytes, in any number of shards and rounds, comes back byte for byte.
+    #[test]
+    fn any_stream_comes_back_in_any_number_of_shards(
+        steps in proptest::collection::vec(step(), 1..300),
+        shards in 1..=MAX_SHARDS,
+        mix in 0..16usize,
+        cut in 1..5000usize,
+    ) {
+        let settings = every_mix()[mix];
+        let mut enc = ShardedEncoder::new(settings, HISTORY, 1000.0, shards);
+        let (mut wire, mut stream, mut qemu) = (BytesMut::new(), Vec::new(), BytesMut::new());
+        // The first record names the block, as QEMU's does.
+        let first = record(0, true, flag::ZERO, RamData::Fill(0));
+        let items = std::iter::once(Some(first)).chain(steps.into_iter().map(|s| match s {
+            Step::Page { index, kind, seed, named } => Some(record(
+                index, named, flag::PAGE, RamData::Page(content(kind, seed)),
+            )),
+            Step::Zero { index, named } => Some(record(index, named, flag::ZERO, RamData::Fill(0))),
+            Step::Marker => Some(Item::Ram(RamRecord {
+                offset: 0, flags: flag::EOS, block: None, data: RamData::None,
+            })),
+            Step::Opaque(bytes) => Some(Item::Opaque(Bytes::from(bytes))),
+            Step::Round => None,
+        }));
+        for item in items {
+            let Some(item) = item else {
+                enc.flush(&mut wire);
+                continue;
+            };
+            qemu.clear();
+            item.encode(&mut qemu);
+            stream.extend_from_slice(&qemu);
+            enc.push(&item, &qemu, &mut wire);
+        }
+        enc.flush(&mut wire);
+        let mut dec = ShardedDecoder::new(settings, HISTORY, shards);
+        let mut out = BytesMut::new();
+        for piece in wire.chunks(cut) {
+            dec.feed(piece, &mut out).unwrap();
+        }
+        prop_assert!(dec.is_idle());
+        prop_assert!(out[..] == stream[..], "{} shards, {} changed the stream", shards, settings);
+    }
+}
+
+/// The key of page `index` of the first block.
+fn page_key(index: u64) -> u64 {
+    index
+}
+
+/// A page record of shard `shard`'s lane: QEMU's header for page `index`, then the page.
+fn shard_unit(shard: usize, shards: usize, index: u64, out: &mut BytesMut) {
+    let item = record(index, true, flag::PAGE, RamData::Page(content(2, index)));
+    let mut qemu = BytesMut::new();
+    item.encode(&mut qemu);
+    let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
+    let mut enc = ShardEncoder::new(CodecSettings::ALL, HISTORY, 1000.0, shard, shards);
+    enc.push_page(page_key(index), header, page);
+    enc.flush(out);
+}
+
+fn decode_error(shards: usize, wire: &[u8]) -> String {
+    let mut out = BytesMut::new();
+    let err = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards)
+        .feed(wire, &mut out)
+        .expect_err("damaged input was decoded");
+    format!("{err:#}")
+}
+
+#[test]
+fn damaged_units_are_errors() {
+    // A unit longer than any encoder makes, or too short to hold its lane and flags.
+    let mut wire = BytesMut::new();
+    wire.extend_from_slice(&u32::try_from(MAX_FRAMED + 3).unwrap().to_le_bytes());
+    wire.extend_from_slice(&[0, 0]);
+    assert!(decode_error(2, &wire).contains("announced, outside 2..="));
+    assert!(decode_error(2, &[1, 0, 0, 0, 0, 0]).contains("announced, outside 2..="));
+    // Unknown flags.
+    assert!(decode_error(2, &[2, 0, 0, 0, 1, 0x80]).contains("unknown flags 0x80"));
+    // A lane beyond the stream's shards.
+    let mut wire = BytesMut::new();
+    put_unit(&mut wire, 3, &[0, 0]);
+    assert!(decode_error(2, &wire).contains("lane 3, beyond the stream's 2 shards"));
+}
+
+#[test]
+fn a_page_in_another_shards_batch_is_an_error() {
+    let shards = 4;
+    let index = (0..).find(|&i| shard_of(page_key(i), shards) == 2).unwrap();
+    // Page `index` belongs to shard 2; send it as shard 1's.
+    let mut wire = BytesMut::new();
+    shard_unit(1, shards, index, &mut wire);
+    let err = decode_error(shards, &wire);
+    assert!(
+        err.contains("of shard 2 arrived in shard 1's batch"),
+        "{err}"
+    );
+}
+
+#[test]
+fn order_units_that_do_not_match_their_round_are_errors() {
+    let shards = 2;
+    let index = (0..).find(|&i| shard_of(page_key(i), shards) == 1).unwrap();
+    let mut unit = BytesMut::new();
+    shard_unit(1, shards, index, &mut unit);
+    let decoded = 8 + 1 + 6 + PAGE_SIZE as u64; // header word, name, page
+    let with_order = |runs: &[(u8, u64)], serial: &[u8]| {
+        let mut wire = unit.clone();
+        order_unit(runs, serial, &mut wire);
+        wire
+    };
+    // Placing more than the shard decoded, or less.
+    let err = decode_error(shards, &with_order(&[(2, decoded + 1)], b""));
+    assert!(err.contains("which decoded 4111 in its round"), "{err}");
+    let err = decode_error(shards, &with_order(&[(2, decoded - 1)], b""));
+    assert!(
+        err.contains("shard 1 decoded 1 bytes its round's order unit did not place"),
+        "{err}"
+    );
+    // Serial bytes beyond what the unit holds, or left over.
+    let err = decode_error(shards, &with_order(&[(2, decoded), (0, 5)], b"abc"));
+    assert!(
+        err.contains("places 5 serial bytes where it holds 3"),
+        "{err}"
+    );
+    let err = decode_error(shards, &with_order(&[(2, decoded), (0, 2)], b"abc"));
+    assert!(
+        err.contains("holds 1 serial bytes it does not place"),
+        "{err}"
+    );
+    // A lane the stream does not have.
+    let err = decode_error(shards, &with_order(&[(2, decoded), (3, 1)], b""));
+    assert!(
+        err.contains("names lane 3, beyond the stream's 2 shards"),
+        "{err}"
+    );
+    // The right order: the page and three serial bytes.
+    let mut out = BytesMut::new();
+    let mut dec = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards);
+    dec.feed(
+        &with_order(&[(0, 1), (2, decoded), (0, 2)], b"abc"),
+        &mut out,
+    )
+    .unwrap();
+    assert!(dec.is_idle());
+    assert_eq!(out.len() as u64, decoded + 3);
+    assert_eq!((&out[..1], &out[out.len() - 2..]), (&b"a"[..], &b"bc"[..]));
+}
+
+/// Shard units with no order unit placing their bytes: the destination holds at most a
+/// round's worth, then fails.
+#[test]
+fn shard_units_without_order_units_are_refused_past_a_round() {
+    let shards = 1;
+    let zero = content(0, 0);
+    let mut enc = ShardEncoder::new(CodecSettings::ALL, HISTORY, 1000.0, 0, shards);
+    let mut dec = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards);
+    let mut out = BytesMut::new();
+    let mut pushed = 0usize;
+    for index in 0.. {
+        let item = record(index, index == 0, flag::PAGE, RamData::Page(zero.clone()));
+        let mut qemu = BytesMut::new();
+        item.encode(&mut qemu);
+        let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
+        enc.push_page(page_key(index), header, page);
+        pushed += qemu.len();
+        if enc.is_full() {
+            let mut wire = BytesMut::new();
+            enc.flush(&mut wire);
+            if let Err(err) = dec.feed(&wire, &mut out) {
+                assert!(
+                    format!("{err:#}").contains("without an order unit placing them"),
+                    "{err:#}"
+                );
+                assert!(pushed > shards * MAX_BATCH_DECODED);
+                return;
+            }
+        }
+        assert!(pushed < 4 * MAX_BATCH_DECODED, "never refused");
+    }
+}
