@@ -206,12 +206,53 @@ fn serial_stage(stream: &[u8], shards: usize) -> usize {
     copied
 }
 
-/// The sharded codec on one thread, S in 1, 2, 4, 8: bytes out (printed), CPU per QEMU byte
-/// at each end, and the serial stage alone.
+/// The single encoder alone (no digest), as [`sharded_source`] runs the shards: its baseline.
+fn single_source(stream: &[u8]) -> Vec<u8> {
+    let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
+    let mut parser = StreamParser::new();
+    let mut input = BytesMut::with_capacity(2 * READ);
+    let mut out = BytesMut::new();
+    for read in stream.chunks(READ) {
+        input.extend_from_slice(read);
+        while let Some((item, bytes)) = parser
+            .next_item_with_bytes(&mut input)
+            .expect("a whole stream")
+        {
+            encoder.push(&item, &bytes);
+            if encoder.is_full() {
+                encoder.flush(&mut out);
+            }
+        }
+        encoder.flush(&mut out);
+    }
+    out.to_vec()
+}
+
+/// The single decoder alone (no digest, no sieve), as [`sharded_destination`].
+fn single_destination(channel: &[u8]) -> usize {
+    let mut decoder = StreamDecoder::new(CodecSettings::ALL, HISTORY_CAP);
+    let mut out = BytesMut::new();
+    let mut fed = 0;
+    for frame in channel.chunks(FRAME) {
+        decoder.feed(frame, &mut out).expect("a whole channel");
+        fed += out.len();
+        out.clear();
+    }
+    fed
+}
+
+/// The sharded codec on one thread, S in 1, 2, 4, 8, beside the single encoder and decoder
+/// doing the same work: bytes out (printed), CPU per QEMU byte at each end, and the serial
+/// stage alone.
 fn sharded(c: &mut Criterion, stream: &[u8], unsharded: usize) {
     let mut g = c.benchmark_group("sharded");
     g.sample_size(10);
     g.throughput(Throughput::Bytes(stream.len() as u64));
+    let channel = single_source(stream);
+    g.bench_function("source/single", |b| b.iter(|| single_source(stream).len()));
+    g.bench_function("destination/single", |b| {
+        b.iter(|| single_destination(&channel))
+    });
     for shards in [1, 2, 4, 8] {
         let (channel, order) = sharded_source(stream, shards);
         assert_eq!(sharded_destination(&channel, shards), stream.len());

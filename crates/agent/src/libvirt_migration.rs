@@ -45,6 +45,8 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         // libvirt's disk copy has no hook of ferry's inside it.
         (s.test_corrupt_disk_at.is_some(), "test_corrupt_disk_at"),
         (s.test_disk_stall_ms.is_some(), "test_disk_stall_ms"),
+        // The tunnels' streams keep the single encoder's batches (engine::tunnel_stream).
+        (s.test_shards.is_some(), "test_shards"),
     ];
     if let Some((_, what)) = unsupported.iter().find(|(set, _)| *set) {
         return Err(Refusal::NotWithLibvirt(what.to_string()));

@@ -84,6 +84,10 @@ pub struct MigrationSettings {
     /// without progress (instead of 10 s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_disk_stall_ms: Option<u64>,
+    /// Test hook: code the stream channel in this many shards (1 to [`MAX_TEST_SHARDS`])
+    /// instead of the number the agent chooses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_shards: Option<u32>,
 }
 
 impl Default for MigrationSettings {
@@ -123,6 +127,7 @@ impl Default for MigrationSettings {
             test_corrupt_at: None,
             test_corrupt_disk_at: None,
             test_disk_stall_ms: None,
+            test_shards: None,
         }
     }
 }
@@ -146,6 +151,8 @@ pub enum SettingsError {
     PostcopyAtThrottle(u8),
     #[error("postcopy at a throttle needs the throttle (auto-converge): drop --no-converge")]
     PostcopyAtThrottleWithoutConverge,
+    #[error("test shards {0} is out of range; use 1 to {MAX_TEST_SHARDS}")]
+    TestShards(u32),
 }
 
 /// The most TCP connections one migration opens (each has its own socket buffers and state).
@@ -154,6 +161,8 @@ pub const MAX_CONNECTIONS: u32 = 64;
 pub const MAX_DOWNTIME_MS: u64 = 60_000;
 /// 4 GiB of the source's memory for guest writes in flight.
 pub const MAX_DISK_BUFFER_MIB: u64 = 4096;
+/// The most shards the stream channel's codec is cut into (`ferry_codec::shard::MAX_SHARDS`).
+pub const MAX_TEST_SHARDS: u32 = 16;
 
 impl MigrationSettings {
     /// Checks every bound; called before any side effect.
@@ -186,6 +195,12 @@ impl MigrationSettings {
             if !self.converge {
                 return Err(SettingsError::PostcopyAtThrottleWithoutConverge);
             }
+        }
+        if let Some(shards) = self
+            .test_shards
+            .filter(|s| !(1..=MAX_TEST_SHARDS).contains(s))
+        {
+            return Err(SettingsError::TestShards(shards));
         }
         Ok(())
     }

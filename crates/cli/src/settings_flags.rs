@@ -23,6 +23,9 @@ pub struct SettingsFlags {
     /// hashed it, to show that the digest check stops the migration.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
+    /// Test hook (ferry): code the stream channel in this many shards (1 to 16).
+    #[arg(long, hide = true)]
+    pub test_shards: Option<u32>,
     /// Test hook (ferry): flip one bit of the disks' data at this byte offset, after the
     /// source hashed it, to show that the destination's acknowledgement stops the migration.
     #[arg(long, hide = true)]
@@ -131,6 +134,7 @@ impl SettingsFlags {
             test_corrupt_at: self.test_corrupt_at,
             test_corrupt_disk_at: self.test_corrupt_disk_at,
             test_disk_stall_ms: self.test_disk_stall_ms,
+            test_shards: self.test_shards,
         };
         s.validate()?;
         Ok(s)

@@ -117,7 +117,9 @@ pub struct ImageShape {
 /// copy it holds; a version-14 source would take the index's announcement for a stray message).
 /// 16: `NeedLayers` (a destination asks for the backing layers it lacks; a version-15 source
 /// would take it for a wrong answer to `Prepare`).
-pub const CONTROL_VERSION: u32 = 16;
+/// 17: `Prepare.shards`: the stream channel's codec in units of shard lanes and order units
+/// ([`crate::engine::pipeline`]; a version-16 destination would read them as batches).
+pub const CONTROL_VERSION: u32 = 17;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -168,6 +170,10 @@ pub enum Control {
         /// The codec's page history at each end (both must be the same size).
         #[serde(default)]
         history_bytes: u64,
+        /// With the codec on: how many shards the stream channel is coded in
+        /// ([`crate::engine::pipeline`]), 1 to 16.
+        #[serde(default)]
+        shards: u32,
         /// With seeding on: whose earlier image to index (none: the VM's own).
         #[serde(default)]
         seed_from: Option<String>,
@@ -545,6 +551,7 @@ mod tests {
             postcopy: false,
             codec: CodecSettings::ALL,
             history_bytes: 0,
+            shards: 1,
             seed_from: None,
             disks: Vec::new(),
         };

@@ -34,13 +34,15 @@ use crate::engine::launcher;
 use crate::engine::load_sieve::LoadSieve;
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::monitor_keeper;
+use crate::engine::pipeline::ShardedDecoder;
 use crate::engine::postcopy::{self, PackageGate};
 use crate::engine::postcopy_recovery::{self, HeldMonitors};
 use crate::engine::preempt;
 use crate::engine::seed_store;
 use crate::engine::source::RemoveOnDrop;
 use crate::engine::status::now_ms;
-use crate::engine::stream_codec::{self, StreamDecoder};
+use crate::engine::stream_codec;
+use ferry_codec::shard::MAX_SHARDS;
 
 /// The source's word, past the postcopy switch, that its QEMU exited with the pages the VM
 /// here still lacked.
@@ -193,6 +195,7 @@ async fn serve(
         postcopy,
         codec,
         history_bytes,
+        shards,
         seed_from,
         disks,
     } = prepare
@@ -202,6 +205,10 @@ async fn serve(
     let wan_timeout = Duration::from_secs(wan_timeout_s);
     if postcopy && !disks.is_empty() {
         bail!("postcopy with disks is not supported");
+    }
+    let shards = usize::try_from(shards).unwrap_or(usize::MAX);
+    if codec.any() && !(1..=MAX_SHARDS).contains(&shards) {
+        bail!("the source codes the stream in {shards} shards; this agent takes 1 to {MAX_SHARDS}");
     }
     if history_bytes > stream_codec::HISTORY_CAP {
         bail!(
@@ -435,7 +442,7 @@ async fn serve(
     }
     let mut decoder = codec
         .any()
-        .then(|| StreamDecoder::new(codec, history_bytes));
+        .then(|| ShardedDecoder::new(codec, history_bytes, shards));
     if let Some(seed) = seed {
         tracing::info!(
             "session {}: offering seed image {:?} ({} pages, a {}-byte index, {} ms to index)",

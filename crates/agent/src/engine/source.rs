@@ -38,13 +38,14 @@ use crate::engine::disk::mirror::{
 };
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
+use crate::engine::pipeline::ShardedEncoder;
 use crate::engine::postcopy;
 use crate::engine::postcopy_recovery;
 use crate::engine::preempt;
 use crate::engine::recovery::{self, PeerLink};
 use crate::engine::seed_store;
 use crate::engine::status::{now_ms, Events, Shared};
-use crate::engine::stream_codec::{self, StreamEncoder};
+use crate::engine::stream_codec;
 use crate::engine::switchover;
 
 /// What the pump reads from QEMU's socket at a time, at least.
@@ -139,6 +140,9 @@ async fn migrate(
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
     let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
     let history_bytes = stream_codec::history_bytes(ram_bytes);
+    // One shard until the shards have threads of their own: on one thread more shards only
+    // cost bytes (docs/plans/parallel-pipeline.md, step 3's measurements).
+    let shards = req.settings.test_shards.map_or(1, |s| s as usize);
     let (mut disk_plans, layer_files) = if req.disks.is_empty() {
         (Vec::new(), Vec::new())
     } else {
@@ -272,6 +276,7 @@ async fn migrate(
                 postcopy: req.settings.postcopy_possible(),
                 codec: req.settings.codec,
                 history_bytes,
+                shards: u32::try_from(shards).expect("at most 16"),
                 seed_from: req.settings.seed_from.clone(),
                 disks: disk_plans.clone(),
             },
@@ -337,7 +342,7 @@ async fn migrate(
         });
         let mut encoder = req.settings.codec.any().then(|| {
             let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
-            StreamEncoder::new(req.settings.codec, history_bytes, link)
+            ShardedEncoder::new(req.settings.codec, history_bytes, link, shards)
         });
         if let (Some(offer), Some(encoder)) = (seed, &mut encoder) {
             status.enter(
@@ -953,7 +958,7 @@ async fn stream(
     session: &Session,
     ctl: &mut mpsc::UnboundedReceiver<Control>,
     work_dir: &Path,
-    mut encoder: Option<StreamEncoder>,
+    mut encoder: Option<ShardedEncoder>,
     ledger: &Mutex<PageLedger>,
     mut destination_work: DestinationWork,
     disks: Option<&mut SourceDisks>,
@@ -1065,12 +1070,15 @@ async fn stream(
                 // Whether everything read so far is now in `out` (the encoder flushed).
                 let flushed = match &mut encoder {
                     Some(encoder) => {
-                        encoder.push(&item, &item_bytes);
+                        // A shard whose batch filled puts its unit in `out` mid-round; the
+                        // round's end puts all that was read there.
+                        let before = out.len();
+                        encoder.push(&item, &item_bytes, &mut out);
                         let full = encoder.is_full();
                         if full {
                             encoder.flush(&mut out);
                         }
-                        batch_closed |= full;
+                        batch_closed |= full || out.len() > before;
                         full
                     }
                     None => {
@@ -1129,7 +1137,7 @@ async fn stream(
             // Every turn that sent: the switchover's steering reads the codec's resend cost
             // from the status, so it is kept as fresh as the stream.
             if sent {
-                let report = encoder.as_ref().map(StreamEncoder::report);
+                let report = encoder.as_ref().map(ShardedEncoder::report);
                 status.update(|s| {
                     s.stream_bytes = total;
                     s.codec = report;

@@ -22,9 +22,13 @@ use fake_qemu::Gates;
 /// Short enough that the tests of a dead peer end quickly.
 const WAN_TIMEOUT_S: u64 = 3;
 
+/// The stream channel in three shards (`engine::pipeline`): every fault below meets a stream
+/// of shard lanes and order units, replayed across reconnects in order. One shard, what the
+/// agents choose today, and sixteen are in the first test.
 fn settings() -> MigrationSettings {
     MigrationSettings {
         wan_timeout_s: WAN_TIMEOUT_S,
+        test_shards: Some(3),
         ..MigrationSettings::default()
     }
 }
@@ -123,13 +127,18 @@ fn assert_source_runs(pair: &Pair, status: &ferry_api::agent::MigrationStatus, m
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_migration_commits_with_every_byte_in_each_codec_and_connection_count() {
-    for (codec, connections) in [(CodecSettings::ALL, 1), (CodecSettings::NONE, 4)] {
+async fn a_migration_commits_with_every_byte_in_each_codec_connection_count_and_shards() {
+    for (codec, connections, shards) in [
+        (CodecSettings::ALL, 1, None),
+        (CodecSettings::NONE, 4, None),
+        (CodecSettings::ALL, 2, Some(16)),
+    ] {
         let pair = Pair::up(Gates::default(), Gates::default());
         let id = pair
             .migrate(MigrationSettings {
                 codec,
                 connections,
+                test_shards: shards,
                 ..settings()
             })
             .await;

@@ -135,12 +135,12 @@ impl Dispatcher {
         self.run_count += 1;
     }
 
-    /// Whether the round should be closed now: it carries `shards` batches' worth of QEMU's
-    /// bytes, or its order unit holds a batch's worth of records (so a round decodes to a
-    /// bounded amount at the destination, and an order unit fits a batch).
+    /// Whether the round should be closed now: it carries a batch's worth of QEMU's bytes,
+    /// whatever the number of shards (what the destination holds until the order unit comes
+    /// is what one batch of the single encoder decodes to), or its order unit holds a batch's
+    /// worth of records (so that it fits a batch).
     pub fn round_is_full(&self) -> bool {
-        self.round_qemu >= self.shards * BATCH_QEMU_BYTES
-            || self.runs.len() + self.serial.len() >= BATCH_BYTES
+        self.round_qemu >= BATCH_QEMU_BYTES || self.runs.len() + self.serial.len() >= BATCH_BYTES
     }
 
     /// QEMU's bytes routed since the round began.

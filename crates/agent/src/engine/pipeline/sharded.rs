@@ -44,8 +44,11 @@ impl ShardedEncoder {
         }
     }
 
-    /// Adds one parsed item; a shard whose batch fills appends its unit to `out`.
+    /// Adds one parsed item; a shard whose batch fills appends its unit to `out`. The caller
+    /// closes the round ([`ShardedEncoder::flush`]) once [`ShardedEncoder::is_full`] says
+    /// so, before the next item: that bounds what a round holds at both ends.
     pub fn push(&mut self, item: &Item, qemu: &[u8], out: &mut BytesMut) {
+        debug_assert!(!self.is_full(), "a full round was not closed");
         let shard = match self.dispatcher.route(item, qemu) {
             Route::Serial => return,
             Route::Page {
@@ -87,9 +90,10 @@ impl ShardedEncoder {
 
     /// What the codec did so far, over all shards; the order units count in `bytes_out`.
     pub fn report(&self) -> CodecReport {
-        let mut sum = self.shards[0].report();
-        for shard in &self.shards[1..] {
-            add_report(&mut sum, shard.report());
+        let mut reports = self.shards.iter().map(ShardEncoder::report);
+        let mut sum = reports.next().expect("one shard at least");
+        for report in reports {
+            add_report(&mut sum, report);
         }
         // The shards counted their own input; the serial part went to the order units.
         sum.bytes_in = self.dispatcher.bytes_in();
@@ -116,6 +120,8 @@ fn add_report(sum: &mut CodecReport, r: CodecReport) {
     sum.blocks += r.blocks;
     sum.block_hits += r.block_hits;
     sum.seeded += r.seeded;
+    // A level some shard's latest batch was compressed at.
+    sum.zstd_level = sum.zstd_level.or(r.zstd_level);
     for level in r.zstd_levels {
         add_level(&mut sum.zstd_levels, level);
     }

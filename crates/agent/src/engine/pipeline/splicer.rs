@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{Buf, BytesMut};
+use ferry_codec::shard::MAX_SHARDS;
 use ferry_codec::{varint, BatchDecompressor};
 
 use super::{LANE_BITS, ORDER_LANE};
@@ -19,6 +20,7 @@ pub struct Splicer {
 
 impl Splicer {
     pub fn new(shards: usize) -> Splicer {
+        assert!((1..=MAX_SHARDS).contains(&shards), "{shards} shards");
         Splicer {
             lanes: (0..shards).map(|_| BytesMut::new()).collect(),
             order: BatchDecompressor::new(MAX_BATCH_RECORDS),
@@ -38,10 +40,9 @@ impl Splicer {
     /// Checks that the decoded bytes held stay within what one round of the encoder makes
     /// (a peer sending shard units without order units cannot make this end hold more).
     pub fn check_held(&self) -> Result<()> {
-        let most = self.lanes.len() * MAX_BATCH_DECODED;
         ensure!(
-            self.held() <= most,
-            "the shards decoded {} bytes without an order unit placing them, more than the {most} of a round",
+            self.held() <= MAX_BATCH_DECODED,
+            "the shards decoded {} bytes without an order unit placing them, more than the {MAX_BATCH_DECODED} of a round",
             self.held()
         );
         Ok(())
