@@ -145,7 +145,7 @@ fn sharded_source(stream: &[u8], shards: usize) -> (Vec<u8>, u64) {
             .next_item_with_bytes(&mut input)
             .expect("a whole stream")
         {
-            encoder.push(&item, &bytes, &mut out);
+            encoder.push(&item, &bytes);
             if encoder.is_full() {
                 encoder.flush(&mut out);
             }

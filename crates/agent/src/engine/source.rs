@@ -1070,15 +1070,12 @@ async fn stream(
                 // Whether everything read so far is now in `out` (the encoder flushed).
                 let flushed = match &mut encoder {
                     Some(encoder) => {
-                        // A shard whose batch filled puts its unit in `out` mid-round; the
-                        // round's end puts all that was read there.
-                        let before = out.len();
-                        encoder.push(&item, &item_bytes, &mut out);
+                        encoder.push(&item, &item_bytes);
                         let full = encoder.is_full();
                         if full {
                             encoder.flush(&mut out);
                         }
-                        batch_closed |= full || out.len() > before;
+                        batch_closed |= full;
                         full
                     }
                     None => {

@@ -14,11 +14,14 @@ use super::{
 };
 use crate::engine::stream_codec::resend_estimate;
 
-/// The source's half: items in, units out, rounds closed where the caller flushes.
+/// The source's half: items in, units out, a round closed where the caller flushes (every
+/// shard's open batch, then the order unit).
 #[derive(Debug)]
 pub struct ShardedEncoder {
     dispatcher: Dispatcher,
     shards: Vec<ShardEncoder>,
+    /// The shard the last item went to has a full batch.
+    shard_full: bool,
 }
 
 impl ShardedEncoder {
@@ -33,6 +36,7 @@ impl ShardedEncoder {
             shards: (0..shards)
                 .map(|s| ShardEncoder::new(settings, history_bytes, link_rate_mbit, s, shards))
                 .collect(),
+            shard_full: false,
         }
     }
 
@@ -44,10 +48,10 @@ impl ShardedEncoder {
         }
     }
 
-    /// Adds one parsed item; a shard whose batch fills appends its unit to `out`. The caller
-    /// closes the round ([`ShardedEncoder::flush`]) once [`ShardedEncoder::is_full`] says
-    /// so, before the next item: that bounds what a round holds at both ends.
-    pub fn push(&mut self, item: &Item, qemu: &[u8], out: &mut BytesMut) {
+    /// Adds one parsed item. The caller closes the round ([`ShardedEncoder::flush`]) once
+    /// [`ShardedEncoder::is_full`] says so, before the next item: that bounds what a round
+    /// holds at both ends.
+    pub fn push(&mut self, item: &Item, qemu: &[u8]) {
         debug_assert!(!self.is_full(), "a full round was not closed");
         let shard = match self.dispatcher.route(item, qemu) {
             Route::Serial => return,
@@ -65,14 +69,15 @@ impl ShardedEncoder {
                 shard
             }
         };
-        if self.shards[shard].is_full() {
-            self.shards[shard].flush(out);
-        }
+        self.shard_full = self.shards[shard].is_full();
     }
 
-    /// Whether the round should be closed now.
+    /// Whether the round should be closed now: the dispatcher's round is full, or a shard's
+    /// batch is. The destination decodes a shard's batch only once its round's order unit is
+    /// there, so a round ends where a batch would: in one shard, QEMU's bytes reach the
+    /// destination as soon as with the single encoder.
     pub fn is_full(&self) -> bool {
-        self.dispatcher.round_is_full()
+        self.shard_full || self.dispatcher.round_is_full()
     }
 
     /// Closes the round: every shard's open batch, then the order unit.
@@ -81,6 +86,7 @@ impl ShardedEncoder {
             shard.flush(out);
         }
         self.dispatcher.close_round(out);
+        self.shard_full = false;
     }
 
     /// Bytes of order units so far.

@@ -49,7 +49,7 @@ fn round_trip(
     while let Some(item) = parser.next_item(&mut input).unwrap() {
         qemu.clear();
         item.encode(&mut qemu);
-        enc.push(&item, &qemu, &mut wire);
+        enc.push(&item, &qemu);
         items += 1;
         if enc.is_full() || items % round_items == 0 {
             enc.flush(&mut wire);
@@ -270,7 +270,10 @@ proptest! {
             qemu.clear();
             item.encode(&mut qemu);
             stream.extend_from_slice(&qemu);
-            enc.push(&item, &qemu, &mut wire);
+            enc.push(&item, &qemu);
+            if enc.is_full() {
+                enc.flush(&mut wire);
+            }
         }
         enc.flush(&mut wire);
         let mut dec = ShardedDecoder::new(settings, HISTORY, shards);
@@ -440,7 +443,10 @@ fn seeded_pages_come_back_from_every_shard() {
         qemu.clear();
         item.encode(&mut qemu);
         stream.extend_from_slice(&qemu);
-        enc.push(&item, &qemu, &mut wire);
+        enc.push(&item, &qemu);
+        if enc.is_full() {
+            enc.flush(&mut wire);
+        }
     }
     enc.flush(&mut wire);
     let report = enc.report();
@@ -455,5 +461,14 @@ fn seeded_pages_come_back_from_every_shard() {
         "{} bytes for {}",
         wire.len(),
         stream.len()
+    );
+}
+
+/// The API's bound on the test hook is the format's.
+#[test]
+fn the_settings_allow_the_shards_the_format_has() {
+    assert_eq!(
+        usize::try_from(ferry_api::settings::MAX_TEST_SHARDS).unwrap(),
+        MAX_SHARDS
     );
 }
