@@ -107,27 +107,57 @@ fn stream() -> Vec<u8> {
     out.to_vec()
 }
 
-/// The source agent's work: QEMU's bytes in, the stream channel's bytes out.
-fn source(stream: &[u8]) -> Vec<u8> {
-    let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
+/// What the source's loop sees of QEMU's stream, read `READ` bytes at a time.
+enum Read<'a> {
+    /// A parsed item, and its bytes as QEMU wrote them.
+    Item(&'a Item, &'a [u8]),
+    /// Everything read so far was parsed: QEMU has nothing more right now.
+    Drained,
+}
+
+/// Reads `stream` as the source agent reads QEMU's socket.
+fn read_stream(stream: &[u8], mut each: impl FnMut(Read<'_>)) {
     let mut parser = StreamParser::new();
-    let mut digest = TreeDigest::with_helpers(1);
     let mut input = BytesMut::with_capacity(2 * READ);
-    let mut out = BytesMut::new();
     for read in stream.chunks(READ) {
         input.extend_from_slice(read);
         while let Some((item, bytes)) = parser
             .next_item_with_bytes(&mut input)
             .expect("a whole stream")
         {
-            digest.update(&bytes);
-            encoder.push(&item, &bytes);
+            each(Read::Item(&item, &bytes));
+        }
+        each(Read::Drained);
+    }
+}
+
+/// Feeds `channel` to `feed` in the WAN's frames; returns the QEMU bytes it gave.
+fn feed_frames(channel: &[u8], mut feed: impl FnMut(&[u8], &mut BytesMut)) -> usize {
+    let mut out = BytesMut::new();
+    let mut fed = 0;
+    for frame in channel.chunks(FRAME) {
+        feed(frame, &mut out);
+        fed += out.len();
+        out.clear();
+    }
+    fed
+}
+
+/// The source agent's work: QEMU's bytes in, the stream channel's bytes out.
+fn source(stream: &[u8]) -> Vec<u8> {
+    let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
+    let mut digest = TreeDigest::with_helpers(1);
+    let mut out = BytesMut::new();
+    read_stream(stream, |read| match read {
+        Read::Item(item, bytes) => {
+            digest.update(bytes);
+            encoder.push(item, bytes);
             if encoder.is_full() {
                 encoder.flush(&mut out);
             }
         }
-        encoder.flush(&mut out);
-    }
+        Read::Drained => encoder.flush(&mut out),
+    });
     digest.hex();
     out.to_vec()
 }
@@ -136,109 +166,81 @@ fn source(stream: &[u8]) -> Vec<u8> {
 /// sharding in bytes (returned: the channel, and the order units' bytes) and in CPU.
 fn sharded_source(stream: &[u8], shards: usize) -> (Vec<u8>, u64) {
     let mut encoder = ShardedEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT, shards);
-    let mut parser = StreamParser::new();
-    let mut input = BytesMut::with_capacity(2 * READ);
     let mut out = BytesMut::new();
-    for read in stream.chunks(READ) {
-        input.extend_from_slice(read);
-        while let Some((item, bytes)) = parser
-            .next_item_with_bytes(&mut input)
-            .expect("a whole stream")
-        {
-            encoder.push(&item, &bytes);
+    read_stream(stream, |read| match read {
+        Read::Item(item, bytes) => {
+            encoder.push(item, bytes);
             if encoder.is_full() {
                 encoder.flush(&mut out);
             }
         }
-        encoder.flush(&mut out);
-    }
+        Read::Drained => encoder.flush(&mut out),
+    });
     (out.to_vec(), encoder.order_bytes())
 }
 
 fn sharded_destination(channel: &[u8], shards: usize) -> usize {
     let mut decoder = ShardedDecoder::new(CodecSettings::ALL, HISTORY_CAP, shards);
-    let mut out = BytesMut::new();
-    let mut fed = 0;
-    for frame in channel.chunks(FRAME) {
-        decoder.feed(frame, &mut out).expect("a whole channel");
-        fed += out.len();
-        out.clear();
-    }
-    fed
+    feed_frames(channel, |frame, out| {
+        decoder.feed(frame, out).expect("a whole channel")
+    })
 }
 
 /// The source's serial stage alone, the bound on what shards on other cores can gain: parse,
 /// route, and copy each shard's bytes out (as into a worker's job).
 fn serial_stage(stream: &[u8], shards: usize) -> usize {
     let mut dispatcher = Dispatcher::new(shards, true);
-    let mut parser = StreamParser::new();
-    let mut input = BytesMut::with_capacity(2 * READ);
     let mut jobs: Vec<Vec<u8>> = vec![Vec::with_capacity(READ); shards];
     let mut out = BytesMut::new();
     let mut copied = 0;
-    for read in stream.chunks(READ) {
-        input.extend_from_slice(read);
-        while let Some((item, bytes)) = parser
-            .next_item_with_bytes(&mut input)
-            .expect("a whole stream")
-        {
-            match dispatcher.route(&item, &bytes) {
-                Route::Serial => {}
-                Route::Page {
-                    shard,
-                    header,
-                    page,
-                    ..
-                } => {
-                    jobs[shard].extend_from_slice(header);
-                    jobs[shard].extend_from_slice(page);
-                }
-                Route::Opaque { shard, bytes } => jobs[shard].extend_from_slice(bytes),
+    read_stream(stream, |read| match read {
+        Read::Item(item, bytes) => match dispatcher.route(item, bytes) {
+            Route::Serial => {}
+            Route::Page {
+                shard,
+                header,
+                page,
+                ..
+            } => {
+                jobs[shard].extend_from_slice(header);
+                jobs[shard].extend_from_slice(page);
             }
+            Route::Opaque { shard, bytes } => jobs[shard].extend_from_slice(bytes),
+        },
+        Read::Drained => {
+            for job in &mut jobs {
+                copied += job.len();
+                job.clear();
+            }
+            dispatcher.close_round(&mut out);
+            out.clear();
         }
-        for job in &mut jobs {
-            copied += job.len();
-            job.clear();
-        }
-        dispatcher.close_round(&mut out);
-        out.clear();
-    }
+    });
     copied
 }
 
 /// The single encoder alone (no digest), as [`sharded_source`] runs the shards: its baseline.
 fn single_source(stream: &[u8]) -> Vec<u8> {
     let mut encoder = StreamEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT);
-    let mut parser = StreamParser::new();
-    let mut input = BytesMut::with_capacity(2 * READ);
     let mut out = BytesMut::new();
-    for read in stream.chunks(READ) {
-        input.extend_from_slice(read);
-        while let Some((item, bytes)) = parser
-            .next_item_with_bytes(&mut input)
-            .expect("a whole stream")
-        {
-            encoder.push(&item, &bytes);
+    read_stream(stream, |read| match read {
+        Read::Item(item, bytes) => {
+            encoder.push(item, bytes);
             if encoder.is_full() {
                 encoder.flush(&mut out);
             }
         }
-        encoder.flush(&mut out);
-    }
+        Read::Drained => encoder.flush(&mut out),
+    });
     out.to_vec()
 }
 
 /// The single decoder alone (no digest, no sieve), as [`sharded_destination`].
 fn single_destination(channel: &[u8]) -> usize {
     let mut decoder = StreamDecoder::new(CodecSettings::ALL, HISTORY_CAP);
-    let mut out = BytesMut::new();
-    let mut fed = 0;
-    for frame in channel.chunks(FRAME) {
-        decoder.feed(frame, &mut out).expect("a whole channel");
-        fed += out.len();
-        out.clear();
-    }
-    fed
+    feed_frames(channel, |frame, out| {
+        decoder.feed(frame, out).expect("a whole channel")
+    })
 }
 
 /// The sharded codec on one thread, S in 1, 2, 4, 8, beside the single encoder and decoder

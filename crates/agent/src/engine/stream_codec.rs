@@ -593,6 +593,21 @@ fn decode_records(
     Ok(())
 }
 
+/// The 16 mixes of the techniques the settings switch (seeding aside): what the round-trip
+/// tests run under.
+#[cfg(test)]
+pub(crate) fn every_settings_mix() -> Vec<CodecSettings> {
+    (0..16u8)
+        .map(|m| CodecSettings {
+            zero: m & 1 != 0,
+            dedup: m & 2 != 0,
+            delta: m & 4 != 0,
+            zstd: m & 8 != 0,
+            seed: false,
+        })
+        .collect()
+}
+
 fn take<'a>(input: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8]> {
     ensure!(input.len() >= n, "codec batch ends inside {what}");
     let (head, rest) = input.split_at(n);
@@ -656,15 +671,7 @@ mod tests {
 
     #[test]
     fn captured_streams_come_back_byte_for_byte() {
-        let all: Vec<CodecSettings> = (0..16u8)
-            .map(|m| CodecSettings {
-                zero: m & 1 != 0,
-                dedup: m & 2 != 0,
-                delta: m & 4 != 0,
-                zstd: m & 8 != 0,
-                seed: false,
-            })
-            .collect();
+        let all = every_settings_mix();
         for stream in captured() {
             for (i, &settings) in all.iter().enumerate() {
                 let (out, report) = round_trip(&stream, settings, 1 + i * 997);

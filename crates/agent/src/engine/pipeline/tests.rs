@@ -8,7 +8,7 @@ use proptest::prelude::*;
 
 use super::dispatcher::order_unit;
 use super::{put_unit, ShardEncoder, ShardedDecoder, ShardedEncoder};
-use crate::engine::stream_codec::{MAX_BATCH_DECODED, MAX_FRAMED};
+use crate::engine::stream_codec::{every_settings_mix, MAX_BATCH_DECODED, MAX_FRAMED};
 
 const STREAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../qemu/tests/streams");
 const HISTORY: u64 = 64 << 20;
@@ -68,21 +68,9 @@ fn round_trip(
     (out.to_vec(), report, enc.order_bytes())
 }
 
-fn every_mix() -> Vec<CodecSettings> {
-    (0..16u8)
-        .map(|m| CodecSettings {
-            zero: m & 1 != 0,
-            dedup: m & 2 != 0,
-            delta: m & 4 != 0,
-            zstd: m & 8 != 0,
-            seed: false,
-        })
-        .collect()
-}
-
 #[test]
 fn captured_streams_come_back_byte_for_byte_in_any_number_of_shards() {
-    let mixes = every_mix();
+    let mixes = every_settings_mix();
     for (name, stream) in captured() {
         for shards in [1, 2, 3, 8, 16] {
             for (i, &settings) in mixes.iter().enumerate() {
@@ -255,24 +243,17 @@ proptest! {
         mix in 0..16usize,
         cut in 1..5000usize,
     ) {
-        let settings = every_mix()[mix];
+        let settings = every_settings_mix()[mix];
         let mut enc = ShardedEncoder::new(settings, HISTORY, 1000.0, shards);
-        let (mut wire, mut stream, mut qemu) = (BytesMut::new(), Vec::new(), BytesMut::new());
+        let (mut wire, mut stream) = (BytesMut::new(), Vec::new());
         // The first record names the block, as QEMU's does.
         let first = record(0, true, flag::ZERO, RamData::Fill(0));
         let mut block = 0;
         let rest: Vec<Option<Item>> = steps.into_iter().map(|s| step_item(s, &mut block)).collect();
         for item in std::iter::once(Some(first)).chain(rest) {
-            let Some(item) = item else {
-                enc.flush(&mut wire);
-                continue;
-            };
-            qemu.clear();
-            item.encode(&mut qemu);
-            stream.extend_from_slice(&qemu);
-            enc.push(&item, &qemu);
-            if enc.is_full() {
-                enc.flush(&mut wire);
+            match item {
+                Some(item) => push(&mut enc, &item, &mut stream, &mut wire),
+                None => enc.flush(&mut wire),
             }
         }
         enc.flush(&mut wire);
@@ -283,6 +264,18 @@ proptest! {
         }
         prop_assert!(dec.is_idle());
         prop_assert!(out[..] == stream[..], "{} shards, {} changed the stream", shards, settings);
+    }
+}
+
+/// Encodes `item` as QEMU would write it onto `stream`, pushes it into `enc`, and closes the
+/// round into `wire` when the encoder is full.
+fn push(enc: &mut ShardedEncoder, item: &Item, stream: &mut Vec<u8>, wire: &mut BytesMut) {
+    let mut qemu = BytesMut::new();
+    item.encode(&mut qemu);
+    stream.extend_from_slice(&qemu);
+    enc.push(item, &qemu);
+    if enc.is_full() {
+        enc.flush(wire);
     }
 }
 
@@ -436,17 +429,11 @@ fn seeded_pages_come_back_from_every_shard() {
         ferry_codec::SeedIndex::parse(&index).unwrap(),
         ferry_api::agent::SeedReport::default(),
     );
-    let (mut wire, mut stream, mut qemu) = (BytesMut::new(), Vec::new(), BytesMut::new());
+    let (mut wire, mut stream) = (BytesMut::new(), Vec::new());
     for (i, page) in (0u64..).zip(&pages) {
         // The image's pages, in other places of memory.
         let item = record(i * 17, i == 0, flag::PAGE, RamData::Page(page.clone()));
-        qemu.clear();
-        item.encode(&mut qemu);
-        stream.extend_from_slice(&qemu);
-        enc.push(&item, &qemu);
-        if enc.is_full() {
-            enc.flush(&mut wire);
-        }
+        push(&mut enc, &item, &mut stream, &mut wire);
     }
     enc.flush(&mut wire);
     let report = enc.report();
