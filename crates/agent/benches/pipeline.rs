@@ -3,8 +3,8 @@
 //! each but for the digest's spans, hashed on a helper thread as in agents on hosts of 4 cores
 //! or more; and the digest alone. What is left out is the transport (TLS, sockets), which
 //! `ferry bench` measures with the rest. Then the same codec in shards (the parallel
-//! pipeline's, issue 19), still on one thread: its bytes and CPU per S, and the serial stage
-//! it cannot spread.
+//! pipeline's, issue 19), on one thread: its bytes and CPU per S, and the serial stage it
+//! cannot spread; and the source's shards on threads, as the agent runs them (wall time).
 //!
 //! The stream is a real QEMU 10 stream (`crates/qemu/tests/streams/running`: the setup, its
 //! passes over the guest's memory and the device state) whose pages, and seven in eight of its
@@ -19,7 +19,9 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ferry_agent::engine::digest::{StreamDigest, TreeDigest};
 use ferry_agent::engine::known_zero::ZeroPages;
 use ferry_agent::engine::load_sieve::LoadSieve;
-use ferry_agent::engine::pipeline::{Dispatcher, Route, ShardedDecoder, ShardedEncoder};
+use ferry_agent::engine::pipeline::{
+    Dispatcher, Route, ShardedDecoder, ShardedEncoder, SourcePipeline,
+};
 use ferry_agent::engine::stream_codec::{StreamDecoder, StreamEncoder, HISTORY_CAP};
 use ferry_api::agent::CodecSettings;
 use ferry_qemu::stream::{flag, Item, RamData, StreamParser, PAGE_SIZE};
@@ -179,6 +181,45 @@ fn sharded_source(stream: &[u8], shards: usize) -> (Vec<u8>, u64) {
     (out.to_vec(), encoder.order_bytes())
 }
 
+/// The source's codec in `shards` shards on `threads` threads, driven as the pump drives it
+/// (a round closed where the pipeline is full and at every drain, coded rounds collected
+/// without waiting, all of them at the end; no digest): wall time, so on more than one core
+/// it shows what the threads gain.
+fn threaded_source(
+    runtime: &tokio::runtime::Runtime,
+    stream: &[u8],
+    shards: usize,
+    threads: usize,
+) -> usize {
+    runtime.block_on(async {
+        let encoder = ShardedEncoder::new(CodecSettings::ALL, HISTORY_CAP, LINK_MBIT, shards);
+        let mut pipeline = SourcePipeline::new(encoder, threads, "bench-codec").expect("threads");
+        let mut out = BytesMut::new();
+        let mut parser = StreamParser::new();
+        let mut input = BytesMut::with_capacity(2 * READ);
+        let mut sent = 0;
+        for read in stream.chunks(READ) {
+            input.extend_from_slice(read);
+            while let Some((item, bytes)) = parser
+                .next_item_with_bytes(&mut input)
+                .expect("a whole stream")
+            {
+                pipeline.push(&item, &bytes).await.expect("coded");
+                if pipeline.is_full() {
+                    pipeline.close_round(&mut out, 0).await.expect("closed");
+                }
+            }
+            pipeline.close_round(&mut out, 0).await.expect("closed");
+            pipeline.collect(&mut out, false).await.expect("collected");
+            // As if sent.
+            sent += out.len();
+            out.clear();
+        }
+        pipeline.collect(&mut out, true).await.expect("collected");
+        sent + out.len()
+    })
+}
+
 fn sharded_destination(channel: &[u8], shards: usize) -> usize {
     let mut decoder = ShardedDecoder::new(CodecSettings::ALL, HISTORY_CAP, shards);
     feed_frames(channel, |frame, out| {
@@ -276,6 +317,28 @@ fn sharded(c: &mut Criterion, stream: &[u8], unsharded: usize) {
     g.finish();
 }
 
+/// The source's shards on threads: wall time per QEMU byte beside one shard on the caller's
+/// thread, and the bytes out.
+fn threaded(c: &mut Criterion, stream: &[u8], unsharded: usize) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime");
+    let mut g = c.benchmark_group("threaded");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(stream.len() as u64));
+    for (shards, threads) in [(1, 0), (2, 1), (2, 2), (4, 2), (4, 4)] {
+        let bytes = threaded_source(&runtime, stream, shards, threads);
+        eprintln!(
+            "threaded/{shards}x{threads}: {bytes} bytes out, {:.4}x the unsharded {unsharded}",
+            bytes as f64 / unsharded as f64
+        );
+        g.bench_function(format!("source/{shards}x{threads}"), |b| {
+            b.iter(|| threaded_source(&runtime, stream, shards, threads))
+        });
+    }
+    g.finish();
+}
+
 /// The destination agent's work: the stream channel's bytes in, QEMU's bytes out (their
 /// length returned).
 fn destination(channel: &[u8]) -> usize {
@@ -334,6 +397,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("destination", |b| b.iter(|| destination(&channel)));
     g.finish();
     sharded(c, &stream, channel.len());
+    threaded(c, &stream, channel.len());
     digests(c, &stream);
 }
 

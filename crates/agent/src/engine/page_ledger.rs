@@ -37,13 +37,25 @@ impl PageLedger {
 
     /// Everything read so far is within the first `stream_bytes` of the channel.
     pub fn mark(&mut self, stream_bytes: u64) {
+        self.mark_at(stream_bytes, self.pages_read);
+    }
+
+    /// The first `pages` read are within the first `stream_bytes` of the channel (the codec
+    /// may read ahead of what it has written).
+    pub fn mark_at(&mut self, stream_bytes: u64, pages: u64) {
+        debug_assert!(pages <= self.pages_read, "marked pages not read");
         let marked = self
             .marks
             .back()
             .map_or(self.pages_consumed, |&(_, pages)| pages);
-        if self.pages_read > marked {
-            self.marks.push_back((stream_bytes, self.pages_read));
+        if pages > marked {
+            self.marks.push_back((stream_bytes, pages));
         }
+    }
+
+    /// Pages read from QEMU so far.
+    pub fn pages_read(&self) -> u64 {
+        self.pages_read
     }
 
     /// `bytes` more went to the stream channel.

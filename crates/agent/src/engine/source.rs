@@ -38,7 +38,7 @@ use crate::engine::disk::mirror::{
 };
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
-use crate::engine::pipeline::ShardedEncoder;
+use crate::engine::pipeline::{Shape, ShardedEncoder, SourcePipeline};
 use crate::engine::postcopy;
 use crate::engine::postcopy_recovery;
 use crate::engine::preempt;
@@ -140,9 +140,12 @@ async fn migrate(
     let ram = qmp.execute(&QueryMemorySizeSummary).await?;
     let ram_bytes = ram.base_memory + ram.plugged_memory.unwrap_or(0);
     let history_bytes = stream_codec::history_bytes(ram_bytes);
-    // One shard until the shards have threads of their own: on one thread more shards only
-    // cost bytes (docs/plans/parallel-pipeline.md, step 3's measurements).
-    let shards = req.settings.test_shards.map_or(1, |s| s as usize);
+    let link_rate_mbit = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
+    let shape = Shape::choose(
+        req.link_rate_mbit,
+        std::thread::available_parallelism().map_or(1, usize::from),
+        req.settings.test_shards.map(|s| s as usize),
+    );
     let (mut disk_plans, layer_files) = if req.disks.is_empty() {
         (Vec::new(), Vec::new())
     } else {
@@ -276,7 +279,7 @@ async fn migrate(
                 postcopy: req.settings.postcopy_possible(),
                 codec: req.settings.codec,
                 history_bytes,
-                shards: u32::try_from(shards).expect("at most 16"),
+                shards: u32::try_from(shape.shards).expect("at most 16"),
                 seed_from: req.settings.seed_from.clone(),
                 disks: disk_plans.clone(),
             },
@@ -341,8 +344,12 @@ async fn migrate(
             started_unix_ms: record.started_unix_ms,
         });
         let mut encoder = req.settings.codec.any().then(|| {
-            let link = req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT);
-            ShardedEncoder::new(req.settings.codec, history_bytes, link, shards)
+            ShardedEncoder::new(
+                req.settings.codec,
+                history_bytes,
+                link_rate_mbit,
+                shape.shards,
+            )
         });
         if let (Some(offer), Some(encoder)) = (seed, &mut encoder) {
             status.enter(
@@ -427,7 +434,7 @@ async fn migrate(
                     mode: req.settings.disk_mode,
                     buffer_bytes: req.settings.disk_buffer_mib.max(1) << 20,
                     codec: req.settings.codec,
-                    link_rate_mbit: req.link_rate_mbit.unwrap_or(ASSUMED_LINK_MBIT),
+                    link_rate_mbit,
                     corrupt_at: req.settings.test_corrupt_disk_at,
                     background_copy: req.settings.disk_background_copy,
                     stall_after: req
@@ -488,7 +495,9 @@ async fn migrate(
             &session,
             &mut ctl,
             work_dir,
-            encoder,
+            encoder
+                .map(|e| SourcePipeline::new(e, shape.threads, "ferry-codec"))
+                .transpose()?,
             &ledger,
             DestinationWork::new(&zeroed_blocks),
             disks.as_mut(),
@@ -958,7 +967,7 @@ async fn stream(
     session: &Session,
     ctl: &mut mpsc::UnboundedReceiver<Control>,
     work_dir: &Path,
-    mut encoder: Option<ShardedEncoder>,
+    mut codec: Option<SourcePipeline>,
     ledger: &Mutex<PageLedger>,
     mut destination_work: DestinationWork,
     disks: Option<&mut SourceDisks>,
@@ -1036,13 +1045,7 @@ async fn stream(
                 .expect("ledger lock")
                 .outstanding(session.unacked_bytes_on(STREAM));
             if outstanding > PAGE_WINDOW {
-                if let Some(encoder) = &mut encoder {
-                    encoder.flush(&mut out);
-                }
-                ledger
-                    .lock()
-                    .expect("ledger lock")
-                    .mark(stream_sent + out.len() as u64);
+                rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, true, true).await?;
                 send_stream(session, ledger, &mut out, &mut stream_sent, true, max_frame).await?;
                 let allowed = ledger
                     .lock()
@@ -1058,49 +1061,38 @@ async fn stream(
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => (false, true),
                 Err(e) => return Err(anyhow::Error::new(e).context("reading QEMU's stream")),
             };
-            // Whether the encoder closed a batch: it goes out whole, not held back until more
-            // fills a frame (the destination decodes a batch only once all of it arrived).
-            let mut batch_closed = false;
+            // Whether a round of the codec went to `out`: it goes out whole, not held back
+            // until more fills a frame (the destination decodes a round only once all of it
+            // arrived).
+            let mut round_out = false;
             // `item_bytes`: the item as QEMU wrote it, what both ends hash.
             while let Some((item, item_bytes)) = parser.next_item_with_bytes(&mut input)? {
                 hash.update(&item_bytes);
                 let (item_bytes, _) =
                     corrupt_for_test(item_bytes, total, req.settings.test_corrupt_at);
                 total += item_bytes.len() as u64;
-                // Whether everything read so far is now in `out` (the encoder flushed).
-                let flushed = match &mut encoder {
-                    Some(encoder) => {
-                        encoder.push(&item, &item_bytes);
-                        let full = encoder.is_full();
-                        if full {
-                            encoder.flush(&mut out);
+                let pages = destination_work.pages(&item, parser.current_block());
+                match &mut codec {
+                    Some(codec) => {
+                        ledger.lock().expect("ledger lock").read(pages);
+                        codec.push(&item, &item_bytes).await?;
+                        if codec.is_full() {
+                            round_out |=
+                                rounds_out(Some(codec), &mut out, ledger, stream_sent, true, false)
+                                    .await?;
                         }
-                        batch_closed |= full;
-                        full
                     }
                     None => {
                         out.extend_from_slice(&item_bytes);
-                        true
-                    }
-                };
-                {
-                    // Locked only for the bookkeeping, not while the encoder works.
-                    let mut book = ledger.lock().expect("ledger lock");
-                    book.read(destination_work.pages(&item, parser.current_block()));
-                    if flushed {
+                        let mut book = ledger.lock().expect("ledger lock");
+                        book.read(pages);
                         book.mark(stream_sent + out.len() as u64);
                     }
                 }
                 if parser.ended_package() {
                     // Postcopy's commit point: the destination QEMU gets the package once
                     // everything up to its end matches this digest.
-                    if let Some(encoder) = &mut encoder {
-                        encoder.flush(&mut out);
-                    }
-                    ledger
-                        .lock()
-                        .expect("ledger lock")
-                        .mark(stream_sent + out.len() as u64);
+                    rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, true, true).await?;
                     send_stream(session, ledger, &mut out, &mut stream_sent, true, max_frame)
                         .await?;
                     control::send(
@@ -1121,20 +1113,17 @@ async fn stream(
             if eof {
                 parser.finish(input.len()).context("QEMU's stream")?;
             }
-            if let (Some(encoder), true) = (&mut encoder, drained) {
-                encoder.flush(&mut out);
-                ledger
-                    .lock()
-                    .expect("ledger lock")
-                    .mark(stream_sent + out.len() as u64);
-            }
-            let all = drained || batch_closed;
+            // Drained, the open round goes (QEMU may be waiting for an answer to it); at the
+            // end, every round.
+            round_out |=
+                rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, drained, eof).await?;
+            let all = drained || round_out;
             let sent =
                 send_stream(session, ledger, &mut out, &mut stream_sent, all, max_frame).await?;
             // Every turn that sent: the switchover's steering reads the codec's resend cost
             // from the status, so it is kept as fresh as the stream.
             if sent {
-                let report = encoder.as_ref().map(ShardedEncoder::report);
+                let report = codec.as_ref().map(SourcePipeline::report);
                 status.update(|s| {
                     s.stream_bytes = total;
                     s.codec = report;
@@ -1144,10 +1133,17 @@ async fn stream(
                 return Ok::<_, anyhow::Error>((total, hash.hex()));
             }
             if drained {
-                from_qemu
-                    .readable()
-                    .await
-                    .context("waiting for QEMU's stream")?;
+                // Or until the codec's threads finish a round, which then goes out.
+                let coded = async {
+                    match &mut codec {
+                        Some(codec) => codec.round_coded().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    ready = from_qemu.readable() => ready.context("waiting for QEMU's stream")?,
+                    coded = coded => coded?,
+                }
             }
         }
     };
@@ -1385,6 +1381,34 @@ fn stream_frame_len(send_limit: usize, max_frame: usize) -> usize {
 /// Sends `out` on the stream channel in frames of [`stream_frame_len`], sized for the window
 /// as each frame goes (it shrinks near the switchover): all of it, or only whole frames (the
 /// rest waits for more). Returns whether anything was sent.
+/// Closes the codec's open round (with `close`), appends the rounds it has coded to `out`
+/// (every closed round, with `wait`) and marks the ledger at their end; whether a round was
+/// appended. With the codec off nothing is held: every item is marked as it is read.
+async fn rounds_out(
+    codec: Option<&mut SourcePipeline>,
+    out: &mut BytesMut,
+    ledger: &Mutex<PageLedger>,
+    stream_sent: u64,
+    close: bool,
+    wait: bool,
+) -> Result<bool> {
+    let Some(codec) = codec else {
+        return Ok(false);
+    };
+    if close {
+        let pages = ledger.lock().expect("ledger lock").pages_read();
+        codec.close_round(out, pages).await?;
+    }
+    let Some(pages) = codec.collect(out, wait).await? else {
+        return Ok(false);
+    };
+    ledger
+        .lock()
+        .expect("ledger lock")
+        .mark_at(stream_sent + out.len() as u64, pages);
+    Ok(true)
+}
+
 async fn send_stream(
     session: &Session,
     ledger: &Mutex<PageLedger>,

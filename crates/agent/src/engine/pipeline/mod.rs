@@ -31,18 +31,23 @@
 //! pass's runs stay long; the rest (headers, sections, markers, commands, device state) to
 //! the order unit's serial part.
 //!
-//! Here everything runs on the calling thread ([`ShardedEncoder`], [`ShardedDecoder`]); the
-//! parts are separate so that shards can be given threads of their own.
+//! At the source the shards run on the calling task ([`ShardedEncoder`]) or on threads of
+//! their own ([`ThreadedEncoder`]); [`SourcePipeline`] is either. At the destination
+//! everything runs on the calling task ([`ShardedDecoder`]).
 
 mod dispatcher;
 mod shard;
 mod sharded;
+mod source_side;
 mod splicer;
+mod workers;
 
 pub use dispatcher::{Dispatcher, Route};
 pub use shard::{ShardDecoder, ShardEncoder};
 pub use sharded::{ShardedDecoder, ShardedEncoder};
+pub use source_side::SourcePipeline;
 pub use splicer::Splicer;
+pub use workers::ThreadedEncoder;
 
 use bytes::{BufMut, BytesMut};
 use ferry_api::agent::CodecSettings;
@@ -58,6 +63,54 @@ pub const UNIT_HEADER: usize = 6;
 pub const MAX_UNIT: usize = MAX_FRAMED + 2;
 /// Bits of a run's lane.
 const LANE_BITS: u32 = 5;
+
+/// How the stream channel is coded: in how many shards, and on how many threads of their own
+/// (0: on the pump's task).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub shards: usize,
+    pub threads: usize,
+}
+
+/// Cores a host needs before the codec takes threads of its own. On 2 the guest's vCPU, both
+/// QEMUs, both agents and the lab's WAN already keep them busy at 1 Gbit/s (BENCHMARKS.md, "A
+/// fast link"): threads there only add hand-offs.
+const MIN_CORES_FOR_THREADS: usize = 4;
+/// QEMU's bytes per WAN byte in a zero-heavy first pass (`zero`: 148 MB of stream for 34 MB
+/// on the WAN), and QEMU's bytes one shard codes per second with room left for TLS and the
+/// guest (the one-core pipeline does 590 MiB/s): how many shards a link needs.
+const QEMU_BYTES_PER_WAN_BYTE: f64 = 4.0;
+const SHARD_BYTES_PER_S: f64 = 400e6;
+
+impl Shape {
+    /// The shape for a link of `link_rate_mbit` (none: unknown, one shard) on a host of
+    /// `cores` (what `std::thread::available_parallelism` says: affinity and cgroups count);
+    /// `test_shards` forces the shard count, with threads whenever there is more than one.
+    pub fn choose(link_rate_mbit: Option<f64>, cores: usize, test_shards: Option<usize>) -> Shape {
+        let threads_for = |shards: usize| if shards > 1 { shards.min(cores) } else { 0 };
+        if let Some(shards) = test_shards {
+            return Shape {
+                shards,
+                threads: threads_for(shards),
+            };
+        }
+        let Some(link_rate_mbit) = link_rate_mbit.filter(|_| cores >= MIN_CORES_FOR_THREADS) else {
+            return Shape {
+                shards: 1,
+                threads: 0,
+            };
+        };
+        let qemu_bytes_per_s = link_rate_mbit.max(0.0) * 1e6 / 8.0 * QEMU_BYTES_PER_WAN_BYTE;
+        // Clamped below; a float beyond usize saturates.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let needed = (qemu_bytes_per_s / SHARD_BYTES_PER_S).ceil() as usize;
+        let shards = needed.clamp(1, cores.min(ferry_codec::shard::MAX_SHARDS));
+        Shape {
+            shards,
+            threads: threads_for(shards),
+        }
+    }
+}
 
 /// The codec's options for one of `shards` shards: the stream's page history and block cache
 /// shared out, so the total memory is the single encoder's.

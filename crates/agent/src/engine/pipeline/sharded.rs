@@ -89,6 +89,11 @@ impl ShardedEncoder {
         self.shard_full = false;
     }
 
+    /// QEMU's bytes in the open round.
+    pub fn round_bytes(&self) -> usize {
+        self.dispatcher.round_bytes()
+    }
+
     /// Bytes of order units so far.
     pub fn order_bytes(&self) -> u64 {
         self.dispatcher.order_bytes()
@@ -96,26 +101,62 @@ impl ShardedEncoder {
 
     /// What the codec did so far, over all shards; the order units count in `bytes_out`.
     pub fn report(&self) -> CodecReport {
-        let mut reports = self.shards.iter().map(ShardEncoder::report);
-        let mut sum = reports.next().expect("one shard at least");
-        for report in reports {
-            add_report(&mut sum, report);
-        }
-        // The shards counted their own input; the serial part went to the order units.
-        sum.bytes_in = self.dispatcher.bytes_in();
-        sum.bytes_out += self.dispatcher.order_bytes();
-        let (qemu, wire) = self
-            .shards
-            .iter()
-            .map(ShardEncoder::resend_sums)
-            .fold((0.0, 0.0), |(q, w), (sq, sw)| (q + sq, w + sw));
-        sum.resend_cost = resend_estimate(qemu, wire);
-        sum
+        sum_reports(&self.dispatcher, self.shards.iter().map(ShardReport::of))
     }
+
+    /// The dispatcher and the shards, to be given threads.
+    pub(super) fn into_parts(self) -> (Dispatcher, Vec<ShardEncoder>) {
+        debug_assert!(
+            self.dispatcher.round_bytes() == 0,
+            "split with a round open"
+        );
+        (self.dispatcher, self.shards)
+    }
+}
+
+/// What one shard's encoder has done so far.
+#[derive(Debug, Clone, Default)]
+pub(super) struct ShardReport {
+    pub report: CodecReport,
+    /// What its pages resent with new content cost: (QEMU bytes, wire bytes), decayed sums.
+    pub resend: (f64, f64),
+}
+
+impl ShardReport {
+    pub fn of(shard: &ShardEncoder) -> ShardReport {
+        ShardReport {
+            report: shard.report(),
+            resend: shard.resend_sums(),
+        }
+    }
+}
+
+/// The codec's report over every shard and the order units (counted in `bytes_out`).
+pub(super) fn sum_reports(
+    dispatcher: &Dispatcher,
+    shards: impl IntoIterator<Item = ShardReport>,
+) -> CodecReport {
+    let mut sum = CodecReport::default();
+    let (mut qemu, mut wire) = (0.0, 0.0);
+    for shard in shards {
+        qemu += shard.resend.0;
+        wire += shard.resend.1;
+        add_report(&mut sum, shard.report);
+    }
+    // The shards counted their own input; the serial part went to the order units.
+    sum.bytes_in = dispatcher.bytes_in();
+    sum.bytes_out += dispatcher.order_bytes();
+    sum.resend_cost = resend_estimate(qemu, wire);
+    sum
 }
 
 /// Adds one shard's counts into `sum`.
 fn add_report(sum: &mut CodecReport, r: CodecReport) {
+    // Every shard runs the same techniques with the same seed.
+    if sum.settings.is_empty() {
+        sum.settings = r.settings;
+    }
+    sum.seed = sum.seed.take().or(r.seed);
     sum.bytes_in += r.bytes_in;
     sum.bytes_out += r.bytes_out;
     sum.pages += r.pages;
