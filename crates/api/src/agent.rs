@@ -242,6 +242,16 @@ pub struct CodecReport {
     /// Per zstd level used: batches, bytes in and out, seconds spent compressing.
     #[serde(default)]
     pub zstd_levels: Vec<ZstdLevelReport>,
+    /// The shards the stream channel was coded in (0: not sharded, as on libvirt's tunnels),
+    /// and the threads of their own they ran on (0: the agent's stream task).
+    #[serde(default)]
+    pub shards: u32,
+    #[serde(default)]
+    pub threads: u32,
+    /// Bytes of the order units that say how the shards' outputs make up QEMU's stream
+    /// (counted in `bytes_out`): what sharding costs.
+    #[serde(default)]
+    pub order_bytes: u64,
 }
 
 /// The destination's seed image, as offered to the source.

@@ -174,6 +174,18 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             "                       {} pages: {} zero, {} unchanged, {} delta, {} with cached blocks ({} hits), {} raw",
             c.pages, c.zero, c.unchanged, c.delta, c.blocks, c.block_hits, c.raw,
         );
+        if c.shards > 1 {
+            println!(
+                "                       {} shards on {}, {} of order units",
+                c.shards,
+                match c.threads {
+                    0 => "the agent's stream task".to_string(),
+                    1 => "one thread".to_string(),
+                    n => format!("{n} threads"),
+                },
+                bytes(c.order_bytes),
+            );
+        }
         if let Some(seed) = &c.seed {
             println!(
                 "                       seed: {} pages from the destination's image of {} ({} index, {} ms to index), {} pages sent as references",

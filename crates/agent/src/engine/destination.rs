@@ -31,10 +31,10 @@ use crate::engine::feeder::{self, Feeder};
 use crate::engine::journal::{IncomingRecord, IncomingState, Journal};
 use crate::engine::known_zero::{self, ZeroPages};
 use crate::engine::launcher;
-use crate::engine::load_sieve::LoadSieve;
+use crate::engine::load_sieve::{LoadSieve, Sieved};
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::monitor_keeper;
-use crate::engine::pipeline::ShardedDecoder;
+use crate::engine::pipeline::{DestinationPipeline, ShardedDecoder};
 use crate::engine::postcopy::{self, PackageGate};
 use crate::engine::postcopy_recovery::{self, HeldMonitors};
 use crate::engine::preempt;
@@ -462,6 +462,15 @@ async fn serve(
         }
     }
 
+    // More than one shard: the source's link needs more than one core's codec.
+    let threads = DestinationPipeline::threads_for(
+        shards,
+        std::thread::available_parallelism().map_or(1, usize::from),
+    );
+    let mut decoder = decoder
+        .map(|d| DestinationPipeline::new(d, threads, "ferry-decode"))
+        .transpose()?;
+
     // The return path, destination QEMU to source QEMU.
     let return_path = spawn_return_path(from_qemu, session.clone());
 
@@ -522,7 +531,7 @@ async fn serve(
                         // Decoded straight into the sieve's input, hashed there: QEMU's bytes
                         // are copied once less on their way to QEMU. Without postcopy no
                         // package cuts the digest.
-                        Some(decoder) if !postcopy => {
+                        Some(DestinationPipeline::Inline(decoder)) if !postcopy => {
                             let input = sieve.input();
                             let start = input.len();
                             decoder.feed(&chunk, input).context("decoding the stream")?;
@@ -533,25 +542,12 @@ async fn serve(
                         _ => {
                             let qemu_bytes = match &mut decoder {
                                 Some(decoder) => {
-                                    decoder.feed(&chunk, &mut decoded).context("decoding the stream")?;
+                                    decoder.feed(&chunk, &mut decoded).await.context("decoding the stream")?;
                                     decoded.split().freeze()
                                 }
                                 None => chunk,
                             };
-                            let before = received;
-                            received += qemu_bytes.len() as u64;
-                            let sieved = sieve.pass(&qemu_bytes)?;
-                            match sieve.package_end() {
-                                // The digest up to the package's end, for the source's checkpoint.
-                                Some(end) if !gate.has_arrived() => {
-                                    let cut = usize::try_from(end - before).expect("inside this chunk");
-                                    hash.update(&qemu_bytes[..cut]);
-                                    gate.arrived(end, hash.hex())?;
-                                    hash.update(&qemu_bytes[cut..]);
-                                }
-                                _ => hash.update(&qemu_bytes),
-                            }
-                            sieved
+                            take_in(&qemu_bytes, &mut received, &mut sieve, &mut hash, &mut gate)?
                         }
                     };
                     if let Err(e) = feeder.push(sieved.bytes, sieved.weight).await {
@@ -559,6 +555,20 @@ async fn serve(
                     }
                 }
                 Received::Barrier => {}
+            },
+            // The shards' threads decoded a unit: the rounds it completed go on to QEMU.
+            r = async {
+                match &mut decoder {
+                    Some(decoder) => decoder.next_answer(&mut decoded).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                r.context("decoding the stream")?;
+                let qemu_bytes = decoded.split().freeze();
+                let sieved = take_in(&qemu_bytes, &mut received, &mut sieve, &mut hash, &mut gate)?;
+                if let Err(e) = feeder.push(sieved.bytes, sieved.weight).await {
+                    return Err(load_failure(qmp, e).await);
+                }
             },
             r = async { switch.as_mut().expect("only when switching").await }, if switch.is_some() => {
                 *record_slot = Some(r?);
@@ -905,6 +915,30 @@ fn record_committing(
 /// Why feeding the destination QEMU failed: QEMU closes its socket on a stream it cannot load,
 /// so a write error usually hides QEMU's own reason, which it gives once its migration state
 /// reads failed (asked for up to a second); otherwise the write's error.
+/// QEMU's bytes rebuilt from the stream channel, on their way to QEMU: counted, sieved, and
+/// hashed (cut at the postcopy package's end, whose digest the source's checkpoint carries).
+fn take_in(
+    qemu_bytes: &[u8],
+    received: &mut u64,
+    sieve: &mut LoadSieve,
+    hash: &mut TreeDigest,
+    gate: &mut PackageGate,
+) -> Result<Sieved> {
+    let before = *received;
+    *received += qemu_bytes.len() as u64;
+    let sieved = sieve.pass(qemu_bytes)?;
+    match sieve.package_end() {
+        Some(end) if !gate.has_arrived() => {
+            let cut = usize::try_from(end - before).expect("inside these bytes");
+            hash.update(&qemu_bytes[..cut]);
+            gate.arrived(end, hash.hex())?;
+            hash.update(&qemu_bytes[cut..]);
+        }
+        _ => hash.update(qemu_bytes),
+    }
+    Ok(sieved)
+}
+
 async fn load_failure(qmp: &Qmp, write_error: anyhow::Error) -> anyhow::Error {
     for _ in 0..20 {
         match qmp.execute(&QueryMigrate).await {

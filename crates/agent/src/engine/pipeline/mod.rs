@@ -32,9 +32,12 @@
 //! the order unit's serial part.
 //!
 //! At the source the shards run on the calling task ([`ShardedEncoder`]) or on threads of
-//! their own ([`ThreadedEncoder`]); [`SourcePipeline`] is either. At the destination
-//! everything runs on the calling task ([`ShardedDecoder`]).
+//! their own ([`ThreadedEncoder`]); [`SourcePipeline`] is either. At the destination the
+//! shards run on the calling task ([`ShardedDecoder`]) or on threads ([`ThreadedDecoder`]);
+//! [`DestinationPipeline`] is either.
 
+mod decode_workers;
+mod destination_side;
 mod dispatcher;
 mod shard;
 mod sharded;
@@ -42,6 +45,8 @@ mod source_side;
 mod splicer;
 mod workers;
 
+pub use decode_workers::ThreadedDecoder;
+pub use destination_side::DestinationPipeline;
 pub use dispatcher::{Dispatcher, Route};
 pub use shard::{ShardDecoder, ShardEncoder};
 pub use sharded::{ShardedDecoder, ShardedEncoder};
@@ -49,7 +54,7 @@ pub use source_side::SourcePipeline;
 pub use splicer::Splicer;
 pub use workers::ThreadedEncoder;
 
-use bytes::{BufMut, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use ferry_api::agent::CodecSettings;
 use ferry_codec::Options;
 
@@ -121,6 +126,25 @@ pub fn shard_options(settings: CodecSettings, history_bytes: u64, shards: usize)
         cache_bytes: whole.cache_bytes / shards,
         ..whole
     }
+}
+
+/// Takes the next whole unit off `input`: its lane and body (none: not all of it is there).
+fn next_unit(input: &mut BytesMut) -> anyhow::Result<Option<(u8, BytesMut)>> {
+    if input.len() < UNIT_HEADER {
+        return Ok(None);
+    }
+    let len = u32::from_le_bytes(input[..4].try_into().expect("4 bytes")) as usize;
+    anyhow::ensure!(
+        (2..=MAX_UNIT).contains(&len),
+        "codec unit of {len} bytes announced, outside 2..={MAX_UNIT}"
+    );
+    if input.len() < 4 + len {
+        return Ok(None);
+    }
+    let (lane, flags) = (input[4], input[5]);
+    anyhow::ensure!(flags == 0, "codec unit with unknown flags {flags:#04x}");
+    input.advance(UNIT_HEADER);
+    Ok(Some((lane, input.split_to(len - 2))))
 }
 
 /// Appends one unit to `out`.

@@ -3,15 +3,13 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Context, Result};
-use bytes::{Buf, BytesMut};
+use anyhow::{bail, Context, Result};
+use bytes::BytesMut;
 use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
 use ferry_codec::{SeedImage, SeedIndex};
 use ferry_qemu::stream::Item;
 
-use super::{
-    Dispatcher, Route, ShardDecoder, ShardEncoder, Splicer, MAX_UNIT, ORDER_LANE, UNIT_HEADER,
-};
+use super::{next_unit, Dispatcher, Route, ShardDecoder, ShardEncoder, Splicer, ORDER_LANE};
 use crate::engine::stream_codec::resend_estimate;
 
 /// The source's half: items in, units out, a round closed where the caller flushes (every
@@ -142,7 +140,9 @@ pub(super) fn sum_reports(
         qemu += shard.resend.0;
         wire += shard.resend.1;
         add_report(&mut sum, shard.report);
+        sum.shards += 1;
     }
+    sum.order_bytes = dispatcher.order_bytes();
     // The shards counted their own input; the serial part went to the order units.
     sum.bytes_in = dispatcher.bytes_in();
     sum.bytes_out += dispatcher.order_bytes();
@@ -216,19 +216,7 @@ impl ShardedDecoder {
     /// complete to `out`.
     pub fn feed(&mut self, bytes: &[u8], out: &mut BytesMut) -> Result<()> {
         self.input.extend_from_slice(bytes);
-        while self.input.len() >= UNIT_HEADER {
-            let len = u32::from_le_bytes(self.input[..4].try_into().expect("4 bytes")) as usize;
-            ensure!(
-                (2..=MAX_UNIT).contains(&len),
-                "codec unit of {len} bytes announced, outside 2..={MAX_UNIT}"
-            );
-            if self.input.len() < 4 + len {
-                break;
-            }
-            let (lane, flags) = (self.input[4], self.input[5]);
-            ensure!(flags == 0, "codec unit with unknown flags {flags:#04x}");
-            self.input.advance(UNIT_HEADER);
-            let body = self.input.split_to(len - 2);
+        while let Some((lane, body)) = next_unit(&mut self.input)? {
             if lane == ORDER_LANE {
                 self.splicer.splice(&body, out)?;
                 continue;
@@ -246,6 +234,12 @@ impl ShardedDecoder {
             self.splicer.check_held()?;
         }
         Ok(())
+    }
+
+    /// The shards' decoders, to be given threads (before anything was fed).
+    pub fn into_shards(self) -> Vec<ShardDecoder> {
+        debug_assert!(self.is_idle(), "split with units fed");
+        self.shards
     }
 
     /// Whether every byte fed so far was decoded and placed (nothing waits for the rest of a

@@ -7,7 +7,10 @@ use ferry_qemu::stream::{flag, Item, RamData, RamRecord, StreamParser, PAGE_SIZE
 use proptest::prelude::*;
 
 use super::dispatcher::order_unit;
-use super::{put_unit, Shape, ShardEncoder, ShardedDecoder, ShardedEncoder, SourcePipeline};
+use super::{
+    put_unit, Shape, ShardDecoder, ShardEncoder, ShardedDecoder, ShardedEncoder, SourcePipeline,
+    ThreadedDecoder,
+};
 use crate::engine::stream_codec::{every_settings_mix, MAX_BATCH_DECODED, MAX_FRAMED};
 
 const STREAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../qemu/tests/streams");
@@ -138,13 +141,34 @@ async fn threaded_round_trip(
     assert_eq!(last_mark, items, "the last round's mark");
     let report = enc.report();
     assert_eq!(report.bytes_out, wire.len() as u64, "bytes out miscounted");
-    let mut dec = ShardedDecoder::new(settings, HISTORY, shards);
+    // Decoded on threads too: as many as the source's, but at most 3.
+    let decoders = ShardedDecoder::new(settings, HISTORY, shards).into_shards();
+    let out = threaded_decode(decoders, threads.clamp(1, 3), &wire, 7919)
+        .await
+        .unwrap();
+    (out, report)
+}
+
+/// Decodes `wire`, fed in `cut`-byte pieces, with `decoders` on `threads` threads; fails if
+/// anything is left unplaced.
+async fn threaded_decode(
+    decoders: Vec<ShardDecoder>,
+    threads: usize,
+    wire: &[u8],
+    cut: usize,
+) -> anyhow::Result<Vec<u8>> {
+    let mut dec = ThreadedDecoder::new(decoders, threads, "test-decode")?;
     let mut out = BytesMut::new();
-    for piece in wire.chunks(7919) {
-        dec.feed(piece, &mut out).unwrap();
+    for piece in wire.chunks(cut) {
+        dec.feed(piece).await?;
+        dec.take(&mut out)?;
     }
-    assert!(dec.is_idle());
-    (out.to_vec(), report)
+    while dec.decoding() {
+        dec.next_answer().await?;
+        dec.take(&mut out)?;
+    }
+    anyhow::ensure!(dec.is_idle(), "bytes left unplaced");
+    Ok(out.to_vec())
 }
 
 #[tokio::test]
@@ -162,6 +186,15 @@ async fn captured_streams_come_back_byte_for_byte_with_shards_on_threads() {
                 assert_eq!(report.bytes_in, stream.len() as u64, "{name}");
                 assert!(report.pages > 0, "{name}");
                 assert_eq!(report.settings, settings.to_string(), "{name}");
+                assert_eq!(
+                    (report.shards, report.threads),
+                    (
+                        u32::try_from(shards).unwrap(),
+                        u32::try_from(threads).unwrap()
+                    ),
+                    "{name}"
+                );
+                assert!(report.order_bytes > 0, "{name}");
             }
         }
     }
@@ -482,11 +515,26 @@ fn shard_unit(shard: usize, shards: usize, index: u64, out: &mut BytesMut) {
     enc.flush(out);
 }
 
+/// The error decoding `wire` gives, the same with the shards on threads.
 fn decode_error(shards: usize, wire: &[u8]) -> String {
     let mut out = BytesMut::new();
     let err = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards)
         .feed(wire, &mut out)
         .expect_err("damaged input was decoded");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for threads in [1, shards.min(3)] {
+        let decoders = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards).into_shards();
+        let threaded = runtime
+            .block_on(threaded_decode(decoders, threads, wire, 4096))
+            .expect_err("damaged input was decoded on threads");
+        assert_eq!(
+            format!("{threaded:#}"),
+            format!("{err:#}"),
+            "on {threads} threads"
+        );
+    }
     format!("{err:#}")
 }
 
@@ -570,37 +618,75 @@ fn order_units_that_do_not_match_their_round_are_errors() {
     assert_eq!((&out[..1], &out[out.len() - 2..]), (&b"a"[..], &b"bc"[..]));
 }
 
+/// Shard 0's units of zero pages, with no order unit: each full batch's wire and the QEMU
+/// bytes pushed so far, up to four rounds' worth.
+fn unplaced_units(shards: usize) -> impl Iterator<Item = (BytesMut, usize)> {
+    let zero = content(0, 0);
+    let mut enc = ShardEncoder::new(CodecSettings::ALL, HISTORY, LINK_MBIT, 0, shards);
+    let mut pushed = 0usize;
+    (0..)
+        .filter(move |&i| shard_of(page_key(i), shards) == 0)
+        .map_while(move |index| {
+            let item = record(index, index == 0, flag::PAGE, RamData::Page(zero.clone()));
+            let mut qemu = BytesMut::new();
+            item.encode(&mut qemu);
+            let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
+            enc.push_page(page_key(index), header, page);
+            pushed += qemu.len();
+            let mut wire = BytesMut::new();
+            if enc.is_full() {
+                enc.flush(&mut wire);
+            }
+            (pushed < 4 * MAX_BATCH_DECODED).then_some((wire, pushed))
+        })
+        .filter(|(wire, _)| !wire.is_empty())
+}
+
 /// Shard units with no order unit placing their bytes: the destination holds at most a
 /// round's worth (whatever the number of shards), then fails.
 #[test]
 fn shard_units_without_order_units_are_refused_past_a_round() {
     let shards = 4;
-    let zero = content(0, 0);
-    let mut enc = ShardEncoder::new(CodecSettings::ALL, HISTORY, LINK_MBIT, 0, shards);
     let mut dec = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards);
     let mut out = BytesMut::new();
-    let mut pushed = 0usize;
-    for index in (0..).filter(|&i| shard_of(page_key(i), shards) == 0) {
-        let item = record(index, index == 0, flag::PAGE, RamData::Page(zero.clone()));
-        let mut qemu = BytesMut::new();
-        item.encode(&mut qemu);
-        let (header, page) = qemu.split_at(qemu.len() - PAGE_SIZE);
-        enc.push_page(page_key(index), header, page);
-        pushed += qemu.len();
-        if enc.is_full() {
-            let mut wire = BytesMut::new();
-            enc.flush(&mut wire);
-            if let Err(err) = dec.feed(&wire, &mut out) {
-                assert!(
-                    format!("{err:#}").contains("without an order unit placing them"),
-                    "{err:#}"
-                );
-                assert!(pushed > MAX_BATCH_DECODED);
-                return;
-            }
+    for (wire, pushed) in unplaced_units(shards) {
+        if let Err(err) = dec.feed(&wire, &mut out) {
+            assert!(
+                format!("{err:#}").contains("without an order unit placing them"),
+                "{err:#}"
+            );
+            assert!(pushed > MAX_BATCH_DECODED);
+            return;
         }
-        assert!(pushed < 4 * MAX_BATCH_DECODED, "never refused");
     }
+    panic!("never refused");
+}
+
+/// The same on threads: what the workers decoded and no order unit placed is bounded by a
+/// round's worth for each round in flight.
+#[tokio::test]
+async fn shard_units_without_order_units_are_refused_on_threads() {
+    let shards = 4;
+    let decoders = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards).into_shards();
+    let mut dec = ThreadedDecoder::new(decoders, 2, "test-unplaced").unwrap();
+    let mut out = BytesMut::new();
+    for (wire, pushed) in unplaced_units(shards) {
+        dec.feed(&wire).await.unwrap();
+        let mut taken = dec.take(&mut out).map(drop);
+        while taken.is_ok() && dec.decoding() {
+            taken = dec.next_answer().await;
+        }
+        if let Err(err) = taken {
+            assert!(
+                format!("{err:#}").contains("that no order unit placed"),
+                "{err:#}"
+            );
+            assert!(pushed > MAX_BATCH_DECODED);
+            assert!(out.is_empty());
+            return;
+        }
+    }
+    panic!("never refused");
 }
 
 /// Pages the destination's seed image holds go as references to it from every shard (the

@@ -292,7 +292,10 @@ impl ThreadedEncoder {
 
     /// What the codec did, as of the rounds the workers finished.
     pub fn report(&self) -> CodecReport {
-        sum_reports(&self.dispatcher, self.reports.iter().cloned())
+        CodecReport {
+            threads: u32::try_from(self.workers.len()).expect("at most 16 threads"),
+            ..sum_reports(&self.dispatcher, self.reports.iter().cloned())
+        }
     }
 }
 
