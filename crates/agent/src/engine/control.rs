@@ -174,6 +174,10 @@ pub enum Control {
         /// ([`crate::engine::pipeline`]), 1 to 16.
         #[serde(default)]
         shards: u32,
+        /// Test hook (the source's `test_shards`): decode more than one shard on threads
+        /// whatever this host's cores, so that the tests meet the threaded decoder.
+        #[serde(default)]
+        test_decode_threads: bool,
         /// With seeding on: whose earlier image to index (none: the VM's own).
         #[serde(default)]
         seed_from: Option<String>,
@@ -552,6 +556,7 @@ mod tests {
             codec: CodecSettings::ALL,
             history_bytes: 0,
             shards: 1,
+            test_decode_threads: false,
             seed_from: None,
             disks: Vec::new(),
         };

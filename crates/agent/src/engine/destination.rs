@@ -196,6 +196,7 @@ async fn serve(
         codec,
         history_bytes,
         shards,
+        test_decode_threads,
         seed_from,
         disks,
     } = prepare
@@ -462,10 +463,10 @@ async fn serve(
         }
     }
 
-    // More than one shard: the source's link needs more than one core's codec.
     let threads = DestinationPipeline::threads_for(
         shards,
         std::thread::available_parallelism().map_or(1, usize::from),
+        test_decode_threads,
     );
     let mut decoder = decoder
         .map(|d| DestinationPipeline::new(d, threads, "ferry-decode"))
@@ -912,9 +913,6 @@ fn record_committing(
     tokio::task::spawn_blocking(move || journal.write_incoming(&record).map(|()| record))
 }
 
-/// Why feeding the destination QEMU failed: QEMU closes its socket on a stream it cannot load,
-/// so a write error usually hides QEMU's own reason, which it gives once its migration state
-/// reads failed (asked for up to a second); otherwise the write's error.
 /// QEMU's bytes rebuilt from the stream channel, on their way to QEMU: counted, sieved, and
 /// hashed (cut at the postcopy package's end, whose digest the source's checkpoint carries).
 fn take_in(
@@ -939,6 +937,9 @@ fn take_in(
     Ok(sieved)
 }
 
+/// Why feeding the destination QEMU failed: QEMU closes its socket on a stream it cannot load,
+/// so a write error usually hides QEMU's own reason, which it gives once its migration state
+/// reads failed (asked for up to a second); otherwise the write's error.
 async fn load_failure(qmp: &Qmp, write_error: anyhow::Error) -> anyhow::Error {
     for _ in 0..20 {
         match qmp.execute(&QueryMigrate).await {

@@ -280,6 +280,7 @@ async fn migrate(
                 codec: req.settings.codec,
                 history_bytes,
                 shards: u32::try_from(shape.shards).expect("at most 16"),
+                test_decode_threads: req.settings.test_shards.is_some(),
                 seed_from: req.settings.seed_from.clone(),
                 disks: disk_plans.clone(),
             },

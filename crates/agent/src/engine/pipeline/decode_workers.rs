@@ -141,6 +141,11 @@ impl ThreadedDecoder {
             }
             self.open[w] += 1;
             self.in_flight += 1;
+            // What is decoded counts against the bound at once, not only when taken: one
+            // frame may hold many small units.
+            while let Ok(answer) = self.answers.try_recv() {
+                self.accept(answer)?;
+            }
         }
         Ok(())
     }
@@ -205,10 +210,14 @@ impl ThreadedDecoder {
                 self.in_flight -= 1;
                 self.held += bytes.len();
                 self.decoded[worker].push_back((shard, bytes));
-                // Decoded and not placed: at most what the rounds queued and the open one
-                // make (a peer sending shard units without order units cannot make this end
-                // hold more).
-                let rounds = self.rounds.len() + 1;
+                // Decoded and not placed: at most what the rounds queued that hold units and
+                // the open one make (a peer sending shard units without order units, or
+                // empty rounds, cannot make this end hold more).
+                let rounds = 1 + self
+                    .rounds
+                    .iter()
+                    .filter(|r| r.units.iter().any(|&n| n > 0))
+                    .count();
                 ensure!(
                     self.held <= rounds * MAX_BATCH_DECODED,
                     "the shards decoded {} bytes that no order unit placed, more than the {MAX_BATCH_DECODED} of each of {rounds} rounds",

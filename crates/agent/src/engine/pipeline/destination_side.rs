@@ -4,7 +4,7 @@
 use anyhow::Result;
 use bytes::BytesMut;
 
-use super::{ShardedDecoder, ThreadedDecoder};
+use super::{ShardedDecoder, ThreadedDecoder, MIN_CORES_FOR_THREADS};
 
 #[derive(Debug)]
 pub enum DestinationPipeline {
@@ -14,11 +14,12 @@ pub enum DestinationPipeline {
 
 impl DestinationPipeline {
     /// Threads for the shards of a stream the source cut into `shards` on a host of `cores`:
-    /// none for one shard; otherwise one per shard, at most one per core. A source cuts the
-    /// stream only where one shard cannot keep up with its link (or a test asks), so the
-    /// decoding should not run on one core either.
-    pub fn threads_for(shards: usize, cores: usize) -> usize {
-        if shards > 1 {
+    /// none for one shard or on a host of fewer than [`MIN_CORES_FOR_THREADS`] (there they
+    /// cost more than they gain, as at the source), unless `forced` (a test hook); otherwise
+    /// one per shard, at most one per core. A source cuts the stream only where one shard
+    /// cannot keep up with its link, so the decoding should not run on one core either.
+    pub fn threads_for(shards: usize, cores: usize, forced: bool) -> usize {
+        if shards > 1 && (forced || cores >= MIN_CORES_FOR_THREADS) {
             shards.min(cores.max(1))
         } else {
             0

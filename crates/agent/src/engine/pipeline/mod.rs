@@ -80,7 +80,7 @@ pub struct Shape {
 /// Cores a host needs before the codec takes threads of its own. On 2 the guest's vCPU, both
 /// QEMUs, both agents and the lab's WAN already keep them busy at 1 Gbit/s (BENCHMARKS.md, "A
 /// fast link"): threads there only add hand-offs.
-const MIN_CORES_FOR_THREADS: usize = 4;
+pub const MIN_CORES_FOR_THREADS: usize = 4;
 /// QEMU's bytes per WAN byte in a zero-heavy first pass (`zero`: 148 MB of stream for 34 MB
 /// on the WAN), and QEMU's bytes one shard codes per second with room left for TLS and the
 /// guest (the one-core pipeline does 590 MiB/s): how many shards a link needs.

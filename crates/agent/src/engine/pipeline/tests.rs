@@ -8,8 +8,8 @@ use proptest::prelude::*;
 
 use super::dispatcher::order_unit;
 use super::{
-    put_unit, Shape, ShardDecoder, ShardEncoder, ShardedDecoder, ShardedEncoder, SourcePipeline,
-    ThreadedDecoder,
+    put_unit, DestinationPipeline, Shape, ShardDecoder, ShardEncoder, ShardedDecoder,
+    ShardedEncoder, SourcePipeline, ThreadedDecoder,
 };
 use crate::engine::stream_codec::{every_settings_mix, MAX_BATCH_DECODED, MAX_FRAMED};
 
@@ -291,6 +291,13 @@ fn the_shape_follows_the_link_and_the_cores() {
     assert_eq!(shape(10_000.0, 8), (8, 8));
     assert_eq!(shape(10_000.0, 32), (13, 13));
     assert_eq!(shape(100_000.0, 64), (MAX_SHARDS, MAX_SHARDS));
+    // The destination follows the source's shards with threads on a host of 4 cores or
+    // more, or when the source's test hook asks.
+    assert_eq!(DestinationPipeline::threads_for(1, 8, false), 0);
+    assert_eq!(DestinationPipeline::threads_for(3, 2, false), 0);
+    assert_eq!(DestinationPipeline::threads_for(3, 2, true), 2);
+    assert_eq!(DestinationPipeline::threads_for(8, 4, false), 4);
+    assert_eq!(DestinationPipeline::threads_for(2, 8, false), 2);
     // The test hook forces the shards, with threads when more than one (as many as cores).
     assert_eq!(
         Shape::choose(Some(100.0), 2, Some(3)),
@@ -663,30 +670,46 @@ fn shard_units_without_order_units_are_refused_past_a_round() {
 }
 
 /// The same on threads: what the workers decoded and no order unit placed is bounded by a
-/// round's worth for each round in flight.
+/// round's worth for each round in flight; fed one unit at a time, or all in one piece.
 #[tokio::test]
 async fn shard_units_without_order_units_are_refused_on_threads() {
     let shards = 4;
+    let refused = |err: anyhow::Error| {
+        assert!(
+            format!("{err:#}").contains("that no order unit placed"),
+            "{err:#}"
+        );
+    };
     let decoders = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards).into_shards();
     let mut dec = ThreadedDecoder::new(decoders, 2, "test-unplaced").unwrap();
     let mut out = BytesMut::new();
+    let mut all = BytesMut::new();
+    let mut done = false;
     for (wire, pushed) in unplaced_units(shards) {
+        all.extend_from_slice(&wire);
+        if done {
+            continue;
+        }
         dec.feed(&wire).await.unwrap();
         let mut taken = dec.take(&mut out).map(drop);
         while taken.is_ok() && dec.decoding() {
             taken = dec.next_answer().await;
         }
         if let Err(err) = taken {
-            assert!(
-                format!("{err:#}").contains("that no order unit placed"),
-                "{err:#}"
-            );
+            refused(err);
             assert!(pushed > MAX_BATCH_DECODED);
             assert!(out.is_empty());
-            return;
+            done = true;
         }
     }
-    panic!("never refused");
+    assert!(done, "never refused");
+    let decoders = ShardedDecoder::new(CodecSettings::ALL, HISTORY, shards).into_shards();
+    let mut dec = ThreadedDecoder::new(decoders, 2, "test-unplaced").unwrap();
+    let mut taken = dec.feed(&all).await;
+    while taken.is_ok() && dec.decoding() {
+        taken = dec.next_answer().await;
+    }
+    refused(taken.expect_err("never refused in one piece"));
 }
 
 /// Pages the destination's seed image holds go as references to it from every shard (the
