@@ -1200,7 +1200,10 @@ async fn chromium(profile: &Path, args: &[&str], url: &str) -> String {
 
 #[tokio::test]
 async fn the_dashboard_shows_the_fleet_in_a_real_browser() {
-    let fleet = Fleet::start("").await;
+    // Hosts stay up for an hour without heartbeats: Chromium's first start on a fresh
+    // machine took over 20 s in CI, longer than the default 10 s, and the page then
+    // showed both hosts down.
+    let fleet = Fleet::start("[timing]\nhost_timeout_s = 3600\n").await;
     let (a1, b1, ops) = (fleet.as_("a1"), fleet.as_("b1"), fleet.as_("ops1"));
     a1.heartbeat(&beat("a", &["b1"], &["web-1", "db-1"]))
         .await
