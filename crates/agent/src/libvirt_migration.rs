@@ -47,6 +47,7 @@ pub fn check_settings(req: &LibvirtMigrationRequest) -> Result<(), Refusal> {
         (s.test_disk_stall_ms.is_some(), "test_disk_stall_ms"),
         // The tunnels' streams keep the single encoder's batches (engine::tunnel_stream).
         (s.test_shards.is_some(), "test_shards"),
+        (s.test_cache_pause_bytes.is_some(), "test_cache_pause_bytes"),
     ];
     if let Some((_, what)) = unsupported.iter().find(|(set, _)| *set) {
         return Err(Refusal::NotWithLibvirt(what.to_string()));

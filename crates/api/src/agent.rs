@@ -252,6 +252,12 @@ pub struct CodecReport {
     /// (counted in `bytes_out`): what sharding costs.
     #[serde(default)]
     pub order_bytes: u64,
+    /// Batches coded with the block cache paused, because the agent's CPU, not the link, held
+    /// the stream back (the dedup governor), and the time it was paused.
+    #[serde(default)]
+    pub cache_paused_batches: u64,
+    #[serde(default)]
+    pub cache_paused_ms: u64,
 }
 
 /// The destination's seed image, as offered to the source.

@@ -347,6 +347,7 @@ fn parse_with_settings<T: serde::de::DeserializeOwned>(
         test_corrupt_disk_at: Some(0),
         test_disk_stall_ms: Some(0),
         test_shards: Some(1),
+        test_cache_pause_bytes: Some(1),
         ..MigrationSettings::default()
     };
     let settings = serde_json::to_value(every_setting).map_err(|e| e.to_string())?;

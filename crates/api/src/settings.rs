@@ -88,6 +88,10 @@ pub struct MigrationSettings {
     /// instead of the number the agent chooses.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_shards: Option<u32>,
+    /// Test hook: pause and resume the stream's block caches every this many bytes of QEMU's
+    /// stream, instead of when the agent's CPU is the limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_cache_pause_bytes: Option<u64>,
 }
 
 impl Default for MigrationSettings {
@@ -128,6 +132,7 @@ impl Default for MigrationSettings {
             test_corrupt_disk_at: None,
             test_disk_stall_ms: None,
             test_shards: None,
+            test_cache_pause_bytes: None,
         }
     }
 }
@@ -153,6 +158,8 @@ pub enum SettingsError {
     PostcopyAtThrottleWithoutConverge,
     #[error("test shards {0} is out of range; use 1 to {MAX_TEST_SHARDS}")]
     TestShards(u32),
+    #[error("test cache pause bytes 0: the block caches need at least 1 byte between changes")]
+    TestCachePauseBytes,
 }
 
 /// The most TCP connections one migration opens (each has its own socket buffers and state).
@@ -201,6 +208,9 @@ impl MigrationSettings {
             .filter(|s| !(1..=MAX_TEST_SHARDS).contains(s))
         {
             return Err(SettingsError::TestShards(shards));
+        }
+        if self.test_cache_pause_bytes == Some(0) {
+            return Err(SettingsError::TestCachePauseBytes);
         }
         Ok(())
     }
@@ -276,5 +286,7 @@ mod tests {
             }),
             "postcopy at a throttle needs the throttle (auto-converge): drop --no-converge"
         );
+        assert!(bad(|s| s.test_shards = Some(17)).starts_with("test shards 17 is out of range"));
+        assert!(bad(|s| s.test_cache_pause_bytes = Some(0)).starts_with("test cache pause bytes 0"));
     }
 }

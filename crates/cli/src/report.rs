@@ -186,6 +186,17 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
                 bytes(c.order_bytes),
             );
         }
+        if c.cache_paused_ms > 0 {
+            println!(
+                "                       block cache paused for {} batches ({} ms): the agent's CPU, not the link, was the limit",
+                c.cache_paused_batches, c.cache_paused_ms,
+            );
+        } else if c.cache_paused_batches > 0 {
+            println!(
+                "                       block cache paused for {} batches (test hook)",
+                c.cache_paused_batches,
+            );
+        }
         if let Some(seed) = &c.seed {
             println!(
                 "                       seed: {} pages from the destination's image of {} ({} index, {} ms to index), {} pages sent as references",

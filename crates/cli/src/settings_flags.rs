@@ -26,6 +26,10 @@ pub struct SettingsFlags {
     /// Test hook (ferry): code the stream channel in this many shards (1 to 16).
     #[arg(long, hide = true)]
     pub test_shards: Option<u32>,
+    /// Test hook (ferry): pause and resume the stream's block caches every this many bytes of
+    /// QEMU's stream instead of when the agent's CPU is the limit.
+    #[arg(long, hide = true)]
+    pub test_cache_pause_bytes: Option<u64>,
     /// Test hook (ferry): flip one bit of the disks' data at this byte offset, after the
     /// source hashed it, to show that the destination's acknowledgement stops the migration.
     #[arg(long, hide = true)]
@@ -135,6 +139,7 @@ impl SettingsFlags {
             test_corrupt_disk_at: self.test_corrupt_disk_at,
             test_disk_stall_ms: self.test_disk_stall_ms,
             test_shards: self.test_shards,
+            test_cache_pause_bytes: self.test_cache_pause_bytes,
         };
         s.validate()?;
         Ok(s)

@@ -17,6 +17,10 @@
 //! block is in the cache); otherwise blocks (some or all from the cache) or raw. After any record except zero and unchanged,
 //! the blocks that missed the cache are inserted, in order; after any record the page becomes
 //! the key's version in the history (a zero page is forgotten instead).
+//!
+//! The block cache can be **paused** (both ends at the same record, which the caller's framing
+//! says): paused, pages are neither looked up nor inserted, so the cache stays as it was and
+//! resuming is consistent. Deltas and the history go on as before.
 
 use std::sync::Arc;
 
@@ -81,6 +85,8 @@ struct Dictionary {
     options: Options,
     cache: BlockCache,
     history: PageHistory,
+    /// The block cache is neither read nor written (see the module's documentation).
+    cache_paused: bool,
 }
 
 impl Dictionary {
@@ -99,7 +105,13 @@ impl Dictionary {
             cache: BlockCache::new(cache_bytes, hasher),
             history: PageHistory::new(history_bytes),
             options,
+            cache_paused: false,
         }
+    }
+
+    /// Whether pages are looked up in and added to the block cache now.
+    fn uses_cache(&self) -> bool {
+        self.cache.enabled() && !self.cache_paused
     }
 
     /// Each block's hash and its slot if the cache has it (looked up before any insertion).
@@ -169,6 +181,12 @@ impl Encoder {
         &self.stats
     }
 
+    /// Pauses or resumes the block cache from the next page on; the decoder must do the same
+    /// at the same record.
+    pub fn set_cache_paused(&mut self, paused: bool) {
+        self.dict.cache_paused = paused;
+    }
+
     /// Appends `page`'s record to `out` and returns how it was sent. `key` names the page
     /// (a guest-physical page, a disk block): the same key for the same page, every time.
     pub fn encode(&mut self, key: u64, page: &[u8], out: &mut Vec<u8>) -> PageKind {
@@ -182,8 +200,7 @@ impl Encoder {
                 .get(key)
                 .is_some_and(|b| b.as_slice() == page);
         // Zero and unchanged pages neither use nor change the block cache.
-        let found =
-            (self.dict.cache.enabled() && !zero && !unchanged).then(|| self.dict.lookup(page));
+        let found = (self.dict.uses_cache() && !zero && !unchanged).then(|| self.dict.lookup(page));
         let seeded = (!zero && !unchanged)
             .then(|| self.seed.as_ref()?.find(page))
             .flatten();
@@ -289,6 +306,11 @@ impl Decoder {
         self.seed = image;
     }
 
+    /// Pauses or resumes the block cache from the next record on, where the encoder did.
+    pub fn set_cache_paused(&mut self, paused: bool) {
+        self.dict.cache_paused = paused;
+    }
+
     /// Decodes the record at the front of `input` into `page`, advancing `input`; returns the
     /// page's key and how it was sent.
     pub fn decode(
@@ -349,7 +371,7 @@ impl Decoder {
             other => return Err(CodecError::UnknownTag(other)),
         };
         // The same update the encoder made: look the blocks up as it did, then remember.
-        let found = (self.dict.cache.enabled()
+        let found = (self.dict.uses_cache()
             && !matches!(kind, PageKind::Zero | PageKind::Unchanged))
         .then(|| self.dict.lookup(page));
         self.dict.remember(key, page, kind, found.as_ref());

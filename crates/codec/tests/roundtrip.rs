@@ -111,14 +111,24 @@ fn options() -> impl Strategy<Value = Options> {
 }
 
 /// Encodes every page in batches of `batch` records, decodes them, and checks each.
-fn roundtrip(
+fn roundtrip(pages: &[(u64, Vec<u8>)], enc: Encoder, dec: Decoder, batch: usize) -> Vec<PageKind> {
+    roundtrip_pausing(pages, enc, dec, batch, &[])
+}
+
+/// [`roundtrip`] with the block cache paused at both ends for batch i when `paused[i %
+/// paused.len()]` (never when empty), as a batch's framing would say.
+fn roundtrip_pausing(
     pages: &[(u64, Vec<u8>)],
     mut enc: Encoder,
     mut dec: Decoder,
     batch: usize,
+    paused: &[bool],
 ) -> Vec<PageKind> {
     let mut kinds = Vec::new();
-    for chunk in pages.chunks(batch.max(1)) {
+    for (i, chunk) in pages.chunks(batch.max(1)).enumerate() {
+        let pause = !paused.is_empty() && paused[i % paused.len()];
+        enc.set_cache_paused(pause);
+        dec.set_cache_paused(pause);
         let mut records = Vec::new();
         for (key, page) in chunk {
             kinds.push(enc.encode(*key, page, &mut records));
@@ -173,6 +183,23 @@ proptest! {
     }
 
     #[test]
+    fn every_page_comes_back_exactly_with_the_cache_paused_and_resumed(
+        opts in options(),
+        shapes in prop::collection::vec((0u64..24, shape()), 1..120),
+        batch in 1usize..20,
+        paused in prop::collection::vec(any::<bool>(), 1..8),
+    ) {
+        let pages = build(&shapes);
+        let kinds = roundtrip_pausing(&pages, Encoder::new(opts), Decoder::new(opts), batch, &paused);
+        // Paused, no page names the cache.
+        for (i, kind) in kinds.iter().enumerate() {
+            if paused[(i / batch) % paused.len()] {
+                prop_assert_ne!(*kind, PageKind::Blocks);
+            }
+        }
+    }
+
+    #[test]
     fn colliding_hashes_never_substitute_a_block(
         shapes in prop::collection::vec((0u64..24, shape()), 1..80),
     ) {
@@ -182,6 +209,46 @@ proptest! {
         let pages = build(&shapes);
         roundtrip(&pages, Encoder::with_hasher(opts, |_| 7), Decoder::with_hasher(opts, |_| 7), 8);
     }
+}
+
+#[test]
+fn a_paused_cache_keeps_what_it_held_and_learns_nothing() {
+    let opts = Options {
+        delta: false,
+        ..Options::default()
+    };
+    let (before, during) = (noise(1), noise(2));
+    // A page of a block seen before the pause and one seen only during it.
+    let mut mixed = noise(3);
+    mixed[..BLOCK_SIZE].copy_from_slice(&before[..BLOCK_SIZE]);
+    mixed[BLOCK_SIZE..2 * BLOCK_SIZE].copy_from_slice(&during[..BLOCK_SIZE]);
+    let pages = vec![(1, before.clone()), (2, during), (3, before), (4, mixed)];
+    // Batches of one page: the second and third go with the cache paused.
+    let kinds = roundtrip_pausing(
+        &pages,
+        Encoder::new(opts),
+        Decoder::new(opts),
+        1,
+        &[false, true, true, false],
+    );
+    assert_eq!(
+        kinds,
+        [
+            PageKind::Raw,
+            PageKind::Raw,
+            PageKind::Raw,
+            PageKind::Blocks
+        ]
+    );
+    // The last page found only the block from before the pause.
+    let mut enc = Encoder::new(opts);
+    let mut records = Vec::new();
+    enc.encode(1, &pages[0].1, &mut records);
+    enc.set_cache_paused(true);
+    enc.encode(2, &pages[1].1, &mut records);
+    enc.set_cache_paused(false);
+    enc.encode(4, &pages[3].1, &mut records);
+    assert_eq!(enc.stats().block_hits, 1);
 }
 
 #[test]

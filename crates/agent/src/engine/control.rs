@@ -119,7 +119,9 @@ pub struct ImageShape {
 /// would take it for a wrong answer to `Prepare`).
 /// 17: `Prepare.shards`: the stream channel's codec in units of shard lanes and order units
 /// ([`crate::engine::pipeline`]; a version-16 destination would read them as batches).
-pub const CONTROL_VERSION: u32 = 17;
+/// 18: a shard unit's flag says its batch was coded with the block cache paused
+/// ([`crate::engine::pipeline::governor`]; a version-17 destination refuses unit flags).
+pub const CONTROL_VERSION: u32 = 18;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::{Bytes, BytesMut};
-use ferry_api::agent::{Destination, MigrationRequest, MigrationState, Phase};
+use ferry_api::agent::{CodecReport, Destination, MigrationRequest, MigrationState, Phase};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{
     Capability, Cont, Migrate, MigrateCancel, MigrateContinue, MigrateSetCapabilities,
@@ -38,7 +38,7 @@ use crate::engine::disk::mirror::{
 };
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
-use crate::engine::pipeline::{Shape, ShardedEncoder, SourcePipeline};
+use crate::engine::pipeline::{CachePauser, Shape, ShardedEncoder, SourcePipeline};
 use crate::engine::postcopy;
 use crate::engine::postcopy_recovery;
 use crate::engine::preempt;
@@ -1035,6 +1035,13 @@ async fn stream(
         } else {
             MAX_FRAME
         };
+        // The block caches paused while the pump, not QEMU or the link, is the limit: told
+        // how long the pump waits for either.
+        let mut pauser = CachePauser::new(
+            codec.is_some() && req.settings.codec.dedup,
+            req.settings.test_cache_pause_bytes,
+            Instant::now(),
+        );
         loop {
             // Take what QEMU has written so far; when it has nothing more right now, send
             // what was parsed even if it is less than a frame: QEMU may be waiting for an
@@ -1047,6 +1054,7 @@ async fn stream(
                 .outstanding(session.unacked_bytes_on(STREAM));
             if outstanding > PAGE_WINDOW {
                 rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, true, true).await?;
+                let waiting = Instant::now();
                 send_stream(session, ledger, &mut out, &mut stream_sent, true, max_frame).await?;
                 let allowed = ledger
                     .lock()
@@ -1055,6 +1063,7 @@ async fn stream(
                 if let Some(bytes) = allowed {
                     session.unacked_at_most(STREAM, bytes).await?;
                 }
+                pauser.waited(waiting.elapsed());
             }
             input.reserve(CHUNK);
             let (eof, drained) = match from_qemu.try_read_buf(&mut input) {
@@ -1119,12 +1128,22 @@ async fn stream(
             round_out |=
                 rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, drained, eof).await?;
             let all = drained || round_out;
+            // Sending waits only while the send window is full.
+            let waiting = Instant::now();
             let sent =
                 send_stream(session, ledger, &mut out, &mut stream_sent, all, max_frame).await?;
+            let now = Instant::now();
+            pauser.waited(now - waiting);
+            if let (Some(paused), Some(codec)) = (pauser.poll(now, total), codec.as_mut()) {
+                codec.set_cache_paused(paused).await?;
+            }
             // Every turn that sent: the switchover's steering reads the codec's resend cost
             // from the status, so it is kept as fresh as the stream.
             if sent {
-                let report = codec.as_ref().map(SourcePipeline::report);
+                let report = codec.as_ref().map(|codec| CodecReport {
+                    cache_paused_ms: pauser.paused_ms(now),
+                    ..codec.report()
+                });
                 status.update(|s| {
                     s.stream_bytes = total;
                     s.codec = report;
@@ -1141,8 +1160,13 @@ async fn stream(
                         None => std::future::pending().await,
                     }
                 };
+                let waiting = Instant::now();
                 tokio::select! {
-                    ready = from_qemu.readable() => ready.context("waiting for QEMU's stream")?,
+                    ready = from_qemu.readable() => {
+                        ready.context("waiting for QEMU's stream")?;
+                        pauser.waited(waiting.elapsed());
+                    }
+                    // Waiting for the codec's threads is the pump's work, not idle time.
                     coded = coded => coded?,
                 }
             }

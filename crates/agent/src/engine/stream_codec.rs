@@ -253,7 +253,8 @@ impl StreamEncoder {
 
     /// Closes the open batch (if any) and appends it, framed, to `out`.
     pub fn flush(&mut self, out: &mut BytesMut) {
-        if let Some(batch) = self.batches.close(4) {
+        // This framing has no room to say the cache was paused; nothing pauses it here.
+        if let Some((batch, _)) = self.batches.close(4) {
             out.put_u32_le(u32::try_from(batch.len()).expect("batches are far below 4 GiB"));
             out.extend_from_slice(batch);
         }
@@ -282,6 +283,11 @@ pub(crate) struct BatchEncoder {
     open_opaque: Option<usize>,
     /// QEMU's bytes in the open batch.
     batch_qemu: usize,
+    /// The block cache is paused for the open batch (a batch codes all its pages alike, and
+    /// its framing says which way), and what [`BatchEncoder::set_cache_paused`] asked for
+    /// from the next batch on.
+    cache_paused: bool,
+    cache_paused_next: bool,
     sent: SentPages,
     resend: ResendCost,
     report: CodecReport,
@@ -302,6 +308,8 @@ impl BatchEncoder {
             batch: Vec::with_capacity(BATCH_BYTES + 2 * PAGE_SIZE),
             open_opaque: None,
             batch_qemu: 0,
+            cache_paused: false,
+            cache_paused_next: false,
             sent: SentPages::default(),
             resend: ResendCost::default(),
             report: CodecReport {
@@ -314,6 +322,20 @@ impl BatchEncoder {
     pub(crate) fn set_seed(&mut self, index: Arc<SeedIndex>, offer: SeedReport) {
         self.pages.set_seed(index);
         self.report.seed = Some(offer);
+    }
+
+    /// Pauses or resumes the block cache from the next batch on (at once when none is open).
+    pub(crate) fn set_cache_paused(&mut self, paused: bool) {
+        self.cache_paused_next = paused;
+        if self.records.is_empty() {
+            self.start_batch();
+        }
+    }
+
+    /// What the next batch codes with.
+    fn start_batch(&mut self) {
+        self.cache_paused = self.cache_paused_next;
+        self.pages.set_cache_paused(self.cache_paused);
     }
 
     /// Counts `qemu_bytes` of QEMU's stream taken into the open batch (an item's, once,
@@ -370,11 +392,16 @@ impl BatchEncoder {
         self.records.len() >= BATCH_BYTES || self.batch_qemu >= BATCH_QEMU_BYTES
     }
 
-    /// Closes the open batch and returns it compressed (`None`: nothing was open);
-    /// `framing` is what the caller adds in front of it on the wire.
-    pub(crate) fn close(&mut self, framing: usize) -> Option<&[u8]> {
+    /// Closes the open batch and returns it compressed, and whether the block cache was
+    /// paused for it (`None`: nothing was open); `framing` is what the caller adds in front
+    /// of it on the wire.
+    pub(crate) fn close(&mut self, framing: usize) -> Option<(&[u8], bool)> {
         if self.records.is_empty() {
             return None;
+        }
+        let cache_paused = self.cache_paused;
+        if cache_paused {
+            self.report.cache_paused_batches += 1;
         }
         self.batch.clear();
         let compressed = self.zstd.compress(&self.records, &mut self.batch);
@@ -393,7 +420,8 @@ impl BatchEncoder {
         self.records.clear();
         self.batch_qemu = 0;
         self.open_opaque = None;
-        Some(&self.batch)
+        self.start_batch();
+        Some((&self.batch, cache_paused))
     }
 
     /// The resend cost's decayed sums: (QEMU bytes, wire bytes).
@@ -523,6 +551,11 @@ impl BatchDecoder {
 
     pub(crate) fn set_seed(&mut self, image: SeedImage) {
         self.pages.set_seed(image);
+    }
+
+    /// Pauses or resumes the block cache from the next batch on, as the encoder did.
+    pub(crate) fn set_cache_paused(&mut self, paused: bool) {
+        self.pages.set_cache_paused(paused);
     }
 
     /// Appends QEMU's bytes for one whole `batch` to `out`.

@@ -24,11 +24,14 @@ const WAN_TIMEOUT_S: u64 = 3;
 
 /// The stream channel in three shards (`engine::pipeline`): every fault below meets a stream
 /// of shard lanes and order units, replayed across reconnects in order. One shard, what the
-/// agents choose today, and sixteen are in the first test.
+/// agents choose today, and sixteen are in the first test. The block caches pause and resume
+/// every 64 KiB of QEMU's stream (the governor's doing when the CPU is the limit), so the
+/// replays carry units of both kinds.
 fn settings() -> MigrationSettings {
     MigrationSettings {
         wan_timeout_s: WAN_TIMEOUT_S,
         test_shards: Some(3),
+        test_cache_pause_bytes: Some(64 << 10),
         ..MigrationSettings::default()
     }
 }
@@ -146,6 +149,10 @@ async fn a_migration_commits_with_every_byte_in_each_codec_connection_count_and_
         assert_committed(&pair, &status);
         assert_eq!(status.stream_bytes, captured_stream().len() as u64);
         assert!(pair.destination.seen().ran("cont"));
+        if codec.dedup {
+            let report = status.codec.as_ref().expect("the codec's report");
+            assert!(report.cache_paused_batches > 0, "{report:?}");
+        }
         // The agent paces the WAN; QEMU's own cap (128 MiB/s by default) must not pace the
         // local hop into it.
         let max_bandwidth = &pair.source.seen().parameters["max-bandwidth"];

@@ -18,15 +18,16 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use bytes::BytesMut;
 use tokio::sync::mpsc;
 
-use super::{next_unit, ShardDecoder, Splicer, ORDER_LANE};
+use super::{next_unit, ShardDecoder, Splicer, Unit, ORDER_LANE};
 use crate::engine::stream_codec::MAX_BATCH_DECODED;
 
 /// Units queued per worker before the caller waits.
 const UNITS_QUEUED: usize = 8;
 
 /// One shard unit's body, for shard `shard`.
-struct Unit {
+struct ShardUnit {
     shard: usize,
+    cache_paused: bool,
     body: BytesMut,
 }
 
@@ -50,7 +51,7 @@ struct Round {
 /// The destination's half of the sharded codec with its shards on `workers` threads.
 pub struct ThreadedDecoder {
     input: BytesMut,
-    workers: Vec<mpsc::Sender<Unit>>,
+    workers: Vec<mpsc::Sender<ShardUnit>>,
     answers: mpsc::UnboundedReceiver<Answer>,
     /// Per worker, its decoded units not yet placed: (shard, QEMU's bytes), oldest first.
     decoded: Vec<VecDeque<(usize, BytesMut)>>,
@@ -123,7 +124,12 @@ impl ThreadedDecoder {
     /// (waiting while a worker's queue is full), order units wait for their round.
     pub async fn feed(&mut self, bytes: &[u8]) -> Result<()> {
         self.input.extend_from_slice(bytes);
-        while let Some((lane, body)) = next_unit(&mut self.input)? {
+        while let Some(Unit {
+            lane,
+            cache_paused,
+            body,
+        }) = next_unit(&mut self.input)?
+        {
             if lane == ORDER_LANE {
                 let units = std::mem::replace(&mut self.open, vec![0; self.workers.len()]);
                 self.rounds.push_back(Round { order: body, units });
@@ -136,7 +142,12 @@ impl ThreadedDecoder {
                 self.shards
             );
             let w = shard % self.workers.len();
-            if self.workers[w].send(Unit { shard, body }).await.is_err() {
+            let unit = ShardUnit {
+                shard,
+                cache_paused,
+                body,
+            };
+            if self.workers[w].send(unit).await.is_err() {
                 return Err(self.failure());
             }
             self.open[w] += 1;
@@ -264,7 +275,7 @@ fn run(
     worker: usize,
     workers: usize,
     mut shards: Vec<ShardDecoder>,
-    mut units: mpsc::Receiver<Unit>,
+    mut units: mpsc::Receiver<ShardUnit>,
     answers: &mpsc::UnboundedSender<Answer>,
     stop: &AtomicBool,
 ) {
@@ -274,16 +285,17 @@ fn run(
             return;
         }
         let mut bytes = BytesMut::new();
-        let answer = match shards[unit.shard / workers].decode(&unit.body, &mut bytes) {
-            Ok(()) => Answer::Decoded {
-                worker,
-                shard: unit.shard,
-                bytes,
-            },
-            Err(e) => Answer::Failed {
-                error: format!("shard {}: {e:#}", unit.shard),
-            },
-        };
+        let answer =
+            match shards[unit.shard / workers].decode(&unit.body, unit.cache_paused, &mut bytes) {
+                Ok(()) => Answer::Decoded {
+                    worker,
+                    shard: unit.shard,
+                    bytes,
+                },
+                Err(e) => Answer::Failed {
+                    error: format!("shard {}: {e:#}", unit.shard),
+                },
+            };
         let failed = matches!(answer, Answer::Failed { .. });
         if answers.send(answer).is_err() || failed {
             return;

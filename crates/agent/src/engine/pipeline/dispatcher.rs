@@ -162,7 +162,7 @@ impl Dispatcher {
         self.body.clear();
         self.compressor
             .compress(&self.records, self.level, &mut self.body);
-        put_unit(out, ORDER_LANE, &self.body);
+        put_unit(out, ORDER_LANE, 0, &self.body);
         self.order_bytes += (UNIT_HEADER + self.body.len()) as u64;
         self.runs.clear();
         self.run_count = 0;
@@ -193,5 +193,5 @@ pub(super) fn order_unit(runs: &[(u8, u64)], serial: &[u8], out: &mut BytesMut) 
     records.extend_from_slice(serial);
     let mut body = Vec::new();
     ferry_codec::compress_batch(&records, None, &mut body);
-    put_unit(out, ORDER_LANE, &body);
+    put_unit(out, ORDER_LANE, 0, &body);
 }

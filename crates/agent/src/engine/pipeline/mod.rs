@@ -14,7 +14,8 @@
 //! lane 0  : an order unit; body = a ferry_codec batch of
 //!           varint n, run * n, serial bytes       run := varint(bytes << 5 | lane)
 //! lane s  : (1..=S) a batch of shard s-1, as crate::engine::stream_codec's records
-//! flags   : 0 (other values are refused)
+//! flags   : bit 0 (shard lanes only): the batch was coded with the shard's block cache
+//!           paused (ferry_codec::page); other bits are refused
 //! ```
 //!
 //! A run says "the next `bytes` of QEMU's stream come from `lane`'s decoded output" (lane 0:
@@ -39,6 +40,7 @@
 mod decode_workers;
 mod destination_side;
 mod dispatcher;
+pub mod governor;
 mod shard;
 mod sharded;
 mod source_side;
@@ -48,6 +50,7 @@ mod workers;
 pub use decode_workers::ThreadedDecoder;
 pub use destination_side::DestinationPipeline;
 pub use dispatcher::{Dispatcher, Route};
+pub use governor::{CachePauser, Governor};
 pub use shard::{ShardDecoder, ShardEncoder};
 pub use sharded::{ShardedDecoder, ShardedEncoder};
 pub use source_side::SourcePipeline;
@@ -68,6 +71,8 @@ pub const UNIT_HEADER: usize = 6;
 pub const MAX_UNIT: usize = MAX_FRAMED + 2;
 /// Bits of a run's lane.
 const LANE_BITS: u32 = 5;
+/// A unit's flag: its batch was coded with the block cache paused.
+const UNIT_CACHE_PAUSED: u8 = 1;
 
 /// How the stream channel is coded: in how many shards, and on how many threads of their own
 /// (0: on the pump's task).
@@ -128,8 +133,16 @@ pub fn shard_options(settings: CodecSettings, history_bytes: u64, shards: usize)
     }
 }
 
-/// Takes the next whole unit off `input`: its lane and body (none: not all of it is there).
-fn next_unit(input: &mut BytesMut) -> anyhow::Result<Option<(u8, BytesMut)>> {
+/// One unit as read: its lane, whether its batch was coded with the block cache paused, its
+/// body.
+struct Unit {
+    lane: u8,
+    cache_paused: bool,
+    body: BytesMut,
+}
+
+/// Takes the next whole unit off `input` (none: not all of it is there).
+fn next_unit(input: &mut BytesMut) -> anyhow::Result<Option<Unit>> {
     if input.len() < UNIT_HEADER {
         return Ok(None);
     }
@@ -142,18 +155,30 @@ fn next_unit(input: &mut BytesMut) -> anyhow::Result<Option<(u8, BytesMut)>> {
         return Ok(None);
     }
     let (lane, flags) = (input[4], input[5]);
-    anyhow::ensure!(flags == 0, "codec unit with unknown flags {flags:#04x}");
+    let known = if lane == ORDER_LANE {
+        0
+    } else {
+        UNIT_CACHE_PAUSED
+    };
+    anyhow::ensure!(
+        flags & !known == 0,
+        "codec unit for lane {lane} with unknown flags {flags:#04x}"
+    );
     input.advance(UNIT_HEADER);
-    Ok(Some((lane, input.split_to(len - 2))))
+    Ok(Some(Unit {
+        lane,
+        cache_paused: flags & UNIT_CACHE_PAUSED != 0,
+        body: input.split_to(len - 2),
+    }))
 }
 
 /// Appends one unit to `out`.
-fn put_unit(out: &mut BytesMut, lane: u8, body: &[u8]) {
+fn put_unit(out: &mut BytesMut, lane: u8, flags: u8, body: &[u8]) {
     let len = u32::try_from(body.len() + 2).expect("units are far below 4 GiB");
     out.reserve(UNIT_HEADER + body.len());
     out.put_u32_le(len);
     out.put_u8(lane);
-    out.put_u8(0);
+    out.put_u8(flags);
     out.extend_from_slice(body);
 }
 

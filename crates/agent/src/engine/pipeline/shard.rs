@@ -8,7 +8,7 @@ use bytes::BytesMut;
 use ferry_api::agent::{CodecReport, CodecSettings, SeedReport};
 use ferry_codec::{SeedImage, SeedIndex};
 
-use super::{put_unit, shard_options, UNIT_HEADER};
+use super::{put_unit, shard_options, UNIT_CACHE_PAUSED, UNIT_HEADER};
 use crate::engine::stream_codec::{BatchDecoder, BatchEncoder};
 
 /// The source's half of one shard: the pages and records the dispatcher routed to it in,
@@ -60,10 +60,16 @@ impl ShardEncoder {
         self.batches.is_full()
     }
 
+    /// Pauses or resumes the block cache from the next batch on (the unit says so).
+    pub fn set_cache_paused(&mut self, paused: bool) {
+        self.batches.set_cache_paused(paused);
+    }
+
     /// Closes the open batch (if any) and appends it to `out` as a unit of this shard's lane.
     pub fn flush(&mut self, out: &mut BytesMut) {
-        if let Some(batch) = self.batches.close(UNIT_HEADER) {
-            put_unit(out, self.lane, batch);
+        if let Some((batch, cache_paused)) = self.batches.close(UNIT_HEADER) {
+            let flags = if cache_paused { UNIT_CACHE_PAUSED } else { 0 };
+            put_unit(out, self.lane, flags, batch);
         }
     }
 
@@ -102,9 +108,10 @@ impl ShardDecoder {
         self.batches.set_seed(image);
     }
 
-    /// Appends the QEMU bytes of one unit's `body` to `out`; a page that is not this shard's
-    /// is an error.
-    pub fn decode(&mut self, body: &[u8], out: &mut BytesMut) -> Result<()> {
+    /// Appends the QEMU bytes of one unit's `body` to `out`, coded with the block cache
+    /// paused or not as its flags said; a page that is not this shard's is an error.
+    pub fn decode(&mut self, body: &[u8], cache_paused: bool, out: &mut BytesMut) -> Result<()> {
+        self.batches.set_cache_paused(cache_paused);
         self.batches.decode(body, out)
     }
 }

@@ -9,7 +9,7 @@ use ferry_api::agent::{CodecReport, CodecSettings, SeedReport, ZstdLevelReport};
 use ferry_codec::{SeedImage, SeedIndex};
 use ferry_qemu::stream::Item;
 
-use super::{next_unit, Dispatcher, Route, ShardDecoder, ShardEncoder, Splicer, ORDER_LANE};
+use super::{next_unit, Dispatcher, Route, ShardDecoder, ShardEncoder, Splicer, Unit, ORDER_LANE};
 use crate::engine::stream_codec::resend_estimate;
 
 /// The source's half: items in, units out, a round closed where the caller flushes (every
@@ -76,6 +76,13 @@ impl ShardedEncoder {
     /// destination as soon as with the single encoder.
     pub fn is_full(&self) -> bool {
         self.shard_full || self.dispatcher.round_is_full()
+    }
+
+    /// Pauses or resumes every shard's block cache from its next batch on.
+    pub fn set_cache_paused(&mut self, paused: bool) {
+        for shard in &mut self.shards {
+            shard.set_cache_paused(paused);
+        }
     }
 
     /// Closes the round: every shard's open batch, then the order unit.
@@ -166,6 +173,7 @@ fn add_report(sum: &mut CodecReport, r: CodecReport) {
     sum.delta += r.delta;
     sum.blocks += r.blocks;
     sum.block_hits += r.block_hits;
+    sum.cache_paused_batches += r.cache_paused_batches;
     sum.seeded += r.seeded;
     // A level some shard's latest batch was compressed at.
     sum.zstd_level = sum.zstd_level.or(r.zstd_level);
@@ -216,7 +224,12 @@ impl ShardedDecoder {
     /// complete to `out`.
     pub fn feed(&mut self, bytes: &[u8], out: &mut BytesMut) -> Result<()> {
         self.input.extend_from_slice(bytes);
-        while let Some((lane, body)) = next_unit(&mut self.input)? {
+        while let Some(Unit {
+            lane,
+            cache_paused,
+            body,
+        }) = next_unit(&mut self.input)?
+        {
             if lane == ORDER_LANE {
                 self.splicer.splice(&body, out)?;
                 continue;
@@ -229,7 +242,7 @@ impl ShardedDecoder {
                 );
             };
             decoder
-                .decode(&body, self.splicer.lane(shard))
+                .decode(&body, cache_paused, self.splicer.lane(shard))
                 .with_context(|| format!("shard {shard}"))?;
             self.splicer.check_held()?;
         }

@@ -48,6 +48,17 @@ impl SourcePipeline {
         }
     }
 
+    /// Pauses or resumes every shard's block cache from its next batch on.
+    pub async fn set_cache_paused(&mut self, paused: bool) -> Result<()> {
+        match self {
+            SourcePipeline::Inline { encoder, .. } => {
+                encoder.set_cache_paused(paused);
+                Ok(())
+            }
+            SourcePipeline::Threaded(encoder) => encoder.set_cache_paused(paused).await,
+        }
+    }
+
     pub fn is_full(&self) -> bool {
         match self {
             SourcePipeline::Inline { encoder, .. } => encoder.is_full(),

@@ -106,6 +106,19 @@ async fn threaded_round_trip(
     threads: usize,
     round_items: usize,
 ) -> (Vec<u8>, CodecReport) {
+    pausing_round_trip(stream, settings, shards, threads, round_items, 0).await
+}
+
+/// [`threaded_round_trip`] with the block cache paused and resumed every `pause_items` items
+/// (0: never).
+async fn pausing_round_trip(
+    stream: &[u8],
+    settings: CodecSettings,
+    shards: usize,
+    threads: usize,
+    round_items: usize,
+    pause_items: u64,
+) -> (Vec<u8>, CodecReport) {
     let mut parser = StreamParser::new();
     let mut input = BytesMut::from(stream);
     let encoder = ShardedEncoder::new(settings, HISTORY, LINK_MBIT, shards);
@@ -126,6 +139,10 @@ async fn threaded_round_trip(
         item.encode(&mut qemu);
         enc.push(&item, &qemu).await.unwrap();
         items += 1;
+        if pause_items > 0 && items % pause_items == 0 {
+            let paused = items / pause_items % 2 == 1;
+            enc.set_cache_paused(paused).await.unwrap();
+        }
         if enc.is_full() || items % round_items as u64 == 0 {
             // The mark: how many items the round ends after.
             enc.close_round(&mut wire, items).await.unwrap();
@@ -196,6 +213,35 @@ async fn captured_streams_come_back_byte_for_byte_with_shards_on_threads() {
                 );
                 assert!(report.order_bytes > 0, "{name}");
             }
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_block_cache_paused_and_resumed_anywhere_keeps_every_stream_whole() {
+    for (name, stream) in captured() {
+        for (shards, threads) in [(1, 0), (3, 0), (3, 2), (8, 3)] {
+            let mut paused_batches = 0;
+            for (round_items, pause_items) in [(50, 7), (9, 40), (201, 1)] {
+                let (out, report) = pausing_round_trip(
+                    &stream,
+                    CodecSettings::ALL,
+                    shards,
+                    threads,
+                    round_items,
+                    pause_items,
+                )
+                .await;
+                assert!(
+                    out == stream,
+                    "{name}: {shards} shards on {threads} threads, paused every {pause_items}"
+                );
+                paused_batches += report.cache_paused_batches;
+            }
+            assert!(
+                paused_batches > 0,
+                "{name}: {shards} shards: no batch went with the cache paused"
+            );
         }
     }
 }
@@ -554,10 +600,12 @@ fn damaged_units_are_errors() {
     assert!(decode_error(2, &wire).contains("announced, outside 2..="));
     assert!(decode_error(2, &[1, 0, 0, 0, 0, 0]).contains("announced, outside 2..="));
     // Unknown flags.
-    assert!(decode_error(2, &[2, 0, 0, 0, 1, 0x80]).contains("unknown flags 0x80"));
+    assert!(decode_error(2, &[2, 0, 0, 0, 1, 0x80]).contains("lane 1 with unknown flags 0x80"));
+    // The paused cache's flag on an order unit, which has no cache.
+    assert!(decode_error(2, &[2, 0, 0, 0, 0, 1]).contains("lane 0 with unknown flags 0x01"));
     // A lane beyond the stream's shards.
     let mut wire = BytesMut::new();
-    put_unit(&mut wire, 3, &[0, 0]);
+    put_unit(&mut wire, 3, 0, &[0, 0]);
     assert!(decode_error(2, &wire).contains("lane 3, beyond the stream's 2 shards"));
 }
 

@@ -42,6 +42,8 @@ enum Job {
     Records(Vec<u8>),
     /// The round ends: every shard's open batch, then the units and reports back.
     Close,
+    /// Every shard's block cache paused or resumed from its next batch on.
+    CachePaused(bool),
 }
 
 /// What a worker says back.
@@ -241,6 +243,19 @@ impl ThreadedEncoder {
         Ok(())
     }
 
+    /// Pauses or resumes every shard's block cache from its next batch on, after the records
+    /// routed so far.
+    pub async fn set_cache_paused(&mut self, paused: bool) -> Result<()> {
+        for worker in &mut self.workers {
+            if !worker.pending.is_empty() {
+                let job = std::mem::take(&mut worker.pending);
+                send(worker, Job::Records(job)).await?;
+            }
+            send(worker, Job::CachePaused(paused)).await?;
+        }
+        Ok(())
+    }
+
     /// Appends every closed round whose units are all back to `out`, in order (with `wait`,
     /// every closed round), and returns the mark of the last one appended.
     pub async fn collect(&mut self, out: &mut BytesMut, wait: bool) -> Result<Option<u64>> {
@@ -341,6 +356,11 @@ fn run(
                 code(&records, &mut shards, workers, &mut units);
                 records.clear();
                 let _ = spare.send(records);
+            }
+            Job::CachePaused(paused) => {
+                for (_, shard) in &mut shards {
+                    shard.set_cache_paused(paused);
+                }
             }
             Job::Close => {
                 for (_, shard) in &mut shards {
