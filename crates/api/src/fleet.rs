@@ -341,14 +341,33 @@ fn parse_with_settings<T: serde::de::DeserializeOwned>(
 ) -> Result<T, String> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))?;
+    // Every field named, none left to `..Default` (a new setting that is not added here does
+    // not compile), each optional one set: an unset one is not serialized, and its name would
+    // be refused.
+    let d = MigrationSettings::default();
     let every_setting = MigrationSettings {
+        connections: d.connections,
+        downtime_ms: d.downtime_ms,
+        converge: d.converge,
+        qemu_switchover_rule: d.qemu_switchover_rule,
+        smart_stop: d.smart_stop,
+        wan_timeout_s: d.wan_timeout_s,
+        timeout_s: d.timeout_s,
+        return_path: d.return_path,
+        postcopy: d.postcopy,
+        postcopy_at_throttle_pct: Some(0),
+        codec: d.codec,
         seed_from: Some(String::new()),
+        disk_mode: d.disk_mode,
+        disk_buffer_mib: d.disk_buffer_mib,
+        disk_bitmaps: d.disk_bitmaps,
+        disk_background_copy: d.disk_background_copy,
+        disk_pacing_floor_pct: Some(0),
         test_corrupt_at: Some(0),
         test_corrupt_disk_at: Some(0),
         test_disk_stall_ms: Some(0),
         test_shards: Some(1),
         test_cache_pause_bytes: Some(1),
-        ..MigrationSettings::default()
     };
     let settings = serde_json::to_value(every_setting).map_err(|e| e.to_string())?;
     let known = |key: &str| fields.contains(&key) || settings.get(key).is_some();
@@ -763,4 +782,29 @@ pub struct PlanMove {
 pub struct Unplanned {
     pub name: String,
     pub why: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_setting_is_a_known_field_and_a_typo_is_not() {
+        for (field, value) in [
+            ("downtime_limit_ms", "300"),
+            ("postcopy_at_throttle_pct", "40"),
+            ("disk_pacing_floor_pct", "50"),
+            ("seed_from", "\"web-0\""),
+            ("test_cache_pause_bytes", "65536"),
+        ] {
+            let body = format!("{{\"vm\": \"web-1\", \"{field}\": {value}}}");
+            FleetMigrationRequest::parse(body.as_bytes())
+                .unwrap_or_else(|e| panic!("{field}: {e}"));
+            let body = format!("{{\"vms\": [\"web-1\"], \"{field}\": {value}}}");
+            FleetGroupRequest::parse(body.as_bytes()).unwrap_or_else(|e| panic!("{field}: {e}"));
+        }
+        let err =
+            FleetMigrationRequest::parse(br#"{"vm": "web-1", "downtime_ms": 300}"#).unwrap_err();
+        assert_eq!(err, "unknown field \"downtime_ms\" in the request");
+    }
 }
