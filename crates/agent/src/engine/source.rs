@@ -1086,10 +1086,14 @@ async fn stream(
                     Some(codec) => {
                         ledger.lock().expect("ledger lock").read(pages);
                         codec.push(&item, &item_bytes).await?;
-                        if codec.is_full() {
+                        let pause = pauser.after_item(total);
+                        if codec.is_full() || pause.is_some() {
                             round_out |=
                                 rounds_out(Some(codec), &mut out, ledger, stream_sent, true, false)
                                     .await?;
+                        }
+                        if let Some(paused) = pause {
+                            codec.set_cache_paused(paused).await?;
                         }
                     }
                     None => {
@@ -1127,6 +1131,13 @@ async fn stream(
             // end, every round.
             round_out |=
                 rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, drained, eof).await?;
+            let change = pauser.after_turn(Instant::now());
+            if let (Some(paused), Some(codec)) = (change, codec.as_mut()) {
+                // The round closes first, so the change applies from every shard's next batch.
+                round_out |=
+                    rounds_out(Some(codec), &mut out, ledger, stream_sent, true, false).await?;
+                codec.set_cache_paused(paused).await?;
+            }
             let all = drained || round_out;
             // Sending waits only while the send window is full.
             let waiting = Instant::now();
@@ -1134,9 +1145,6 @@ async fn stream(
                 send_stream(session, ledger, &mut out, &mut stream_sent, all, max_frame).await?;
             let now = Instant::now();
             pauser.waited(now - waiting);
-            if let (Some(paused), Some(codec)) = (pauser.poll(now, total), codec.as_mut()) {
-                codec.set_cache_paused(paused).await?;
-            }
             // Every turn that sent: the switchover's steering reads the codec's resend cost
             // from the status, so it is kept as fresh as the stream.
             if sent {

@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use bytes::BytesMut;
 use tokio::sync::mpsc;
 
-use super::{next_unit, ShardDecoder, Splicer, Unit, ORDER_LANE};
+use super::{next_unit, saying_panics, ShardDecoder, Splicer, Unit, ORDER_LANE};
 use crate::engine::stream_codec::MAX_BATCH_DECODED;
 
 /// Units queued per worker before the caller waits.
@@ -38,7 +38,7 @@ enum Answer {
         shard: usize,
         bytes: BytesMut,
     },
-    /// The unit did not decode (or the worker panicked: no unit).
+    /// The unit did not decode, or the worker panicked.
     Failed { error: String },
 }
 
@@ -112,7 +112,14 @@ impl ThreadedDecoder {
             let (answer_tx, stop) = (answer_tx.clone(), stop.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-{w}"))
-                .spawn(move || run(w, workers, shards, queue, &answer_tx, &stop))
+                .spawn(move || {
+                    saying_panics(
+                        || run(w, workers, shards, queue, &answer_tx, &stop),
+                        |error| {
+                            let _ = answer_tx.send(Answer::Failed { error });
+                        },
+                    );
+                })
                 .context("starting a codec thread")?;
             decoder.threads.push(thread);
             decoder.workers.push(units);
@@ -279,7 +286,6 @@ fn run(
     answers: &mpsc::UnboundedSender<Answer>,
     stop: &AtomicBool,
 ) {
-    let _said = SayIfPanicking(answers);
     while let Some(unit) = units.blocking_recv() {
         if stop.load(Ordering::Relaxed) {
             return;
@@ -299,19 +305,6 @@ fn run(
         let failed = matches!(answer, Answer::Failed { .. });
         if answers.send(answer).is_err() || failed {
             return;
-        }
-    }
-}
-
-/// Tells the decoder when its worker panics: the other workers keep the channel open.
-struct SayIfPanicking<'a>(&'a mpsc::UnboundedSender<Answer>);
-
-impl Drop for SayIfPanicking<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let _ = self.0.send(Answer::Failed {
-                error: "a codec thread panicked".into(),
-            });
         }
     }
 }

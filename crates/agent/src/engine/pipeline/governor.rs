@@ -168,19 +168,25 @@ impl CachePauser {
         }
     }
 
-    /// Whether the caches should change now (`Some(paused)`), `stream_bytes` of QEMU's
-    /// stream read so far.
-    pub fn poll(&mut self, now: Instant, stream_bytes: u64) -> Option<bool> {
+    /// After each item of QEMU's stream (`stream_bytes` read so far): whether the test
+    /// hook changes the caches now (`Some(paused)`).
+    pub fn after_item(&mut self, stream_bytes: u64) -> Option<bool> {
+        let CachePauser::Every { bytes, paused } = self else {
+            return None;
+        };
+        let now_paused = stream_bytes / *bytes % 2 == 1;
+        (now_paused != *paused).then(|| {
+            *paused = now_paused;
+            now_paused
+        })
+    }
+
+    /// After each turn of the pump: whether the governor changes the caches now
+    /// (`Some(paused)`).
+    pub fn after_turn(&mut self, now: Instant) -> Option<bool> {
         match self {
-            CachePauser::Never => None,
             CachePauser::Governed(governor) => governor.poll(now),
-            CachePauser::Every { bytes, paused } => {
-                let now_paused = stream_bytes / *bytes % 2 == 1;
-                (now_paused != *paused).then(|| {
-                    *paused = now_paused;
-                    now_paused
-                })
-            }
+            _ => None,
         }
     }
 

@@ -172,6 +172,21 @@ fn next_unit(input: &mut BytesMut) -> anyhow::Result<Option<Unit>> {
     }))
 }
 
+/// Runs a codec thread's `work`; if it panics, `say` gets the panic's message. The other
+/// workers keep the answer channel open, so without a word the pipeline would wait for the
+/// panicked worker's answer forever.
+fn saying_panics(work: impl FnOnce(), say: impl FnOnce(String)) {
+    let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) else {
+        return;
+    };
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".to_owned());
+    say(format!("a codec thread panicked: {message}"));
+}
+
 /// Appends one unit to `out`.
 fn put_unit(out: &mut BytesMut, lane: u8, flags: u8, body: &[u8]) {
     let len = u32::try_from(body.len() + 2).expect("units are far below 4 GiB");

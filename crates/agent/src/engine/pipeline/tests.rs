@@ -592,6 +592,24 @@ fn decode_error(shards: usize, wire: &[u8]) -> String {
 }
 
 #[test]
+fn a_codec_threads_panic_is_said_with_its_message() {
+    let said = |work: Box<dyn FnOnce()>| {
+        let mut message = None;
+        super::saying_panics(work, |m| message = Some(m));
+        message
+    };
+    assert_eq!(said(Box::new(|| {})), None);
+    assert_eq!(
+        said(Box::new(|| panic!("shard {} out of step", 3))).as_deref(),
+        Some("a codec thread panicked: shard 3 out of step")
+    );
+    assert_eq!(
+        said(Box::new(|| panic!("a literal"))).as_deref(),
+        Some("a codec thread panicked: a literal")
+    );
+}
+
+#[test]
 fn damaged_units_are_errors() {
     // A unit longer than any encoder makes, or too short to hold its lane and flags.
     let mut wire = BytesMut::new();

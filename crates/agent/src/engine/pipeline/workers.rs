@@ -14,14 +14,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::thread::JoinHandle;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use bytes::{Buf, BufMut, BytesMut};
 use ferry_api::agent::CodecReport;
 use ferry_qemu::stream::Item;
 use tokio::sync::mpsc;
 
 use super::sharded::{sum_reports, ShardReport};
-use super::{Dispatcher, Route, ShardEncoder};
+use super::{saying_panics, Dispatcher, Route, ShardEncoder};
 use crate::engine::stream_codec::BATCH_BYTES;
 
 /// Bytes of records the caller gathers for a worker before sending them.
@@ -50,8 +50,8 @@ enum Job {
 enum Answer {
     /// The units of the round it was asked to close.
     Done(Done),
-    /// It panicked: the migration must not wait for it.
-    Failed,
+    /// It panicked (the panic's message): the migration must not wait for it.
+    Failed(String),
 }
 
 /// A worker's answer to `Close`.
@@ -147,7 +147,14 @@ impl ThreadedEncoder {
             let (done_tx, spare_tx, stop) = (done_tx.clone(), spare_tx.clone(), stop.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-{w}"))
-                .spawn(move || run(w, workers, shards, queue, &done_tx, &spare_tx, &stop))
+                .spawn(move || {
+                    saying_panics(
+                        || run(w, workers, shards, queue, &done_tx, &spare_tx, &stop),
+                        |message| {
+                            let _ = done_tx.send(Answer::Failed(message));
+                        },
+                    );
+                })
                 .context("starting a codec thread")?;
             encoder.threads.push(thread);
             encoder.workers.push(Worker {
@@ -192,10 +199,10 @@ impl ThreadedEncoder {
         };
         self.shard_round[shard] += qemu.len();
         self.shard_full |= self.shard_round[shard] >= SHARD_ROUND_BYTES;
-        let worker = &mut self.workers[shard % workers];
-        if worker.pending.len() >= JOB_BYTES {
-            let job = std::mem::take(&mut worker.pending);
-            send(worker, Job::Records(job)).await?;
+        let w = shard % workers;
+        if self.workers[w].pending.len() >= JOB_BYTES {
+            let job = std::mem::take(&mut self.workers[w].pending);
+            self.send(w, Job::Records(job)).await?;
         }
         Ok(())
     }
@@ -224,12 +231,9 @@ impl ThreadedEncoder {
         if self.dispatcher.round_bytes() == 0 {
             return Ok(());
         }
-        for worker in &mut self.workers {
-            if !worker.pending.is_empty() {
-                let job = std::mem::take(&mut worker.pending);
-                send(worker, Job::Records(job)).await?;
-            }
-            send(worker, Job::Close).await?;
+        for w in 0..self.workers.len() {
+            self.send_pending(w).await?;
+            self.send(w, Job::Close).await?;
         }
         let mut order = BytesMut::new();
         self.dispatcher.close_round(&mut order);
@@ -246,14 +250,39 @@ impl ThreadedEncoder {
     /// Pauses or resumes every shard's block cache from its next batch on, after the records
     /// routed so far.
     pub async fn set_cache_paused(&mut self, paused: bool) -> Result<()> {
-        for worker in &mut self.workers {
-            if !worker.pending.is_empty() {
-                let job = std::mem::take(&mut worker.pending);
-                send(worker, Job::Records(job)).await?;
-            }
-            send(worker, Job::CachePaused(paused)).await?;
+        for w in 0..self.workers.len() {
+            self.send_pending(w).await?;
+            self.send(w, Job::CachePaused(paused)).await?;
         }
         Ok(())
+    }
+
+    /// Sends worker `w` the records gathered for it, if any.
+    async fn send_pending(&mut self, w: usize) -> Result<()> {
+        if self.workers[w].pending.is_empty() {
+            return Ok(());
+        }
+        let job = std::mem::take(&mut self.workers[w].pending);
+        self.send(w, Job::Records(job)).await
+    }
+
+    /// Sends worker `w` a job, waiting while its queue is full; a worker that stopped is
+    /// reported with what it said.
+    async fn send(&mut self, w: usize, job: Job) -> Result<()> {
+        if self.workers[w].jobs.send(job).await.is_err() {
+            return Err(self.failure());
+        }
+        Ok(())
+    }
+
+    /// Why a worker stopped: its panic's message, if it said one.
+    fn failure(&mut self) -> anyhow::Error {
+        while let Ok(answer) = self.done.try_recv() {
+            if let Answer::Failed(message) = answer {
+                return anyhow!("{message}");
+            }
+        }
+        stopped()
     }
 
     /// Appends every closed round whose units are all back to `out`, in order (with `wait`,
@@ -290,8 +319,9 @@ impl ThreadedEncoder {
     }
 
     fn accept(&mut self, answer: Answer) -> Result<()> {
-        let Answer::Done(done) = answer else {
-            return Err(stopped());
+        let done = match answer {
+            Answer::Done(done) => done,
+            Answer::Failed(message) => bail!("{message}"),
         };
         let round = self
             .rounds
@@ -320,15 +350,10 @@ impl Drop for ThreadedEncoder {
         // Closing the job channels ends the workers; they skip whatever is still queued.
         self.workers.clear();
         for thread in self.threads.drain(..) {
-            // A panic was said when it happened (`Answer::Failed`, and the panic's own
-            // message on stderr).
+            // A panic was said when it happened (`Answer::Failed`).
             let _ = thread.join();
         }
     }
-}
-
-async fn send(worker: &Worker, job: Job) -> Result<()> {
-    worker.jobs.send(job).await.map_err(|_| stopped())
 }
 
 fn stopped() -> anyhow::Error {
@@ -345,7 +370,6 @@ fn run(
     spare: &std_mpsc::Sender<Vec<u8>>,
     stop: &AtomicBool,
 ) {
-    let _said = SayIfPanicking(done);
     let mut units = BytesMut::new();
     while let Some(job) = jobs.blocking_recv() {
         if stop.load(Ordering::Relaxed) {
@@ -379,18 +403,6 @@ fn run(
                     return;
                 }
             }
-        }
-    }
-}
-
-/// Tells the pipeline when its worker panics: the other workers keep the channel open, so
-/// the pipeline would otherwise wait for the answer forever.
-struct SayIfPanicking<'a>(&'a mpsc::UnboundedSender<Answer>);
-
-impl Drop for SayIfPanicking<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let _ = self.0.send(Answer::Failed);
         }
     }
 }
