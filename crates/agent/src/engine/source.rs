@@ -1411,9 +1411,6 @@ fn stream_frame_len(send_limit: usize, max_frame: usize) -> usize {
     (send_limit / 8).clamp(MIN_FRAME, max_frame.max(MIN_FRAME))
 }
 
-/// Sends `out` on the stream channel in frames of [`stream_frame_len`], sized for the window
-/// as each frame goes (it shrinks near the switchover): all of it, or only whole frames (the
-/// rest waits for more). Returns whether anything was sent.
 /// Closes the codec's open round (with `close`), appends the rounds it has coded to `out`
 /// (every closed round, with `wait`) and marks the ledger at their end; whether a round was
 /// appended. With the codec off nothing is held: every item is marked as it is read.
@@ -1442,6 +1439,9 @@ async fn rounds_out(
     Ok(true)
 }
 
+/// Sends `out` on the stream channel in frames of [`stream_frame_len`], sized for the window
+/// as each frame goes (it shrinks near the switchover): all of it, or only whole frames (the
+/// rest waits for more). Returns whether anything was sent.
 async fn send_stream(
     session: &Session,
     ledger: &Mutex<PageLedger>,

@@ -108,13 +108,15 @@ impl ThreadedDecoder {
             threads: Vec::with_capacity(workers),
         };
         for (w, shards) in owned.into_iter().enumerate() {
-            let (units, queue) = mpsc::channel(UNITS_QUEUED);
+            let (units, mut queue) = mpsc::channel(UNITS_QUEUED);
             let (answer_tx, stop) = (answer_tx.clone(), stop.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-{w}"))
                 .spawn(move || {
+                    // The queue outlives a panic until it is said: the decoder, finding the
+                    // queue closed, looks for what the worker said.
                     saying_panics(
-                        || run(w, workers, shards, queue, &answer_tx, &stop),
+                        || run(w, workers, shards, &mut queue, &answer_tx, &stop),
                         |error| {
                             let _ = answer_tx.send(Answer::Failed { error });
                         },
@@ -282,7 +284,7 @@ fn run(
     worker: usize,
     workers: usize,
     mut shards: Vec<ShardDecoder>,
-    mut units: mpsc::Receiver<ShardUnit>,
+    units: &mut mpsc::Receiver<ShardUnit>,
     answers: &mpsc::UnboundedSender<Answer>,
     stop: &AtomicBool,
 ) {

@@ -143,13 +143,15 @@ impl ThreadedEncoder {
             threads: Vec::with_capacity(workers),
         };
         for (w, shards) in owned.into_iter().enumerate() {
-            let (jobs, queue) = mpsc::channel(JOBS_QUEUED);
+            let (jobs, mut queue) = mpsc::channel(JOBS_QUEUED);
             let (done_tx, spare_tx, stop) = (done_tx.clone(), spare_tx.clone(), stop.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-{w}"))
                 .spawn(move || {
+                    // The queue outlives a panic until it is said: the pump, finding the
+                    // queue closed, looks for what the worker said.
                     saying_panics(
-                        || run(w, workers, shards, queue, &done_tx, &spare_tx, &stop),
+                        || run(w, workers, shards, &mut queue, &done_tx, &spare_tx, &stop),
                         |message| {
                             let _ = done_tx.send(Answer::Failed(message));
                         },
@@ -365,7 +367,7 @@ fn run(
     worker: usize,
     workers: usize,
     mut shards: Vec<(usize, ShardEncoder)>,
-    mut jobs: mpsc::Receiver<Job>,
+    jobs: &mut mpsc::Receiver<Job>,
     done: &mpsc::UnboundedSender<Answer>,
     spare: &std_mpsc::Sender<Vec<u8>>,
     stop: &AtomicBool,
