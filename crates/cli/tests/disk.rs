@@ -190,12 +190,70 @@ fn remove_bitmap(t: &TestLab, vm: &str, site: Site, node: &str, name: &str) {
     });
 }
 
+/// The disk image `vm` left at `site`.
+fn image_at(t: &TestLab, vm: &str, site: Site) -> std::path::PathBuf {
+    let data = ferry_lab::vm::data_dir(&t.lab, vm);
+    let suffix = format!("-{}.qcow2", site.name());
+    std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(&suffix))
+        .unwrap_or_else(|| panic!("no disk image of site {site:?} in {}", data.display()))
+}
+
+/// Whether a persistent bitmap of `image` is flagged in use (by a QEMU that has it open, or
+/// had it open and never closed it).
+fn a_bitmap_in_use(image: &std::path::Path) -> bool {
+    let info = json(&common::qemu_img(&[
+        "info",
+        "-U",
+        "--output",
+        "json",
+        &image.to_string_lossy(),
+    ]));
+    let bitmaps = &info["format-specific"]["data"]["bitmaps"];
+    bitmaps.as_array().is_some_and(|all| {
+        all.iter().any(|b| {
+            b["flags"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|f| f == "in-use"))
+        })
+    })
+}
+
+/// Leaves `image`'s persistent bitmaps as a crash does: a QEMU (here `qemu-io`) opens it
+/// read-write, which flags them in use, and is killed before it can store them.
+fn crash_with_the_image_open(image: &std::path::Path) {
+    assert!(!a_bitmap_in_use(image), "{} before", image.display());
+    let mut holder = Command::new("qemu-io")
+        .args(["-c", "sleep 600000"])
+        .arg(image)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let opened =
+        ferry_lab::topology::wait_until(Duration::from_secs(30), || a_bitmap_in_use(image));
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(
+        opened.is_ok(),
+        "qemu-io never flagged {}'s bitmaps",
+        image.display()
+    );
+    assert!(
+        a_bitmap_in_use(image),
+        "{} after the crash",
+        image.display()
+    );
+}
+
 /// The return trip falls back to reading and indexing the older copy when the source's
-/// bitmap is gone, and when the copy left behind was written after the VM left (its own
-/// bitmap counts the writes); with both markers in place it reads nothing. The guest's
-/// verifier decides each time: a copy trusted wrongly would leave its disk garbage.
+/// bitmap is gone, when the copy left behind was written after the VM left (its own bitmap
+/// counts the writes), and when a crash left that bitmap in use (nothing says what it
+/// missed); with both markers in place it reads nothing. The guest's verifier decides each
+/// time: a copy trusted wrongly would leave its disk garbage.
 #[test]
-fn a_return_without_its_bitmap_or_to_a_copy_changed_since_indexes_the_older_copy() {
+fn a_return_the_bitmaps_cannot_vouch_for_indexes_the_older_copy() {
     let t = TestLab::up("dskbm", FAST_LINK);
     start_vm_with_disk_writer(&t, "d9", "16", "0.5");
     let first = json(&t.ok(&["migrate", "d9", "--to", "b", "--json"]));
@@ -219,12 +277,7 @@ fn a_return_without_its_bitmap_or_to_a_copy_changed_since_indexes_the_older_copy
     assert!(disk["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
 
     // The copy the VM left at b is overwritten whole after it left: b's own bitmap counts it.
-    let data = ferry_lab::vm::data_dir(&t.lab, "d9");
-    let image = std::fs::read_dir(&data)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with("-b.qcow2"))
-        .unwrap_or_else(|| panic!("no disk image of site b in {}", data.display()));
+    let image = image_at(&t, "d9", Site::B);
     let size = virtual_size(&image);
     let out = Command::new("qemu-io")
         .args(["-c", &format!("write -P 0x5a 0 {size}")])
@@ -251,6 +304,20 @@ fn a_return_without_its_bitmap_or_to_a_copy_changed_since_indexes_the_older_copy
         v["outcome"]["disk"]["same_bytes"].as_u64().unwrap() >= 32 << 20,
         "{v}"
     );
+
+    // Something opened the copy left at b and crashed: its bitmap may have missed writes.
+    crash_with_the_image_open(&image_at(&t, "d9", Site::B));
+    let v = json(&t.ok(&["migrate", "d9", "--to", "b", "--json"]));
+    assert_arrived_intact(&v, 1, "to a copy whose bitmap a crash left in use");
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(disk["older_copy"], "index", "{v}");
+    assert!(
+        disk["older_copy_note"]
+            .as_str()
+            .is_some_and(|n| n.contains("QEMU found it in use when it opened the image")),
+        "{v}"
+    );
+    assert!(disk["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
 }
 
 #[test]
