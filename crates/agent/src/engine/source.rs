@@ -1086,14 +1086,13 @@ async fn stream(
                     Some(codec) => {
                         ledger.lock().expect("ledger lock").read(pages);
                         codec.push(&item, &item_bytes).await?;
-                        let pause = pauser.after_item(total);
-                        if codec.is_full() || pause.is_some() {
+                        if let Some(paused) = pauser.after_item(total) {
+                            round_out |=
+                                pause_caches(codec, &mut out, ledger, stream_sent, paused).await?;
+                        } else if codec.is_full() {
                             round_out |=
                                 rounds_out(Some(codec), &mut out, ledger, stream_sent, true, false)
                                     .await?;
-                        }
-                        if let Some(paused) = pause {
-                            codec.set_cache_paused(paused).await?;
                         }
                     }
                     None => {
@@ -1133,10 +1132,7 @@ async fn stream(
                 rounds_out(codec.as_mut(), &mut out, ledger, stream_sent, drained, eof).await?;
             let change = pauser.after_turn(Instant::now());
             if let (Some(paused), Some(codec)) = (change, codec.as_mut()) {
-                // The round closes first, so the change applies from every shard's next batch.
-                round_out |=
-                    rounds_out(Some(codec), &mut out, ledger, stream_sent, true, false).await?;
-                codec.set_cache_paused(paused).await?;
+                round_out |= pause_caches(codec, &mut out, ledger, stream_sent, paused).await?;
             }
             let all = drained || round_out;
             // Sending waits only while the send window is full.
@@ -1437,6 +1433,20 @@ async fn rounds_out(
         .expect("ledger lock")
         .mark_at(stream_sent + out.len() as u64, pages);
     Ok(true)
+}
+
+/// Pauses or resumes every shard's block cache. The open round closes first, so the change
+/// applies from every shard's next batch. Returns whether a round went out.
+async fn pause_caches(
+    codec: &mut SourcePipeline,
+    out: &mut BytesMut,
+    ledger: &Mutex<PageLedger>,
+    stream_sent: u64,
+    paused: bool,
+) -> Result<bool> {
+    let round_out = rounds_out(Some(codec), out, ledger, stream_sent, true, false).await?;
+    codec.set_cache_paused(paused).await?;
+    Ok(round_out)
 }
 
 /// Sends `out` on the stream channel in frames of [`stream_frame_len`], sized for the window
