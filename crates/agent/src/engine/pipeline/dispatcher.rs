@@ -2,12 +2,13 @@
 //! order units that say how the lanes' outputs make up QEMU's stream.
 
 use bytes::BytesMut;
+use ferry_api::agent::ZstdLevelReport;
 use ferry_codec::shard::{shard_of, MAX_SHARDS};
-use ferry_codec::{varint, BatchCompressor};
+use ferry_codec::{varint, AdaptiveCompressor};
 use ferry_qemu::stream::{Item, RamData, PAGE_SIZE};
 
 use super::{put_unit, LANE_BITS, ORDER_LANE, UNIT_HEADER};
-use crate::engine::stream_codec::{BlockNumbers, BATCH_BYTES, BATCH_QEMU_BYTES};
+use crate::engine::stream_codec::{count_level, BlockNumbers, BATCH_BYTES, BATCH_QEMU_BYTES};
 
 /// Where one item of QEMU's stream goes.
 #[derive(Debug, PartialEq, Eq)]
@@ -43,9 +44,10 @@ pub struct Dispatcher {
     /// The order unit's records, then compressed.
     records: Vec<u8>,
     body: Vec<u8>,
-    compressor: BatchCompressor,
-    /// zstd's level for order units (`None`: stored).
-    level: Option<i32>,
+    /// zstd at level 1 for order units, or off (stored).
+    compressor: AdaptiveCompressor,
+    /// The order units' zstd batches, per level (the shards report their own).
+    levels: Vec<ZstdLevelReport>,
     /// Bytes of order units written, headers included.
     order_bytes: u64,
     /// QEMU's bytes routed, to any lane.
@@ -67,8 +69,12 @@ impl Dispatcher {
             round_qemu: 0,
             records: Vec::new(),
             body: Vec::new(),
-            compressor: BatchCompressor::default(),
-            level: zstd.then_some(1),
+            compressor: if zstd {
+                AdaptiveCompressor::fixed(1)
+            } else {
+                AdaptiveCompressor::off()
+            },
+            levels: Vec::new(),
             order_bytes: 0,
             bytes_in: 0,
         }
@@ -160,8 +166,13 @@ impl Dispatcher {
         self.records.extend_from_slice(&self.runs);
         self.records.extend_from_slice(&self.serial);
         self.body.clear();
-        self.compressor
-            .compress(&self.records, self.level, &mut self.body);
+        let compressed = self.compressor.compress(&self.records, &mut self.body);
+        count_level(
+            &mut self.levels,
+            &self.compressor,
+            compressed,
+            self.records.len(),
+        );
         put_unit(out, ORDER_LANE, 0, &self.body);
         self.order_bytes += (UNIT_HEADER + self.body.len()) as u64;
         self.runs.clear();
@@ -178,6 +189,11 @@ impl Dispatcher {
     /// Bytes of order units written so far, headers included: the cost of the sharding.
     pub fn order_bytes(&self) -> u64 {
         self.order_bytes
+    }
+
+    /// The order units' zstd batches so far, per level.
+    pub fn zstd_levels(&self) -> &[ZstdLevelReport] {
+        &self.levels
     }
 }
 

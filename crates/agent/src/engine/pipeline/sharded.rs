@@ -136,7 +136,8 @@ impl ShardReport {
     }
 }
 
-/// The codec's report over every shard and the order units (counted in `bytes_out`).
+/// The codec's report over every shard and the order units (counted in `bytes_out` and
+/// `zstd_levels`).
 pub(super) fn sum_reports(
     dispatcher: &Dispatcher,
     shards: impl IntoIterator<Item = ShardReport>,
@@ -150,6 +151,9 @@ pub(super) fn sum_reports(
         sum.shards += 1;
     }
     sum.order_bytes = dispatcher.order_bytes();
+    for level in dispatcher.zstd_levels() {
+        add_level(&mut sum.zstd_levels, level.clone());
+    }
     // The shards counted their own input; the serial part went to the order units.
     sum.bytes_in = dispatcher.bytes_in();
     sum.bytes_out += dispatcher.order_bytes();

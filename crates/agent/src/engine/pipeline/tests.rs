@@ -66,6 +66,14 @@ fn round_trip(
     enc.flush(&mut wire);
     let report = enc.report();
     assert_eq!(report.bytes_out, wire.len() as u64, "bytes out miscounted");
+    // On this slow link every batch is coded at some level (one zstd does not shrink still
+    // counts: its CPU was spent), the order units' included.
+    let units = if settings.zstd { units(&wire) } else { 0 };
+    assert_eq!(
+        report.zstd_levels.iter().map(|l| l.batches).sum::<u64>(),
+        units,
+        "zstd's batches miscounted"
+    );
     let mut dec = ShardedDecoder::new(settings, HISTORY, shards);
     let mut out = BytesMut::new();
     for piece in wire.chunks(cut) {
@@ -73,6 +81,17 @@ fn round_trip(
     }
     assert!(dec.is_idle());
     (out.to_vec(), report, enc.order_bytes())
+}
+
+/// The units on `wire`, of every lane.
+fn units(wire: &[u8]) -> u64 {
+    let mut input = BytesMut::from(wire);
+    let mut count = 0;
+    while super::next_unit(&mut input).unwrap().is_some() {
+        count += 1;
+    }
+    assert!(input.is_empty());
+    count
 }
 
 #[test]
