@@ -84,31 +84,75 @@ fn autotuned_receive_max() -> Option<u32> {
         .ok()
 }
 
-/// Sets a connection's send buffer to `size` bytes. `SO_SNDBUF` is capped at
-/// `net.core.wmem_max` (4 MiB by default: an 8 MiB buffer once Linux doubles it, a third of a
-/// 1 Gbit/s, 200 ms link's bandwidth-delay product, so one connection would carry a third of
-/// the link). An agent with `CAP_NET_ADMIN` (root) goes past the cap with `SO_SNDBUFFORCE`;
-/// one without is told once what limits it.
+/// Sets a connection's send buffer to `size` bytes. An agent with `CAP_NET_ADMIN` (root) sets
+/// it with `SO_SNDBUFFORCE`. One without has `SO_SNDBUF`, which stops at `net.core.wmem_max`
+/// and turns the kernel's autotuning off; where that cap is below what autotuning reaches, the
+/// buffer is left to autotuning (see [`unforced_send_buffer`]). Either way it is told once
+/// what limits it.
 pub(crate) fn set_send_buffer(tcp: &impl AsRawFd, size: u32) {
     let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
     if set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &value).is_ok() {
         return;
     }
-    if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
-        tracing::warn!("SO_SNDBUF {size}: {e}");
-        return;
-    }
+    let cap = sysctl_u64("/proc/sys/net/core/wmem_max");
+    let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_wmem");
+    let got = match unforced_send_buffer(size, cap, autotuned) {
+        Unforced::Set => {
+            if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &value) {
+                tracing::warn!("SO_SNDBUF {size}: {e}");
+                return;
+            }
+            // Linux reports twice what it was asked, its bookkeeping included.
+            send_buffer(tcp).map(u64::from)
+        }
+        Unforced::Autotune => autotuned,
+    };
     static CAPPED_ONCE: std::sync::Once = std::sync::Once::new();
-    // Linux reports twice what it was asked, its bookkeeping included.
-    if let Some(got) = send_buffer(tcp).filter(|got| u64::from(*got) < 2 * u64::from(size)) {
+    if let Some(got) = got.filter(|got| *got < 2 * u64::from(size)) {
         CAPPED_ONCE.call_once(|| {
             tracing::warn!(
-                "the send buffer is capped at {got} bytes, not the {} this link needs: \
-                 raise net.core.wmem_max or run the agent with CAP_NET_ADMIN",
+                "the send buffer stops at {got} bytes, not the {} this link needs: raise \
+                 net.core.wmem_max (and net.ipv4.tcp_wmem's maximum) or run the agent with \
+                 CAP_NET_ADMIN",
                 2 * u64::from(size)
             );
         });
     }
+}
+
+/// Without `CAP_NET_ADMIN`, how a send buffer of `size` bytes is best had.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unforced {
+    /// `SO_SNDBUF`: the size, or `net.core.wmem_max` if that is less, doubled by the kernel.
+    Set,
+    /// Nothing set: the kernel's autotuning grows the buffer up to `net.ipv4.tcp_wmem`'s
+    /// maximum as the connection's window needs.
+    Autotune,
+}
+
+/// `cap`: `net.core.wmem_max`; `autotuned`: `net.ipv4.tcp_wmem`'s maximum (`None`: unknown).
+/// A size within the cap is set, exactly as asked. Past it, a set buffer stops at twice the
+/// cap, and autotuning at its own maximum: the larger wins. On kernels whose `wmem_max` is
+/// 212992 bytes (older ones) against autotuning's 4 MiB, setting it held every connection of
+/// an agent without the capability to a 416 KiB buffer: by arithmetic under 70 Mbit/s at
+/// 50 ms, where a single connection is meant to carry the link.
+fn unforced_send_buffer(size: u32, cap: Option<u64>, autotuned: Option<u64>) -> Unforced {
+    match (cap, autotuned) {
+        (Some(cap), Some(autotuned)) if u64::from(size) > cap && autotuned > 2 * cap => {
+            Unforced::Autotune
+        }
+        _ => Unforced::Set,
+    }
+}
+
+/// A sysctl's value, or its last field for one of several (`tcp_wmem`'s maximum).
+fn sysctl_u64(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
 }
 
 /// A socket's send buffer as the kernel sized it, bookkeeping included.
@@ -200,6 +244,40 @@ mod tests {
     }
 
     #[test]
+    fn without_the_capability_a_send_buffer_past_the_cap_is_left_to_autotuning_if_it_goes_further()
+    {
+        const KIB: u64 = 1024;
+        let old_kernel = (Some(212_992), Some(4096 * KIB));
+        let this_lab = (Some(4096 * KIB), Some(4096 * KIB));
+        for ((cap, autotuned), size, expected) in [
+            // Within the cap: set as asked, whatever autotuning would do.
+            (old_kernel, 100_000, Unforced::Set),
+            (this_lab, 1 << 20, Unforced::Set),
+            // Past it: twice 208 KiB set against 4 MiB autotuned.
+            (old_kernel, 1 << 20, Unforced::Autotune),
+            // Past it, but twice the cap is more than autotuning reaches.
+            (this_lab, 16 << 20, Unforced::Set),
+            ((Some(212_992), Some(300 * KIB)), 1 << 20, Unforced::Set),
+            // Unknown sysctls: as before, set and see.
+            ((None, Some(4096 * KIB)), 1 << 20, Unforced::Set),
+            ((Some(212_992), None), 1 << 20, Unforced::Set),
+        ] {
+            assert_eq!(
+                unforced_send_buffer(size, cap, autotuned),
+                expected,
+                "{size} bytes, cap {cap:?}, autotuned {autotuned:?}"
+            );
+        }
+        assert_eq!(
+            sysctl_u64("/proc/sys/net/ipv4/tcp_wmem"),
+            sysctl("/proc/sys/net/ipv4/tcp_wmem")
+                .split_whitespace()
+                .nth(2)
+                .and_then(|max| max.parse().ok())
+        );
+    }
+
+    #[test]
     fn the_send_buffer_goes_past_the_hosts_cap_when_the_agent_may() {
         let socket = loopback_socket();
         let cap: u64 = sysctl("/proc/sys/net/core/wmem_max")
@@ -216,5 +294,60 @@ mod tests {
             2 * cap
         };
         assert_eq!(got, expected);
+
+        // The same on a thread without CAP_NET_ADMIN (capabilities are per thread): the cap
+        // holds, or the buffer is left to autotuning where that goes further.
+        let unforced = std::thread::spawn(move || {
+            drop_net_admin();
+            let socket = loopback_socket();
+            let before = send_buffer(&socket).expect("SO_SNDBUF");
+            set_send_buffer(&socket, wanted);
+            (before, send_buffer(&socket).expect("SO_SNDBUF"))
+        });
+        let (before, got) = unforced.join().expect("the thread without CAP_NET_ADMIN");
+        let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_wmem");
+        let expected = match unforced_send_buffer(wanted, Some(cap), autotuned) {
+            Unforced::Set => u32::try_from(2 * cap).expect("small"),
+            Unforced::Autotune => before,
+        };
+        assert_eq!(got, expected);
+    }
+
+    /// Takes CAP_NET_ADMIN out of this thread's effective capabilities.
+    fn drop_net_admin() {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: libc::c_int,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        const VERSION_3: u32 = 0x2008_0522;
+        const CAP_NET_ADMIN: u32 = 12;
+        let mut header = Header {
+            version: VERSION_3,
+            pid: 0,
+        };
+        let mut data = [Data::default(); 2];
+        // SAFETY: capget and capset read and write one header and two data structs of the
+        // layout version 3 defines; pid 0 is the calling thread.
+        unsafe {
+            assert_eq!(
+                libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()),
+                0,
+                "capget"
+            );
+            data[0].effective &= !(1 << CAP_NET_ADMIN);
+            assert_eq!(
+                libc::syscall(libc::SYS_capset, &header, data.as_ptr()),
+                0,
+                "capset"
+            );
+        }
     }
 }
