@@ -202,46 +202,72 @@ fn image_at(t: &TestLab, vm: &str, site: Site) -> std::path::PathBuf {
 }
 
 /// Whether a persistent bitmap of `image` is flagged in use (by a QEMU that has it open, or
-/// had it open and never closed it).
-fn a_bitmap_in_use(image: &std::path::Path) -> bool {
-    let info = json(&common::qemu_img(&[
-        "info",
-        "-U",
-        "--output",
-        "json",
-        &image.to_string_lossy(),
-    ]));
+/// had it open and never closed it); `None` when `qemu-img` could not read the image (its
+/// header in the middle of a rewrite).
+fn a_bitmap_in_use(image: &std::path::Path) -> Option<bool> {
+    // -U: whoever holds the image holds its lock.
+    let out = Command::new("qemu-img")
+        .args(["info", "-U", "--output", "json"])
+        .arg(image)
+        .output()
+        .expect("run qemu-img");
+    if !out.status.success() {
+        return None;
+    }
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
     let bitmaps = &info["format-specific"]["data"]["bitmaps"];
-    bitmaps.as_array().is_some_and(|all| {
+    Some(bitmaps.as_array().is_some_and(|all| {
         all.iter().any(|b| {
             b["flags"]
                 .as_array()
                 .is_some_and(|f| f.iter().any(|f| f == "in-use"))
         })
-    })
+    }))
+}
+
+/// A child process, killed and reaped when dropped (also when an assertion fails first).
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Leaves `image`'s persistent bitmaps as a crash does: a QEMU (here `qemu-io`) opens it
 /// read-write, which flags them in use, and is killed before it can store them.
 fn crash_with_the_image_open(image: &std::path::Path) {
-    assert!(!a_bitmap_in_use(image), "{} before", image.display());
-    let mut holder = Command::new("qemu-io")
-        .args(["-c", "sleep 600000"])
-        .arg(image)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let opened =
-        ferry_lab::topology::wait_until(Duration::from_secs(30), || a_bitmap_in_use(image));
-    holder.kill().unwrap();
-    holder.wait().unwrap();
+    assert_eq!(
+        a_bitmap_in_use(image),
+        Some(false),
+        "{} before",
+        image.display()
+    );
+    // stdin not a terminal: qemu-io turns a terminal's echo off until it exits cleanly.
+    let holder = std::sync::Mutex::new(KilledOnDrop(
+        Command::new("qemu-io")
+            .args(["-c", "sleep 600000"])
+            .arg(image)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let exited = || holder.lock().unwrap().0.try_wait().unwrap();
+    let opened = ferry_lab::topology::wait_until(Duration::from_secs(30), || {
+        a_bitmap_in_use(image) == Some(true) || exited().is_some()
+    });
+    assert!(exited().is_none(), "qemu-io ended: {:?}", exited());
     assert!(
         opened.is_ok(),
         "qemu-io never flagged {}'s bitmaps",
         image.display()
     );
-    assert!(
+    drop(holder);
+    assert_eq!(
         a_bitmap_in_use(image),
+        Some(true),
         "{} after the crash",
         image.display()
     );

@@ -162,8 +162,9 @@ impl BatchDecompressor {
 
 /// Picks the zstd level from what the link carries, what the CPU manages and what each level
 /// saves: the strongest level that compresses faster than the link can take compressed bytes,
-/// with room to spare (its measured speed divided by a margin), so compression never becomes
-/// the bottleneck, and that sends at least [`MIN_LEVEL_GAIN`] fewer bytes than the best level
+/// with room to spare (its measured speed divided by a margin), so compression does not become
+/// the bottleneck (speeds are per second of the thread's CPU: on cores the thread shares, it
+/// gets less than that, and the margin is what absorbs it), and that sends at least [`MIN_LEVEL_GAIN`] fewer bytes than the best level
 /// below it, so CPU taken from the guest buys something. When even the fastest level cannot
 /// keep up, it is still used if it moves more of QEMU's bytes than sending them stored would;
 /// otherwise batches go stored.
@@ -481,8 +482,8 @@ impl AdaptiveCompressor {
 /// The CPU time this thread has run, in seconds. zstd's speed is what a level costs in CPU,
 /// not how long its call took: on cores shared with the guest and the other threads, the
 /// wall clock also counts the time the thread waited for a core. Timed that way, level 1
-/// looked slower than the link while the block cache was paused and a third of a migration's
-/// batches went stored, for up to 1.18x the bytes.
+/// looked slower than the link while the block cache was paused and up to an eighth of a
+/// migration's records went stored, for up to 1.18x the bytes.
 fn thread_cpu_seconds() -> f64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
@@ -493,7 +494,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn compression_is_timed_by_the_threads_cpu_not_the_wall_clock() {
+    fn the_threads_cpu_clock_stands_still_while_it_sleeps_and_runs_while_it_works() {
         let before = thread_cpu_seconds();
         std::thread::sleep(std::time::Duration::from_millis(200));
         let slept = thread_cpu_seconds() - before;
