@@ -273,6 +273,19 @@ fn crash_with_the_image_open(image: &std::path::Path) {
     );
 }
 
+/// Asserts that the move `v` indexed the destination's older copy, for a reason that says
+/// `why`.
+fn assert_indexed_because(v: &serde_json::Value, why: &str) {
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(disk["older_copy"], "index", "{v}");
+    assert!(
+        disk["older_copy_note"]
+            .as_str()
+            .is_some_and(|n| n.contains(why)),
+        "{v}"
+    );
+}
+
 /// The return trip falls back to reading and indexing the older copy when the source's
 /// bitmap is gone, when the copy left behind was written after the VM left (its own bitmap
 /// counts the writes), and when a crash left that bitmap in use (nothing says what it
@@ -291,14 +304,8 @@ fn a_return_the_bitmaps_cannot_vouch_for_indexes_the_older_copy() {
     remove_bitmap(&t, "d9", Site::B, &node, &name);
     let v = json(&t.ok(&["migrate", "d9", "--to", "a", "--json"]));
     assert_arrived_intact(&v, 1, "without the bitmap");
+    assert_indexed_because(&v, "the source tracks no writes since an arrival");
     let disk = &v["outcome"]["disk"];
-    assert_eq!(disk["older_copy"], "index", "{v}");
-    assert!(
-        disk["older_copy_note"]
-            .as_str()
-            .is_some_and(|n| n.contains("the source tracks no writes since an arrival")),
-        "{v}"
-    );
     assert!(disk["index_ms"].as_u64().is_some(), "{v}");
     assert!(disk["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
 
@@ -313,14 +320,7 @@ fn a_return_the_bitmaps_cannot_vouch_for_indexes_the_older_copy() {
     assert!(out.status.success(), "{out:?}");
     let v = json(&t.ok(&["migrate", "d9", "--to", "b", "--json"]));
     assert_arrived_intact(&v, 1, "to a copy changed since");
-    let disk = &v["outcome"]["disk"];
-    assert_eq!(disk["older_copy"], "index", "{v}");
-    assert!(
-        disk["older_copy_note"]
-            .as_str()
-            .is_some_and(|n| n.contains("changed after the VM left")),
-        "{v}"
-    );
+    assert_indexed_because(&v, "changed after the VM left");
 
     // Both markers in place again: nothing is read at the destination.
     let v = json(&t.ok(&["migrate", "d9", "--to", "a", "--json"]));
@@ -335,14 +335,8 @@ fn a_return_the_bitmaps_cannot_vouch_for_indexes_the_older_copy() {
     crash_with_the_image_open(&image_at(&t, "d9", Site::B));
     let v = json(&t.ok(&["migrate", "d9", "--to", "b", "--json"]));
     assert_arrived_intact(&v, 1, "to a copy whose bitmap a crash left in use");
+    assert_indexed_because(&v, "QEMU found it in use when it opened the image");
     let disk = &v["outcome"]["disk"];
-    assert_eq!(disk["older_copy"], "index", "{v}");
-    assert!(
-        disk["older_copy_note"]
-            .as_str()
-            .is_some_and(|n| n.contains("QEMU found it in use when it opened the image")),
-        "{v}"
-    );
     assert!(disk["same_bytes"].as_u64().unwrap() >= 32 << 20, "{v}");
 }
 

@@ -53,8 +53,9 @@ fn clamped(bytes: f64) -> u32 {
 /// one without is told once what limits it.
 pub fn set_receive_buffer_for_link(socket: &impl AsRawFd, rate_mbit: f64) {
     let wanted = receive_buffer_for(rate_mbit);
-    let autotuned = autotuned_receive_max();
-    if autotuned.is_some_and(|max| u64::from(max) >= 2 * u64::from(wanted)) {
+    // How far Linux autotunes a connection's receive buffer in this network namespace.
+    let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_rmem");
+    if autotuned.is_some_and(|max| max >= 2 * u64::from(wanted)) {
         return;
     }
     let value = libc::c_int::try_from(wanted).unwrap_or(libc::c_int::MAX);
@@ -71,17 +72,6 @@ pub fn set_receive_buffer_for_link(socket: &impl AsRawFd, rate_mbit: f64) {
             );
         });
     }
-}
-
-/// How far Linux autotunes a connection's receive buffer in this network namespace:
-/// `net.ipv4.tcp_rmem`'s maximum.
-fn autotuned_receive_max() -> Option<u32> {
-    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_rmem")
-        .ok()?
-        .split_whitespace()
-        .nth(2)?
-        .parse()
-        .ok()
 }
 
 /// Sets a connection's send buffer to `size` bytes. An agent with `CAP_NET_ADMIN` (root) sets
