@@ -256,6 +256,8 @@ pub fn outcome(status: &MigrationStatus, start: Start, wan: WanCount) -> Migrati
         iterations: status.qemu.iteration,
         ram_transferred: status.stream_bytes,
         error: status.error.clone(),
+        connections: (status.wire.connections > 0).then_some(status.wire.connections),
+        connections_why: status.wire.connections_why.clone(),
         codec: status.codec.clone(),
         disk: status.disk.clone(),
         cpu_throttle_pct: status.max_cpu_throttle_pct,

@@ -122,7 +122,7 @@ mod tests {
         };
         for (refusal, status) in [
             (Refusal::Malformed("eof".into()), 400),
-            (Refusal::Settings(SettingsError::Connections(0)), 400),
+            (Refusal::Settings(SettingsError::Connections(65)), 400),
             (Refusal::UnknownPeer(unknown), 400),
             (Refusal::Busy { running: 4 }, 503),
             (
@@ -140,8 +140,8 @@ mod tests {
             assert_eq!(response.status().as_u16(), status, "{text}");
         }
         assert_eq!(
-            Refusal::Settings(SettingsError::Connections(0)).to_string(),
-            "connections 0 is out of range; use 1 to 64"
+            Refusal::Settings(SettingsError::Connections(65)).to_string(),
+            "connections 65 is out of range; use 1 to 64, or 0 for as many as the link needs"
         );
     }
 }

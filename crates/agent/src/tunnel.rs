@@ -43,6 +43,7 @@ use bytes::Bytes;
 use ferry_api::agent::MigrationStatus;
 use ferry_api::settings::MigrationSettings;
 use ferry_api::EventKind;
+use ferry_wire::connection_count::ConnectionCount;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
@@ -301,7 +302,9 @@ impl Tunnels {
                 addr,
                 name: peer_name.to_owned(),
                 tls: self.tls.clone(),
-                connections: 1,
+                // A tunnel's stream is one stream like the ferry path's: split only where
+                // one connection cannot hold the link.
+                connections: ConnectionCount::auto(),
                 link_rate_mbit: peer.rate_mbit,
                 pool: self.pool.clone(),
             },

@@ -551,6 +551,12 @@ pub struct WireStats {
     pub bytes_out: u64,
     pub bytes_in: u64,
     pub connections_live: u32,
+    /// Connections the session keeps (decided by its first; 0 before it connected).
+    #[serde(default)]
+    pub connections: u32,
+    /// Why that many, when the agent chose.
+    #[serde(default)]
+    pub connections_why: Option<String>,
     pub reconnects: u32,
     pub replayed_frames: u64,
     pub unacked_bytes: u64,

@@ -52,6 +52,12 @@ pub struct MigrationOutcome {
     /// ferry: the guest's vCPU time the throttle took, seconds per vCPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub throttle_vcpu_s: Option<f64>,
+    /// ferry: the TCP connections the migration kept across the WAN, and why that many when
+    /// the agent chose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections_why: Option<String>,
     /// ferry: what the codec did with QEMU's stream.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub codec: Option<crate::agent::CodecReport>,

@@ -162,6 +162,12 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             );
         }
     }
+    if let Some(n) = o.connections {
+        match &o.connections_why {
+            Some(why) => println!("  connections          {n} ({why})"),
+            None => println!("  connections          {n}"),
+        }
+    }
     if let Some(c) = &o.codec {
         println!(
             "  codec                {}: QEMU's {} became {} ({:.1}%)",

@@ -13,7 +13,8 @@ fn defaults() -> MigrationSettings {
 /// Flags for every [`MigrationSettings`] field (`migrate`, `bench`, `demo`).
 #[derive(Args, Debug, Clone)]
 pub struct SettingsFlags {
-    /// ferry: TCP connections across the WAN.
+    /// ferry: TCP connections across the WAN; 0: as many as the link needs on this host (one
+    /// unless the host caps a connection's send buffer short of the link).
     #[arg(long, default_value_t = defaults().connections)]
     pub connections: u32,
     /// ferry: how long the WAN may be down before the migration fails (the source keeps running).
@@ -205,8 +206,8 @@ mod tests {
     fn bad_flags_are_named() {
         let err = |args: &[&str]| format!("{:#}", from_flags(args).unwrap_err());
         assert_eq!(
-            err(&["--connections", "0"]),
-            "connections 0 is out of range; use 1 to 64"
+            err(&["--connections", "65"]),
+            "connections 65 is out of range; use 1 to 64, or 0 for as many as the link needs"
         );
         assert_eq!(
             err(&["--disk-mode", "lazy"]),

@@ -43,7 +43,7 @@ fn the_controller_moves_a_libvirt_domain_and_knows_where_it_runs() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("fleet1 already runs on site-a"));
     let out = fleet(
         &t,
-        &["migrate", "fleet1", "--to-site", "b", "--connections", "0"],
+        &["migrate", "fleet1", "--to-site", "b", "--connections", "65"],
     );
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 

@@ -630,11 +630,11 @@ async fn bad_requests_are_refused_with_what_was_wrong() {
         "unknown field \"downtime_ms\" in the request"
     );
     let mut bad = request("vm1", Some("a2"), None);
-    bad.settings.connections = 0;
+    bad.settings.connections = 65;
     let (kind, message) = refusal(ops.migrate(&bad).await.unwrap_err());
     assert_eq!(kind, Some(ErrorKind::BadRequest));
     assert!(
-        message.contains("connections 0 is out of range"),
+        message.contains("connections 65 is out of range"),
         "{message}"
     );
 

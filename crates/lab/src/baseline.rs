@@ -839,6 +839,8 @@ async fn run(a: &Attempt<'_>) -> Result<MigrationOutcome> {
         postcopy_blocktime_ms: blocktime,
         preempt_bytes: None,
         error: None,
+        connections: None,
+        connections_why: None,
         codec: None,
         cpu_throttle_pct: None,
         throttle_vcpu_s: None,

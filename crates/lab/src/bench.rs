@@ -468,6 +468,12 @@ async fn measured_migration(
     }
     let wan_bulk_mbit = timeline.lock().expect("timeline poisoned").bulk_rate_mbit();
     let (outcome, dst_link) = result?;
+    // What the agents kept (the setting, 0, says "as many as the link needs").
+    let connections = matches!(sc.system, System::Ferry { .. }).then(|| {
+        outcome
+            .connections
+            .unwrap_or(sc.migrate.settings.connections)
+    });
     let disk_write_latency = if sc.vm.disk {
         Some(guest::disk_latency(&dst_link).await?)
     } else {
@@ -510,8 +516,7 @@ async fn measured_migration(
         cpu,
         accel: sc.vm.accel,
         run: sc.run,
-        connections: matches!(sc.system, System::Ferry { .. })
-            .then_some(sc.migrate.settings.connections),
+        connections,
         switchover: matches!(sc.system, System::Ferry { .. })
             .then(|| switchover_policy(&sc.migrate)),
         leg,

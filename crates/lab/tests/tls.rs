@@ -41,7 +41,7 @@ async fn attempt(
         addr,
         name: name.into(),
         tls: client_tls,
-        connections: 1,
+        connections: ferry_wire::connection_count::ConnectionCount::fixed(1),
         link_rate_mbit: None,
         pool: Pool::new(),
     };

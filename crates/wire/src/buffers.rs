@@ -110,6 +110,25 @@ pub(crate) fn set_send_buffer(tcp: &impl AsRawFd, size: u32) {
     }
 }
 
+/// The largest send buffer this agent can give a connection, as the kernel counts it
+/// (bookkeeping included): with `CAP_NET_ADMIN`, what `SO_SNDBUFFORCE` gets at the most this
+/// module asks for (tried on `tcp`, whose buffer must be set again after); without, what
+/// [`set_send_buffer`] would have: twice `net.core.wmem_max` or autotuning's maximum. `None`
+/// where the sysctls cannot be read.
+pub(crate) fn largest_send_buffer(tcp: &impl AsRawFd) -> Option<u64> {
+    #[allow(clippy::cast_possible_truncation)] // 64 MiB
+    let most = MAX_BUFFER as libc::c_int;
+    if set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &most).is_ok() {
+        return send_buffer(tcp).map(u64::from);
+    }
+    let cap = sysctl_u64("/proc/sys/net/core/wmem_max");
+    let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_wmem");
+    match unforced_send_buffer(cap, autotuned) {
+        Unforced::Set => cap.map(|cap| 2 * cap),
+        Unforced::Autotune => autotuned,
+    }
+}
+
 /// Without `CAP_NET_ADMIN`, how a send buffer is best had.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Unforced {
@@ -174,6 +193,8 @@ fn buffer_size(socket: &impl AsRawFd, option: libc::c_int) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
+    use caps::{CapSet, Capability};
+
     use super::*;
 
     /// A connected loopback socket (the listener's end is dropped: only options are read).
@@ -288,48 +309,45 @@ mod tests {
         assert_eq!(got, unforced(before));
     }
 
-    /// Linux's capability sets, version 3 (two 32-bit words per set), of the calling thread.
-    #[repr(C)]
-    struct CapHeader {
-        version: u32,
-        pid: libc::c_int,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct CapData {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    const CAP_VERSION_3: u32 = 0x2008_0522;
-    const CAP_NET_ADMIN: u32 = 12;
-
-    fn this_threads_capabilities() -> (CapHeader, [CapData; 2]) {
-        let mut header = CapHeader {
-            version: CAP_VERSION_3,
-            pid: 0,
+    #[test]
+    fn the_largest_send_buffer_is_what_the_agent_may_force_or_the_hosts_limit() {
+        const FORCED_MOST: u64 = 64 << 20;
+        let unforced = || {
+            let cap = sysctl_u64("/proc/sys/net/core/wmem_max");
+            let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_wmem");
+            match unforced_send_buffer(cap, autotuned) {
+                Unforced::Set => cap.map(|cap| 2 * cap),
+                Unforced::Autotune => autotuned,
+            }
         };
-        let mut data = [CapData::default(); 2];
-        // SAFETY: capget writes one header and two data structs of version 3's layout; pid 0
-        // is the calling thread.
-        let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
-        assert_eq!(rc, 0, "capget");
-        (header, data)
+        let expected = if has_net_admin() {
+            // Linux doubles what it is given.
+            Some(2 * FORCED_MOST)
+        } else {
+            unforced()
+        };
+        assert_eq!(largest_send_buffer(&loopback_socket()), expected);
+        let without = std::thread::spawn(move || {
+            drop_net_admin();
+            largest_send_buffer(&loopback_socket())
+        });
+        let got = without.join().expect("the thread without CAP_NET_ADMIN");
+        assert_eq!(got, unforced());
+        assert!(
+            got.is_some_and(|got| got < 2 * FORCED_MOST),
+            "{got:?}"
+        );
     }
 
     /// Whether this thread may force buffers past the host's caps (not whether it is root: a
     /// container's root may lack it).
     fn has_net_admin() -> bool {
-        this_threads_capabilities().1[0].effective & (1 << CAP_NET_ADMIN) != 0
+        caps::has_cap(None, CapSet::Effective, Capability::CAP_NET_ADMIN).expect("capget")
     }
 
-    /// Takes CAP_NET_ADMIN out of this thread's effective capabilities.
+    /// Takes CAP_NET_ADMIN out of this thread's effective capabilities (they are per thread).
     fn drop_net_admin() {
-        let (header, mut data) = this_threads_capabilities();
-        data[0].effective &= !(1 << CAP_NET_ADMIN);
-        // SAFETY: capset reads one header and two data structs of version 3's layout.
-        let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) };
-        assert_eq!(rc, 0, "capset");
+        caps::drop(None, CapSet::Effective, Capability::CAP_NET_ADMIN).expect("capset");
         assert!(!has_net_admin());
     }
 }

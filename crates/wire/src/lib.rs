@@ -3,6 +3,7 @@
 //!
 //! Layout (growing with issue 3):
 //! - [`buffers`]: socket buffers sized to the link, at both ends.
+//! - [`connection_count`]: how many connections a session keeps to its peer.
 //! - [`frame`]: the frame format on the wire, with an incremental decoder that caps every
 //!   length a peer controls.
 //! - [`outbox`]: the sender's side of a channel: numbering, a byte-bounded buffer of
@@ -11,6 +12,7 @@
 //!   (several TCP connections, replay after a reconnect).
 
 pub mod buffers;
+pub mod connection_count;
 pub mod frame;
 pub mod net;
 pub mod outbox;

@@ -15,6 +15,7 @@ use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::buffers::{set_receive_buffer_for_link, set_send_buffer, socket_buffer_for};
+use crate::connection_count::ConnectionCount;
 use crate::frame::Frame;
 use crate::session::{
     exchange_hello, read_hello, read_hello_after, ConnectionEnd, Hello, Session, SessionError,
@@ -182,8 +183,8 @@ pub struct Peer {
     /// The name its certificate must carry.
     pub name: String,
     pub tls: Arc<ClientConfig>,
-    /// Connections to keep open.
-    pub connections: u32,
+    /// Connections to keep open, shared by the session's dialers.
+    pub connections: ConnectionCount,
     /// The link's rate, when known: each connection's send buffer is then sized from it and
     /// the round trip TCP measured during its handshake. `None` leaves Linux's autotuning alone.
     pub link_rate_mbit: Option<f64>,
@@ -398,18 +399,20 @@ where
         .map_err(|e| SessionError::Io(e.to_string()))
 }
 
-/// Sizes a connection's send buffer and pace for `peer`'s link, when its rate is known. The
+/// Sizes a connection's send buffer and pace for `peer`'s link, when its rate is known, as one
+/// of the session's connections (the first decides how many, see `connection_count`). The
 /// send buffer may change at any time (so a parked connection is tuned again for the session
 /// that takes it); the receive side was sized before the handshake (`listen`, and `dial`
 /// for what the peer sends back).
 fn tune_socket(tcp: &TcpStream, peer: &Peer) {
+    let rtt_ms = tcp_rtt(tcp).map_or(100.0, |rtt| rtt.as_secs_f64() * 1e3);
+    let connections = peer.connections.decide(tcp, peer.link_rate_mbit, rtt_ms);
     let Some(rate) = peer.link_rate_mbit else {
         return;
     };
-    let rtt_ms = tcp_rtt(tcp).map_or(100.0, |rtt| rtt.as_secs_f64() * 1e3);
-    let size = socket_buffer_for(rate, rtt_ms, peer.connections);
+    let size = socket_buffer_for(rate, rtt_ms, connections);
     set_send_buffer(tcp, size);
-    let pace = pacing_rate_for(rate, peer.connections);
+    let pace = pacing_rate_for(rate, connections);
     if let Err(e) = set_option(tcp, libc::SOL_SOCKET, libc::SO_MAX_PACING_RATE, &pace) {
         tracing::warn!("SO_MAX_PACING_RATE {pace}: {e}");
     }
@@ -453,8 +456,9 @@ pub enum LinkEvent {
 }
 
 /// Keeps `peer.connections` connections of `session` up until the session fails or parks,
-/// redialing every `retry` after a drop; parked connections go to `peer.pool`. Each event goes
-/// to `events`.
+/// redialing every `retry` after a drop; parked connections go to `peer.pool`. Connection 0
+/// is dialed first: the others once it decided how many there are. Each event goes to
+/// `events`.
 pub fn keep_connected(
     session: Session,
     peer: Peer,
@@ -462,53 +466,80 @@ pub fn keep_connected(
     events: tokio::sync::mpsc::UnboundedSender<LinkEvent>,
 ) -> tokio::task::JoinSet<()> {
     let mut set = tokio::task::JoinSet::new();
-    for connection in 0..peer.connections {
-        let (session, peer, events) = (session.clone(), peer.clone(), events.clone());
-        set.spawn(async move {
-            while session.failure().is_none() && !session.is_parking() {
-                match dial(&session, &peer, connection, Duration::from_secs(10)).await {
-                    Ok(d) => {
-                        let warm = d.warm.is_some();
-                        let _ = events.send(LinkEvent::Connected {
-                            connection,
-                            rtt: d.rtt,
-                            warm: d.warm,
-                        });
-                        let error = match d.carry(&session).await {
-                            // Bytes after the peer's Park break the protocol: not reusable.
-                            ConnectionEnd::Parked(stream, rest) if rest.is_empty() => {
-                                peer.pool.put(&peer, stream);
-                                break;
-                            }
-                            ConnectionEnd::Parked(..) => {
-                                SessionError::Protocol("bytes after the peer's Park".into())
-                            }
-                            ConnectionEnd::Lost(e) => e,
-                        };
-                        if session.failure().is_some() || session.is_parking() {
-                            break;
-                        }
-                        let _ = events.send(LinkEvent::Lost {
-                            connection,
-                            error: error.to_string(),
-                        });
-                        if warm {
-                            // A parked connection failing says nothing about the WAN.
-                            continue;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = events.send(LinkEvent::DialFailed {
-                            connection,
-                            error: e.to_string(),
-                        });
-                    }
-                }
-                tokio::time::sleep(retry).await;
-            }
-        });
-    }
+    set.spawn(keep_one(
+        session.clone(),
+        peer.clone(),
+        0,
+        retry,
+        events.clone(),
+    ));
+    set.spawn(async move {
+        let count = peer.connections.decided().await;
+        let mut rest = tokio::task::JoinSet::new();
+        for connection in 1..count {
+            rest.spawn(keep_one(
+                session.clone(),
+                peer.clone(),
+                connection,
+                retry,
+                events.clone(),
+            ));
+        }
+        // Dropping `rest` would end them: they live as long as this task.
+        while rest.join_next().await.is_some() {}
+    });
     set
+}
+
+/// Keeps connection `connection` of `session` up (see [`keep_connected`]).
+async fn keep_one(
+    session: Session,
+    peer: Peer,
+    connection: u32,
+    retry: Duration,
+    events: tokio::sync::mpsc::UnboundedSender<LinkEvent>,
+) {
+    while session.failure().is_none() && !session.is_parking() {
+        match dial(&session, &peer, connection, Duration::from_secs(10)).await {
+            Ok(d) => {
+                let warm = d.warm.is_some();
+                let _ = events.send(LinkEvent::Connected {
+                    connection,
+                    rtt: d.rtt,
+                    warm: d.warm,
+                });
+                let error = match d.carry(&session).await {
+                    // Bytes after the peer's Park break the protocol: not reusable.
+                    ConnectionEnd::Parked(stream, rest) if rest.is_empty() => {
+                        peer.pool.put(&peer, stream);
+                        break;
+                    }
+                    ConnectionEnd::Parked(..) => {
+                        SessionError::Protocol("bytes after the peer's Park".into())
+                    }
+                    ConnectionEnd::Lost(e) => e,
+                };
+                if session.failure().is_some() || session.is_parking() {
+                    break;
+                }
+                let _ = events.send(LinkEvent::Lost {
+                    connection,
+                    error: error.to_string(),
+                });
+                if warm {
+                    // A parked connection failing says nothing about the WAN.
+                    continue;
+                }
+            }
+            Err(e) => {
+                let _ = events.send(LinkEvent::DialFailed {
+                    connection,
+                    error: e.to_string(),
+                });
+            }
+        }
+        tokio::time::sleep(retry).await;
+    }
 }
 
 /// The listening side of one accepted TCP connection: TLS (the dialer must present a

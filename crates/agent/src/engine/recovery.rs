@@ -33,6 +33,7 @@ use ferry_api::agent::{MigrationState, MigrationStatus, Phase};
 use ferry_api::EventKind;
 use ferry_qemu::commands::{Cont, MigrateCancel, QueryMigrate, QueryStatus, Quit};
 use ferry_qemu::Qmp;
+use ferry_wire::connection_count::ConnectionCount;
 use ferry_wire::net::{keep_connected, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Session, SessionConfig, SessionId};
@@ -107,7 +108,7 @@ pub async fn connect_to(peer: &PeerLink) -> Result<(Session, tokio::task::JoinSe
             addr,
             name: peer.name.clone(),
             tls: peer.tls.clone(),
-            connections: 1,
+            connections: ConnectionCount::fixed(1),
             link_rate_mbit: None,
             pool: peer.pool.clone(),
         },

@@ -20,6 +20,7 @@ use ferry_qemu::commands::{
 };
 use ferry_qemu::stream::{StreamParser, PAGE_SIZE};
 use ferry_qemu::Qmp;
+use ferry_wire::connection_count::ConnectionCount;
 use ferry_wire::net::{keep_connected, LinkEvent, Peer, Pool};
 use ferry_wire::tls::ClientConfig;
 use ferry_wire::{Received, Session, SessionConfig, SessionId};
@@ -209,11 +210,12 @@ async fn migrate(
         pool: pool.clone(),
     };
     let session = Session::new(id, SessionConfig::default());
+    let connections = ConnectionCount::from_setting(req.settings.connections);
     let peer = Peer {
         addr,
         name: req.to.clone(),
         tls,
-        connections: req.settings.connections.max(1),
+        connections: connections.clone(),
         link_rate_mbit: req.link_rate_mbit,
         pool,
     };
@@ -224,7 +226,7 @@ async fn migrate(
         session.clone(),
         status.clone(),
         req.link_rate_mbit,
-        req.settings.connections.max(1),
+        connections,
     ));
     let ledger = Arc::new(Mutex::new(PageLedger::default()));
     let _progress = AbortOnDropHandle::new(tokio::spawn(track_progress(
@@ -1858,13 +1860,14 @@ async fn read_control(session: Session, tx: mpsc::UnboundedSender<Control>) {
     }
 }
 
-/// Records connection events; the first measured round trip sizes the send window.
+/// Records connection events; the first measured round trip sizes the send window, and the
+/// first connection says how many the session keeps.
 async fn watch_links(
     mut rx: mpsc::UnboundedReceiver<LinkEvent>,
     session: Session,
     status: Shared,
     rate_mbit: Option<f64>,
-    connections: u32,
+    connections: ConnectionCount,
 ) {
     let mut sized = false;
     let mut opened = 0u32;
@@ -1882,9 +1885,22 @@ async fn watch_links(
                     session.set_send_limit(send_window(rate_mbit, rtt_ms));
                 }
                 opened += 1;
+                // Decided before the first connection's Connected (in its dial).
+                let decided = connections.get();
+                let count = decided.as_ref().map_or(1, |d| d.connections);
                 status.update(|s| {
+                    if s.wire.connections == 0 {
+                        if let Some(why) = decided.as_ref().and_then(|d| d.why.as_ref()) {
+                            s.event(
+                                EventKind::Connected,
+                                format!("{count} connection(s): {why}"),
+                            );
+                        }
+                    }
+                    s.wire.connections = count;
+                    s.wire.connections_why = decided.and_then(|d| d.why);
                     s.wire.rtt_ms = Some(rtt_ms);
-                    s.wire.reconnects = opened.saturating_sub(connections);
+                    s.wire.reconnects = opened.saturating_sub(count);
                     let how = warm.map_or_else(String::new, |parked| {
                         format!(", warm (parked {:.1} s)", parked.as_secs_f64())
                     });

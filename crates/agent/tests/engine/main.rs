@@ -131,8 +131,9 @@ fn assert_source_runs(pair: &Pair, status: &ferry_api::agent::MigrationStatus, m
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migration_commits_with_every_byte_in_each_codec_connection_count_and_shards() {
+    // 0: as many as the link needs, one here.
     for (codec, connections, shards) in [
-        (CodecSettings::ALL, 1, None),
+        (CodecSettings::ALL, 0, None),
         (CodecSettings::NONE, 4, None),
         (CodecSettings::ALL, 2, Some(16)),
     ] {
@@ -149,6 +150,13 @@ async fn a_migration_commits_with_every_byte_in_each_codec_connection_count_and_
         assert_committed(&pair, &status);
         assert_eq!(status.stream_bytes, captured_stream().len() as u64);
         assert!(pair.destination.seen().ran("cont"));
+        assert_eq!(status.wire.connections, connections.max(1));
+        assert_eq!(
+            status.wire.connections_why.is_some(),
+            connections == 0,
+            "{:?}",
+            status.wire
+        );
         if codec.dedup {
             let report = status.codec.as_ref().expect("the codec's report");
             assert!(report.cache_paused_batches > 0, "{report:?}");
@@ -165,7 +173,7 @@ async fn a_migration_commits_with_every_byte_in_each_codec_connection_count_and_
         wait_for_metric(
             &pair.a,
             "ferry_agent_parked_connections",
-            u64::from(connections),
+            u64::from(connections.max(1)),
         )
         .await;
         for agent in [&pair.a, &pair.b] {
@@ -1041,7 +1049,7 @@ fn open_session(
             addr: pair.link.address,
             name: "b".into(),
             tls: tls.clone(),
-            connections: 1,
+            connections: ferry_wire::connection_count::ConnectionCount::fixed(1),
             link_rate_mbit: None,
             pool: ferry_wire::net::Pool::new(),
         },
