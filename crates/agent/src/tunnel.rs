@@ -302,9 +302,15 @@ impl Tunnels {
                 addr,
                 name: peer_name.to_owned(),
                 tls: self.tls.clone(),
-                // A tunnel's stream is one stream like the ferry path's: split only where
-                // one connection cannot hold the link.
-                connections: ConnectionCount::auto(),
+                // QEMU's main stream and a disk relay are one stream each, like the ferry
+                // path's: split only where one connection cannot hold the link. QEMU's
+                // multifd channels are already several flows, each deciding alone as if it
+                // had the link: one connection each.
+                connections: if multifd {
+                    ConnectionCount::fixed(1)
+                } else {
+                    ConnectionCount::auto()
+                },
                 link_rate_mbit: peer.rate_mbit,
                 pool: self.pool.clone(),
             },

@@ -35,6 +35,10 @@ pub struct LinkArgs {
     /// (`net.ipv4.tcp_rmem`'s maximum), as older kernels do (6). Default: this machine's.
     #[arg(long)]
     pub host_tcp_rmem_max_mib: Option<u32>,
+    /// Run the sites' agents without CAP_NET_ADMIN, as agents not run as root: their socket
+    /// buffers stop at the hosts' limits.
+    #[arg(long)]
+    pub agents_without_net_admin: bool,
 }
 
 impl LinkArgs {
@@ -47,6 +51,7 @@ impl LinkArgs {
             host_congestion: self.host_congestion,
             receive_gro: self.receive_gro,
             host_tcp_rmem_max_mib: self.host_tcp_rmem_max_mib,
+            agents_without_net_admin: self.agents_without_net_admin,
         }
     }
 }
@@ -196,8 +201,9 @@ pub async fn run(cmd: LabCmd) -> Result<ExitCode> {
             if link.host_congestion.is_some()
                 || link.receive_gro
                 || link.host_tcp_rmem_max_mib.is_some()
+                || link.agents_without_net_admin
             {
-                bail!("--host-congestion, --receive-gro and --host-tcp-rmem-max-mib are set when the lab comes up (`ferry lab up`); `lab set` changes the rate, delay, jitter and loss");
+                bail!("--host-congestion, --receive-gro, --host-tcp-rmem-max-mib and --agents-without-net-admin are set when the lab comes up (`ferry lab up`); `lab set` changes the rate, delay, jitter and loss");
             }
             let cfg = link.config();
             cfg.validate()?;

@@ -91,6 +91,7 @@ pub fn start(
     site: Site,
     ferry_exe: &Path,
     link_rate_mbit: Option<f64>,
+    without_net_admin: bool,
     controllers: &[Site],
     mem_mib: u32,
 ) -> Result<u32> {
@@ -101,7 +102,7 @@ pub fn start(
     )
     .with_context(|| format!("write {}", config_path.display()))?;
     let _ = fs::remove_file(log_path(lab, site));
-    spawn(lab, site, ferry_exe)
+    spawn(lab, site, ferry_exe, without_net_admin)
 }
 
 /// Where `site`'s agent logs.
@@ -161,10 +162,11 @@ fn exited(pid: u32) -> bool {
 /// Starts `site`'s agent again from the config it ran with (as after a crash, or an upgrade:
 /// only what it keeps on disk is left) and waits until its API answers. Returns its pid.
 pub fn restart(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
-    spawn(lab, site, ferry_exe)
+    let without_net_admin = lab.state()?.link.agents_without_net_admin;
+    spawn(lab, site, ferry_exe, without_net_admin)
 }
 
-fn spawn(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
+fn spawn(lab: &Lab, site: Site, ferry_exe: &Path, without_net_admin: bool) -> Result<u32> {
     let name = pki::agent_name(site);
     let sock = lab.agent_socket(site);
     let _ = fs::remove_file(&sock);
@@ -177,7 +179,15 @@ fn spawn(lab: &Lab, site: Site, ferry_exe: &Path) -> Result<u32> {
         .open(&log_path)?;
     // The agent is a process of the site's host: the destination QEMUs it starts see the
     // site's files at HOST_DIR.
-    let mut cmd = lab.host_command(site, ferry_exe);
+    let mut cmd = if without_net_admin {
+        // Out of the bounding set, root's permitted and effective sets lose it at exec.
+        let mut cmd = lab.host_command(site, "setpriv");
+        cmd.args(["--inh-caps=-net_admin", "--bounding-set=-net_admin", "--"])
+            .arg(ferry_exe);
+        cmd
+    } else {
+        lab.host_command(site, ferry_exe)
+    };
     cmd.args(["agent", "--config"])
         .arg(&config_path)
         .env(

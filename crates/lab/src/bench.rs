@@ -142,9 +142,6 @@ pub struct BenchRecord {
     pub cpu: crate::cpu::MigrationCpu,
     pub accel: Accel,
     pub run: u32,
-    /// ferry: the TCP connections it used.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub connections: Option<u32>,
     /// ferry: how the switchover was decided (`target`: the agent steers QEMU's rule to the
     /// real downtime target; `qemu-rule`; `smart-stop`), with `+converge` when QEMU could
     /// throttle the guest.
@@ -234,6 +231,9 @@ pub struct LinkSummary {
     /// The sites' receive autotuning limit in MiB, when the bench set one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_tcp_rmem_max_mib: Option<u32>,
+    /// The agents ran without `CAP_NET_ADMIN`, when the bench asked for it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub agents_without_net_admin: bool,
 }
 
 /// One scenario's settings.
@@ -468,12 +468,6 @@ async fn measured_migration(
     }
     let wan_bulk_mbit = timeline.lock().expect("timeline poisoned").bulk_rate_mbit();
     let (outcome, dst_link) = result?;
-    // What the agents kept (the setting, 0, says "as many as the link needs").
-    let connections = matches!(sc.system, System::Ferry { .. }).then(|| {
-        outcome
-            .connections
-            .unwrap_or(sc.migrate.settings.connections)
-    });
     let disk_write_latency = if sc.vm.disk {
         Some(guest::disk_latency(&dst_link).await?)
     } else {
@@ -500,6 +494,7 @@ async fn measured_migration(
             host_congestion: sc.link.host_congestion,
             receive_gro: sc.link.receive_gro,
             host_tcp_rmem_max_mib: sc.link.host_tcp_rmem_max_mib,
+            agents_without_net_admin: sc.link.agents_without_net_admin,
         },
         mem_mib: sc.vm.mem_mib,
         disk_mib: match (sc.vm.disk, sc.vm.disk_mib) {
@@ -516,7 +511,6 @@ async fn measured_migration(
         cpu,
         accel: sc.vm.accel,
         run: sc.run,
-        connections,
         switchover: matches!(sc.system, System::Ferry { .. })
             .then(|| switchover_policy(&sc.migrate)),
         leg,

@@ -28,6 +28,10 @@ pub struct LinkConfig {
     /// 6.1 among them); `None` keeps this machine's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_tcp_rmem_max_mib: Option<u32>,
+    /// The sites' agents run without `CAP_NET_ADMIN`, as an agent not run as root does: their
+    /// sockets' buffers stop at the host's limits (`net.core.wmem_max`, autotuning's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub agents_without_net_admin: bool,
 }
 
 /// A TCP congestion control a site's host may default to.
@@ -74,6 +78,7 @@ impl Default for LinkConfig {
             host_congestion: None,
             receive_gro: false,
             host_tcp_rmem_max_mib: None,
+            agents_without_net_admin: false,
         }
     }
 }

@@ -256,6 +256,7 @@ impl Lab {
             host_congestion: state.link.host_congestion,
             receive_gro: state.link.receive_gro,
             host_tcp_rmem_max_mib: state.link.host_tcp_rmem_max_mib,
+            agents_without_net_admin: state.link.agents_without_net_admin,
             ..link
         };
         fs::write(self.state_path(), serde_json::to_string_pretty(&state)?)?;
@@ -458,6 +459,7 @@ impl Lab {
                 site,
                 ferry_exe,
                 Some(link.rate_mbit),
+                link.agents_without_net_admin,
                 &controllers,
                 mem_mib,
             )?;

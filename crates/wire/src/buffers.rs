@@ -110,22 +110,68 @@ pub(crate) fn set_send_buffer(tcp: &impl AsRawFd, size: u32) {
     }
 }
 
-/// The largest send buffer this agent can give a connection, as the kernel counts it
-/// (bookkeeping included): with `CAP_NET_ADMIN`, what `SO_SNDBUFFORCE` gets at the most this
-/// module asks for (tried on `tcp`, whose buffer must be set again after); without, what
-/// [`set_send_buffer`] would have: twice `net.core.wmem_max` or autotuning's maximum. `None`
-/// where the sysctls cannot be read.
-pub(crate) fn largest_send_buffer(tcp: &impl AsRawFd) -> Option<u64> {
+/// The largest send buffer one connection of this agent can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LargestSendBuffer {
+    /// As the kernel counts it (bookkeeping included: twice what is asked).
+    pub bytes: u64,
+    pub limit: SendBufferLimit,
+}
+
+/// What stops a connection's send buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendBufferLimit {
+    /// The most this module asks for (64 MiB): the agent may force any size.
+    Asked,
+    /// `net.core.wmem_max`, for an agent without `CAP_NET_ADMIN`.
+    HostCap,
+    /// `net.ipv4.tcp_wmem`'s maximum, the kernel's autotuning, for an agent without it.
+    Autotuning,
+}
+
+/// The largest send buffer [`set_send_buffer`] can give a connection on `tcp` (whose buffer
+/// is tried here, and must be set again after): with `CAP_NET_ADMIN`, what `SO_SNDBUFFORCE`
+/// gets at the most this module asks for; without, twice `net.core.wmem_max` (at most what
+/// is asked) or autotuning's maximum, as [`unforced_send_buffer`] chooses, and where the cap
+/// cannot be read (a container's own network namespace may hide it), what `SO_SNDBUF` gets.
+pub(crate) fn largest_send_buffer(tcp: &impl AsRawFd) -> Option<LargestSendBuffer> {
     #[allow(clippy::cast_possible_truncation)] // 64 MiB
     let most = MAX_BUFFER as libc::c_int;
+    let most_bytes = u64::try_from(most).expect("positive");
+    let largest = |bytes: Option<u32>, limit| {
+        bytes.map(|bytes| LargestSendBuffer {
+            bytes: u64::from(bytes),
+            limit,
+        })
+    };
     if set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &most).is_ok() {
-        return send_buffer(tcp).map(u64::from);
+        return largest(send_buffer(tcp), SendBufferLimit::Asked);
     }
     let cap = sysctl_u64("/proc/sys/net/core/wmem_max");
     let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_wmem");
-    match unforced_send_buffer(cap, autotuned) {
-        Unforced::Set => cap.map(|cap| 2 * cap),
-        Unforced::Autotune => autotuned,
+    match (unforced_send_buffer(cap, autotuned), cap) {
+        (Unforced::Autotune, _) => autotuned.map(|bytes| LargestSendBuffer {
+            bytes,
+            limit: SendBufferLimit::Autotuning,
+        }),
+        (Unforced::Set, Some(cap)) => Some(LargestSendBuffer {
+            bytes: 2 * cap.min(most_bytes),
+            limit: if cap < most_bytes {
+                SendBufferLimit::HostCap
+            } else {
+                SendBufferLimit::Asked
+            },
+        }),
+        (Unforced::Set, None) => {
+            set_option(tcp, libc::SOL_SOCKET, libc::SO_SNDBUF, &most).ok()?;
+            let bytes = send_buffer(tcp)?;
+            let limit = if u64::from(bytes) < 2 * most_bytes {
+                SendBufferLimit::HostCap
+            } else {
+                SendBufferLimit::Asked
+            };
+            largest(Some(bytes), limit)
+        }
     }
 }
 
@@ -316,27 +362,36 @@ mod tests {
             let cap = sysctl_u64("/proc/sys/net/core/wmem_max");
             let autotuned = sysctl_u64("/proc/sys/net/ipv4/tcp_wmem");
             match unforced_send_buffer(cap, autotuned) {
-                Unforced::Set => cap.map(|cap| 2 * cap),
+                Unforced::Set => cap.map(|cap| 2 * cap.min(FORCED_MOST)),
                 Unforced::Autotune => autotuned,
             }
         };
+        let bytes = |largest: Option<LargestSendBuffer>| largest.map(|l| l.bytes);
         let expected = if has_net_admin() {
             // Linux doubles what it is given.
             Some(2 * FORCED_MOST)
         } else {
             unforced()
         };
-        assert_eq!(largest_send_buffer(&loopback_socket()), expected);
+        let with = largest_send_buffer(&loopback_socket());
+        assert_eq!(bytes(with), expected);
+        if has_net_admin() {
+            assert_eq!(with.map(|l| l.limit), Some(SendBufferLimit::Asked));
+        }
         let without = std::thread::spawn(move || {
             drop_net_admin();
             largest_send_buffer(&loopback_socket())
         });
         let got = without.join().expect("the thread without CAP_NET_ADMIN");
-        assert_eq!(got, unforced());
-        assert!(
-            got.is_some_and(|got| got < 2 * FORCED_MOST),
-            "{got:?}"
-        );
+        assert_eq!(bytes(got), unforced());
+        // A host whose cap is below what the agent asks (this lab's: 4 MiB) holds it there.
+        if sysctl_u64("/proc/sys/net/core/wmem_max").is_some_and(|cap| cap < FORCED_MOST) {
+            assert_ne!(
+                got.map(|l| l.limit),
+                Some(SendBufferLimit::Asked),
+                "{got:?}"
+            );
+        }
     }
 
     /// Whether this thread may force buffers past the host's caps (not whether it is root: a

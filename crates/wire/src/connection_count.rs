@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::buffers::largest_send_buffer;
+use crate::buffers::{largest_send_buffer, LargestSendBuffer, SendBufferLimit};
 
 /// The most connections the automatic count opens: past that, per-connection ACKs and the
 /// wait for the slowest cost more than a larger buffer would gain.
@@ -79,40 +79,49 @@ impl ConnectionCount {
             if count.is_some() {
                 return false;
             }
-            *count = Some(choose(tcp, rate_mbit, rtt_ms));
+            // The probe only where the rate is known: it sets the buffer, which a known rate
+            // then sizes again (`net::tune_socket`); unknown, autotuning must stay.
+            let largest = rate_mbit.and_then(|_| largest_send_buffer(tcp));
+            *count = Some(choose(rate_mbit, rtt_ms, largest));
             true
         });
         self.get().map_or(1, |d| d.connections)
     }
 }
 
-/// The automatic choice and its reason.
-fn choose(tcp: &impl std::os::fd::AsRawFd, rate_mbit: Option<f64>, rtt_ms: f64) -> Decided {
+/// The automatic choice for a link of `rate_mbit` at `rtt_ms` when one connection's send
+/// buffer reaches `largest`, and its reason.
+fn choose(rate_mbit: Option<f64>, rtt_ms: f64, largest: Option<LargestSendBuffer>) -> Decided {
+    let one = |why: &str| Decided {
+        connections: 1,
+        why: Some(why.to_owned()),
+    };
     let Some(rate) = rate_mbit else {
-        return Decided {
-            connections: 1,
-            why: Some("the link's rate is not configured".into()),
-        };
+        return one("the link's rate is not configured");
     };
-    let Some(largest) = largest_send_buffer(tcp) else {
-        return Decided {
-            connections: 1,
-            why: Some("this host's send buffer limits could not be read".into()),
-        };
+    let Some(largest) = largest else {
+        return one("this host's send buffer limit could not be read");
     };
-    let connections = connections_for(rate, rtt_ms, largest);
-    let mib = largest as f64 / f64::from(1 << 20);
+    let needed = connections_needed(rate, rtt_ms, largest.bytes);
+    let connections = needed.min(MAX_AUTO_CONNECTIONS);
+    let mib = largest.bytes as f64 / f64::from(1 << 20);
+    let link = format!("a {rate} Mbit/s link at {rtt_ms:.1} ms");
     let why = if connections == 1 {
-        format!("one connection's send buffer (up to {mib:.0} MiB here) holds a {rate} Mbit/s link at {rtt_ms:.1} ms")
+        format!("one connection's send buffer (up to {mib:.1} MiB here) holds {link}")
     } else {
-        format!(
-            "one connection's send buffer reaches {mib:.1} MiB here (no CAP_NET_ADMIN), short of a {rate} Mbit/s link at {rtt_ms:.1} ms{}",
-            if connections == MAX_AUTO_CONNECTIONS {
-                "; capped"
-            } else {
-                ""
+        let limit = match largest.limit {
+            SendBufferLimit::Asked => "the most the agent asks for",
+            SendBufferLimit::HostCap => "net.core.wmem_max; the agent lacks CAP_NET_ADMIN",
+            SendBufferLimit::Autotuning => {
+                "net.ipv4.tcp_wmem's maximum; the agent lacks CAP_NET_ADMIN"
             }
-        )
+        };
+        let capped = if needed > MAX_AUTO_CONNECTIONS {
+            format!(" ({needed} would hold it; at most {MAX_AUTO_CONNECTIONS})")
+        } else {
+            String::new()
+        };
+        format!("one connection's send buffer stops at {mib:.1} MiB here ({limit}), short of {link}{capped}")
     };
     Decided {
         connections,
@@ -124,12 +133,13 @@ fn choose(tcp: &impl std::os::fd::AsRawFd, rate_mbit: Option<f64>, rtt_ms: f64) 
 /// reaches at most `largest` bytes as the kernel counts them (its bookkeeping included): each
 /// connection is given twice its share of the bandwidth-delay product
 /// ([`crate::buffers::socket_buffer_for`]), which the kernel doubles, so the link needs four
-/// times the product in all. At least one, at most [`MAX_AUTO_CONNECTIONS`].
-pub fn connections_for(rate_mbit: f64, rtt_ms: f64, largest: u64) -> u32 {
+/// times the product in all. At least one; the automatic count takes at most
+/// [`MAX_AUTO_CONNECTIONS`] of them.
+pub fn connections_needed(rate_mbit: f64, rtt_ms: f64, largest: u64) -> u32 {
     let bdp = rate_mbit * 1e6 / 8.0 * rtt_ms / 1e3;
     let needed = (4.0 * bdp / largest.max(1) as f64).ceil();
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped to 1..=8
-    let connections = needed.clamp(1.0, f64::from(MAX_AUTO_CONNECTIONS)) as u32;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // clamped
+    let connections = needed.clamp(1.0, f64::from(u32::MAX)) as u32;
     connections
 }
 
@@ -162,31 +172,49 @@ mod tests {
     }
 
     #[test]
-    fn a_link_is_split_only_where_one_connection_cannot_hold_it() {
+    fn a_link_is_split_only_where_one_connection_cannot_hold_it_and_the_reason_says_what_holds_it()
+    {
+        use SendBufferLimit::{Asked, Autotuning, HostCap};
         const MIB: u64 = 1 << 20;
-        for (rate, rtt, largest, expected) in [
+        for (rate, rtt, bytes, limit, expected, why) in [
             // With CAP_NET_ADMIN: twice the 64 MiB asked at most; 1 Gbit/s at 250 ms needs
             // 4 x 31.25 MB.
-            (1000.0, 250.0, 128 * MIB, 1),
-            (10_000.0, 50.0, 128 * MIB, 2),
+            (1000.0, 250.0, 128 * MIB, Asked, 1, "(up to 128.0 MiB here) holds a 1000 Mbit/s link at 250.0 ms"),
+            (10_000.0, 50.0, 128 * MIB, Asked, 2, "stops at 128.0 MiB here (the most the agent asks for), short of a 10000 Mbit/s link at 50.0 ms"),
             // Autotuning's 4 MiB: the main link holds, a fast short one barely does not.
-            (100.0, 50.0, 4 * MIB, 1),
-            (1000.0, 10.0, 4 * MIB, 2),
+            (100.0, 50.0, 4 * MIB, Autotuning, 1, "holds"),
+            (1000.0, 10.0, 4 * MIB, Autotuning, 2, "(net.ipv4.tcp_wmem's maximum; the agent lacks CAP_NET_ADMIN)"),
             // Twice this lab's 4 MiB wmem_max, set without the capability: the 1 Gbit/s,
-            // 200 ms link needs 100 MB, capped.
-            (1000.0, 200.0, 8 * MIB, 8),
-            (250.0, 200.0, 8 * MIB, 3),
+            // 200 ms link needs 100 MB.
+            (1000.0, 200.0, 8 * MIB, HostCap, 8, "(net.core.wmem_max; the agent lacks CAP_NET_ADMIN), short of a 1000 Mbit/s link at 200.0 ms (12 would hold it; at most 8)"),
+            (250.0, 200.0, 8 * MIB, HostCap, 3, "lacks CAP_NET_ADMIN), short of a 250 Mbit/s link at 200.0 ms"),
             // Twice an older kernel's 212992 bytes.
-            (100.0, 50.0, 425_984, 6),
-            (0.0, 50.0, 4 * MIB, 1),
-            (100.0, 50.0, 0, 8),
+            (100.0, 50.0, 425_984, HostCap, 6, "stops at 0.4 MiB here"),
+            (0.0, 50.0, 4 * MIB, Autotuning, 1, "holds"),
+            (100.0, 50.0, 0, HostCap, 8, "at most 8)"),
         ] {
-            assert_eq!(
-                connections_for(rate, rtt, largest),
-                expected,
-                "{rate} Mbit/s, {rtt} ms, {largest} bytes"
-            );
+            let largest = LargestSendBuffer { bytes, limit };
+            let decided = choose(Some(rate), rtt, Some(largest));
+            assert_eq!(decided.connections, expected, "{rate} Mbit/s, {rtt} ms, {largest:?}");
+            let said = decided.why.expect("a reason");
+            assert!(said.contains(why), "{said}");
         }
+        // 8 exactly: not capped.
+        let largest = LargestSendBuffer {
+            bytes: 4 * MIB,
+            limit: HostCap,
+        };
+        let said = choose(Some(671.0), 100.0, Some(largest))
+            .why
+            .expect("a reason");
+        assert!(said.ends_with("at 100.0 ms"), "{said}");
+        assert_eq!(
+            choose(Some(100.0), 50.0, None),
+            Decided {
+                connections: 1,
+                why: Some("this host's send buffer limit could not be read".into())
+            }
+        );
     }
 
     #[test]

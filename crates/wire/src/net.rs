@@ -103,8 +103,9 @@ fn tcp_rtt(tcp: &impl AsRawFd) -> Option<Duration> {
 pub const POOL_MAX_IDLE: Duration = Duration::from_secs(300);
 /// How long the listening side keeps a parked connection waiting for the next Hello.
 pub const PARKED_IDLE_LIMIT: Duration = Duration::from_secs(600);
-/// Parked connections kept per peer (more than any session opens by default).
-const POOL_MAX_PER_PEER: usize = 8;
+/// Parked connections kept per peer: as many as two sessions open at most by default (the
+/// relay's tunnels may end together).
+const POOL_MAX_PER_PEER: usize = 2 * crate::connection_count::MAX_AUTO_CONNECTIONS as usize;
 /// How long a parked connection may take to answer a new session's Hello before it is
 /// dropped and a fresh one dialed: a peer that closed it answers at once, with a reset.
 const WARM_HELLO_TIMEOUT: Duration = Duration::from_secs(2);
