@@ -34,6 +34,7 @@ use crate::engine::launcher;
 use crate::engine::load_sieve::{LoadSieve, Sieved};
 use crate::engine::monitor_dir::{Arrival, MonitorDir};
 use crate::engine::monitor_keeper;
+use crate::engine::pipeline::budget::{ThreadBudget, Threads};
 use crate::engine::pipeline::{DestinationPipeline, ShardedDecoder};
 use crate::engine::postcopy::{self, PackageGate};
 use crate::engine::postcopy_recovery::{self, HeldMonitors};
@@ -468,6 +469,11 @@ async fn serve(
         std::thread::available_parallelism().map_or(1, usize::from),
         test_decode_threads,
     );
+    // As at the source: within what the agent's other migrations left, but for the test hook.
+    // Declared before the pipeline, so given back after its threads are joined.
+    let budgeted =
+        (decoder.is_some() && !test_decode_threads).then(|| ThreadBudget::of_agent().take(threads));
+    let threads = budgeted.as_ref().map_or(threads, Threads::count);
     let mut decoder = decoder
         .map(|d| DestinationPipeline::new(d, threads, "ferry-decode"))
         .transpose()?;

@@ -39,6 +39,7 @@ use crate::engine::disk::mirror::{
 };
 use crate::engine::journal::{Journal, OutgoingRecord, OutgoingState, Verdict};
 use crate::engine::page_ledger::{DestinationWork, PageLedger};
+use crate::engine::pipeline::budget::{ThreadBudget, Threads};
 use crate::engine::pipeline::{CachePauser, Shape, ShardedEncoder, SourcePipeline};
 use crate::engine::postcopy;
 use crate::engine::postcopy_recovery;
@@ -491,6 +492,12 @@ async fn migrate(
         journal
             .write_outgoing(&record)
             .context("recording the stream's start")?;
+        // The codec's threads while the stream runs, within what the agent's other migrations
+        // left: the shards then share fewer, or run on the pump's task. The test hook's
+        // threads are its own.
+        let budgeted = (encoder.is_some() && req.settings.test_shards.is_none())
+            .then(|| ThreadBudget::of_agent().take(shape.threads));
+        let threads = budgeted.as_ref().map_or(shape.threads, Threads::count);
         let (bytes, digest, preempt) = stream(
             req,
             status,
@@ -499,7 +506,7 @@ async fn migrate(
             &mut ctl,
             work_dir,
             encoder
-                .map(|e| SourcePipeline::new(e, shape.threads, "ferry-codec"))
+                .map(|e| SourcePipeline::new(e, threads, "ferry-codec"))
                 .transpose()?,
             &ledger,
             DestinationWork::new(&zeroed_blocks),
@@ -513,6 +520,8 @@ async fn migrate(
             },
         )
         .await?;
+        // The pipeline ended with `stream`, its threads joined.
+        drop(budgeted);
         control::send(
             &session,
             &Control::End {

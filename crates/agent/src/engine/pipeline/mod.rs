@@ -35,8 +35,10 @@
 //! At the source the shards run on the calling task ([`ShardedEncoder`]) or on threads of
 //! their own ([`ThreadedEncoder`]); [`SourcePipeline`] is either. At the destination the
 //! shards run on the calling task ([`ShardedDecoder`]) or on threads ([`ThreadedDecoder`]);
-//! [`DestinationPipeline`] is either.
+//! [`DestinationPipeline`] is either. The threads of all of an agent's migrations come from
+//! one [`budget::ThreadBudget`].
 
+pub mod budget;
 mod decode_workers;
 mod destination_side;
 mod dispatcher;
