@@ -391,13 +391,9 @@ async fn send_frame<S>(stream: &mut S, frame: &Frame) -> Result<(), SessionError
 where
     S: tokio::io::AsyncWrite + Unpin,
 {
-    use tokio::io::AsyncWriteExt;
     let mut out = BytesMut::new();
     frame.encode(&mut out);
-    stream
-        .write_all(&out)
-        .await
-        .map_err(|e| SessionError::Io(e.to_string()))
+    crate::session::write_out(stream, &out).await
 }
 
 /// Sizes a connection's send buffer and pace for `peer`'s link, when its rate is known, as one

@@ -735,16 +735,9 @@ impl Session {
             for f in &batch {
                 f.encode(&mut out);
             }
-            writer
-                .write_all(&out)
-                .await
-                .map_err(|e| SessionError::Io(e.to_string()))?;
+            write_out(writer, &out).await?;
             self.lock().stats.wire_bytes_out += out.len() as u64;
             if batch.last().is_some_and(|f| f.kind == FrameKind::Park) {
-                writer
-                    .flush()
-                    .await
-                    .map_err(|e| SessionError::Io(e.to_string()))?;
                 return Ok(());
             }
         }
@@ -848,6 +841,19 @@ impl State {
     }
 }
 
+/// Writes `bytes` and flushes them. tokio-rustls takes a write into its own buffer and
+/// returns once the socket would block, and what the socket did not take stays there until
+/// the next write or a flush: without the flush the last frames before a lull in the stream
+/// (the switchover's) would wait for the next frame or keepalive, up to a second later.
+pub(crate) async fn write_out<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    bytes: &[u8],
+) -> Result<(), SessionError> {
+    let io = |e: std::io::Error| SessionError::Io(e.to_string());
+    writer.write_all(bytes).await.map_err(io)?;
+    writer.flush().await.map_err(io)
+}
+
 /// Exchanges Hellos on a fresh connection: sends ours, reads theirs (with whatever bytes
 /// followed it), and returns theirs. The caller checks it belongs to the session.
 pub async fn exchange_hello<S>(
@@ -861,10 +867,7 @@ where
     let work = async {
         let mut out = BytesMut::new();
         ours.frame().encode(&mut out);
-        stream
-            .write_all(&out)
-            .await
-            .map_err(|e| SessionError::Io(e.to_string()))?;
+        write_out(stream, &out).await?;
         read_hello(stream).await
     };
     tokio::time::timeout(timeout, work)

@@ -432,3 +432,38 @@ async fn an_urgent_channels_frame_overtakes_the_queued_bulk() {
     // The connection dropped with nothing acknowledged: the replay puts it first again.
     assert_eq!(first_data_frames(&a, 2).await, [(9, 0), (1, 0)]);
 }
+
+/// Over a stream that keeps what it is given until flushed (TLS keeps the records a full
+/// socket would not take until its next write or a flush), a frame still reaches the peer at
+/// once, not with a later write (virtual time: none may pass).
+#[tokio::test(start_paused = true)]
+async fn a_frame_goes_out_at_once_through_a_stream_that_holds_writes_until_flushed() {
+    const CH: ChannelId = ChannelId(1);
+    let a = Session::new(SessionId(4), SessionConfig::default());
+    let b = Session::new(SessionId(4), SessionConfig::default());
+    let (mut x, mut y) = tokio::io::duplex(1 << 20);
+    let t = Duration::from_secs(5);
+    let (ha, hb) = (a.hello(0), b.hello(0));
+    let ((hello_b, left_a), (hello_a, left_b)) = tokio::try_join!(
+        exchange_hello(&mut x, &ha, t),
+        exchange_hello(&mut y, &hb, t)
+    )
+    .unwrap();
+    a.accept_hello(&hello_b).unwrap();
+    b.accept_hello(&hello_a).unwrap();
+    let (x, y) = (tokio::io::BufWriter::new(x), tokio::io::BufWriter::new(y));
+    let started = tokio::time::Instant::now();
+    a.send(CH, Bytes::from_static(b"the last bytes before the pause"))
+        .await
+        .unwrap();
+    let received = tokio::select! {
+        _ = a.run_connection(x, left_a) => panic!("a's connection ended"),
+        _ = b.run_connection(y, left_b) => panic!("b's connection ended"),
+        r = b.recv(CH) => r.unwrap(),
+    };
+    assert_eq!(
+        received,
+        Received::Data(Bytes::from_static(b"the last bytes before the pause"))
+    );
+    assert_eq!(started.elapsed(), Duration::ZERO);
+}
