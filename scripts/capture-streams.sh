@@ -17,6 +17,10 @@
 #            (`migrate-recover` at the destination, `migrate resume=true` at the source):
 #            NAME.first.qemu is the source's main stream up to the cut, NAME.second.qemu the
 #            resumed one (no header: a RECV_BITMAP per RAM block, RESUME, then the pages).
+#   bitmaps: running, with a qcow2 disk whose two persistent dirty bitmaps (one recording, one
+#            not; 512-byte granularity, so each bitmap goes in 16 chunks, most of them zero)
+#            have bits set, and the dirty-bitmaps capability on: QEMU's "dirty-bitmap" section
+#            beside the RAM (what libvirt turns on when a copied disk has a checkpoint).
 #
 # A second argument captures only the stream of that name (say postcopy/resumed).
 #
@@ -28,15 +32,29 @@ mkdir -p "$out"
 qemu=${FERRY_QEMU:-qemu-system-x86_64}
 only=${2:-}
 
-capture() { # name running
-    local name=$1 running=$2 sock
+capture() { # name running [bitmaps]
+    local name=$1 running=$2 bitmaps=${3:-0} sock disk=()
     sock=$(mktemp -u /tmp/ferry-capture.XXXXXX)
+    if [ "$bitmaps" = 1 ]; then
+        # The bitmaps are made and dirtied offline: the firmware alone never writes a disk.
+        local img=$sock.qcow2
+        qemu-img create -q -f qcow2 "$img" 64M
+        qemu-img bitmap --add -g 512 "$img" recording
+        qemu-img bitmap --add -g 512 --disable "$img" kept
+        qemu-io -f qcow2 -c 'write -P 0xab 1M 64k' -c 'write -P 0xcd 40M 4k' "$img" >/dev/null
+        qemu-img bitmap --enable "$img" kept
+        qemu-io -f qcow2 -c 'write -P 0xef 50M 512' "$img" >/dev/null
+        qemu-img bitmap --disable "$img" kept
+        disk=(-blockdev "driver=file,filename=$img,node-name=file0"
+            -blockdev "driver=qcow2,file=file0,node-name=disk0"
+            -device "virtio-blk-pci,drive=disk0,id=vda")
+    fi
     "$qemu" -machine q35,accel=tcg -m 64M -nodefaults -display none -S \
-        -qmp "unix:$sock,server=on,wait=off" &
+        -qmp "unix:$sock,server=on,wait=off" "${disk[@]}" &
     local pid=$!
-    python3 - "$sock" "$out/$name.qemu" "$running" <<'PY' || { kill "$pid"; exit 1; }
+    python3 - "$sock" "$out/$name.qemu" "$running" "$bitmaps" <<'PY' || { kill "$pid"; exit 1; }
 import json, socket, sys, time
-path, out, running = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+path, out, running, bitmaps = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
 for _ in range(100):
     try:
         s = socket.socket(socket.AF_UNIX); s.connect(path); break
@@ -52,6 +70,8 @@ def q(cmd, **args):
             if "error" in r: sys.exit(f"{cmd}: {r['error']}")
             return r["return"]
 q("qmp_capabilities")
+if bitmaps:
+    q("migrate-set-capabilities", capabilities=[{"capability": "dirty-bitmaps", "state": True}])
 if running:
     q("cont"); time.sleep(1)
     q("migrate-set-parameters", **{"max-bandwidth": 2_000_000})
@@ -62,6 +82,7 @@ if st["status"] != "completed": sys.exit(f"migration {st['status']}")
 print(f"{out}: {st['ram']['transferred']} bytes, {st['ram']['dirty-sync-count']} passes")
 PY
     kill "$pid"; wait "$pid" 2>/dev/null || true
+    if [ "$bitmaps" = 1 ]; then rm -f "$img"; fi
     zstd -q -19 -f --rm "$out/$name.qemu"
 }
 capture_multifd() { # name running compression
@@ -295,6 +316,7 @@ wanted() { [ -z "$only" ] || [ "$only" = "$1" ]; }
 mkdir -p "$out/multifd" "$out/postcopy"
 if wanted idle; then capture idle 0; fi
 if wanted running; then capture running 1; fi
+if wanted bitmaps; then capture bitmaps 1 1; fi
 if wanted multifd/running; then capture_multifd multifd/running 1 none; fi
 if wanted multifd/zstd; then capture_multifd multifd/zstd 0 zstd; fi
 if wanted postcopy/running; then capture_postcopy postcopy/running; fi

@@ -411,6 +411,114 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     );
 }
 
+/// The persistent dirty bitmaps QEMU holds for domain `name` at `site`, as (node, bitmap name,
+/// granularity, recording), read through libvirt's monitor passthrough (a test's look, not
+/// what ferry does).
+fn dirty_bitmaps(t: &TestLab, site: Site, name: &str) -> Vec<(String, String, u64, bool)> {
+    let out = t.virsh(
+        site,
+        &[
+            "qemu-monitor-command",
+            name,
+            r#"{"execute":"query-named-block-nodes","arguments":{"flat":true}}"#,
+        ],
+    );
+    let v = common::json(&common::succeeded("virsh", &out));
+    let mut found = Vec::new();
+    for node in v["return"].as_array().expect("a list of nodes") {
+        for b in node["dirty-bitmaps"].as_array().into_iter().flatten() {
+            if b["persistent"] == true {
+                found.push((
+                    node["node-name"].as_str().unwrap_or_default().to_owned(),
+                    b["name"].as_str().unwrap_or_default().to_owned(),
+                    b["granularity"].as_u64().unwrap_or_default(),
+                    b["recording"] == true,
+                ));
+            }
+        }
+    }
+    found
+}
+
+/// A disk with a checkpoint (a persistent dirty bitmap in its qcow2, what backup tools keep
+/// for incremental backups): libvirt carries the bitmap in QEMU's "dirty-bitmap" section of
+/// the migration stream, which ferry passes through; the domain and its bitmap arrive.
+#[test]
+fn a_domain_whose_disk_has_a_checkpoint_moves_with_its_bitmap() {
+    let t = TestLab::up("lvc", FAST_LINK);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let name = "lv6";
+    common::domains::make_disk(&t, name, true);
+    let link = start_domain(
+        &t,
+        &rt,
+        (name, 96, true, ""),
+        &["disk start mib=8 rate=0.5"],
+    );
+    common::succeeded(
+        "virsh",
+        &t.virsh(
+            Site::A,
+            &[
+                "checkpoint-create-as",
+                name,
+                "c1",
+                "--diskspec",
+                "vda,checkpoint=bitmap",
+            ],
+        ),
+    );
+    let before = dirty_bitmaps(&t, Site::A, name);
+    assert!(
+        before
+            .iter()
+            .any(|(_, b, _, recording)| b == "c1" && *recording),
+        "{before:?}"
+    );
+    drop(link);
+
+    let out = t
+        .lab
+        .host_command(Site::A, common::ferry_bin())
+        .args([
+            "migrate",
+            "--libvirt",
+            name,
+            "--to",
+            "site-b",
+            "--copy-storage",
+        ])
+        .args(["--json", "--agent"])
+        .arg(t.lab.agent_socket(Site::A))
+        .output()
+        .unwrap();
+    let v = common::json(&String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{v}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(t.domstate(Site::B, name).as_deref(), Some("running"));
+    assert_eq!(t.domstate(Site::A, name), None, "undefined at the source");
+    assert_eq!(
+        verify(&t, &rt, Site::B, name, true),
+        0,
+        "memory and disk at site b"
+    );
+    let after = dirty_bitmaps(&t, Site::B, name);
+    // The same bitmap, still recording the guest's writes for the next backup.
+    let c1 = |v: &[(String, String, u64, bool)]| {
+        v.iter()
+            .find(|(_, b, _, _)| b == "c1")
+            .map(|(_, _, g, recording)| (*g, *recording))
+    };
+    assert!(
+        c1(&after).is_some() && c1(&after) == c1(&before),
+        "the bitmap at site b: {after:?}, at site a before: {before:?}"
+    );
+    committed_at_a(&t, name);
+}
+
 #[test]
 fn a_domain_with_a_device_the_destination_lacks_stays_at_the_source() {
     let t = TestLab::up("lvd", FAST_LINK);

@@ -22,9 +22,22 @@
 //! description, so nothing after the first device section can be delimited. In precopy that
 //! section comes after every iterable section has ended (only device state, `EOF` and the
 //! JSON description follow), so from there on the parser passes the rest through as one
-//! opaque tail. A device section before the RAM has ended, an iterable section other than
-//! `ram`, a command or a RAM flag this parser does not know stops the parse with an error that
-//! names it: the caller aborts the migration rather than guess.
+//! opaque tail. A device section before every iterable section has ended, an iterable section
+//! other than `ram` and `dirty-bitmap`, a command or a flag this parser does not know stops
+//! the parse with an error that names it: the caller aborts the migration rather than guess.
+//!
+//! `dirty-bitmap` (QEMU's `migration/block-dirty-bitmap.c`, on with the `dirty-bitmaps`
+//! capability: libvirt turns it on when a copied disk has a checkpoint) carries the disks'
+//! persistent dirty bitmaps; QEMU then also advises postcopy (below), switching or not. Its
+//! bodies are chunks, each an opaque item, the last with `EOS`:
+//!
+//! ```text
+//! chunk := u8 flags [u8 n node] [u8 n bitmap]          names when DEVICE_NAME, BITMAP_NAME
+//!          ( be32 granularity u8 bitmap-flags          START
+//!          | (nothing)                                 COMPLETE
+//!          | be64 sector be32 count [be64 n <n bytes>] BITS (the bytes unless ZEROES)
+//!          | (nothing) )                               EOS alone
+//! ```
 //!
 //! Postcopy (`postcopy-ram`, QEMU's `postcopy_start`) adds commands to the same stream:
 //!
@@ -71,6 +84,9 @@ pub const MAX_ITEM_BYTES: usize = 1 << 20;
 pub const MAX_RAM_BLOCKS: usize = 1024;
 /// Capabilities a configuration section may list (QEMU 10 validates a handful).
 pub const MAX_CAPABILITIES: u32 = 256;
+/// The most bytes one dirty-bitmap chunk may carry: QEMU writes at most 1 KiB of bitmap per
+/// chunk and refuses to read more than ten times that.
+pub const MAX_BITMAP_CHUNK_BYTES: u64 = 10 << 10;
 
 mod section {
     pub const EOF: u8 = 0x00;
@@ -99,6 +115,19 @@ pub mod flag {
     pub const MASK: u64 = 0xfff;
     /// Flags this parser understands.
     pub const KNOWN: u64 = ZERO | PAGE | EOS | CONTINUE | XBZRLE | MULTIFD_FLUSH;
+}
+
+/// Dirty-bitmap chunk flags (one byte; QEMU reserves the top bit for longer flags it never
+/// writes).
+mod bitmap_flag {
+    pub const EOS: u8 = 0x01;
+    pub const ZEROES: u8 = 0x02;
+    pub const BITMAP_NAME: u8 = 0x04;
+    pub const DEVICE_NAME: u8 = 0x08;
+    pub const START: u8 = 0x10;
+    pub const COMPLETE: u8 = 0x20;
+    pub const BITS: u8 = 0x40;
+    pub const EXTRA: u8 = 0x80;
 }
 
 /// Migration commands (`QEMU_VM_COMMAND`) that can occur at the stream's top level (LISTEN and
@@ -188,10 +217,14 @@ pub enum StreamError {
     BadVersion(u32),
     #[error("unknown section type 0x{kind:02x} at stream offset {at}")]
     UnknownSection { kind: u8, at: u64 },
-    #[error("iterable section \"{0}\" is not supported (ferry carries RAM; disable the capability that adds it)")]
+    #[error("iterable section \"{0}\" is not supported (ferry carries RAM and dirty bitmaps; disable the capability that adds it)")]
     UnsupportedIterable(String),
-    #[error("device section \"{0}\" arrived before RAM ended; its state cannot be delimited (early-setup devices are not supported)")]
+    #[error("device section \"{0}\" arrived before the iterable sections ended; its state cannot be delimited (early-setup devices are not supported)")]
     EarlyDevice(String),
+    #[error("dirty-bitmap chunk with flags 0x{flags:02x} at stream offset {at}, which QEMU does not write")]
+    UnsupportedBitmapFlags { flags: u8, at: u64 },
+    #[error("dirty-bitmap chunk of {size} bytes at stream offset {at}, more than the {limit} QEMU reads")]
+    BitmapChunkTooLarge { size: u64, limit: u64, at: u64 },
     #[error("migration command {0} is not supported (COLO is not carried by ferry)")]
     UnsupportedCommand(u16),
     #[error("migration command {0} out of place: {1}")]
@@ -244,6 +277,8 @@ enum State {
     Top,
     /// Inside the body of the RAM section with this id (records until EOS).
     RamBody { id: u32 },
+    /// Inside the body of the dirty-bitmap section with this id (chunks until EOS).
+    BitmapBody { id: u32 },
     /// After EOS: the section footer is next.
     Footer { id: u32 },
     /// Inside a postcopy package: this many of its bytes are still to come.
@@ -266,6 +301,9 @@ pub struct StreamParser {
     /// Section id of "ram" once started; whether its END has passed.
     ram_section: Option<u32>,
     ram_ended: bool,
+    /// Section id of "dirty-bitmap" once started; whether its END has passed.
+    bitmap_section: Option<u32>,
+    bitmap_ended: bool,
     /// A multifd flush was seen: QEMU sends the pages on its multifd channels.
     multifd: bool,
     postcopy: Postcopy,
@@ -337,6 +375,8 @@ impl StreamParser {
             current_block: None,
             ram_section: None,
             ram_ended: false,
+            bitmap_section: None,
+            bitmap_ended: false,
             multifd: false,
             postcopy: Postcopy::Off,
             ended_package: false,
@@ -480,6 +520,7 @@ impl StreamParser {
             State::Header => self.header(&mut cur)?,
             State::Top => self.top(&mut cur)?,
             State::RamBody { id } => self.ram_record(&mut cur, id)?,
+            State::BitmapBody { id } => self.bitmap_chunk(&mut cur, id)?,
             State::Footer { id } => self.footer(&mut cur, id)?,
             State::Tail | State::Package { .. } => unreachable!("handled above"),
         };
@@ -524,6 +565,7 @@ impl StreamParser {
             State::RamBody { .. } | State::Footer { .. } => {
                 Err(StreamError::Truncated("a RAM section"))
             }
+            State::BitmapBody { .. } => Err(StreamError::Truncated("a dirty-bitmap section")),
             State::Package { .. } => Err(StreamError::Truncated("a postcopy package")),
         }
     }
@@ -560,11 +602,17 @@ impl StreamParser {
                 };
                 let idstr = String::from_utf8_lossy(idstr).into_owned();
                 if kind == section::FULL {
-                    if self.ram_section.is_none() || !self.ram_ended {
+                    let bitmaps_open = self.bitmap_section.is_some() && !self.bitmap_ended;
+                    if self.ram_section.is_none() || !self.ram_ended || bitmaps_open {
                         return Err(StreamError::EarlyDevice(idstr));
                     }
                     // Device state from here on: pass the rest through untouched.
                     self.state = State::Tail;
+                    return Ok(Some(Step::Opaque));
+                }
+                if idstr == "dirty-bitmap" && self.bitmap_section.is_none() {
+                    self.bitmap_section = Some(id);
+                    self.state = State::BitmapBody { id };
                     return Ok(Some(Step::Opaque));
                 }
                 if idstr != "ram" || self.ram_section.is_some() {
@@ -580,11 +628,16 @@ impl StreamParser {
                 let Some(id) = cur.be32() else {
                     return Ok(None);
                 };
-                if self.ram_section != Some(id) || self.ram_ended {
+                let end = kind == section::END;
+                if self.ram_section == Some(id) && !self.ram_ended {
+                    self.ram_ended = end;
+                    self.state = State::RamBody { id };
+                } else if self.bitmap_section == Some(id) && !self.bitmap_ended {
+                    self.bitmap_ended = end;
+                    self.state = State::BitmapBody { id };
+                } else {
                     return Err(StreamError::UnknownSectionId(id));
                 }
-                self.ram_ended = kind == section::END;
-                self.state = State::RamBody { id };
                 Ok(Some(Step::Opaque))
             }
             section::COMMAND => {
@@ -855,6 +908,55 @@ impl StreamParser {
             },
             payload,
         )))
+    }
+
+    /// One chunk of a dirty-bitmap section's body, passed through whole; the one with `EOS`
+    /// ends the body.
+    fn bitmap_chunk(&mut self, cur: &mut Cursor, id: u32) -> StepResult {
+        let at = self.position;
+        let Some(flags) = cur.u8() else {
+            return Ok(None);
+        };
+        if flags & bitmap_flag::EXTRA != 0 {
+            return Err(StreamError::UnsupportedBitmapFlags { flags, at });
+        }
+        if flags & bitmap_flag::DEVICE_NAME != 0 && cur.name().is_none() {
+            return Ok(None);
+        }
+        if flags & bitmap_flag::BITMAP_NAME != 0 && cur.name().is_none() {
+            return Ok(None);
+        }
+        // QEMU reads a chunk as the first of START, COMPLETE and BITS its flags name; COMPLETE
+        // carries nothing after the names.
+        if flags & bitmap_flag::START != 0 {
+            let (Some(_granularity), Some(_flags)) = (cur.be32(), cur.u8()) else {
+                return Ok(None);
+            };
+        } else if flags & bitmap_flag::COMPLETE == 0 && flags & bitmap_flag::BITS != 0 {
+            let (Some(_sector), Some(_count)) = (cur.be64(), cur.be32()) else {
+                return Ok(None);
+            };
+            if flags & bitmap_flag::ZEROES == 0 {
+                let Some(size) = cur.be64() else {
+                    return Ok(None);
+                };
+                let len = usize::try_from(size).ok();
+                let Some(len) = len.filter(|_| size <= MAX_BITMAP_CHUNK_BYTES) else {
+                    return Err(StreamError::BitmapChunkTooLarge {
+                        size,
+                        limit: MAX_BITMAP_CHUNK_BYTES,
+                        at,
+                    });
+                };
+                if cur.bytes(len).is_none() {
+                    return Ok(None);
+                }
+            }
+        }
+        if flags & bitmap_flag::EOS != 0 {
+            self.state = State::Footer { id };
+        }
+        Ok(Some(Step::Opaque))
     }
 
     fn footer(&mut self, cur: &mut Cursor, id: u32) -> StepResult {

@@ -411,6 +411,115 @@ fn stream_of(rest: &[u8]) -> Vec<u8> {
 }
 
 #[test]
+fn a_stream_with_dirty_bitmaps_reemits_and_keeps_each_chunk_whole() {
+    let data = stream("bitmaps");
+    for chunks in [&[data.len()][..], &[1, 7, 4096], &[13]] {
+        let (items, out) = parse_chunked(&data, chunks).unwrap();
+        assert_eq!(out, data, "chunks {chunks:?}");
+        // The bitmaps' section ends (its END header, section id 2) with each bitmap's 16
+        // chunks of bits (64 MiB at 512-byte granularity, 4 MiB a chunk), a COMPLETE for each
+        // and the EOS, every chunk an item of its own.
+        let opaque: Vec<&[u8]> = items
+            .iter()
+            .map(|item| match item {
+                Item::Opaque(bytes) => &bytes[..],
+                Item::Ram(_) => &[][..],
+            })
+            .collect();
+        let end = opaque
+            .iter()
+            .position(|b| *b == [0x03, 0, 0, 0, 2])
+            .expect("the bitmaps' END");
+        let body: Vec<u8> = opaque[end + 1..]
+            .iter()
+            .take_while(|b| **b != [0x7e, 0, 0, 0, 2])
+            .map(|b| b[0])
+            .collect();
+        let bits = |f: &u8| f & 0x40 != 0 && f & 0x20 == 0;
+        assert_eq!(body.len(), 2 * 16 + 2 + 1, "{body:x?}");
+        assert_eq!(body.iter().filter(|f| bits(f)).count(), 32, "{body:x?}");
+        // The bits the capture set: three chunks of "recording", one of "kept".
+        let with_bits = body.iter().filter(|f| bits(f) && *f & 0x02 == 0).count();
+        assert_eq!(with_bits, 4, "{body:x?}");
+        assert_eq!(body.last(), Some(&0x01));
+    }
+}
+
+/// A stream whose dirty-bitmap section (id 2) starts with `chunk`: the section's header, the
+/// chunk, and nothing after.
+fn bitmap_section_of(chunk: &[u8]) -> Vec<u8> {
+    let mut rest = vec![0x01, 0, 0, 0, 2, 12];
+    rest.extend_from_slice(b"dirty-bitmap");
+    rest.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 1]);
+    rest.extend_from_slice(chunk);
+    stream_of(&rest)
+}
+
+#[test]
+fn damaged_dirty_bitmap_chunks_are_refused_with_their_place() {
+    // Flags with the top bit: longer flags, which QEMU never writes.
+    let err = parse_chunked(&bitmap_section_of(&[0x81, 0]), &[5]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "dirty-bitmap chunk with flags 0x81 at stream offset 34, which QEMU does not write"
+    );
+    // Bits announcing 1 MiB of bitmap in one chunk.
+    let mut chunk = vec![0x4c, 1, b'd', 1, b'b'];
+    chunk.extend_from_slice(&0u64.to_be_bytes());
+    chunk.extend_from_slice(&8u32.to_be_bytes());
+    chunk.extend_from_slice(&(1u64 << 20).to_be_bytes());
+    let err = parse_chunked(&bitmap_section_of(&chunk), &[3]).unwrap_err();
+    assert_eq!(
+        err,
+        StreamError::BitmapChunkTooLarge {
+            size: 1 << 20,
+            limit: 10 << 10,
+            at: 34
+        }
+    );
+    // A section cut inside its chunks.
+    let err = parse_chunked(&bitmap_section_of(&[0x1c, 1, b'd']), &[7]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the stream ended inside a dirty-bitmap section"
+    );
+}
+
+#[test]
+fn iterable_sections_other_than_ram_and_one_of_dirty_bitmaps_are_refused() {
+    let err = parse_chunked(
+        &stream_of(&[
+            0x01, 0, 0, 0, 3, 5, b'b', b'l', b'o', b'c', b'k', 0, 0, 0, 0, 0, 0, 0, 1,
+        ]),
+        &[64],
+    )
+    .unwrap_err();
+    assert_eq!(err, StreamError::UnsupportedIterable("block".into()));
+    // A dirty-bitmap section whose body ended (EOS, footer), then a second one.
+    let mut second = bitmap_section_of(&[0x01, 0x7e, 0, 0, 0, 2]);
+    second.extend_from_slice(&bitmap_section_of(&[])[8..]);
+    let err = parse_chunked(&second, &[64]).unwrap_err();
+    assert_eq!(err, StreamError::UnsupportedIterable("dirty-bitmap".into()));
+}
+
+#[test]
+fn device_state_before_the_dirty_bitmaps_end_is_refused() {
+    // The captured stream up to the bitmaps' END, then a device section.
+    let data = stream("bitmaps");
+    let end = data
+        .windows(5)
+        .rposition(|w| w == [0x03, 0, 0, 0, 2])
+        .expect("the bitmaps' END");
+    let mut early = data[..end].to_vec();
+    early.extend_from_slice(&[0x04, 0, 0, 0, 9, 4]);
+    early.extend_from_slice(b"apic");
+    early.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 3]);
+    // Where the RAM has ended already: only the open bitmaps make it early.
+    let err = parse_chunked(&early, &[4096]).unwrap_err();
+    assert_eq!(err, StreamError::EarlyDevice("apic".into()));
+}
+
+#[test]
 fn a_configuration_longer_than_any_qemu_writes_is_refused_before_it_is_buffered() {
     // A configuration section announcing 2 GiB of machine type.
     let data = stream_of(&[0x07, 0x7f, 0xff, 0xff, 0xff]);

@@ -206,12 +206,15 @@ mod tests {
     use crate::engine::known_zero::PageBits;
     use std::collections::HashMap;
 
+    /// The captured precopy streams. Not `bitmaps`: QEMU advises postcopy whenever its
+    /// dirty-bitmaps capability is on, which only libvirt's tunnels carry, not this sieve.
     fn captured() -> Vec<(String, Vec<u8>)> {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../qemu/tests/streams");
         let mut streams = Vec::new();
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            if path.extension().is_some_and(|x| x == "zst") {
+            let advises_postcopy = path.file_name().is_some_and(|n| n == "bitmaps.qemu.zst");
+            if path.extension().is_some_and(|x| x == "zst") && !advises_postcopy {
                 let stream = zstd::decode_all(std::fs::File::open(&path).unwrap()).unwrap();
                 streams.push((path.display().to_string(), stream));
             }
