@@ -14,8 +14,15 @@
 //!                                           (gap:varint hash:16 bytes){entries}
 //! ```
 //! Listed blocks are non-zero, in increasing order (`gap` from the previous listed block plus
-//! one); every block not listed is all zeros. The key makes the hash unpredictable to anyone
-//! who does not know it, so a guest cannot craft a collision.
+//! one); every block not listed is all zeros; a listed hash of 0 is a block whose content is
+//! not known. The key makes the hash unpredictable to anyone who does not know it, so a guest
+//! cannot craft a collision.
+//!
+//! At the end of a migration the sender's view is an index of the receiver's disks as they now
+//! are, which is the sender's own disks as they left ([`DiskBase::serialize`]): kept by the
+//! host the VM left, it can stand for that host's copy when the VM comes back, without reading
+//! it. A sender whose receiver had no older copy starts from [`DiskBase::zeroed`] and follows
+//! the copy with [`DiskBase::track`].
 
 use crate::disk::DiskOp;
 use crate::{varint, CodecError, PAGE_SIZE};
@@ -171,43 +178,147 @@ impl DiskBase {
         })
     }
 
+    /// A view of disks of these sizes that hold only zeros (a receiver with no older copy):
+    /// nothing goes as SAME but zeroes, and [`DiskBase::track`] learns what the copy writes.
+    pub fn zeroed(key: u64, sizes: &[u64]) -> Result<DiskBase, CodecError> {
+        let zero = block_hash(key, &[0u8; PAGE_SIZE]);
+        let disks = sizes
+            .iter()
+            .map(|&size| {
+                let blocks = blocks_of(size);
+                let blocks = usize::try_from(blocks)
+                    .ok()
+                    .filter(|_| blocks <= MAX_BLOCKS)
+                    .ok_or(CodecError::BadSeedIndex("disk too large"))?;
+                Ok(vec![zero; blocks])
+            })
+            .collect::<Result<_, CodecError>>()?;
+        Ok(DiskBase {
+            key,
+            zero,
+            disks,
+            same_bytes: 0,
+        })
+    }
+
+    /// The index of the receiver's disks as this view has them (what [`DiskBase::parse`]
+    /// reads back, unknown blocks listed with hash 0).
+    pub fn serialize(&self) -> Vec<u8> {
+        let mut out = vec![VERSION];
+        out.extend_from_slice(&self.key.to_le_bytes());
+        varint::put(&mut out, self.disks.len() as u64);
+        for known in &self.disks {
+            varint::put(&mut out, known.len() as u64);
+            let listed = known.iter().filter(|&&h| h != self.zero).count();
+            varint::put(&mut out, listed as u64);
+            let mut next = 0;
+            for (b, h) in (0u64..).zip(known).filter(|(_, &h)| h != self.zero) {
+                varint::put(&mut out, b - next);
+                out.extend_from_slice(&h.to_le_bytes());
+                next = b + 1;
+            }
+        }
+        out
+    }
+
+    /// Records what the receiver holds after `op`, which goes as it is (nothing is sent as
+    /// SAME): how a sender with no older copy to compare against follows its copy.
+    pub fn track(&mut self, op: &DiskOp) {
+        match op {
+            DiskOp::Write { disk, offset, data } => {
+                self.learn_write(*disk, *offset, data);
+            }
+            DiskOp::Zeroes {
+                disk, offset, len, ..
+            } => {
+                self.learn_zeroes(*disk, *offset, *len);
+            }
+            DiskOp::Trim { disk, offset, len } => self.learn_trim(*disk, *offset, *len),
+            DiskOp::Flush { .. } | DiskOp::Same { .. } => {}
+        }
+    }
+
+    /// Records a write's blocks (a whole block known by its new content, a partly written one
+    /// unknown) and returns its runs of blocks the receiver held already or not, as (same?,
+    /// start, end) in bytes of the write; None for a disk this view does not have.
+    fn learn_write(
+        &mut self,
+        disk: u8,
+        offset: u64,
+        data: &[u8],
+    ) -> Option<Vec<(bool, usize, usize)>> {
+        let page = PAGE_SIZE as u64;
+        let known = self.disks.get_mut(usize::from(disk))?;
+        let mut runs: Vec<(bool, usize, usize)> = Vec::new();
+        let mut at = 0usize;
+        while at < data.len() {
+            let pos = offset + at as u64;
+            let block = usize::try_from(pos / page).expect("in disk");
+            let in_block = usize::try_from(pos % page).expect("small");
+            let n = (PAGE_SIZE - in_block).min(data.len() - at);
+            let same = if n == PAGE_SIZE {
+                let h = block_hash(self.key, &data[at..at + n]);
+                let same = known.get(block) == Some(&h);
+                if let Some(k) = known.get_mut(block) {
+                    *k = h;
+                }
+                same
+            } else {
+                if let Some(k) = known.get_mut(block) {
+                    *k = UNKNOWN;
+                }
+                false
+            };
+            match runs.last_mut() {
+                Some(r) if r.0 == same => r.2 = at + n,
+                _ => runs.push((same, at, at + n)),
+            }
+            at += n;
+        }
+        Some(runs)
+    }
+
+    /// Records zeroed blocks (a whole block known zero, a partly zeroed one unknown); returns
+    /// whether the receiver held zeros there already, the range aligned to blocks. None for a
+    /// disk this view does not have.
+    fn learn_zeroes(&mut self, disk: u8, offset: u64, len: u64) -> Option<bool> {
+        let page = PAGE_SIZE as u64;
+        let zero = self.zero;
+        let known = self.disks.get_mut(usize::from(disk))?;
+        let (first, end) = (offset / page, (offset + len).div_ceil(page));
+        let aligned = offset.is_multiple_of(page) && (offset + len).is_multiple_of(page);
+        let all_zero = aligned
+            && (first..end).all(|b| known.get(usize::try_from(b).expect("in disk")) == Some(&zero));
+        for b in first..end {
+            let whole = b * page >= offset && (b + 1) * page <= offset + len;
+            if let Some(k) = known.get_mut(usize::try_from(b).expect("in disk")) {
+                *k = if whole { zero } else { UNKNOWN };
+            }
+        }
+        Some(all_zero)
+    }
+
+    /// Records trimmed blocks as unknown (a trim may or may not read back as zeros).
+    fn learn_trim(&mut self, disk: u8, offset: u64, len: u64) {
+        let page = PAGE_SIZE as u64;
+        if let Some(known) = self.disks.get_mut(usize::from(disk)) {
+            for b in offset / page..(offset + len).div_ceil(page) {
+                if let Some(k) = known.get_mut(usize::try_from(b).expect("in disk")) {
+                    *k = UNKNOWN;
+                }
+            }
+        }
+    }
+
     /// Appends to `out` what to send for `op`, given what the receiver holds, and records what
     /// it will hold after it.
     pub fn filter(&mut self, op: DiskOp, out: &mut Vec<DiskOp>) {
-        let page = PAGE_SIZE as u64;
         match op {
             DiskOp::Write { disk, offset, data } => {
-                let Some(known) = self.disks.get_mut(usize::from(disk)) else {
+                let Some(runs) = self.learn_write(disk, offset, &data) else {
                     out.push(DiskOp::Write { disk, offset, data });
                     return;
                 };
-                // Runs of blocks: (same?, start, end) in bytes of the write.
-                let mut runs: Vec<(bool, usize, usize)> = Vec::new();
-                let mut at = 0usize;
-                while at < data.len() {
-                    let pos = offset + at as u64;
-                    let block = usize::try_from(pos / page).expect("in disk");
-                    let in_block = usize::try_from(pos % page).expect("small");
-                    let n = (PAGE_SIZE - in_block).min(data.len() - at);
-                    let same = if n == PAGE_SIZE {
-                        let h = block_hash(self.key, &data[at..at + n]);
-                        let same = known.get(block) == Some(&h);
-                        if let Some(k) = known.get_mut(block) {
-                            *k = h;
-                        }
-                        same
-                    } else {
-                        if let Some(k) = known.get_mut(block) {
-                            *k = UNKNOWN;
-                        }
-                        false
-                    };
-                    match runs.last_mut() {
-                        Some(r) if r.0 == same => r.2 = at + n,
-                        _ => runs.push((same, at, at + n)),
-                    }
-                    at += n;
-                }
                 if let [(false, _, _)] = runs[..] {
                     // Nothing the receiver holds: the write goes as it is, uncopied.
                     out.push(DiskOp::Write { disk, offset, data });
@@ -237,22 +348,10 @@ impl DiskBase {
                 len,
                 may_trim,
             } => {
-                let zero = self.zero;
-                let Some(known) = self.disks.get_mut(usize::from(disk)) else {
+                let Some(all_zero) = self.learn_zeroes(disk, offset, len) else {
                     out.push(op);
                     return;
                 };
-                let (first, end) = (offset / page, (offset + len).div_ceil(page));
-                let aligned = offset % page == 0 && (offset + len) % page == 0;
-                let all_zero = aligned
-                    && (first..end)
-                        .all(|b| known.get(usize::try_from(b).expect("in disk")) == Some(&zero));
-                for b in first..end {
-                    let whole = b * page >= offset && (b + 1) * page <= offset + len;
-                    if let Some(k) = known.get_mut(usize::try_from(b).expect("in disk")) {
-                        *k = if whole { zero } else { UNKNOWN };
-                    }
-                }
                 if all_zero {
                     self.same_bytes += len;
                     out.push(DiskOp::Same { disk, offset, len });
@@ -266,13 +365,7 @@ impl DiskBase {
                 }
             }
             DiskOp::Trim { disk, offset, len } => {
-                if let Some(known) = self.disks.get_mut(usize::from(disk)) {
-                    for b in offset / page..(offset + len).div_ceil(page) {
-                        if let Some(k) = known.get_mut(usize::try_from(b).expect("in disk")) {
-                            *k = UNKNOWN;
-                        }
-                    }
-                }
+                self.learn_trim(disk, offset, len);
                 out.push(op);
             }
             DiskOp::Flush { .. } | DiskOp::Same { .. } => out.push(op),
@@ -283,6 +376,7 @@ impl DiskBase {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// `len` bytes of blocks that are all different and none zero.
     pub(crate) fn distinct_blocks(len: usize) -> Vec<u8> {
@@ -436,6 +530,146 @@ pub(crate) mod tests {
             out.iter().all(|op| matches!(op, DiskOp::Write { .. })),
             "{out:?}"
         );
+    }
+
+    /// A disk of 16 blocks and operations on it, applied to its bytes here as the receiver
+    /// would: writes of whole or partial blocks from a few contents (so that content repeats),
+    /// zeroes and trims anywhere.
+    fn ops() -> impl Strategy<Value = Vec<DiskOp>> {
+        let len = 16 * PAGE_SIZE as u64;
+        let range = (0..len).prop_flat_map(move |offset| (Just(offset), 1..=len - offset));
+        let op = prop_oneof![
+            (0u64..16, 1u64..4, 0u8..3).prop_map(move |(block, blocks, fill)| {
+                let offset = block * PAGE_SIZE as u64;
+                let blocks = blocks.min(16 - block);
+                DiskOp::Write {
+                    disk: 0,
+                    offset,
+                    data: vec![fill; usize::try_from(blocks).unwrap() * PAGE_SIZE],
+                }
+            }),
+            (range.clone(), 0u8..3).prop_map(|((offset, n), fill)| DiskOp::Write {
+                disk: 0,
+                offset,
+                data: vec![fill; usize::try_from(n.min(3 * PAGE_SIZE as u64)).unwrap()],
+            }),
+            range.clone().prop_map(|(offset, len)| DiskOp::Zeroes {
+                disk: 0,
+                offset,
+                len,
+                may_trim: false,
+            }),
+            range.prop_map(|(offset, len)| DiskOp::Trim {
+                disk: 0,
+                offset,
+                len
+            }),
+        ];
+        proptest::collection::vec(op, 0..40)
+    }
+
+    /// `disk` after `op`; a trimmed range reads back as zeros here.
+    fn apply(disk: &mut [u8], op: &DiskOp) {
+        let at = |o: u64| usize::try_from(o).unwrap();
+        match op {
+            DiskOp::Write { offset, data, .. } => {
+                disk[at(*offset)..at(*offset) + data.len()].copy_from_slice(data)
+            }
+            DiskOp::Zeroes { offset, len, .. } | DiskOp::Trim { offset, len, .. } => {
+                disk[at(*offset)..at(offset + len)].fill(0)
+            }
+            DiskOp::Flush { .. } | DiskOp::Same { .. } => {}
+        }
+    }
+
+    /// Every block `base` knows holds what it says in `disk`.
+    fn known_blocks_hold(base: &DiskBase, disk: &[u8]) -> Result<usize, TestCaseError> {
+        let mut known = 0;
+        for (block, &h) in disk.chunks(PAGE_SIZE).zip(&base.disks[0]) {
+            if h != UNKNOWN {
+                prop_assert_eq!(h, block_hash(base.key, block));
+                known += 1;
+            }
+        }
+        Ok(known)
+    }
+
+    proptest! {
+        /// The view after a migration's operations is an index of the receiver's disk as it
+        /// now is, block by block, and reads back as itself.
+        #[test]
+        fn the_view_after_any_operations_indexes_the_disk_they_leave(
+            start in proptest::collection::vec(0u8..3, 16),
+            ops in ops(),
+            from_zero in any::<bool>(),
+        ) {
+            let mut disk: Vec<u8> = start.iter().flat_map(|&b| [b; PAGE_SIZE]).collect();
+            let mut base = if from_zero {
+                disk.fill(0);
+                DiskBase::zeroed(9, &[disk.len() as u64]).unwrap()
+            } else {
+                base_of(&disk)
+            };
+            let mut out = Vec::new();
+            for op in &ops {
+                if from_zero {
+                    base.track(op);
+                } else {
+                    base.filter(op.clone(), &mut out);
+                }
+                apply(&mut disk, op);
+            }
+            let known = known_blocks_hold(&base, &disk)?;
+            let again = DiskBase::parse(&base.serialize(), &[disk.len() as u64]).unwrap();
+            prop_assert!(again.disks == base.disks && again.key == base.key);
+            // With no partial block, no trim, it is the index the receiver would build.
+            if known == 16 {
+                let mut builder = BaseBuilder::new(base.key);
+                builder.disk(disk.len() as u64);
+                builder.add(0, &disk);
+                prop_assert_eq!(base.serialize(), builder.finish());
+            }
+        }
+    }
+
+    #[test]
+    fn a_copy_tracked_from_zero_is_sent_as_same_the_next_time() {
+        // The first move: a bulk copy in 64 KiB writes, one block written only in part.
+        let disk = distinct_blocks(64 * PAGE_SIZE);
+        let size = disk.len() as u64;
+        let mut first = DiskBase::zeroed(3, &[size]).unwrap();
+        for (n, chunk) in disk.chunks(16 * PAGE_SIZE).enumerate() {
+            first.track(&DiskOp::Write {
+                disk: 0,
+                offset: (n * 16 * PAGE_SIZE) as u64,
+                data: chunk.to_vec(),
+            });
+        }
+        first.track(&DiskOp::Write {
+            disk: 0,
+            offset: 5 * PAGE_SIZE as u64 + 100,
+            data: disk[5 * PAGE_SIZE + 100..5 * PAGE_SIZE + 200].to_vec(),
+        });
+        assert_eq!(first.same_bytes, 0);
+        // The way back, from the kept index: all but the partly written block go as SAME.
+        let mut back = DiskBase::parse(&first.serialize(), &[size]).unwrap();
+        let mut out = Vec::new();
+        back.filter(
+            DiskOp::Write {
+                disk: 0,
+                offset: 0,
+                data: disk.clone(),
+            },
+            &mut out,
+        );
+        assert_eq!(back.same_bytes, size - PAGE_SIZE as u64, "{out:?}");
+        assert!(
+            matches!(&out[1], DiskOp::Write { offset, data, .. }
+                if *offset == 5 * PAGE_SIZE as u64 && data.len() == PAGE_SIZE),
+            "{out:?}"
+        );
+        // A disk larger than an index may describe is refused before anything is held.
+        assert!(DiskBase::zeroed(3, &[(MAX_BLOCKS + 1) * PAGE_SIZE as u64]).is_err());
     }
 
     #[test]
