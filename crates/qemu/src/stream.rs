@@ -36,8 +36,12 @@
 //!          ( be32 granularity u8 bitmap-flags          START
 //!          | (nothing)                                 COMPLETE
 //!          | be64 sector be32 count [be64 n <n bytes>] BITS (the bytes unless ZEROES)
-//!          | (nothing) )                               EOS alone
+//!          | (nothing) )                               none of the three (EOS alone)
 //! ```
+//!
+//! The section starts before the package (QEMU sets it up with the RAM) and may end after it.
+//! A resumed stream knows only the RAM's section: a dirty-bitmap section continued in one is
+//! refused (libvirt's path, the only one that turns bitmaps on, does not take postcopy).
 //!
 //! Postcopy (`postcopy-ram`, QEMU's `postcopy_start`) adds commands to the same stream:
 //!
@@ -562,6 +566,9 @@ impl StreamParser {
                 Err(StreamError::Truncated("the stream before any RAM"))
             }
             State::Top => Err(StreamError::Truncated("the stream before device state")),
+            State::Footer { id } if self.bitmap_section == Some(id) => {
+                Err(StreamError::Truncated("a dirty-bitmap section"))
+            }
             State::RamBody { .. } | State::Footer { .. } => {
                 Err(StreamError::Truncated("a RAM section"))
             }
@@ -610,12 +617,17 @@ impl StreamParser {
                     self.state = State::Tail;
                     return Ok(Some(Step::Opaque));
                 }
-                if idstr == "dirty-bitmap" && self.bitmap_section.is_none() {
+                // QEMU sets up its iterable sections at the start, each under its own id.
+                let setup = !self.resumed
+                    && matches!(self.postcopy, Postcopy::Off | Postcopy::Advised)
+                    && self.ram_section != Some(id)
+                    && self.bitmap_section != Some(id);
+                if idstr == "dirty-bitmap" && self.bitmap_section.is_none() && setup {
                     self.bitmap_section = Some(id);
                     self.state = State::BitmapBody { id };
                     return Ok(Some(Step::Opaque));
                 }
-                if idstr != "ram" || self.ram_section.is_some() {
+                if idstr != "ram" || self.ram_section.is_some() || !setup {
                     return Err(StreamError::UnsupportedIterable(idstr));
                 }
                 if self.ram_setup(cur)?.is_none() {

@@ -477,12 +477,14 @@ fn damaged_dirty_bitmap_chunks_are_refused_with_their_place() {
             at: 34
         }
     );
-    // A section cut inside its chunks.
-    let err = parse_chunked(&bitmap_section_of(&[0x1c, 1, b'd']), &[7]).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "the stream ended inside a dirty-bitmap section"
-    );
+    // A section cut inside its chunks, or between its EOS and its footer.
+    for cut in [&[0x1c, 1, b'd'][..], &[0x01]] {
+        let err = parse_chunked(&bitmap_section_of(cut), &[7]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the stream ended inside a dirty-bitmap section"
+        );
+    }
 }
 
 #[test]
@@ -499,6 +501,24 @@ fn iterable_sections_other_than_ram_and_one_of_dirty_bitmaps_are_refused() {
     let mut second = bitmap_section_of(&[0x01, 0x7e, 0, 0, 0, 2]);
     second.extend_from_slice(&bitmap_section_of(&[])[8..]);
     let err = parse_chunked(&second, &[64]).unwrap_err();
+    assert_eq!(err, StreamError::UnsupportedIterable("dirty-bitmap".into()));
+    // The RAM's section under the bitmaps' id.
+    let mut same_id = bitmap_section_of(&[0x01, 0x7e, 0, 0, 0, 2]);
+    same_id.extend_from_slice(&[
+        0x01, 0, 0, 0, 2, 3, b'r', b'a', b'm', 0, 0, 0, 0, 0, 0, 0, 4,
+    ]);
+    let err = parse_chunked(&same_id, &[64]).unwrap_err();
+    assert_eq!(err, StreamError::UnsupportedIterable("ram".into()));
+    // Set up in a resumed stream, which continues sections and starts none.
+    let layout = RamLayout {
+        section: 1,
+        blocks: vec![RamBlock {
+            name: "pc.ram".into(),
+            size: 1 << 20,
+        }],
+    };
+    let resumed = StreamParser::resumed(&layout).unwrap();
+    let err = parse_chunked_with(resumed, &bitmap_section_of(&[])[8..], &[64]).unwrap_err();
     assert_eq!(err, StreamError::UnsupportedIterable("dirty-bitmap".into()));
 }
 

@@ -470,8 +470,16 @@ pub fn decode(bytes: &[u8]) -> Result<Control> {
 /// The capabilities both QEMUs get: every one that changes the stream's format (or pauses it)
 /// explicitly off, because ferry carries precopy and a VM that arrived by multifd would
 /// otherwise still have it on; events on; the return path and postcopy as asked.
+/// `dirty-bitmaps` (the disks' bitmaps in the stream, and QEMU's postcopy advice with it) is
+/// for libvirt's path, whose tunnels carry it; on this path ferry moves the disks itself.
 pub fn stream_capabilities(return_path: bool, postcopy: bool) -> MigrateSetCapabilities {
-    let off = ["xbzrle", "multifd", "pause-before-switchover", "mapped-ram"];
+    let off = [
+        "xbzrle",
+        "multifd",
+        "pause-before-switchover",
+        "mapped-ram",
+        "dirty-bitmaps",
+    ];
     let cap = |name: &str, state: bool| Capability {
         capability: name.into(),
         state,
