@@ -296,21 +296,22 @@ impl Tunnels {
             .ok_or_else(|| anyhow!("peer {peer_name:?}: {:?} resolves to nothing", peer.address))?;
         let session = Session::new(SessionId::random(), SessionConfig::default());
         let (events, link_events) = tokio::sync::mpsc::unbounded_channel();
+        // QEMU's main stream and a disk relay are one stream each, like the ferry path's:
+        // split only where one connection cannot hold the link. QEMU's multifd channels are
+        // already several flows, each deciding alone as if it had the link: one connection
+        // each.
+        let count = if multifd {
+            ConnectionCount::fixed(1)
+        } else {
+            ConnectionCount::auto()
+        };
         let _connections = keep_connected(
             session.clone(),
             Peer {
                 addr,
                 name: peer_name.to_owned(),
                 tls: self.tls.clone(),
-                // QEMU's main stream and a disk relay are one stream each, like the ferry
-                // path's: split only where one connection cannot hold the link. QEMU's
-                // multifd channels are already several flows, each deciding alone as if it
-                // had the link: one connection each.
-                connections: if multifd {
-                    ConnectionCount::fixed(1)
-                } else {
-                    ConnectionCount::auto()
-                },
+                connections: count.clone(),
                 link_rate_mbit: peer.rate_mbit,
                 pool: self.pool.clone(),
             },
@@ -353,7 +354,9 @@ impl Tunnels {
                 &session,
                 link_events,
                 peer.rate_mbit,
-                claimed.as_ref().map(|c| c.status.clone()),
+                claimed
+                    .as_ref()
+                    .map(|c| Recording::Disk(c.status.clone(), count)),
                 None,
             );
             let defaults = MigrationSettings::default();
@@ -462,7 +465,7 @@ impl Tunnels {
                 &session,
                 link_events,
                 peer.rate_mbit,
-                Some(status.clone()),
+                Some(Recording::Stream(status.clone(), count)),
                 None,
             );
             let recorded = self.record_stream(peer_name, &session, &status);
@@ -669,7 +672,7 @@ fn size_window(
     session: &Session,
     mut link_events: tokio::sync::mpsc::UnboundedReceiver<LinkEvent>,
     rate_mbit: Option<f64>,
-    recording: Option<Shared>,
+    recording: Option<Recording>,
     shared_by: Option<Arc<AtomicUsize>>,
 ) {
     let sizing = session.clone();
@@ -683,13 +686,47 @@ fn size_window(
                     window = (window / channels).max(MIN_CHANNEL_WINDOW);
                 }
                 sizing.set_send_limit(window);
-                if let Some(status) = recording {
-                    status.update(|s| s.wire.rtt_ms = Some(rtt_ms));
+                match recording {
+                    Some(Recording::Stream(status, count)) => {
+                        let decided = count.get();
+                        status.update(|s| {
+                            s.wire.rtt_ms = Some(rtt_ms);
+                            if let Some(d) = decided {
+                                s.wire.connections = d.connections;
+                                s.event(EventKind::Connected, connected("QEMU's stream", &d));
+                                s.wire.connections_why = d.why;
+                            }
+                        });
+                    }
+                    Some(Recording::Disk(status, count)) => status.update(|s| {
+                        s.wire.rtt_ms = Some(rtt_ms);
+                        if let Some(d) = count.get() {
+                            s.event(EventKind::Connected, connected("a disk's copy", &d));
+                        }
+                    }),
+                    None => {}
                 }
                 return;
             }
         }
     });
+}
+
+/// The migration whose tunnel [`size_window`] sizes, and what the tunnel carries: QEMU's
+/// stream (its connection count is the migration's, as on the ferry path) or a disk's copy
+/// (an event only).
+enum Recording {
+    Stream(Shared, ConnectionCount),
+    Disk(Shared, ConnectionCount),
+}
+
+/// The event that says how many connections a tunnel keeps, and why.
+fn connected(what: &str, decided: &ferry_wire::connection_count::Decided) -> String {
+    let n = decided.connections;
+    match &decided.why {
+        Some(why) => format!("{what}: {n} connection(s): {why}"),
+        None => format!("{what}: {n} connection(s)"),
+    }
 }
 
 /// A user's own migration was delivered: once libvirt finished it at the destination, the

@@ -343,6 +343,14 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     );
     drop(link);
     assert_eq!(v["outcome"]["completed"], true, "{v}");
+    // How many connections QEMU's stream kept across the WAN, and why, as on ferry's path.
+    assert_eq!(v["outcome"]["connections"], 1, "{v}");
+    assert!(
+        v["outcome"]["connections_why"]
+            .as_str()
+            .is_some_and(|why| why.contains("holds a 1000 Mbit/s link")),
+        "{v}"
+    );
     // libvirt's real pause (its stop at site a to its resume at site b), read at site b.
     let pause = v["outcome"]["downtime_ms"].as_f64().expect("the pause");
     assert!(pause > 0.0 && pause < 10_000.0, "{v}");
