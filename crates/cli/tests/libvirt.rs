@@ -382,27 +382,12 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     // verifiers find memory and disk intact. The copy is paced by the guest's IO (its writer's
     // 128 writes a second are enough to judge): the relay holds QEMU's bulk copy until it has
     // looked at the guest, then takes it at the pacer's speed.
-    let out = t
-        .lab
-        .host_command(Site::B, common::ferry_bin())
-        .args(["migrate", "--libvirt", name, "--to", "site-a"])
-        .args(["--copy-storage", "--disk-pacing-floor-pct", "50"])
-        .args(["--json", "--agent"])
-        .arg(t.lab.agent_socket(Site::B))
-        .output()
-        .unwrap();
-    let v = common::json(&String::from_utf8_lossy(&out.stdout));
-    assert!(
-        out.status.success(),
-        "{v}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(t.domstate(Site::A, name).as_deref(), Some("running"));
-    assert_eq!(t.domstate(Site::B, name), None, "undefined at site b");
-    assert_eq!(
-        verify(&t, &rt, Site::A, name, true),
-        0,
-        "memory and disk back at site a"
+    let v = moved(
+        &t,
+        &rt,
+        name,
+        (Site::B, Site::A),
+        &["--copy-storage", "--disk-pacing-floor-pct", "50"],
     );
     let disk = &v["outcome"]["disk"];
     eprintln!("the return's disk report: {disk}");
@@ -417,6 +402,42 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
         same >= size / 2,
         "only {same} of {size} bytes went as SAME: {v}"
     );
+}
+
+/// `ferry migrate --libvirt NAME --to TO ARGS --json` run at `from` through its agent, which
+/// must move the domain: running at `to`, gone from `from`, its memory and disk intact there.
+/// Returns the JSON it printed.
+fn moved(
+    t: &TestLab,
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    (from, to): (Site, Site),
+    args: &[&str],
+) -> serde_json::Value {
+    let out = t
+        .lab
+        .host_command(from, common::ferry_bin())
+        .args(["migrate", "--libvirt", name, "--to"])
+        .arg(format!("site-{}", to.name()))
+        .args(args)
+        .args(["--json", "--agent"])
+        .arg(t.lab.agent_socket(from))
+        .output()
+        .unwrap();
+    let v = common::json(&String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{v}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(t.domstate(to, name).as_deref(), Some("running"), "{v}");
+    assert_eq!(t.domstate(from, name), None, "undefined at the source");
+    assert_eq!(
+        verify(t, rt, to, name, true),
+        0,
+        "memory and disk at {to:?}"
+    );
+    v
 }
 
 /// The persistent dirty bitmaps QEMU holds for domain `name` at `site`, as (node, bitmap name,
@@ -485,34 +506,7 @@ fn a_domain_whose_disk_has_a_checkpoint_moves_with_its_bitmap() {
     );
     drop(link);
 
-    let out = t
-        .lab
-        .host_command(Site::A, common::ferry_bin())
-        .args([
-            "migrate",
-            "--libvirt",
-            name,
-            "--to",
-            "site-b",
-            "--copy-storage",
-        ])
-        .args(["--json", "--agent"])
-        .arg(t.lab.agent_socket(Site::A))
-        .output()
-        .unwrap();
-    let v = common::json(&String::from_utf8_lossy(&out.stdout));
-    assert!(
-        out.status.success(),
-        "{v}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(t.domstate(Site::B, name).as_deref(), Some("running"));
-    assert_eq!(t.domstate(Site::A, name), None, "undefined at the source");
-    assert_eq!(
-        verify(&t, &rt, Site::B, name, true),
-        0,
-        "memory and disk at site b"
-    );
+    moved(&t, &rt, name, (Site::A, Site::B), &["--copy-storage"]);
     let after = dirty_bitmaps(&t, Site::B, name);
     // The same bitmap, still recording the guest's writes for the next backup.
     let c1 = |v: &[(String, String, u64, bool)]| {
