@@ -7,7 +7,10 @@
 //! - [`refusal`]: what the local API refuses, and its HTTP statuses.
 //! - [`config`]: the agent's TOML configuration (name, listen address, identity, peers, limits).
 //! - [`pki`]: the fleet's CA and host certificates (`ferry pki`).
-//! - [`libvirt`]: this host's libvirt, through virsh (domains, job figures, `virsh migrate`).
+//! - [`libvirt`]: this host's libvirt, through virsh (domains, job figures, `virsh migrate`);
+//!   [`libvirt_disks`]: a domain's file disks and their chains, from its XML.
+//! - [`disk_memory`]: what a domain's disks held when they left through libvirt, kept for
+//!   their return.
 //! - [`libvirt_migration`]: libvirt's migration driven and steered by ferry (`--libvirt`);
 //!   [`libvirt_fence`]: a domain libvirt left running at both ends, paused at the source.
 //! - [`fleet`]: heartbeats to the fleet's controller, and the migrations it hands over;
@@ -22,6 +25,7 @@ pub mod borrow;
 pub mod client;
 pub mod config;
 mod dirty_rate;
+pub mod disk_memory;
 pub mod engine;
 pub mod fleet;
 mod fleet_swap;
@@ -30,6 +34,7 @@ pub mod group;
 pub mod interrupt;
 pub mod lend;
 pub mod libvirt;
+pub mod libvirt_disks;
 pub mod libvirt_fence;
 pub mod libvirt_migration;
 pub mod memory;

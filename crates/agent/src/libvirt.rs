@@ -180,6 +180,14 @@ impl Libvirt {
             .collect())
     }
 
+    /// The running domain's file disks with their backing chains (`virsh dumpxml`).
+    pub async fn disk_sources(
+        &self,
+        domain: &str,
+    ) -> Result<Vec<crate::libvirt_disks::DiskSource>> {
+        crate::libvirt_disks::parse(&self.virsh(&["dumpxml", domain]).await?)
+    }
+
     /// The longest pause QEMU may plan for at switchover.
     pub async fn set_max_downtime(&self, domain: &str, ms: u64) -> Result<()> {
         self.virsh(&["migrate-setmaxdowntime", domain, &ms.to_string()])

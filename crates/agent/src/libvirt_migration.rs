@@ -18,10 +18,13 @@ use ferry_api::agent::{DiskMode, LibvirtMigrationRequest, MigrationState, Phase}
 use ferry_api::EventKind;
 use tokio::io::AsyncReadExt;
 
+use crate::disk_memory::{DiskMemory, NotKept};
 use crate::engine::control::TunnelKind;
+use crate::engine::disk::relay::Left;
 use crate::engine::status::{now_ms, Events, Shared};
 use crate::group::GroupLink;
 use crate::libvirt::{virsh_error, JobStats, Libvirt};
+use crate::libvirt_disks::DiskSource;
 use crate::refusal::Refusal;
 use crate::tunnel::{self, Claim, Tunnels};
 
@@ -106,9 +109,13 @@ pub async fn run(
         &status,
     )
     .await;
+    let (left, disks) = claim.take_left();
     drop(claim);
     match result {
         Ok(()) => {
+            if let Some(disks) = disks {
+                remember_disks(&tunnels.disk_memory, &req.domain, &disks, left, &status);
+            }
             let there = Libvirt::through(tunnel::socket_path(
                 &tunnels.config,
                 &req.to,
@@ -361,6 +368,44 @@ fn migrate_args(
 /// domain), into the status. libvirt's downtime is the real pause, from the stop at the
 /// source to the resume at the destination; its end is taken as now, a little after the
 /// resume.
+/// Keeps what each relayed disk copy left at the destination, which is what the domain's
+/// images here hold now that it is gone, for its return ([`crate::disk_memory`]). Each disk
+/// kept or not is an event.
+fn remember_disks(
+    memory: &DiskMemory,
+    domain: &str,
+    disks: &Result<Vec<DiskSource>, String>,
+    left: Vec<Left>,
+    status: &Shared,
+) {
+    let disks = match disks {
+        Ok(disks) => disks,
+        Err(e) => {
+            let why = format!("no disk index kept for the return: the domain's disks: {e}");
+            status.update(|s| s.event(EventKind::Committed, why));
+            return;
+        }
+    };
+    for left in left {
+        let kept = match disks.iter().find(|d| d.export() == left.export) {
+            Some(disk) => memory.remember(domain, &left, &disk.chain),
+            None => Err(NotKept::Io(format!(
+                "export {:?} is none of the domain's file disks",
+                left.export
+            ))),
+        };
+        let said = match kept {
+            Ok(bytes) => format!(
+                "{}: its index ({bytes} bytes) is kept here for the domain's return",
+                left.export
+            ),
+            Err(e) => format!("{}: no index kept for the return: {e}", left.export),
+        };
+        tracing::info!("{domain}: {said}");
+        status.update(|s| s.event(EventKind::Committed, said));
+    }
+}
+
 pub(crate) fn record_completed(status: &Shared, job: Result<JobStats>) {
     let now_us = i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000;
     match job {

@@ -105,6 +105,7 @@ pub async fn run(config: AgentConfig) -> Result<()> {
             failures: Mutex::default(),
             overlay: overlay.clone(),
             journal: journal.clone(),
+            disk_memory: disk_memory(&config),
         })
     });
     let lender = crate::lend::Lender::new(config.lend_bytes);
@@ -215,6 +216,15 @@ pub async fn run(config: AgentConfig) -> Result<()> {
 
 /// Gives back to the system the memory finished migrations freed (see [`crate::memory`]):
 /// once a migration has ended and none is under way either way, `malloc_trim`.
+/// Where indexes of disks that left through libvirt are kept: beside the seed images, the
+/// other things kept for a return.
+fn disk_memory(config: &AgentConfig) -> crate::disk_memory::DiskMemory {
+    crate::disk_memory::DiskMemory::new(
+        config.seed_dir.join("disks"),
+        crate::disk_memory::BUDGET_BYTES,
+    )
+}
+
 async fn release_memory_after_migrations(agent: Arc<Agent>) {
     // What has ended: migrations sent (how many are listed, the latest start) and the last
     // incoming session; it changes whenever one more ends, also once the lists are full.
@@ -381,6 +391,7 @@ impl Agent {
                         },
                         tunnel::Reachable {
                             config: agent.config.libvirt.clone(),
+                            disk_memory: disk_memory(&agent.config),
                             own_name: agent.config.name.clone(),
                             overlay: agent.overlay.clone(),
                             lender: agent.lender.clone(),
@@ -748,6 +759,14 @@ pub(crate) async fn start_libvirt_migration(
     }
     tunnels.check_peer_libvirt(&req.to).await?;
     let pacing = relay_pacing(&libvirt, &req).await;
+    // Read before the domain leaves: which image each export is, here and (libvirt keeps the
+    // paths) at the destination.
+    let disks = if req.copy_storage {
+        let read = libvirt.disk_sources(&req.domain).await;
+        Some(Arc::new(read.map_err(|e| format!("{e:#}"))))
+    } else {
+        None
+    };
     let id = format!("{:016x}", SessionId::random().0 >> 64);
     let group = match (&fleet_id, group) {
         (Some(fleet_id), Some(group)) => Some(agent.groups.join(fleet_id, &group)),
@@ -767,6 +786,8 @@ pub(crate) async fn start_libvirt_migration(
                 settings: req.settings.clone(),
                 group: group.clone(),
                 pacing,
+                left: Arc::default(),
+                disks,
             },
         )?;
         drop(migrations);

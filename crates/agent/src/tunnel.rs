@@ -51,19 +51,21 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{LibvirtConfig, PeerConfig};
+use crate::disk_memory::DiskMemory;
 use crate::engine::control::{
     self, Control, PeerAborted, TunnelKind, CONTROL_VERSION, RETURN_PATH, STREAM,
 };
 use crate::engine::disk::buffer::TransmitBuffer;
 use crate::engine::disk::mirror::memory_phase_buffer;
 use crate::engine::disk::pacing::BulkGate;
-use crate::engine::disk::relay::{self, RelaySettings, RelaySource};
+use crate::engine::disk::relay::{self, DomainDisks, Left, RelaySettings, RelaySource};
 use crate::engine::journal::{Journal, LibvirtStreamRecord};
 use crate::engine::status::{now_ms, Events, Registry, Shared};
 use crate::engine::tunnel_stream;
 use crate::group::GroupLink;
 use crate::lend::{Lender, Loan};
 use crate::libvirt::Libvirt;
+use crate::libvirt_disks::DiskSource;
 use crate::libvirt_migration::record_completed;
 use crate::overlay::Overlay;
 use crate::refusal::Refusal;
@@ -140,6 +142,8 @@ pub struct Tunnels {
     /// Where a delivered stream is written down until libvirt settled its migration
     /// ([`crate::libvirt_fence`]).
     pub journal: Journal,
+    /// What the disks of domains that left held, for their return.
+    pub disk_memory: DiskMemory,
 }
 
 /// A driven migration's status and settings (its disk mode and buffer, its downtime target,
@@ -152,7 +156,14 @@ pub struct Claimed {
     pub group: Option<GroupLink>,
     /// Its disk copy is paced by the guest's IO.
     pub pacing: Option<RelayPacing>,
+    /// What each of its relayed disk copies left at the destination, as they end.
+    pub left: Arc<Mutex<Vec<Left>>>,
+    /// Its file disks, read before it left (None: its disks are not copied).
+    pub disks: Option<ReadDisks>,
 }
+
+/// A domain's file disks as read from libvirt, or why they could not be.
+pub type ReadDisks = Arc<Result<Vec<DiskSource>, String>>;
 
 /// What the memory phase changes in a disk relay: its buffer's bound, and the end of its bulk
 /// copy's pacing.
@@ -180,6 +191,21 @@ pub struct Claim {
     tunnels: Arc<Tunnels>,
     peer: String,
     pub slot: u32,
+}
+
+impl Claim {
+    /// What the migration's relayed disk copies left at the destination so far, and its
+    /// file disks as read before it left.
+    pub fn take_left(&self) -> (Vec<Left>, Option<ReadDisks>) {
+        let claims = self.tunnels.claims.lock().expect("claims lock");
+        match claims.get(&(self.peer.clone(), self.slot)) {
+            Some(claimed) => (
+                std::mem::take(&mut *claimed.left.lock().expect("left lock")),
+                claimed.disks.clone(),
+            ),
+            None => (Vec::new(), None),
+        }
+    }
 }
 
 impl Drop for Claim {
@@ -367,6 +393,7 @@ impl Tunnels {
                 buffer_bytes: settings.disk_buffer_mib << 20,
                 link_rate_mbit: link,
                 paced: pacing.is_some(),
+                owner: claimed.as_ref().map(domain_disks),
             });
             let bulk_gate = relay.bulk_gate();
             let buffer = relay.buffer();
@@ -387,10 +414,16 @@ impl Tunnels {
                 std::future::pending::<Result<()>>().await
             };
             let carried = relay.run(conn, &session, settings.codec, status.clone());
-            tokio::select! {
+            let left = tokio::select! {
                 result = within_wan_timeout(&session, carried) => result,
-                never = paced => never,
-            }
+                never = paced => never.map(|()| None),
+            };
+            // Kept for the migration to remember once the domain is gone from here.
+            left.map(|left| {
+                if let (Some(left), Some(c)) = (left, &claimed) {
+                    c.left.lock().expect("left lock").push(left);
+                }
+            })
         } else if multifd {
             // QEMU opens its channels together, before the first connection has measured the
             // round trip: by then each knows how many share the window.
@@ -764,6 +797,19 @@ async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
     }
 }
 
+/// A driven migration's domain and its disks' images by export, for its disk relays.
+fn domain_disks(claimed: &Claimed) -> DomainDisks {
+    let disks = claimed.disks.as_deref().and_then(|d| d.as_ref().ok());
+    DomainDisks {
+        domain: claimed.status.get().vm,
+        images: disks
+            .into_iter()
+            .flatten()
+            .filter_map(|d| Some((d.export(), d.chain.first()?.clone())))
+            .collect(),
+    }
+}
+
 fn fence_ends(config: &LibvirtConfig, peer: &str) -> crate::libvirt_fence::Ends {
     crate::libvirt_fence::Ends {
         here: Libvirt::new(&config.socket),
@@ -774,6 +820,8 @@ fn fence_ends(config: &LibvirtConfig, peer: &str) -> crate::libvirt_fence::Ends 
 /// What the destination of a tunnel session reaches on this host.
 pub struct Reachable {
     pub config: Option<LibvirtConfig>,
+    /// The indexes kept when domains left this host, for a disk relay's destination.
+    pub disk_memory: DiskMemory,
     pub own_name: String,
     pub overlay: Option<Arc<Overlay>>,
     /// Serves swap tunnels.
@@ -785,6 +833,7 @@ pub struct Reachable {
 pub async fn serve_destination(session: Session, carried: Carried, here: Reachable) {
     let Reachable {
         config,
+        disk_memory,
         own_name,
         overlay,
         lender,
@@ -818,7 +867,8 @@ pub async fn serve_destination(session: Session, carried: Carried, here: Reachab
             }
         };
         if kind == TunnelKind::Nbd && coded {
-            return within_wan_timeout(&session, relay::destination(&session, &target)).await;
+            let relayed = relay::destination(&session, &target, &disk_memory);
+            return within_wan_timeout(&session, relayed).await;
         }
         let conn = match kind {
             // The daemon's socket is there or libvirtd is down: no waiting.

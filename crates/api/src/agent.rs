@@ -520,11 +520,12 @@ pub struct DiskReport {
     #[serde(default)]
     pub same_bytes: u64,
     /// How the source knew what an older copy at the destination holds: `index` (the
-    /// destination read and indexed it) or `bitmap` (untouched since the VM left it; the
-    /// source's dirty bitmaps said what changed). None: no older copy there.
+    /// destination read and indexed it), `bitmap` (untouched since the VM left it; the
+    /// source's dirty bitmaps said what changed) or `remembered` (libvirt's path: untouched
+    /// since the domain left it; the index kept then stood for it). None: no older copy there.
     #[serde(default)]
     pub older_copy: Option<String>,
-    /// Why an older copy was indexed rather than matched by bitmap.
+    /// Why an older copy was indexed rather than matched by bitmap or a kept index.
     #[serde(default)]
     pub older_copy_note: Option<String>,
     /// How long the destination took to index its older copy.

@@ -78,7 +78,8 @@ pub struct BenchArgs {
     /// A libvirt domain moved by ferry (`ferry migrate --libvirt`) and by libvirt alone, each
     /// site running its own libvirtd; --modes names the systems (ferry, ferry-parallel: with
     /// `--parallel 4`, ferry-none: with `--codec none`, ferry-paced: with
-    /// `--disk-pacing-floor-pct 50`, ferry-unthrottled: with `--no-converge`, virsh,
+    /// `--disk-pacing-floor-pct 50`, ferry-indexed: the return's image indexed, the index
+    /// kept when the domain left removed first, ferry-unthrottled: with `--no-converge`, virsh,
     /// virsh-parallel-zstd, virsh-parallel-via-ferry: a user's `virsh migrate --parallel` at
     /// the agents' tunnels, virsh-sync-writes; default ferry, virsh and virsh-parallel-zstd).
     #[arg(long)]

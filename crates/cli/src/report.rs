@@ -135,6 +135,10 @@ pub fn print_report(system: &str, o: &MigrationOutcome, wan_counted_by: &str) {
             Some("bitmap") => println!(
                 "                       the destination's older copy was untouched since the VM left: QEMU's dirty bitmaps said what changed, nothing was read there"
             ),
+            Some("remembered") => println!(
+                "                       the destination's older copy was untouched since the VM left: the index kept then stood for it ({} ms), nothing was read there",
+                d.index_ms.unwrap_or(0)
+            ),
             Some(_) => println!(
                 "                       the destination read and indexed its older copy in {} ms ({})",
                 d.index_ms.unwrap_or(0),

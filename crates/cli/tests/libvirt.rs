@@ -376,12 +376,26 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     let written = disk["written_bytes"].as_u64().unwrap();
     assert!(written >= 8 << 20, "{v}");
     assert!(disk["frame_bytes"].as_u64().unwrap() > 0, "{v}");
+    // What the image held as the domain left is kept at site a, for its return.
+    let kept_at = |site: Site| {
+        ferry_lab::agents::seed_dir(&t.lab, site)
+            .join("disks")
+            .join(name)
+            .join("drive-virtio-disk0.idx")
+    };
+    assert!(kept_at(Site::A).exists(), "no index kept at site a: {v}");
+    let kept_event = common::timeline(&v)
+        .events
+        .iter()
+        .any(|e| e.detail.contains("is kept here for the domain's return"));
+    assert!(kept_event, "{v}");
 
     // Back to site a, driven by site b's agent: libvirt reuses the image the domain left at
-    // site a, whose agent indexes it; the blocks it still holds cross as SAME, and the guest's
-    // verifiers find memory and disk intact. The copy is paced by the guest's IO (its writer's
-    // 128 writes a second are enough to judge): the relay holds QEMU's bulk copy until it has
-    // looked at the guest, then takes it at the pacer's speed.
+    // site a, untouched since, so site a's agent sends the index it kept instead of reading
+    // the image. The blocks it still holds cross as SAME; the guest's verifiers (memory, and
+    // the disk its writer kept writing) find them intact. The copy is paced by the guest's IO
+    // (its writer's 128 writes a second are enough to judge): the relay holds QEMU's bulk
+    // copy until it has looked at the guest, then takes it at the pacer's speed.
     let v = moved(
         &t,
         &rt,
@@ -391,11 +405,34 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     );
     let disk = &v["outcome"]["disk"];
     eprintln!("the return's disk report: {disk}");
-    assert_eq!(disk["older_copy"], "index", "{v}");
+    assert_eq!(disk["older_copy"], "remembered", "{v}");
     assert!(disk["index_ms"].as_u64().is_some(), "{v}");
     assert!(
         disk["paced_ms"].is_u64(),
         "the pacer never judged the guest: {v}"
+    );
+    let same = disk["same_bytes"].as_u64().unwrap();
+    assert!(
+        same >= size / 2,
+        "only {same} of {size} bytes went as SAME: {v}"
+    );
+    assert!(!kept_at(Site::A).exists(), "a kept index is used once");
+    assert!(kept_at(Site::B).exists(), "no index kept at site b: {v}");
+
+    // To site b again, whose image was written after the domain left it (its mtime, as any
+    // write leaves it): the kept index cannot stand for it, site b's agent indexes the image
+    // and the report says why.
+    let image_b = t.lab.host_dir(Site::B).join(format!("{name}.qcow2"));
+    let file = std::fs::File::options().write(true).open(&image_b).unwrap();
+    file.set_modified(std::time::SystemTime::now()).unwrap();
+    drop(file);
+    let v = moved(&t, &rt, name, (Site::A, Site::B), &["--copy-storage"]);
+    let disk = &v["outcome"]["disk"];
+    assert_eq!(disk["older_copy"], "index", "{v}");
+    let note = disk["older_copy_note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("changed after the domain left") && note.contains("was written"),
+        "{v}"
     );
     let same = disk["same_bytes"].as_u64().unwrap();
     assert!(

@@ -40,6 +40,9 @@ pub enum LibvirtSystem {
     /// `ferry migrate --libvirt --disk-pacing-floor-pct 50`: the relay takes libvirt's bulk
     /// disk copy at a speed paced by the guest's IO, down to half its unpaced rate.
     FerryPaced,
+    /// `ferry`, but its return indexes the image the domain left: the index site a's agent
+    /// kept when the domain left is removed before the return (what a return costs without it).
+    FerryIndexed,
     /// `ferry migrate --libvirt --no-converge`: auto-converge off, the guest's vCPU never
     /// throttled (what the throttle costs the guest's IO, apart from the rest).
     FerryUnthrottled,
@@ -56,8 +59,9 @@ pub enum LibvirtSystem {
 }
 
 impl LibvirtSystem {
-    pub const ALL: [LibvirtSystem; 9] = [
+    pub const ALL: [LibvirtSystem; 10] = [
         LibvirtSystem::Ferry,
+        LibvirtSystem::FerryIndexed,
         LibvirtSystem::FerryParallel,
         LibvirtSystem::FerryUncoded,
         LibvirtSystem::FerryPaced,
@@ -81,6 +85,7 @@ impl LibvirtSystem {
             LibvirtSystem::FerryParallel => "ferry-parallel",
             LibvirtSystem::FerryUncoded => "ferry-none",
             LibvirtSystem::FerryPaced => "ferry-paced",
+            LibvirtSystem::FerryIndexed => "ferry-indexed",
             LibvirtSystem::FerryUnthrottled => "ferry-unthrottled",
             LibvirtSystem::Plain => "virsh",
             LibvirtSystem::ParallelZstd => "virsh-parallel-zstd",
@@ -135,6 +140,8 @@ pub struct LibvirtRecord {
     pub disk_frame_bytes: Option<u64>,
     pub disk_same_bytes: Option<u64>,
     pub disk_index_ms: Option<u64>,
+    /// How the source knew what the destination's older copy holds (`index`, `remembered`).
+    pub disk_older_copy: Option<String>,
     /// How long ferry's pacing held the disk copy below its unpaced rate (paced runs only).
     pub disk_paced_ms: Option<u64>,
     /// With a reader: its reads in each second of the guest's time from the same start as
@@ -269,6 +276,17 @@ async fn measure(
     let mut records = vec![there];
     if let (Some(stay), true) = (sc.return_after, records[0].completed) {
         tokio::time::sleep(stay).await;
+        if sc.system == LibvirtSystem::FerryIndexed {
+            let kept = crate::agents::seed_dir(lab, Site::A)
+                .join("disks")
+                .join(name);
+            match std::fs::remove_dir_all(&kept) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("remove {}", kept.display()));
+                }
+                _ => {}
+            }
+        }
         let mut back = leg(lab, sc, name, (Site::B, Site::A)).await?;
         back.leg = "return";
         records.push(back);
@@ -350,6 +368,7 @@ async fn leg(
         disk_frame_bytes: ferry_disk["frame_bytes"].as_u64(),
         disk_same_bytes: ferry_disk["same_bytes"].as_u64(),
         disk_index_ms: ferry_disk["index_ms"].as_u64(),
+        disk_older_copy: ferry_disk["older_copy"].as_str().map(str::to_owned),
         disk_paced_ms: ferry_disk["paced_ms"].as_u64(),
         disk_reads_by_s: None,
         memory_phase_at_ms,
@@ -437,6 +456,7 @@ fn migrate(
     };
     let command = match system {
         LibvirtSystem::Ferry
+        | LibvirtSystem::FerryIndexed
         | LibvirtSystem::FerryParallel
         | LibvirtSystem::FerryUncoded
         | LibvirtSystem::FerryPaced

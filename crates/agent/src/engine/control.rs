@@ -121,7 +121,10 @@ pub struct ImageShape {
 /// ([`crate::engine::pipeline`]; a version-16 destination would read them as batches).
 /// 18: a shard unit's flag says its batch was coded with the block cache paused
 /// ([`crate::engine::pipeline::governor`]; a version-17 destination refuses unit flags).
-pub const CONTROL_VERSION: u32 = 18;
+/// 19: `NbdExport.domain` and `NbdOlderCopy.remembered`/`note`: a disk relay's destination may
+/// send the index it kept when the domain left ([`crate::disk_memory`]) instead of reading its
+/// image; a version-18 source would report it as read.
+pub const CONTROL_VERSION: u32 = 19;
 
 /// What crossed on a channel of QEMU's: bytes and their digest ([`crate::engine::digest`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -266,7 +269,17 @@ pub enum Control {
     Lost { reason: String },
     /// Source, on a disk relay ([`crate::engine::disk::relay`]): QEMU's mirror asks for this
     /// export of the destination QEMU's NBD server.
-    NbdExport { name: String, codec: CodecSettings },
+    NbdExport {
+        name: String,
+        codec: CodecSettings,
+        /// The domain whose disk it is and the disk's image, when the source knows (a
+        /// migration it drives; libvirt opens the same path at the destination): the
+        /// destination may have kept its index when the domain left.
+        #[serde(default)]
+        domain: Option<String>,
+        #[serde(default)]
+        image: Option<std::path::PathBuf>,
+    },
     /// Destination, on a disk relay: the export is open and this large, or why not.
     NbdExportOpened {
         #[serde(default)]
@@ -280,7 +293,16 @@ pub enum Control {
     },
     /// Destination, on a disk relay whose export holds data: its index (the export's blocks
     /// that hold data, hashed, `codec::disk_base`) follows on [`DISK_BASE`], this long.
-    NbdOlderCopy { index_bytes: u64, index_ms: u64 },
+    NbdOlderCopy {
+        index_bytes: u64,
+        index_ms: u64,
+        /// The index was kept when the domain left, not read from the image now.
+        #[serde(default)]
+        remembered: bool,
+        /// Why a kept index could not stand for the image, when there was a reason to look.
+        #[serde(default)]
+        note: Option<String>,
+    },
     /// Source, instead of `Prepare`: this session carries one unix-socket connection to the
     /// destination's socket of this kind ([`crate::tunnel`]).
     Tunnel {

@@ -165,6 +165,9 @@ pub struct DiskSettings {
 pub enum OlderCopy {
     /// Indexed by content there (CloudNet's follow the sun).
     Index(DiskBase),
+    /// Its index as it was kept when the VM left there, its image untouched since
+    /// ([`crate::disk_memory`]).
+    Remembered(DiskBase),
     /// Untouched since the VM left it: what changed since is in the source's dirty bitmaps.
     Since(BitmapView),
 }
@@ -178,6 +181,20 @@ pub struct Known {
     /// Why it was indexed rather than matched by bitmap.
     pub note: Option<String>,
     pub index_ms: Option<u64>,
+    /// With no older copy: a view of the destination's disk as it starts (all zeros), which
+    /// the sender follows as the copy writes it. A relay keeps its final state for the
+    /// domain's return ([`Sent::view`]).
+    pub follow: Option<DiskBase>,
+}
+
+/// What the disk sender sent, once the buffer closed and everything went.
+pub struct Sent {
+    pub snapshots: u64,
+    /// The operations' digest.
+    pub digest: String,
+    /// What the destination's disk now holds, block by block, as the sender saw it write
+    /// there: the index it had, or the view it followed. None: neither.
+    pub view: Option<DiskBase>,
 }
 
 /// What the destination said it already holds.
@@ -219,7 +236,7 @@ pub struct SourceDisks {
     sockets: Vec<PathBuf>,
     servers: Vec<JoinHandle<()>>,
     acks: JoinHandle<()>,
-    sender: Option<JoinHandle<Result<(u64, String)>>>,
+    sender: Option<JoinHandle<Result<Sent>>>,
     exports: Option<BitmapExports>,
     /// The session's id: the name of the bitmap that marks the copy left here.
     session: String,
@@ -460,6 +477,7 @@ impl SourceDisks {
             base,
             note: base_note,
             index_ms,
+            follow: None,
         };
         let (acks, sender) = start_channel(
             Sending {
@@ -731,7 +749,8 @@ impl SourceDisks {
         let held = self.buffer.stats().held;
         self.buffer.close();
         let sender = self.sender.take().expect("finish runs once");
-        let result = sender.await.context("the disk sender task")??;
+        let sent = sender.await.context("the disk sender task")??;
+        let result = (sent.snapshots, sent.digest);
         tracing::info!(
             completed_ms,
             held_bytes = held,
@@ -852,7 +871,7 @@ async fn serve_mirror(listener: UnixListener, export: Export, target: Arc<Mirror
 pub(super) fn start_channel(
     sending: Sending,
     known: impl Future<Output = Known> + Send + 'static,
-) -> (JoinHandle<()>, JoinHandle<Result<(u64, String)>>) {
+) -> (JoinHandle<()>, JoinHandle<Result<Sent>>) {
     let digests = Arc::new(SentDigests::default());
     let acks = tokio::spawn(take_acks(
         sending.session.clone(),
@@ -913,13 +932,8 @@ pub(super) struct Sending {
     pub corrupt_at: Option<u64>,
 }
 
-/// Sends snapshots until the buffer closes, keeping each one's digest in `digests`; returns
-/// how many and the operations' digest.
-async fn send_snapshots(
-    sending: Sending,
-    digests: Arc<SentDigests>,
-    known: Known,
-) -> Result<(u64, String)> {
+/// Sends snapshots until the buffer closes, keeping each one's digest in `digests`.
+async fn send_snapshots(sending: Sending, digests: Arc<SentDigests>, known: Known) -> Result<Sent> {
     let Sending {
         buffer,
         session,
@@ -933,10 +947,12 @@ async fn send_snapshots(
         mut base,
         note,
         index_ms,
+        mut follow,
     } = known;
     report.older_copy = base.as_ref().map(|b| {
         match b {
             OlderCopy::Index(_) => "index",
+            OlderCopy::Remembered(_) => "remembered",
             OlderCopy::Since(_) => "bitmap",
         }
         .to_owned()
@@ -952,7 +968,7 @@ async fn send_snapshots(
     while let Some(snap) = buffer.take().await {
         let (seq, bytes) = (snap.seq, snap.bytes());
         let ops: Vec<DiskOp> = match &mut base {
-            Some(OlderCopy::Index(base)) => {
+            Some(OlderCopy::Index(base) | OlderCopy::Remembered(base)) => {
                 let mut out = Vec::new();
                 for op in snap.into_ops() {
                     base.filter(op, &mut out);
@@ -965,7 +981,13 @@ async fn send_snapshots(
                 report.same_bytes = view.same_bytes();
                 out
             }
-            None => snap.into_ops().collect(),
+            None => {
+                let ops: Vec<DiskOp> = snap.into_ops().collect();
+                if let Some(view) = &mut follow {
+                    ops.iter().for_each(|op| view.track(op));
+                }
+                ops
+            }
         };
         // The snapshot's room in the buffer frees frame by frame, in proportion to what went:
         // a mirror write waiting for room waits for about one frame, not for a whole snapshot
@@ -1020,7 +1042,15 @@ async fn send_snapshots(
             Frame::encode(count, LAST_OF_ALL, &[], &mut AdaptiveCompressor::off()),
         )
         .await?;
-    Ok((count, hash.hex()))
+    let view = match base {
+        Some(OlderCopy::Index(index) | OlderCopy::Remembered(index)) => Some(index),
+        Some(OlderCopy::Since(_)) | None => follow,
+    };
+    Ok(Sent {
+        snapshots: count,
+        digest: hash.hex(),
+        view,
+    })
 }
 
 /// How much of a snapshot's room an operation stands for: its data, or a range's bookkeeping.

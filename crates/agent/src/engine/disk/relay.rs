@@ -47,7 +47,7 @@ use crate::engine::status::Shared;
 use ferry_wire::Session;
 
 /// How one relayed disk copy is carried.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RelaySettings {
     /// Synchronous: a write completes once applied at the destination (ferry's `sync` disk
     /// mode); otherwise once buffered here.
@@ -59,6 +59,46 @@ pub struct RelaySettings {
     /// The bulk copy is paced by the guest's IO: its writes wait at a gate the caller drives
     /// ([`RelaySource::bulk_gate`]), shut until the caller has looked at the guest.
     pub paced: bool,
+    /// The domain whose disk this is, when known (a migration ferry drives): the
+    /// destination may have kept its index when it left there.
+    pub owner: Option<DomainDisks>,
+}
+
+/// A domain and the images of its disks, by the export libvirt names for each.
+#[derive(Debug, Clone, Default)]
+pub struct DomainDisks {
+    pub domain: String,
+    pub images: std::collections::HashMap<String, std::path::PathBuf>,
+}
+
+/// The largest disk whose copy a relay follows block by block when the destination holds
+/// nothing (16 bytes of memory per 4 KiB block while it runs: 64 MiB here), so that the host
+/// the domain leaves can remember what it left ([`Left`]).
+pub const FOLLOW_MAX_DISK_BYTES: u64 = 16 << 30;
+
+/// What a relayed copy left at the destination, and so what the source's own image holds
+/// once the domain is gone from it: kept for the domain's return
+/// ([`crate::disk_memory`]).
+pub struct Left {
+    /// The export QEMU's mirror wrote (libvirt's `drive-<disk alias>`).
+    pub export: String,
+    pub size: u64,
+    /// Its index (`codec::disk_base`), block by block.
+    pub index: Vec<u8>,
+    /// When the relay ended: the source's image is not written after the pause, which came
+    /// before this.
+    pub ended: std::time::SystemTime,
+}
+
+impl std::fmt::Debug for Left {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Left")
+            .field("export", &self.export)
+            .field("size", &self.size)
+            .field("index_bytes", &self.index.len())
+            .field("ended", &self.ended)
+            .finish()
+    }
 }
 
 /// The source side of one relayed NBD connection.
@@ -66,6 +106,7 @@ pub struct RelaySource {
     buffer: Arc<TransmitBuffer>,
     link_rate_mbit: f64,
     bulk_gate: Option<Arc<BulkGate>>,
+    owner: Option<DomainDisks>,
 }
 
 impl RelaySource {
@@ -77,6 +118,7 @@ impl RelaySource {
             )),
             link_rate_mbit: settings.link_rate_mbit,
             bulk_gate: settings.paced.then(|| Arc::new(BulkGate::shut())),
+            owner: settings.owner,
         }
     }
 
@@ -91,15 +133,18 @@ impl RelaySource {
     }
 
     /// Serves QEMU's NBD connection `conn` over `session` until QEMU disconnects and every
-    /// write reached the destination. The disk figures go to `status`.
+    /// write reached the destination. The disk figures go to `status`. Returns what the
+    /// copy left at the destination, when the relay followed it.
     pub async fn run(
         self,
         conn: UnixStream,
         session: &Session,
         codec: CodecSettings,
         status: Shared,
-    ) -> Result<()> {
+    ) -> Result<Option<Left>> {
         let buffer = self.buffer;
+        // Only a migration ferry drives can keep what the copy leaves (it knows the domain).
+        let follow = self.owner.is_some();
         let report = DiskReport {
             mode: if buffer.is_synchronous() {
                 DiskMode::Sync
@@ -130,7 +175,9 @@ impl RelaySource {
         let exports = RemoteExports {
             session: session.clone(),
             codec,
+            owner: self.owner,
             opened: Mutex::new(opened_rx),
+            chosen: std::sync::Mutex::new(None),
         };
         let target = Arc::new(MirrorTarget {
             buffer: buffer.clone(),
@@ -140,17 +187,31 @@ impl RelaySource {
         });
         let served = tokio::select! {
             end = nbd::serve(conn, &exports, target) => end.context("QEMU's NBD connection"),
-            e = control_from_destination(session, opened_tx, known_tx) => Err(e),
+            e = control_from_destination(session, opened_tx, known_tx, follow) => Err(e),
         };
         buffer.close();
         if let Err(e) = served {
             buffer.stop_acknowledging();
             return Err(e);
         }
-        let (snapshots, digest) = (&mut sender).await.context("the disk sender task")??;
-        control::send(session, &Control::DiskEnd { snapshots, digest }).await?;
+        let sent = (&mut sender).await.context("the disk sender task")??;
+        let end = Control::DiskEnd {
+            snapshots: sent.snapshots,
+            digest: sent.digest,
+        };
+        control::send(session, &end).await?;
         drop(acks);
-        Ok(())
+        let chosen = exports.chosen.lock().expect("chosen lock").take();
+        let (Some((export, size)), Some(view)) = (chosen, sent.view) else {
+            return Ok(None);
+        };
+        let index = tokio::task::spawn_blocking(move || view.serialize()).await?;
+        Ok(Some(Left {
+            export,
+            size,
+            index,
+            ended: std::time::SystemTime::now(),
+        }))
     }
 }
 
@@ -169,6 +230,7 @@ async fn control_from_destination(
     session: &Session,
     opened: mpsc::Sender<Result<Opened, String>>,
     known: oneshot::Sender<Known>,
+    follow: bool,
 ) -> anyhow::Error {
     let mut known = Some(known);
     let mut size = None;
@@ -182,7 +244,14 @@ async fn control_from_destination(
                 size = Some(bytes);
                 if !older_copy {
                     if let Some(k) = known.take() {
-                        let _ = k.send(Known::default());
+                        // The export reads as zeros: the view of it starts so.
+                        let follow = (follow && bytes <= FOLLOW_MAX_DISK_BYTES)
+                            .then(|| DiskBase::zeroed(super::index_key(session), &[bytes]).ok())
+                            .flatten();
+                        let _ = k.send(Known {
+                            follow,
+                            ..Known::default()
+                        });
                     }
                 }
                 let answer = Ok(Opened {
@@ -202,6 +271,8 @@ async fn control_from_destination(
             Ok(Control::NbdOlderCopy {
                 index_bytes,
                 index_ms,
+                remembered,
+                note,
             }) => {
                 let (Some(size), Some(k)) = (size, known.take()) else {
                     return anyhow::anyhow!(
@@ -210,10 +281,17 @@ async fn control_from_destination(
                 };
                 match receive_index(session, index_bytes, size).await {
                     Ok(base) => {
+                        let (base, note) = if remembered {
+                            (OlderCopy::Remembered(base), REMEMBERED_NOTE.to_owned())
+                        } else {
+                            let why = note.as_deref().unwrap_or(NO_BITMAPS);
+                            (OlderCopy::Index(base), format!("{INDEXED_NOTE}: {why}"))
+                        };
                         let _ = k.send(Known {
-                            base: Some(OlderCopy::Index(base)),
-                            note: Some(LIBVIRT_INDEX_NOTE.into()),
+                            base: Some(base),
+                            note: Some(note),
                             index_ms: Some(index_ms),
+                            follow: None,
                         });
                     }
                     Err(e) => return e,
@@ -229,8 +307,12 @@ async fn control_from_destination(
 }
 
 /// Why a relayed disk's older copy is indexed, for the report.
-const LIBVIRT_INDEX_NOTE: &str =
-    "libvirt's disk copy: the image at the destination was indexed (no dirty bitmaps of ferry's on libvirt's disks)";
+const INDEXED_NOTE: &str = "libvirt's disk copy: the image at the destination was indexed";
+/// Why, when nothing was kept to look at (a migration ferry does not drive).
+const NO_BITMAPS: &str = "no dirty bitmaps of ferry's on libvirt's disks";
+/// What stood for the image instead of its index, for the report.
+const REMEMBERED_NOTE: &str =
+    "libvirt's disk copy: the index kept when the domain left stood for the image there, untouched since";
 
 /// The index of the destination's export, `index_bytes` long, for an export of `size` bytes.
 async fn receive_index(session: &Session, index_bytes: u64, size: u64) -> Result<DiskBase> {
@@ -251,7 +333,10 @@ async fn receive_index(session: &Session, index_bytes: u64, size: u64) -> Result
 struct RemoteExports {
     session: Session,
     codec: CodecSettings,
+    owner: Option<DomainDisks>,
     opened: Mutex<mpsc::Receiver<Result<Opened, String>>>,
+    /// The export QEMU chose and its size, once the destination opened it.
+    chosen: std::sync::Mutex<Option<(String, u64)>>,
 }
 
 impl Exports for RemoteExports {
@@ -260,6 +345,11 @@ impl Exports for RemoteExports {
         let ask = Control::NbdExport {
             name: name.to_owned(),
             codec: self.codec,
+            domain: self.owner.as_ref().map(|o| o.domain.clone()),
+            image: self
+                .owner
+                .as_ref()
+                .and_then(|o| o.images.get(name).cloned()),
         };
         control::send(&self.session, &ask)
             .await
@@ -268,6 +358,7 @@ impl Exports for RemoteExports {
             .recv()
             .await
             .ok_or_else(|| format!("the destination did not answer for export {name:?}"))??;
+        *self.chosen.lock().expect("chosen lock") = Some((name.to_owned(), opened.size));
         Ok(Export {
             name: name.to_owned(),
             size: opened.size,
@@ -280,13 +371,58 @@ impl Exports for RemoteExports {
     }
 }
 
+/// A domain's disk arriving at a relay's destination, as the source names it.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival<'a> {
+    pub domain: &'a str,
+    pub export: &'a str,
+    pub size: u64,
+    /// The image the source says the export is (libvirt opens the same path here).
+    pub image: &'a Path,
+    /// The process serving the export (the destination QEMU), which must hold `image` open.
+    pub server_pid: Option<i32>,
+}
+
+/// Where a relay's destination finds the index kept when a domain left this host
+/// ([`crate::disk_memory`]).
+pub trait KeptIndexes: Sync {
+    /// The index kept for the arriving disk, if it still stands for its image; else why not.
+    fn recall(&self, arrival: Arrival<'_>) -> Result<Vec<u8>, String>;
+}
+
+/// A destination that keeps no indexes.
+pub struct NoKeptIndexes;
+
+impl KeptIndexes for NoKeptIndexes {
+    fn recall(&self, _: Arrival<'_>) -> Result<Vec<u8>, String> {
+        Err("this host keeps no indexes".into())
+    }
+}
+
+/// `kept`'s index for the export, checked to fit it.
+async fn recall(kept: &impl KeptIndexes, arrival: Arrival<'_>) -> Result<Vec<u8>, String> {
+    let size = arrival.size;
+    let index = kept.recall(arrival)?;
+    tokio::task::spawn_blocking(move || DiskBase::parse(&index, &[size]).map(|_| index))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("the kept index does not fit this export: {e}"))
+}
+
 /// The destination side: opens the export the source names on the QEMU NBD server at
-/// `socket`, applies the source's snapshots to it, and checks the final digest.
-pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
+/// `socket`, applies the source's snapshots to it, and checks the final digest. An export
+/// that holds data is described by an index kept in `kept` when it stands for it, else
+/// indexed now.
+pub async fn destination(session: &Session, socket: &Path, kept: &impl KeptIndexes) -> Result<()> {
     let (client, plan, codec) = loop {
         match control::recv(session).await? {
-            Control::NbdExport { name, codec } => match open(socket, &name).await {
-                Ok((client, data)) => {
+            Control::NbdExport {
+                name,
+                codec,
+                domain,
+                image,
+            } => match open(socket, &name).await {
+                Ok((client, data, server_pid)) => {
                     let size = client.info().size;
                     let answer = Control::NbdExportOpened {
                         size: Some(size),
@@ -295,7 +431,37 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
                     };
                     control::send(session, &answer).await?;
                     if !data.is_empty() {
-                        send_index(session, &client, &name, &data).await?;
+                        let t0 = std::time::Instant::now();
+                        let recalled = match (domain, image) {
+                            (Some(domain), Some(image)) => {
+                                let arrival = Arrival {
+                                    domain: &domain,
+                                    export: &name,
+                                    size,
+                                    image: &image,
+                                    server_pid,
+                                };
+                                Some(recall(kept, arrival).await)
+                            }
+                            (Some(_), None) => Some(Err(format!(
+                                "export {name:?} is none of the domain's file disks"
+                            ))),
+                            (None, _) => None,
+                        };
+                        match recalled {
+                            Some(Ok(index)) => {
+                                tracing::info!(
+                                    "disk relay: export {name:?}: the index kept when its domain left stands for it ({} bytes)",
+                                    index.len()
+                                );
+                                send_older_copy(session, &index, t0, true, None).await?;
+                            }
+                            Some(Err(why)) => {
+                                tracing::info!("disk relay: export {name:?}: {why}");
+                                send_index(session, &client, &name, &data, Some(why)).await?;
+                            }
+                            None => send_index(session, &client, &name, &data, None).await?,
+                        }
                     }
                     let plan = DiskPlan {
                         node: name,
@@ -359,11 +525,16 @@ pub async fn destination(session: &Session, socket: &Path) -> Result<()> {
 }
 
 /// Opens export `name` of the QEMU NBD server at `socket`; with it, where the export may hold
-/// data (4 KiB aligned; none for a fresh image).
-async fn open(socket: &Path, name: &str) -> Result<(Client<UnixStream>, Vec<(u64, u64)>)> {
+/// data (4 KiB aligned; none for a fresh image) and the server's process.
+async fn open(
+    socket: &Path,
+    name: &str,
+) -> Result<(Client<UnixStream>, Vec<(u64, u64)>, Option<i32>)> {
     // The allocation first, on a connection closed before the export's own opens.
     let data = data_ranges(socket, name).await;
-    let client = Client::connect(connect(socket).await?, name)
+    let conn = connect(socket).await?;
+    let server_pid = conn.peer_cred().ok().and_then(|c| c.pid());
+    let client = Client::connect(conn, name)
         .await
         .with_context(|| format!("the NBD export {name:?} of the destination QEMU"))?;
     let size = client.info().size;
@@ -378,7 +549,7 @@ async fn open(socket: &Path, name: &str) -> Result<(Client<UnixStream>, Vec<(u64
             vec![(0, size)]
         }
     };
-    Ok((client, data))
+    Ok((client, data, server_pid))
 }
 
 /// Where export `name` of the NBD server at `socket` may hold data.
@@ -417,30 +588,45 @@ fn block_aligned(ranges: &[(u64, u64)], size: u64) -> Vec<(u64, u64)> {
     out
 }
 
-/// Indexes the `data` ranges of the export (the rest reads as zeros) and sends the index.
+/// Indexes the `data` ranges of the export (the rest reads as zeros) and sends the index;
+/// `note` says why a kept one could not stand for it.
 async fn send_index(
     session: &Session,
     client: &Client<UnixStream>,
     name: &str,
     data: &[(u64, u64)],
+    note: Option<String>,
 ) -> Result<()> {
     let t0 = std::time::Instant::now();
     let mut builder = BaseBuilder::new(super::index_key(session));
     builder.disk(client.info().size);
     index_ranges(client, name, data, &mut builder).await?;
     let index = builder.finish();
-    let index_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
     tracing::info!(
-        "disk relay: export {name:?} holds an older copy: {} bytes of data indexed in {index_ms} ms, a {}-byte index",
+        "disk relay: export {name:?} holds an older copy: {} bytes of data indexed in {} ms, a {}-byte index",
         data.iter().map(|r| r.1).sum::<u64>(),
+        t0.elapsed().as_millis(),
         index.len()
     );
+    send_older_copy(session, &index, t0, false, note).await
+}
+
+/// Sends the index of the export's older copy, which took since `t0` to have.
+async fn send_older_copy(
+    session: &Session,
+    index: &[u8],
+    t0: std::time::Instant,
+    remembered: bool,
+    note: Option<String>,
+) -> Result<()> {
     let announce = Control::NbdOlderCopy {
         index_bytes: index.len() as u64,
-        index_ms,
+        index_ms: u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX),
+        remembered,
+        note,
     };
     control::send(session, &announce).await?;
-    control::send_blob(session, control::DISK_BASE, &index).await
+    control::send_blob(session, control::DISK_BASE, index).await
 }
 
 #[cfg(test)]
@@ -462,6 +648,30 @@ mod tests {
         bytes: std::sync::Mutex<Vec<u8>>,
         fail_writes: AtomicBool,
         held: tokio::sync::RwLock<()>,
+        /// Bytes read from it.
+        read: std::sync::atomic::AtomicU64,
+    }
+
+    fn memory_disk(fill: u8) -> Arc<MemoryDisk> {
+        Arc::new(MemoryDisk {
+            bytes: std::sync::Mutex::new(vec![fill; usize::try_from(SIZE).unwrap()]),
+            fail_writes: AtomicBool::new(false),
+            held: tokio::sync::RwLock::new(()),
+            read: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The index a destination kept when its domain left: what it holds, or why none.
+    struct Kept(Result<Vec<u8>, String>);
+
+    impl KeptIndexes for Kept {
+        fn recall(&self, a: Arrival<'_>) -> Result<Vec<u8>, String> {
+            assert_eq!((a.domain, a.export, a.size), ("vm", "disk0", SIZE));
+            assert_eq!(a.image, Path::new("/images/vm.qcow2"));
+            // The export's server is this test.
+            assert_eq!(a.server_pid, i32::try_from(std::process::id()).ok());
+            self.0.clone()
+        }
     }
 
     impl Blocks for MemoryDisk {
@@ -487,6 +697,7 @@ mod tests {
             Ok(())
         }
         async fn read(&self, offset: u64, len: u32) -> Result<Bytes, u32> {
+            self.read.fetch_add(u64::from(len), Ordering::Relaxed);
             let at = usize::try_from(offset).unwrap();
             let end = at + usize::try_from(len).unwrap();
             Ok(Bytes::copy_from_slice(&self.bytes.lock().unwrap()[at..end]))
@@ -500,7 +711,7 @@ mod tests {
         /// The source agent's end of the session.
         session: Session,
         status: Shared,
-        source: tokio::task::JoinHandle<Result<()>>,
+        source: tokio::task::JoinHandle<Result<Option<Left>>>,
         destination: tokio::task::JoinHandle<Result<()>>,
         /// A paced relay's gate.
         bulk_gate: Option<Arc<BulkGate>>,
@@ -521,6 +732,15 @@ mod tests {
     }
 
     async fn relay_paced(export: &str, paced: bool) -> Relayed {
+        relay_with(export, paced, None).await
+    }
+
+    /// A relay for domain "vm", whose destination kept `kept` when it left.
+    async fn relay_kept(kept: Result<Vec<u8>, String>) -> Relayed {
+        relay_with("disk0", false, Some(Kept(kept))).await
+    }
+
+    async fn relay_with(export: &str, paced: bool, kept: Option<Kept>) -> Relayed {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "ferry-relay-{}-{}",
@@ -530,11 +750,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
         let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-        let disk = Arc::new(MemoryDisk {
-            bytes: std::sync::Mutex::new(vec![0xee; usize::try_from(SIZE).unwrap()]),
-            fail_writes: AtomicBool::new(false),
-            held: tokio::sync::RwLock::new(()),
-        });
+        let disk = memory_disk(0xee);
         let served = disk.clone();
         tokio::spawn(async move {
             let export = Export {
@@ -547,9 +763,16 @@ mod tests {
             }
         });
         let (a, b) = crate::engine::test_session::pair().await;
+        let owner = kept.is_some().then(|| DomainDisks {
+            domain: "vm".into(),
+            images: [("disk0".to_owned(), "/images/vm.qcow2".into())].into(),
+        });
         // As the tunnel's destination does: a failure is told to the source.
         let destination = tokio::spawn(async move {
-            let result = super::destination(&b, &socket).await;
+            let result = match &kept {
+                Some(kept) => super::destination(&b, &socket, kept).await,
+                None => super::destination(&b, &socket, &NoKeptIndexes).await,
+            };
             if let Err(e) = &result {
                 let reason = format!("destination: {e:#}");
                 control::send(&b, &Control::Abort { reason }).await.unwrap();
@@ -563,6 +786,7 @@ mod tests {
             buffer_bytes: 1 << 20,
             link_rate_mbit: 100.0,
             paced,
+            owner,
         });
         let bulk_gate = relay.bulk_gate();
         let session = a.clone();
@@ -584,11 +808,7 @@ mod tests {
 
     #[tokio::test]
     async fn disk_frames_out_of_snapshot_order_are_refused() {
-        let disk = Arc::new(MemoryDisk {
-            bytes: std::sync::Mutex::new(vec![0; usize::try_from(SIZE).unwrap()]),
-            fail_writes: AtomicBool::new(false),
-            held: tokio::sync::RwLock::new(()),
-        });
+        let disk = memory_disk(0);
         let (server_end, client_end) = UnixStream::pair().unwrap();
         tokio::spawn(async move {
             let export = Export {
@@ -751,6 +971,88 @@ mod tests {
         assert_eq!(report.older_copy.as_deref(), Some("index"), "{report:?}");
         assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
         assert!(report.index_ms.is_some(), "{report:?}");
+    }
+
+    /// The index of what `disk` holds, under `key`.
+    fn index_of(disk: &[u8], key: u64) -> Vec<u8> {
+        let mut builder = BaseBuilder::new(key);
+        builder.disk(disk.len() as u64);
+        builder.add(0, disk);
+        builder.finish()
+    }
+
+    /// Writes a MiB the destination holds (0xee), a MiB it does not, then flushes and ends.
+    async fn copy_a_mib_old_a_mib_new(r: &mut Relayed) -> Option<Left> {
+        let mirror = r.mirror.as_ref().unwrap();
+        for (at, fill) in [(0, 0xee), (1 << 20, 3)] {
+            let p = mirror.write(at, Bytes::from(vec![fill; 1 << 20])).await;
+            p.unwrap().wait().await.unwrap();
+        }
+        mirror.flush().await.unwrap().wait().await.unwrap();
+        mirror.disconnect().await.unwrap();
+        (&mut r.destination).await.unwrap().unwrap();
+        (&mut r.source).await.unwrap().unwrap()
+    }
+
+    #[tokio::test]
+    async fn what_a_relay_leaves_is_the_index_of_the_destinations_disk_after_the_copy() {
+        let mut r = relay("disk0").await;
+        let left = copy_a_mib_old_a_mib_new(&mut r)
+            .await
+            .expect("a view to leave");
+        assert_eq!((left.export.as_str(), left.size), ("disk0", SIZE));
+        let disk = r.disk.bytes.lock().unwrap().clone();
+        assert_eq!(disk[(1 << 20) + 7], 3);
+        let key = super::super::index_key(&r.session);
+        assert_eq!(left.index, index_of(&disk, key));
+    }
+
+    #[tokio::test]
+    async fn a_kept_index_stands_for_the_export_and_nothing_of_it_is_read() {
+        // Kept under the key of the migration that left it, not this one's.
+        let kept = index_of(&vec![0xee; usize::try_from(SIZE).unwrap()], 77);
+        let mut r = relay_kept(Ok(kept)).await;
+        let left = copy_a_mib_old_a_mib_new(&mut r)
+            .await
+            .expect("a view to leave");
+        assert_eq!(
+            r.disk.read.load(Ordering::Relaxed),
+            0,
+            "the export was read"
+        );
+        let report = r.status.get().disk.expect("a disk report");
+        assert_eq!(
+            report.older_copy.as_deref(),
+            Some("remembered"),
+            "{report:?}"
+        );
+        assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
+        let disk = r.disk.bytes.lock().unwrap().clone();
+        assert!(disk[1 << 20..2 << 20].iter().all(|&b| b == 3));
+        // What it leaves follows on from the kept index, for the next move.
+        assert_eq!(left.index, index_of(&disk, 77));
+    }
+
+    #[tokio::test]
+    async fn without_a_usable_kept_index_the_export_is_indexed_and_the_report_says_why() {
+        let wrong_size = index_of(&[0xee; 8192], 77);
+        let cases = [
+            (
+                Err("no index kept from the domain's departure".to_owned()),
+                "no index kept",
+            ),
+            (Ok(wrong_size), "the kept index does not fit this export"),
+        ];
+        for (kept, why) in cases {
+            let mut r = relay_kept(kept).await;
+            copy_a_mib_old_a_mib_new(&mut r).await;
+            assert_eq!(r.disk.read.load(Ordering::Relaxed), SIZE, "indexed whole");
+            let report = r.status.get().disk.expect("a disk report");
+            assert_eq!(report.older_copy.as_deref(), Some("index"), "{report:?}");
+            assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
+            let note = report.older_copy_note.unwrap_or_default();
+            assert!(note.contains("was indexed") && note.contains(why), "{note}");
+        }
     }
 
     #[test]
