@@ -67,6 +67,8 @@ pub enum NotKept {
     None,
     #[error("the image at the destination changed after the domain left ({0})")]
     Changed(String),
+    #[error("the domain's disk here is not the one it left ({0})")]
+    Other(String),
     #[error("{0}")]
     Io(String),
 }
@@ -99,48 +101,55 @@ impl DiskMemory {
         let io = |what: &str, e: std::io::Error| NotKept::Io(format!("{what}: {e}"));
         std::fs::create_dir_all(&dir).map_err(|e| io(&dir.display().to_string(), e))?;
         // The index first: a record is only read once its fingerprints are there.
-        write_whole(&base.with_extension("idx"), &left.index).map_err(|e| io("index", e))?;
-        write_whole(&base.with_extension("json"), &json).map_err(|e| io("record", e))?;
+        write_whole(&with_suffix(&base, "idx"), &left.index).map_err(|e| io("index", e))?;
+        write_whole(&with_suffix(&base, "json"), &json).map_err(|e| io("record", e))?;
         if let Err(e) = self.evict(&base) {
             tracing::warn!("kept disk indexes: {e}");
         }
         Ok(left.index.len() as u64)
     }
 
-    /// The index kept for `domain`'s disk `export` of `size` bytes, if its image here is
-    /// `image` and it and its backing files are untouched since the domain left. The record
-    /// goes either way: a return writes the image.
+    /// The index kept for `domain`'s disk `export` of `size` bytes, if its image and backing
+    /// files here are `chain` (the image first) and untouched since the domain left. The
+    /// record goes either way, and only one caller gets it: a return writes the image.
     pub fn recall(
         &self,
         domain: &str,
         export: &str,
         size: u64,
-        image: &Path,
+        chain: &[PathBuf],
     ) -> Result<Vec<u8>, NotKept> {
         let (_, base) = self.paths(domain, export)?;
-        let (json, idx) = (base.with_extension("json"), base.with_extension("idx"));
-        let record = std::fs::read(&json);
-        let index = std::fs::read(&idx);
-        let _ = std::fs::remove_file(&json);
-        let _ = std::fs::remove_file(&idx);
+        // Claimed by renaming it away first: a second caller finds nothing.
+        let taken = with_suffix(&base, &format!("taken-{}", std::process::id()));
+        if std::fs::rename(with_suffix(&base, "json"), &taken).is_err() {
+            let _ = std::fs::remove_file(with_suffix(&base, "idx"));
+            return Err(NotKept::None);
+        }
+        let record = std::fs::read(&taken);
+        let index = std::fs::read(with_suffix(&base, "idx"));
+        let _ = std::fs::remove_file(&taken);
+        let _ = std::fs::remove_file(with_suffix(&base, "idx"));
         let (Ok(record), Ok(index)) = (record, index) else {
             return Err(NotKept::None);
         };
         let record: Record = serde_json::from_slice(&record)
-            .map_err(|e| NotKept::Io(format!("{}: {e}", json.display())))?;
+            .map_err(|e| NotKept::Io(format!("{}: {e}", base.display())))?;
         if record.size != size {
-            return Err(NotKept::Changed(format!(
-                "the disk was {} bytes, the export is {size}",
+            return Err(NotKept::Other(format!(
+                "it was {} bytes, the export is {size}",
                 record.size
             )));
         }
-        // The image names its backing files: while it is untouched, so are its references.
-        let left = record.chain.first().map(|f| f.path.as_path());
-        if left != Some(image) {
-            return Err(NotKept::Changed(format!(
-                "the domain's disk is {}, it left {}",
-                image.display(),
-                left.unwrap_or(Path::new("nothing")).display()
+        // libvirt opens the chain its XML names, not the one the image's header names: the
+        // whole chain must be the one recorded.
+        let left: Vec<&Path> = record.chain.iter().map(|f| f.path.as_path()).collect();
+        let now: Vec<&Path> = chain.iter().map(PathBuf::as_path).collect();
+        if left != now {
+            return Err(NotKept::Other(format!(
+                "it is {}, it left {}",
+                show_chain(&now),
+                show_chain(&left)
             )));
         }
         for kept in &record.chain {
@@ -173,6 +182,9 @@ impl DiskMemory {
         let mut records = Vec::new();
         for domain in std::fs::read_dir(&self.dir)? {
             let domain = domain?.path();
+            if !domain.is_dir() {
+                continue;
+            }
             for entry in std::fs::read_dir(&domain)? {
                 let path = entry?.path();
                 if path.extension().is_some_and(|e| e == "idx") {
@@ -190,8 +202,8 @@ impl DiskMemory {
             if base == keep {
                 continue;
             }
-            let _ = std::fs::remove_file(base.with_extension("json"));
-            std::fs::remove_file(base.with_extension("idx"))?;
+            let _ = std::fs::remove_file(with_suffix(&base, "json"));
+            std::fs::remove_file(with_suffix(&base, "idx"))?;
             tracing::info!(
                 "kept disk indexes: {} removed (over budget)",
                 base.display()
@@ -203,33 +215,48 @@ impl DiskMemory {
 }
 
 impl KeptIndexes for DiskMemory {
-    fn recall(&self, a: Arrival<'_>) -> Result<Vec<u8>, String> {
-        let index = DiskMemory::recall(self, a.domain, a.export, a.size, a.image);
+    fn recall(&self, a: &Arrival) -> Result<Vec<u8>, String> {
+        let index = DiskMemory::recall(self, &a.domain, &a.export, a.size, &a.chain);
         let index = index.map_err(|e| e.to_string())?;
-        // The source named the path; the process serving the export must hold that very file
-        // (a libvirt hook may rewrite a migrating domain's disk paths).
-        match a.server_pid {
-            Some(pid) if holds_open(pid, a.image) => Ok(index),
-            Some(pid) => Err(format!(
-                "the image at the destination changed after the domain left ({} is not open in process {pid}, which serves the export)",
-                a.image.display()
-            )),
-            None => Err("the process serving the export is not known".into()),
+        // The source named the paths; the process serving the export must hold those very
+        // files (a libvirt hook may rewrite a migrating domain's disk paths). The relay then
+        // reads a few blocks back, which ties the export itself to the index.
+        let pid = a
+            .server_pid
+            .ok_or("the process serving the export is not known")?;
+        for path in &a.chain {
+            if !holds_open(pid, path)? {
+                return Err(format!(
+                    "the domain's disk here is not the one it left ({} is not open in process {pid}, which serves the export)",
+                    path.display()
+                ));
+            }
         }
+        Ok(index)
     }
 }
 
 /// Whether process `pid` has `path`'s file open (by device and inode).
-fn holds_open(pid: i32, path: &Path) -> bool {
-    let Ok(want) = std::fs::metadata(path) else {
-        return false;
-    };
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
-    };
-    fds.flatten().any(|fd| {
+fn holds_open(pid: i32, path: &Path) -> Result<bool, String> {
+    let want = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map_err(|e| format!("the files process {pid} holds open: {e}"))?;
+    Ok(fds.flatten().any(|fd| {
         std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == want.dev() && m.ino() == want.ino())
-    })
+    }))
+}
+
+/// `base` with `.suffix` appended (an export's name may hold dots of its own).
+fn with_suffix(base: &Path, suffix: &str) -> PathBuf {
+    let mut name = base.as_os_str().to_owned();
+    name.push(".");
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+fn show_chain(chain: &[&Path]) -> String {
+    let names: Vec<String> = chain.iter().map(|p| p.display().to_string()).collect();
+    names.join(" over ")
 }
 
 fn plain_name(name: &str) -> bool {
@@ -263,7 +290,7 @@ fn unix_ns(t: SystemTime) -> i128 {
 }
 
 fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let partial = path.with_extension("partial");
+    let partial = with_suffix(path, "partial");
     std::fs::write(&partial, bytes)?;
     std::fs::rename(&partial, path)
 }
@@ -285,6 +312,7 @@ mod tests {
             export: "drive-virtio-disk0".into(),
             size: 1 << 20,
             index: index.to_vec(),
+            unknown_blocks: 0,
             ended: SystemTime::now(),
         }
     }
@@ -294,9 +322,9 @@ mod tests {
         let (_dir, memory, image) = setup();
         let chain = [image];
         assert_eq!(memory.remember("vm", &left(b"index"), &chain).unwrap(), 5);
-        let recalled = memory.recall("vm", "drive-virtio-disk0", 1 << 20, &chain[0]);
+        let recalled = memory.recall("vm", "drive-virtio-disk0", 1 << 20, &chain);
         assert_eq!(recalled.unwrap(), b"index");
-        let again = memory.recall("vm", "drive-virtio-disk0", 1 << 20, &chain[0]);
+        let again = memory.recall("vm", "drive-virtio-disk0", 1 << 20, &chain);
         assert!(matches!(again, Err(NotKept::None)), "{again:?}");
     }
 
@@ -307,17 +335,44 @@ mod tests {
         let export = "drive-virtio-disk0";
         memory.remember("vm", &left(b"i"), &chain).unwrap();
         std::fs::write(&image, b"written").unwrap();
-        let e = memory.recall("vm", export, 1 << 20, &chain[0]).unwrap_err();
+        let e = memory.recall("vm", export, 1 << 20, &chain).unwrap_err();
         assert!(e.to_string().contains("was written"), "{e}");
 
         memory.remember("vm", &left(b"i"), &chain).unwrap();
-        let e = memory.recall("vm", export, 2 << 20, &chain[0]).unwrap_err();
+        let e = memory.recall("vm", export, 2 << 20, &chain).unwrap_err();
         assert!(e.to_string().contains("the export is 2097152"), "{e}");
 
         memory.remember("vm", &left(b"i"), &chain).unwrap();
-        let other = image.with_extension("raw");
+        let other = [image.with_extension("raw")];
         let e = memory.recall("vm", export, 1 << 20, &other).unwrap_err();
+        assert!(e.to_string().contains("not the one it left"), "{e}");
+
+        // The same image over another backing file, or over none: libvirt would open that.
+        let base = image.with_extension("base");
+        std::fs::write(&base, b"base").unwrap();
+        let layered = [image.clone(), base.clone()];
+        memory.remember("vm", &left(b"i"), &layered).unwrap();
+        let e = memory.recall("vm", export, 1 << 20, &chain).unwrap_err();
         assert!(e.to_string().contains("it left"), "{e}");
+        memory.remember("vm", &left(b"i"), &layered).unwrap();
+        std::fs::write(&base, b"rebased").unwrap();
+        let e = memory.recall("vm", export, 1 << 20, &layered).unwrap_err();
+        assert!(e.to_string().contains("vm.base was written"), "{e}");
+    }
+
+    #[test]
+    fn export_names_with_dots_keep_records_of_their_own() {
+        let (_dir, memory, image) = setup();
+        let chain = [image];
+        for export in ["disk.a", "disk.b"] {
+            let mut l = left(export.as_bytes());
+            l.export = export.into();
+            memory.remember("vm", &l, &chain).unwrap();
+        }
+        for export in ["disk.a", "disk.b"] {
+            let index = memory.recall("vm", export, 1 << 20, &chain).unwrap();
+            assert_eq!(index, export.as_bytes());
+        }
     }
 
     #[test]
@@ -335,32 +390,32 @@ mod tests {
     fn a_kept_index_stands_only_for_a_file_the_exports_server_holds_open() {
         let (_dir, memory, image) = setup();
         let arrival = |pid| Arrival {
-            domain: "vm",
-            export: "drive-virtio-disk0",
+            domain: "vm".into(),
+            export: "drive-virtio-disk0".into(),
             size: 1 << 20,
-            image: &image,
+            chain: vec![image.clone()],
             server_pid: Some(pid),
         };
         let me = i32::try_from(std::process::id()).unwrap();
         memory
             .remember("vm", &left(b"i"), std::slice::from_ref(&image))
             .unwrap();
-        let e = KeptIndexes::recall(&memory, arrival(me)).unwrap_err();
+        let e = KeptIndexes::recall(&memory, &arrival(me)).unwrap_err();
         assert!(e.contains("is not open in process"), "{e}");
         let _open = std::fs::File::open(&image).unwrap();
         memory
             .remember("vm", &left(b"i"), std::slice::from_ref(&image))
             .unwrap();
-        assert_eq!(KeptIndexes::recall(&memory, arrival(me)).unwrap(), b"i");
+        assert_eq!(KeptIndexes::recall(&memory, &arrival(me)).unwrap(), b"i");
     }
 
     #[test]
     fn names_from_a_peer_cannot_leave_the_directory() {
         let (_dir, memory, image) = setup();
         for bad in ["../x", "", ".hidden", "a/b"] {
-            let e = memory.recall(bad, "drive-virtio-disk0", 1, &image);
+            let e = memory.recall(bad, "drive-virtio-disk0", 1, std::slice::from_ref(&image));
             assert!(matches!(e, Err(NotKept::Name(_))), "{bad}: {e:?}");
-            let e = memory.recall("vm", bad, 1, &image);
+            let e = memory.recall("vm", bad, 1, std::slice::from_ref(&image));
             assert!(matches!(e, Err(NotKept::Name(_))), "{bad}: {e:?}");
         }
     }

@@ -20,13 +20,11 @@ use tokio::io::AsyncReadExt;
 
 use crate::disk_memory::{DiskMemory, NotKept};
 use crate::engine::control::TunnelKind;
-use crate::engine::disk::relay::Left;
 use crate::engine::status::{now_ms, Events, Shared};
 use crate::group::GroupLink;
 use crate::libvirt::{virsh_error, JobStats, Libvirt};
-use crate::libvirt_disks::DiskSource;
 use crate::refusal::Refusal;
-use crate::tunnel::{self, Claim, Tunnels};
+use crate::tunnel::{self, Claim, DiskCopies, Tunnels};
 
 /// How often libvirt's job figures are read into the status.
 const POLL: Duration = Duration::from_millis(500);
@@ -109,12 +107,12 @@ pub async fn run(
         &status,
     )
     .await;
-    let (left, disks) = claim.take_left();
+    let copies = claim.copies();
     drop(claim);
     match result {
         Ok(()) => {
-            if let Some(disks) = disks {
-                remember_disks(&tunnels.disk_memory, &req.domain, &disks, left, &status);
+            if let Some(copies) = copies {
+                remember_disks(&tunnels.disk_memory, &req.domain, &copies, &status).await;
             }
             let there = Libvirt::through(tunnel::socket_path(
                 &tunnels.config,
@@ -364,48 +362,58 @@ fn migrate_args(
     args
 }
 
-/// A completed job's figures, read from the destination's libvirt (the source's go with the
-/// domain), into the status. libvirt's downtime is the real pause, from the stop at the
-/// source to the resume at the destination; its end is taken as now, a little after the
-/// resume.
 /// Keeps what each relayed disk copy left at the destination, which is what the domain's
 /// images here hold now that it is gone, for its return ([`crate::disk_memory`]). Each disk
 /// kept or not is an event.
-fn remember_disks(
-    memory: &DiskMemory,
-    domain: &str,
-    disks: &Result<Vec<DiskSource>, String>,
-    left: Vec<Left>,
-    status: &Shared,
-) {
-    let disks = match disks {
-        Ok(disks) => disks,
-        Err(e) => {
+async fn remember_disks(memory: &DiskMemory, domain: &str, copies: &DiskCopies, status: &Shared) {
+    let left = copies.left(COPIES_PATIENCE).await;
+    let disks = match &copies.disks {
+        Some(Ok(disks)) => disks.clone(),
+        Some(Err(e)) => {
             let why = format!("no disk index kept for the return: the domain's disks: {e}");
             status.update(|s| s.event(EventKind::Committed, why));
             return;
         }
+        None => return,
     };
-    for left in left {
-        let kept = match disks.iter().find(|d| d.export() == left.export) {
-            Some(disk) => memory.remember(domain, &left, &disk.chain),
-            None => Err(NotKept::Io(format!(
-                "export {:?} is none of the domain's file disks",
-                left.export
-            ))),
-        };
-        let said = match kept {
-            Ok(bytes) => format!(
-                "{}: its index ({bytes} bytes) is kept here for the domain's return",
-                left.export
-            ),
-            Err(e) => format!("{}: no index kept for the return: {e}", left.export),
-        };
+    let (memory, domain_name) = (memory.clone(), domain.to_owned());
+    // Files: a blocking thread.
+    let said = tokio::task::spawn_blocking(move || {
+        left.iter()
+            .map(|left| {
+                let kept = match disks.iter().find(|d| d.export() == left.export) {
+                    Some(disk) => memory.remember(&domain_name, left, &disk.chain),
+                    None => Err(NotKept::Io(format!(
+                        "export {:?} is none of the domain's file disks",
+                        left.export
+                    ))),
+                };
+                match kept {
+                    Ok(bytes) => format!(
+                        "{}: its index ({bytes} bytes, {} block(s) unknown) is kept here for the domain's return",
+                        left.export, left.unknown_blocks
+                    ),
+                    Err(e) => format!("{}: no index kept for the return: {e}", left.export),
+                }
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap_or_else(|e| vec![format!("no disk index kept for the return: {e}")]);
+    for said in said {
         tracing::info!("{domain}: {said}");
         status.update(|s| s.event(EventKind::Committed, said));
     }
 }
 
+/// How long a migration's disk copies may go on after libvirt's migration returned (QEMU
+/// closes its NBD connections as libvirt ends the mirrors) before what they left is taken.
+const COPIES_PATIENCE: Duration = Duration::from_secs(10);
+
+/// A completed job's figures, read from the destination's libvirt (the source's go with the
+/// domain), into the status. libvirt's downtime is the real pause, from the stop at the
+/// source to the resume at the destination; its end is taken as now, a little after the
+/// resume.
 pub(crate) fn record_completed(status: &Shared, job: Result<JobStats>) {
     let now_us = i64::try_from(now_ms()).unwrap_or(i64::MAX) * 1000;
     match job {

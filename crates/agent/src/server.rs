@@ -214,8 +214,6 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     Ok(())
 }
 
-/// Gives back to the system the memory finished migrations freed (see [`crate::memory`]):
-/// once a migration has ended and none is under way either way, `malloc_trim`.
 /// Where indexes of disks that left through libvirt are kept: beside the seed images, the
 /// other things kept for a return.
 fn disk_memory(config: &AgentConfig) -> crate::disk_memory::DiskMemory {
@@ -225,6 +223,8 @@ fn disk_memory(config: &AgentConfig) -> crate::disk_memory::DiskMemory {
     )
 }
 
+/// Gives back to the system the memory finished migrations freed (see [`crate::memory`]):
+/// once a migration has ended and none is under way either way, `malloc_trim`.
 async fn release_memory_after_migrations(agent: Arc<Agent>) {
     // What has ended: migrations sent (how many are listed, the latest start) and the last
     // incoming session; it changes whenever one more ends, also once the lists are full.
@@ -763,7 +763,7 @@ pub(crate) async fn start_libvirt_migration(
     // paths) at the destination.
     let disks = if req.copy_storage {
         let read = libvirt.disk_sources(&req.domain).await;
-        Some(Arc::new(read.map_err(|e| format!("{e:#}"))))
+        Some(read.map_err(|e| format!("{e:#}")))
     } else {
         None
     };
@@ -786,8 +786,7 @@ pub(crate) async fn start_libvirt_migration(
                 settings: req.settings.clone(),
                 group: group.clone(),
                 pacing,
-                left: Arc::default(),
-                disks,
+                copies: Arc::new(tunnel::DiskCopies::new(disks)),
             },
         )?;
         drop(migrations);

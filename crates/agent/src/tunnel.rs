@@ -156,14 +156,75 @@ pub struct Claimed {
     pub group: Option<GroupLink>,
     /// Its disk copy is paced by the guest's IO.
     pub pacing: Option<RelayPacing>,
-    /// What each of its relayed disk copies left at the destination, as they end.
-    pub left: Arc<Mutex<Vec<Left>>>,
-    /// Its file disks, read before it left (None: its disks are not copied).
-    pub disks: Option<ReadDisks>,
+    /// Its relayed disk copies.
+    pub copies: Arc<DiskCopies>,
 }
 
-/// A domain's file disks as read from libvirt, or why they could not be.
-pub type ReadDisks = Arc<Result<Vec<DiskSource>, String>>;
+/// A driven migration's relayed disk copies: its file disks as read before it left, how many
+/// copies run, and what each left at the destination.
+pub struct DiskCopies {
+    /// None: its disks are not copied; else the disks, or why libvirt did not say.
+    pub disks: Option<Result<Vec<DiskSource>, String>>,
+    running: tokio::sync::watch::Sender<usize>,
+    left: Mutex<Vec<Left>>,
+}
+
+impl DiskCopies {
+    pub fn new(disks: Option<Result<Vec<DiskSource>, String>>) -> DiskCopies {
+        DiskCopies {
+            disks,
+            running: tokio::sync::watch::Sender::new(0),
+            left: Mutex::default(),
+        }
+    }
+
+    /// Once no copy runs (QEMU may close its last NBD connection just after libvirt's
+    /// migration returned), or after `patience`: what the copies left, by export. An export
+    /// copied more than once in the migration is left out: which copy's is the image's is
+    /// not known.
+    pub async fn left(&self, patience: Duration) -> Vec<Left> {
+        let mut running = self.running.subscribe();
+        if tokio::time::timeout(patience, running.wait_for(|n| *n == 0))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "disk copies still running {patience:?} after libvirt's migration ended"
+            );
+        }
+        let mut left = std::mem::take(&mut *self.left.lock().expect("left lock"));
+        let mut seen = std::collections::HashMap::new();
+        for l in &left {
+            *seen.entry(l.export.clone()).or_insert(0) += 1;
+        }
+        left.retain(|l| {
+            let once = seen[&l.export] == 1;
+            if !once {
+                tracing::warn!(
+                    "export {} was copied more than once: its index is not kept",
+                    l.export
+                );
+            }
+            once
+        });
+        left
+    }
+
+    /// Counts a copy as running until the guard goes.
+    fn start(self: &Arc<Self>) -> CopyRunning {
+        self.running.send_modify(|n| *n += 1);
+        CopyRunning(self.clone())
+    }
+}
+
+/// A relayed disk copy that runs.
+struct CopyRunning(Arc<DiskCopies>);
+
+impl Drop for CopyRunning {
+    fn drop(&mut self) {
+        self.0.running.send_modify(|n| *n -= 1);
+    }
+}
 
 /// What the memory phase changes in a disk relay: its buffer's bound, and the end of its bulk
 /// copy's pacing.
@@ -194,17 +255,11 @@ pub struct Claim {
 }
 
 impl Claim {
-    /// What the migration's relayed disk copies left at the destination so far, and its
-    /// file disks as read before it left.
-    pub fn take_left(&self) -> (Vec<Left>, Option<ReadDisks>) {
+    /// The migration's relayed disk copies.
+    pub fn copies(&self) -> Option<Arc<DiskCopies>> {
         let claims = self.tunnels.claims.lock().expect("claims lock");
-        match claims.get(&(self.peer.clone(), self.slot)) {
-            Some(claimed) => (
-                std::mem::take(&mut *claimed.left.lock().expect("left lock")),
-                claimed.disks.clone(),
-            ),
-            None => (Vec::new(), None),
-        }
+        let claimed = claims.get(&(self.peer.clone(), self.slot))?;
+        Some(claimed.copies.clone())
     }
 }
 
@@ -413,6 +468,7 @@ impl Tunnels {
                 }
                 std::future::pending::<Result<()>>().await
             };
+            let _running = claimed.as_ref().map(|c| c.copies.start());
             let carried = relay.run(conn, &session, settings.codec, status.clone());
             let left = tokio::select! {
                 result = within_wan_timeout(&session, carried) => result,
@@ -421,7 +477,7 @@ impl Tunnels {
             // Kept for the migration to remember once the domain is gone from here.
             left.map(|left| {
                 if let (Some(left), Some(c)) = (left, &claimed) {
-                    c.left.lock().expect("left lock").push(left);
+                    c.copies.left.lock().expect("left lock").push(left);
                 }
             })
         } else if multifd {
@@ -799,13 +855,13 @@ async fn outgoing_domain(libvirt_socket: &Path) -> Option<String> {
 
 /// A driven migration's domain and its disks' images by export, for its disk relays.
 fn domain_disks(claimed: &Claimed) -> DomainDisks {
-    let disks = claimed.disks.as_deref().and_then(|d| d.as_ref().ok());
+    let disks = claimed.copies.disks.as_ref().and_then(|d| d.as_ref().ok());
     DomainDisks {
         domain: claimed.status.get().vm,
         images: disks
             .into_iter()
             .flatten()
-            .filter_map(|d| Some((d.export(), d.chain.first()?.clone())))
+            .map(|d| (d.export(), d.chain.clone()))
             .collect(),
     }
 }
@@ -867,7 +923,7 @@ pub async fn serve_destination(session: Session, carried: Carried, here: Reachab
             }
         };
         if kind == TunnelKind::Nbd && coded {
-            let relayed = relay::destination(&session, &target, &disk_memory);
+            let relayed = relay::destination(&session, &target, disk_memory);
             return within_wan_timeout(&session, relayed).await;
         }
         let conn = match kind {

@@ -59,7 +59,7 @@ fn exit_code_of(e: &anyhow::Error) -> ExitCode {
 /// same; a test keeps these numbers equal to the constants).
 const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
-    " (wire protocol 1, control messages 18, agent API v1, timeline 1; QEMU >= 10; lab guest serial v1)"
+    " (wire protocol 1, control messages 19, agent API v1, timeline 1; QEMU >= 10; lab guest serial v1)"
 );
 
 #[derive(Parser)]

@@ -386,9 +386,10 @@ fn ferry_migrate_libvirt_moves_a_domain_and_its_disk() {
     assert!(kept_at(Site::A).exists(), "no index kept at site a: {v}");
     let kept_event = common::timeline(&v)
         .events
-        .iter()
-        .any(|e| e.detail.contains("is kept here for the domain's return"));
-    assert!(kept_event, "{v}");
+        .into_iter()
+        .find(|e| e.detail.contains("is kept here for the domain's return"));
+    eprintln!("kept at site a: {kept_event:?}");
+    assert!(kept_event.is_some(), "{v}");
 
     // Back to site a, driven by site b's agent: libvirt reuses the image the domain left at
     // site a, untouched since, so site a's agent sends the index it kept instead of reading

@@ -221,6 +221,46 @@ impl DiskBase {
         out
     }
 
+    /// How many blocks this view does not know (partly written or trimmed since it began).
+    pub fn unknown_blocks(&self) -> u64 {
+        self.disks
+            .iter()
+            .map(|d| d.iter().filter(|&&h| h == UNKNOWN).count() as u64)
+            .sum()
+    }
+
+    /// Up to `n` blocks of disk `disk` whose non-zero content this view knows, spread evenly
+    /// over them: where to look when checking that a disk is the one this view describes.
+    pub fn known_blocks(&self, disk: u8, n: usize) -> Vec<u64> {
+        let Some(known) = self.disks.get(usize::from(disk)) else {
+            return Vec::new();
+        };
+        let listed: Vec<u64> = (0u64..)
+            .zip(known)
+            .filter(|(_, &h)| h != self.zero && h != UNKNOWN)
+            .map(|(b, _)| b)
+            .collect();
+        if listed.len() <= n {
+            return listed;
+        }
+        (0..n).map(|i| listed[i * listed.len() / n]).collect()
+    }
+
+    /// Whether `data` (block `block` of disk `disk`, a short last block padded with zeros) is
+    /// what this view knows the receiver holds there; None where it knows nothing.
+    pub fn holds(&self, disk: u8, block: u64, data: &[u8]) -> Option<bool> {
+        let known = *self
+            .disks
+            .get(usize::from(disk))?
+            .get(usize::try_from(block).ok()?)?;
+        if known == UNKNOWN || data.len() > PAGE_SIZE {
+            return None;
+        }
+        let mut padded = [0u8; PAGE_SIZE];
+        padded[..data.len()].copy_from_slice(data);
+        Some(block_hash(self.key, &padded) == known)
+    }
+
     /// Records what the receiver holds after `op`, which goes as it is (nothing is sent as
     /// SAME): how a sender with no older copy to compare against follows its copy.
     pub fn track(&mut self, op: &DiskOp) {
@@ -533,6 +573,30 @@ pub(crate) mod tests {
     }
 
     /// A range of a disk of 16 blocks: as often whole blocks as any bytes.
+    #[test]
+    fn a_spot_check_finds_the_known_blocks_and_tells_their_content() {
+        let mut disk = vec![0u8; 64 * PAGE_SIZE];
+        for b in [3usize, 10, 11, 40, 63] {
+            disk[b * PAGE_SIZE..(b + 1) * PAGE_SIZE].fill(u8::try_from(b).unwrap());
+        }
+        let mut builder = BaseBuilder::new(9);
+        builder.disk(disk.len() as u64);
+        builder.add(0, &disk);
+        let base = DiskBase::parse(&builder.finish(), &[disk.len() as u64]).unwrap();
+        assert_eq!(base.known_blocks(0, 10), [3, 10, 11, 40, 63]);
+        assert_eq!(base.known_blocks(0, 2), [3, 11]);
+        assert!(base.known_blocks(1, 2).is_empty(), "no such disk");
+        let block = |b: usize| &disk[b * PAGE_SIZE..(b + 1) * PAGE_SIZE];
+        assert_eq!(base.holds(0, 40, block(40)), Some(true));
+        assert_eq!(base.holds(0, 40, block(10)), Some(false));
+        assert_eq!(
+            base.holds(0, 5, block(5)),
+            Some(true),
+            "a zero block is known"
+        );
+        assert_eq!(base.holds(0, 64, block(5)), None, "past the end");
+    }
+
     fn range() -> impl Strategy<Value = (u64, u64)> {
         let page = PAGE_SIZE as u64;
         let len = 16 * page;

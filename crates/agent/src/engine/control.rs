@@ -272,13 +272,14 @@ pub enum Control {
     NbdExport {
         name: String,
         codec: CodecSettings,
-        /// The domain whose disk it is and the disk's image, when the source knows (a
-        /// migration it drives; libvirt opens the same path at the destination): the
-        /// destination may have kept its index when the domain left.
+        /// The domain whose disk it is, when the source knows (a migration it drives), and
+        /// the disk's image then its backing files as the source's libvirt has them (libvirt
+        /// opens the same paths at the destination): the destination may have kept its index
+        /// when the domain left.
         #[serde(default)]
         domain: Option<String>,
         #[serde(default)]
-        image: Option<std::path::PathBuf>,
+        chain: Vec<std::path::PathBuf>,
     },
     /// Destination, on a disk relay: the export is open and this large, or why not.
     NbdExportOpened {

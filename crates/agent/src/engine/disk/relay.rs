@@ -68,7 +68,8 @@ pub struct RelaySettings {
 #[derive(Debug, Clone, Default)]
 pub struct DomainDisks {
     pub domain: String,
-    pub images: std::collections::HashMap<String, std::path::PathBuf>,
+    /// Each export's image and backing files, the image first.
+    pub images: std::collections::HashMap<String, Vec<std::path::PathBuf>>,
 }
 
 /// The largest disk whose copy a relay follows block by block when the destination holds
@@ -85,6 +86,9 @@ pub struct Left {
     pub size: u64,
     /// Its index (`codec::disk_base`), block by block.
     pub index: Vec<u8>,
+    /// Blocks the index does not know (partly written or trimmed during the copy): a return
+    /// sends them whole.
+    pub unknown_blocks: u64,
     /// When the relay ended: the source's image is not written after the pause, which came
     /// before this.
     pub ended: std::time::SystemTime,
@@ -96,6 +100,7 @@ impl std::fmt::Debug for Left {
             .field("export", &self.export)
             .field("size", &self.size)
             .field("index_bytes", &self.index.len())
+            .field("unknown_blocks", &self.unknown_blocks)
             .field("ended", &self.ended)
             .finish()
     }
@@ -205,11 +210,17 @@ impl RelaySource {
         let (Some((export, size)), Some(view)) = (chosen, sent.view) else {
             return Ok(None);
         };
+        let unknown = view.unknown_blocks();
         let index = tokio::task::spawn_blocking(move || view.serialize()).await?;
+        tracing::info!(
+            "disk relay: export {export:?}: what the copy left is known but for {unknown} block(s) ({}-byte index)",
+            index.len()
+        );
         Ok(Some(Left {
             export,
             size,
             index,
+            unknown_blocks: unknown,
             ended: std::time::SystemTime::now(),
         }))
     }
@@ -346,10 +357,11 @@ impl Exports for RemoteExports {
             name: name.to_owned(),
             codec: self.codec,
             domain: self.owner.as_ref().map(|o| o.domain.clone()),
-            image: self
+            chain: self
                 .owner
                 .as_ref()
-                .and_then(|o| o.images.get(name).cloned()),
+                .and_then(|o| o.images.get(name).cloned())
+                .unwrap_or_default(),
         };
         control::send(&self.session, &ask)
             .await
@@ -372,55 +384,85 @@ impl Exports for RemoteExports {
 }
 
 /// A domain's disk arriving at a relay's destination, as the source names it.
-#[derive(Debug, Clone, Copy)]
-pub struct Arrival<'a> {
-    pub domain: &'a str,
-    pub export: &'a str,
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub domain: String,
+    pub export: String,
     pub size: u64,
-    /// The image the source says the export is (libvirt opens the same path here).
-    pub image: &'a Path,
-    /// The process serving the export (the destination QEMU), which must hold `image` open.
+    /// The image the source says the export is, then its backing files, as the source's
+    /// libvirt has them (libvirt opens the same paths here).
+    pub chain: Vec<std::path::PathBuf>,
+    /// The process serving the export (the destination QEMU), which must hold them open.
     pub server_pid: Option<i32>,
 }
 
 /// Where a relay's destination finds the index kept when a domain left this host
-/// ([`crate::disk_memory`]).
-pub trait KeptIndexes: Sync {
+/// ([`crate::disk_memory`]). It reads files: it runs on a blocking thread.
+pub trait KeptIndexes: Clone + Send + Sync + 'static {
     /// The index kept for the arriving disk, if it still stands for its image; else why not.
-    fn recall(&self, arrival: Arrival<'_>) -> Result<Vec<u8>, String>;
+    fn recall(&self, arrival: &Arrival) -> Result<Vec<u8>, String>;
 }
 
 /// A destination that keeps no indexes.
+#[derive(Clone)]
 pub struct NoKeptIndexes;
 
 impl KeptIndexes for NoKeptIndexes {
-    fn recall(&self, _: Arrival<'_>) -> Result<Vec<u8>, String> {
+    fn recall(&self, _: &Arrival) -> Result<Vec<u8>, String> {
         Err("this host keeps no indexes".into())
     }
 }
 
-/// `kept`'s index for the export, checked to fit it.
-async fn recall(kept: &impl KeptIndexes, arrival: Arrival<'_>) -> Result<Vec<u8>, String> {
+/// How many blocks of a kept index are read back from the export before it is trusted.
+const SPOT_CHECKED_BLOCKS: usize = 16;
+
+/// `kept`'s index for the arriving export, checked to fit it and spot-checked against what
+/// the export holds: a few of the blocks it knows, spread over the disk, must read back as it
+/// says (a different file, however it got there, fails this).
+async fn recall(
+    kept: &impl KeptIndexes,
+    arrival: Arrival,
+    client: &Client<UnixStream>,
+) -> Result<Vec<u8>, String> {
+    let kept = kept.clone();
     let size = arrival.size;
-    let index = kept.recall(arrival)?;
-    tokio::task::spawn_blocking(move || DiskBase::parse(&index, &[size]).map(|_| index))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("the kept index does not fit this export: {e}"))
+    let (index, base) = tokio::task::spawn_blocking(move || {
+        let index = kept.recall(&arrival)?;
+        let base = DiskBase::parse(&index, &[size])
+            .map_err(|e| format!("the kept index does not fit this export: {e}"))?;
+        Ok::<_, String>((index, base))
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let block_size = ferry_codec::PAGE_SIZE as u64;
+    for block in base.known_blocks(0, SPOT_CHECKED_BLOCKS) {
+        let offset = block * block_size;
+        let len = u32::try_from(block_size.min(size - offset)).expect("a block");
+        let data = client
+            .read(offset, len)
+            .await
+            .map_err(|e| format!("reading the export to check the kept index: {e}"))?;
+        if base.holds(0, block, &data) != Some(true) {
+            return Err(format!(
+                "the export does not hold what the index kept when the domain left says (block {block})"
+            ));
+        }
+    }
+    Ok(index)
 }
 
 /// The destination side: opens the export the source names on the QEMU NBD server at
 /// `socket`, applies the source's snapshots to it, and checks the final digest. An export
 /// that holds data is described by an index kept in `kept` when it stands for it, else
 /// indexed now.
-pub async fn destination(session: &Session, socket: &Path, kept: &impl KeptIndexes) -> Result<()> {
+pub async fn destination(session: &Session, socket: &Path, kept: impl KeptIndexes) -> Result<()> {
     let (client, plan, codec) = loop {
         match control::recv(session).await? {
             Control::NbdExport {
                 name,
                 codec,
                 domain,
-                image,
+                chain,
             } => match open(socket, &name).await {
                 Ok((client, data, server_pid)) => {
                     let size = client.info().size;
@@ -432,21 +474,22 @@ pub async fn destination(session: &Session, socket: &Path, kept: &impl KeptIndex
                     control::send(session, &answer).await?;
                     if !data.is_empty() {
                         let t0 = std::time::Instant::now();
-                        let recalled = match (domain, image) {
-                            (Some(domain), Some(image)) => {
+                        let recalled = match domain {
+                            Some(domain) if chain.is_empty() => Some(Err(format!(
+                                "the source named no image for export {name:?} of {domain} \
+                                 (not a file disk, or its disks could not be read from libvirt)"
+                            ))),
+                            Some(domain) => {
                                 let arrival = Arrival {
-                                    domain: &domain,
-                                    export: &name,
+                                    domain,
+                                    export: name.clone(),
                                     size,
-                                    image: &image,
+                                    chain,
                                     server_pid,
                                 };
-                                Some(recall(kept, arrival).await)
+                                Some(recall(&kept, arrival, &client).await)
                             }
-                            (Some(_), None) => Some(Err(format!(
-                                "export {name:?} is none of the domain's file disks"
-                            ))),
-                            (None, _) => None,
+                            None => None,
                         };
                         match recalled {
                             Some(Ok(index)) => {
@@ -662,12 +705,16 @@ mod tests {
     }
 
     /// The index a destination kept when its domain left: what it holds, or why none.
+    #[derive(Clone)]
     struct Kept(Result<Vec<u8>, String>);
 
     impl KeptIndexes for Kept {
-        fn recall(&self, a: Arrival<'_>) -> Result<Vec<u8>, String> {
-            assert_eq!((a.domain, a.export, a.size), ("vm", "disk0", SIZE));
-            assert_eq!(a.image, Path::new("/images/vm.qcow2"));
+        fn recall(&self, a: &Arrival) -> Result<Vec<u8>, String> {
+            assert_eq!(
+                (a.domain.as_str(), a.export.as_str(), a.size),
+                ("vm", "disk0", SIZE)
+            );
+            assert_eq!(a.chain, [Path::new("/images/vm.qcow2")]);
             // The export's server is this test.
             assert_eq!(a.server_pid, i32::try_from(std::process::id()).ok());
             self.0.clone()
@@ -765,13 +812,13 @@ mod tests {
         let (a, b) = crate::engine::test_session::pair().await;
         let owner = kept.is_some().then(|| DomainDisks {
             domain: "vm".into(),
-            images: [("disk0".to_owned(), "/images/vm.qcow2".into())].into(),
+            images: [("disk0".to_owned(), vec!["/images/vm.qcow2".into()])].into(),
         });
         // As the tunnel's destination does: a failure is told to the source.
         let destination = tokio::spawn(async move {
-            let result = match &kept {
+            let result = match kept {
                 Some(kept) => super::destination(&b, &socket, kept).await,
-                None => super::destination(&b, &socket, &NoKeptIndexes).await,
+                None => super::destination(&b, &socket, NoKeptIndexes).await,
             };
             if let Err(e) = &result {
                 let reason = format!("destination: {e:#}");
@@ -1008,17 +1055,18 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_kept_index_stands_for_the_export_and_nothing_of_it_is_read() {
+    async fn a_kept_index_stands_for_the_export_and_only_its_spot_check_is_read() {
         // Kept under the key of the migration that left it, not this one's.
         let kept = index_of(&vec![0xee; usize::try_from(SIZE).unwrap()], 77);
         let mut r = relay_kept(Ok(kept)).await;
         let left = copy_a_mib_old_a_mib_new(&mut r)
             .await
             .expect("a view to leave");
+        let spot_check = (SPOT_CHECKED_BLOCKS * ferry_codec::PAGE_SIZE) as u64;
         assert_eq!(
             r.disk.read.load(Ordering::Relaxed),
-            0,
-            "the export was read"
+            spot_check,
+            "the export was read beyond the spot check"
         );
         let report = r.status.get().disk.expect("a disk report");
         assert_eq!(
@@ -1036,17 +1084,25 @@ mod tests {
     #[tokio::test]
     async fn without_a_usable_kept_index_the_export_is_indexed_and_the_report_says_why() {
         let wrong_size = index_of(&[0xee; 8192], 77);
+        // Of another disk: the export does not read back as it says.
+        let mut other = vec![0xee; usize::try_from(SIZE).unwrap()];
+        other[3 << 20..].fill(0x11);
         let cases = [
             (
                 Err("no index kept from the domain's departure".to_owned()),
                 "no index kept",
             ),
             (Ok(wrong_size), "the kept index does not fit this export"),
+            (
+                Ok(index_of(&other, 77)),
+                "the export does not hold what the index kept when the domain left says",
+            ),
         ];
         for (kept, why) in cases {
             let mut r = relay_kept(kept).await;
             copy_a_mib_old_a_mib_new(&mut r).await;
-            assert_eq!(r.disk.read.load(Ordering::Relaxed), SIZE, "indexed whole");
+            let read = r.disk.read.load(Ordering::Relaxed);
+            assert!(read >= SIZE, "indexed whole: {read} bytes read");
             let report = r.status.get().disk.expect("a disk report");
             assert_eq!(report.older_copy.as_deref(), Some("index"), "{report:?}");
             assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
