@@ -229,6 +229,19 @@ impl DiskBase {
             .sum()
     }
 
+    /// The first `n` blocks of disk `disk` this view does not know.
+    pub fn unknown_block_list(&self, disk: u8, n: usize) -> Vec<u64> {
+        let Some(known) = self.disks.get(usize::from(disk)) else {
+            return Vec::new();
+        };
+        (0u64..)
+            .zip(known)
+            .filter(|(_, &h)| h == UNKNOWN)
+            .map(|(b, _)| b)
+            .take(n)
+            .collect()
+    }
+
     /// Up to `n` blocks of disk `disk` whose non-zero content this view knows, spread evenly
     /// over them: where to look when checking that a disk is the one this view describes.
     pub fn known_blocks(&self, disk: u8, n: usize) -> Vec<u64> {
@@ -595,6 +608,28 @@ pub(crate) mod tests {
             "a zero block is known"
         );
         assert_eq!(base.holds(0, 64, block(5)), None, "past the end");
+    }
+
+    #[test]
+    fn unknown_blocks_are_listed_and_a_whole_write_makes_one_known() {
+        let mut base = DiskBase::zeroed(9, &[16 * PAGE_SIZE as u64]).unwrap();
+        for b in [2u64, 7, 8] {
+            base.track(&DiskOp::Write {
+                disk: 0,
+                offset: b * PAGE_SIZE as u64 + 512,
+                data: vec![1; 1024],
+            });
+        }
+        assert_eq!(base.unknown_blocks(), 3);
+        assert_eq!(base.unknown_block_list(0, 2), [2, 7]);
+        let block = vec![1u8; PAGE_SIZE];
+        base.track(&DiskOp::Write {
+            disk: 0,
+            offset: 7 * PAGE_SIZE as u64,
+            data: block.clone(),
+        });
+        assert_eq!(base.unknown_block_list(0, 10), [2, 8]);
+        assert_eq!(base.holds(0, 7, &block), Some(true));
     }
 
     fn range() -> impl Strategy<Value = (u64, u64)> {

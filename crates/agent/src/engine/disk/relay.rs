@@ -32,7 +32,7 @@ use std::sync::{Arc, Weak};
 
 use anyhow::{bail, Context, Result};
 use ferry_api::agent::{CodecSettings, DiskMode, DiskReport};
-use ferry_codec::{disk_base, BaseBuilder, DiskBase};
+use ferry_codec::{disk_base, BaseBuilder, DiskBase, DiskOp};
 use ferry_qemu::nbd::{self, BlockStatusReader, Client, Export, Exports};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -416,9 +416,14 @@ impl KeptIndexes for NoKeptIndexes {
 /// How many blocks of a kept index are read back from the export before it is trusted.
 const SPOT_CHECKED_BLOCKS: usize = 16;
 
+/// The most blocks a kept index may leave unknown that the destination reads to know them
+/// (16 MiB); beyond, the rest go whole.
+const FILLED_BLOCKS_MAX: usize = 4096;
+
 /// `kept`'s index for the arriving export, checked to fit it and spot-checked against what
 /// the export holds: a few of the blocks it knows, spread over the disk, must read back as it
-/// says (a different file, however it got there, fails this).
+/// says (a different file, however it got there, fails this). The blocks it does not know
+/// (partly written while the domain left) are read and added: a few, against the whole image.
 async fn recall(
     kept: &impl KeptIndexes,
     arrival: Arrival,
@@ -426,7 +431,7 @@ async fn recall(
 ) -> Result<Vec<u8>, String> {
     let kept = kept.clone();
     let size = arrival.size;
-    let (index, base) = tokio::task::spawn_blocking(move || {
+    let (index, mut base) = tokio::task::spawn_blocking(move || {
         let index = kept.recall(&arrival)?;
         let base = DiskBase::parse(&index, &[size])
             .map_err(|e| format!("the kept index does not fit this export: {e}"))?;
@@ -448,7 +453,40 @@ async fn recall(
             ));
         }
     }
-    Ok(index)
+    let unknown = base.unknown_block_list(0, FILLED_BLOCKS_MAX);
+    if unknown.is_empty() {
+        return Ok(index);
+    }
+    // Runs of neighbouring blocks in one read each (a file system's journal is one place).
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &block in &unknown {
+        match runs.last_mut() {
+            Some((first, count)) if *first + *count == block && *count < 256 => *count += 1,
+            _ => runs.push((block, 1)),
+        }
+    }
+    for (first, count) in runs {
+        let offset = first * block_size;
+        let len = u32::try_from((count * block_size).min(size - offset)).expect("up to 1 MiB");
+        let mut data = client
+            .read(offset, len)
+            .await
+            .map_err(|e| format!("reading the blocks the kept index does not know: {e}"))?
+            .to_vec();
+        data.resize(usize::try_from(count * block_size).expect("up to 1 MiB"), 0);
+        base.track(&DiskOp::Write {
+            disk: 0,
+            offset,
+            data,
+        });
+    }
+    tracing::info!(
+        "disk relay: read the {} block(s) the kept index did not know",
+        unknown.len()
+    );
+    tokio::task::spawn_blocking(move || base.serialize())
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// The destination side: opens the export the source names on the QEMU NBD server at
@@ -1079,6 +1117,37 @@ mod tests {
         assert!(disk[1 << 20..2 << 20].iter().all(|&b| b == 3));
         // What it leaves follows on from the kept index, for the next move.
         assert_eq!(left.index, index_of(&disk, 77));
+    }
+
+    #[tokio::test]
+    async fn blocks_a_kept_index_does_not_know_are_read_and_then_cross_as_same() {
+        let disk = vec![0xee; usize::try_from(SIZE).unwrap()];
+        let mut base = DiskBase::parse(&index_of(&disk, 77), &[SIZE]).unwrap();
+        // The first 64 blocks partly written as the domain left (a 1 KiB file system's
+        // writes): the kept index does not know them.
+        for b in 0..64u64 {
+            base.track(&DiskOp::Write {
+                disk: 0,
+                offset: b * 4096 + 1024,
+                data: vec![0xee; 1024],
+            });
+        }
+        assert_eq!(base.unknown_blocks(), 64);
+        let mut r = relay_kept(Ok(base.serialize())).await;
+        copy_a_mib_old_a_mib_new(&mut r).await;
+        let report = r.status.get().disk.expect("a disk report");
+        assert_eq!(
+            report.older_copy.as_deref(),
+            Some("remembered"),
+            "{report:?}"
+        );
+        assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
+        let read = r.disk.read.load(Ordering::Relaxed);
+        let expected = ((SPOT_CHECKED_BLOCKS + 64) * ferry_codec::PAGE_SIZE) as u64;
+        assert_eq!(
+            read, expected,
+            "the spot check and the unknown blocks, nothing else"
+        );
     }
 
     #[tokio::test]
