@@ -439,12 +439,8 @@ async fn recall(
     })
     .await
     .map_err(|e| e.to_string())??;
-    let block_size = ferry_codec::PAGE_SIZE as u64;
     for block in base.known_blocks(0, SPOT_CHECKED_BLOCKS) {
-        let offset = block * block_size;
-        let len = u32::try_from(block_size.min(size - offset)).expect("a block");
-        let data = client
-            .read(offset, len)
+        let data = read_blocks(client, size, block, 1)
             .await
             .map_err(|e| format!("reading the export to check the kept index: {e}"))?;
         if base.holds(0, block, &data) != Some(true) {
@@ -466,17 +462,12 @@ async fn recall(
         }
     }
     for (first, count) in runs {
-        let offset = first * block_size;
-        let len = u32::try_from((count * block_size).min(size - offset)).expect("up to 1 MiB");
-        let mut data = client
-            .read(offset, len)
+        let data = read_blocks(client, size, first, count)
             .await
-            .map_err(|e| format!("reading the blocks the kept index does not know: {e}"))?
-            .to_vec();
-        data.resize(usize::try_from(count * block_size).expect("up to 1 MiB"), 0);
+            .map_err(|e| format!("reading the blocks the kept index does not know: {e}"))?;
         base.track(&DiskOp::Write {
             disk: 0,
-            offset,
+            offset: first * ferry_codec::PAGE_SIZE as u64,
             data,
         });
     }
@@ -487,6 +478,22 @@ async fn recall(
     tokio::task::spawn_blocking(move || base.serialize())
         .await
         .map_err(|e| e.to_string())
+}
+
+/// `count` whole blocks of the export (of `size` bytes) from block `first`, a short last block
+/// padded with zeros, as the index hashes it.
+async fn read_blocks(
+    client: &Client<UnixStream>,
+    size: u64,
+    first: u64,
+    count: u64,
+) -> Result<Vec<u8>, ferry_qemu::nbd::NbdError> {
+    let block_size = ferry_codec::PAGE_SIZE as u64;
+    let offset = first * block_size;
+    let len = u32::try_from((count * block_size).min(size - offset)).expect("up to 1 MiB");
+    let mut data = client.read(offset, len).await?.to_vec();
+    data.resize(usize::try_from(count * block_size).expect("up to 1 MiB"), 0);
+    Ok(data)
 }
 
 /// The destination side: opens the export the source names on the QEMU NBD server at
@@ -1106,6 +1113,16 @@ mod tests {
             spot_check,
             "the export was read beyond the spot check"
         );
+        assert_remembered_with_the_old_mib_same(&r);
+        let disk = r.disk.bytes.lock().unwrap().clone();
+        assert!(disk[1 << 20..2 << 20].iter().all(|&b| b == 3));
+        // What it leaves follows on from the kept index, for the next move.
+        assert_eq!(left.index, index_of(&disk, 77));
+    }
+
+    /// The report of a relay whose destination sent its kept index, after
+    /// [`copy_a_mib_old_a_mib_new`]: the old MiB crossed as SAME.
+    fn assert_remembered_with_the_old_mib_same(r: &Relayed) {
         let report = r.status.get().disk.expect("a disk report");
         assert_eq!(
             report.older_copy.as_deref(),
@@ -1113,10 +1130,6 @@ mod tests {
             "{report:?}"
         );
         assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
-        let disk = r.disk.bytes.lock().unwrap().clone();
-        assert!(disk[1 << 20..2 << 20].iter().all(|&b| b == 3));
-        // What it leaves follows on from the kept index, for the next move.
-        assert_eq!(left.index, index_of(&disk, 77));
     }
 
     #[tokio::test]
@@ -1135,13 +1148,7 @@ mod tests {
         assert_eq!(base.unknown_blocks(), 64);
         let mut r = relay_kept(Ok(base.serialize())).await;
         copy_a_mib_old_a_mib_new(&mut r).await;
-        let report = r.status.get().disk.expect("a disk report");
-        assert_eq!(
-            report.older_copy.as_deref(),
-            Some("remembered"),
-            "{report:?}"
-        );
-        assert_eq!(report.same_bytes, 1 << 20, "{report:?}");
+        assert_remembered_with_the_old_mib_same(&r);
         let read = r.disk.read.load(Ordering::Relaxed);
         let expected = ((SPOT_CHECKED_BLOCKS + 64) * ferry_codec::PAGE_SIZE) as u64;
         assert_eq!(
