@@ -162,6 +162,9 @@ async fn run_scenarios(a: BenchArgs) -> Result<ExitCode> {
         );
     }
     a.shape.validate()?;
+    if base.qemu_mirror_top && a.shape.disk_template_mib.is_none() {
+        bail!("--qemu-mirror-top copies a template's top image only; add --disk-template-mib");
+    }
     let disk_mib = a.shape.disk_mib.unwrap_or(64);
     if a.shape.has_disk() && (a.disk_file_mib == 0 || a.disk_file_mib + 8 > disk_mib) {
         bail!(

@@ -30,6 +30,11 @@ pub struct SystemFlags {
     /// (each guest write waits for the destination) instead of background.
     #[arg(long)]
     pub qemu_mirror_write_blocking: bool,
+    /// Lab VMs, QEMU's own migration with disks on a template: copy only the top image
+    /// (`sync=top`, libvirt's `--copy-storage-inc`) into an overlay on the destination site's
+    /// copy of the template, trusting that it holds the same bytes.
+    #[arg(long)]
+    pub qemu_mirror_top: bool,
 }
 
 /// Migration flags shared by `bench` and `demo`: the system, and its settings.
@@ -59,6 +64,7 @@ pub fn options(system: &SystemFlags, settings: &SettingsFlags) -> Result<Migrate
         ferry,
         mode: QemuMode::parse(&system.mode)?,
         qemu_mirror_write_blocking: system.qemu_mirror_write_blocking,
+        qemu_mirror_top: system.qemu_mirror_top,
         settings: settings.settings()?,
         ..MigrateOptions::default()
     })

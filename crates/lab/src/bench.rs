@@ -159,6 +159,10 @@ pub struct BenchRecord {
     /// mirror: background, write-blocking).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_mode: Option<String>,
+    /// With a disk on a template: the data the template holds and how many images deep it
+    /// is (the VM's own overlay not counted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_template: Option<DiskTemplate>,
     /// With a disk writer: its file and rate, and the latency of its writes during the
     /// migration (from the migrate request to the destination's verifiers).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -214,6 +218,13 @@ async fn outage_in_postcopy(
     tokio::time::sleep(length).await;
     drop(back);
     Ok(())
+}
+
+/// A disk's template, as the record names it.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DiskTemplate {
+    pub data_mib: u32,
+    pub layers: u32,
 }
 
 /// The link fields of the contract.
@@ -526,8 +537,22 @@ async fn measured_migration(
                 Some(pct) => format!("{} paced {pct}%", sc.migrate.settings.disk_mode.name()),
                 None => sc.migrate.settings.disk_mode.name().to_owned(),
             },
-            System::Qemu(_) if sc.migrate.qemu_mirror_write_blocking => "write-blocking".into(),
-            System::Qemu(_) => "background".into(),
+            System::Qemu(_) => {
+                let copy = if sc.migrate.qemu_mirror_write_blocking {
+                    "write-blocking"
+                } else {
+                    "background"
+                };
+                if sc.migrate.qemu_mirror_top {
+                    format!("{copy} top")
+                } else {
+                    copy.into()
+                }
+            }
+        }),
+        disk_template: sc.vm.disk_template_mib.map(|data_mib| DiskTemplate {
+            data_mib,
+            layers: sc.vm.disk_template_layers,
         }),
         disk_writer: sc.vm.disk.then_some(sc.disk_writer),
         disk_write_latency,

@@ -154,14 +154,7 @@ pub fn ferry_destination_disks(src: &VmSpec, dst: &VmSpec, from: Site, to: Site)
         if dst_disk.path.exists() {
             continue;
         }
-        let backing = backing_file(&src_disk.path)?.and_then(|b| {
-            let name = b.file_name()?.to_owned();
-            let theirs = b
-                .parent()?
-                .ends_with(format!("{TEMPLATES}/{}", from.name()));
-            let ours = b.parent()?.parent()?.join(to.name()).join(name);
-            (theirs && ours.exists()).then_some(ours)
-        });
+        let backing = library_backing(&src_disk.path, from, to)?;
         create_qcow2(
             &dst_disk.path,
             virtual_size(&src_disk.path)?,
@@ -169,6 +162,40 @@ pub fn ferry_destination_disks(src: &VmSpec, dst: &VmSpec, from: Site, to: Site)
         )?;
     }
     Ok(())
+}
+
+/// The destination's disk images for QEMU's mirror of the top image only: each an overlay on
+/// the template its source image sits on, as the destination site's library holds it.
+pub fn overlay_destination_disks(src: &VmSpec, dst: &VmSpec, from: Site, to: Site) -> Result<()> {
+    for (src_disk, dst_disk) in src.disks.iter().zip(&dst.disks) {
+        let Some(backing) = library_backing(&src_disk.path, from, to)? else {
+            bail!(
+                "copying the top image only needs {} to be an overlay on a template that site \
+                 {}'s library holds (start the VM with --disk-template-mib)",
+                src_disk.path.display(),
+                to.name()
+            );
+        };
+        create_qcow2(
+            &dst_disk.path,
+            virtual_size(&src_disk.path)?,
+            Some(&backing),
+        )?;
+    }
+    Ok(())
+}
+
+/// Where site `to`'s library holds the template that the image at `image` (at site `from`)
+/// is an overlay on, if it is one and that library holds it.
+fn library_backing(image: &Path, from: Site, to: Site) -> Result<Option<PathBuf>> {
+    Ok(backing_file(image)?.and_then(|b| {
+        let name = b.file_name()?.to_owned();
+        let theirs = b
+            .parent()?
+            .ends_with(format!("{TEMPLATES}/{}", from.name()));
+        let ours = b.parent()?.parent()?.join(to.name()).join(name);
+        (theirs && ours.exists()).then_some(ours)
+    }))
 }
 
 /// A qcow2 image at `out` holding a fresh ext4 file system of `mib` MiB, populated from `tree`
