@@ -492,7 +492,7 @@ async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
 }
 
 /// What the agent holds between migrations: its resident memory and open descriptors (from
-/// /proc), the sessions it carries and the warm connections it keeps.
+/// /proc), the sessions it carries, the warm connections and the codec's buffers it keeps.
 fn register_footprint(registry: &mut prometheus_client::registry::Registry, agent: &Agent) {
     use prometheus_client::metrics::gauge::Gauge;
     let gauge = |registry: &mut prometheus_client::registry::Registry,
@@ -537,6 +537,12 @@ fn register_footprint(registry: &mut prometheus_client::registry::Registry, agen
         "parked_connections",
         "Warm connections to peers kept for the next migration",
         Some(agent.pool.parked_total() as u64),
+    );
+    gauge(
+        registry,
+        "codec_kept_bytes",
+        "Buffers kept for the next migration's codec dictionaries (free to the kernel under pressure)",
+        Some(ferry_codec::region::kept_bytes() as u64),
     );
 }
 

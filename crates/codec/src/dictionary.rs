@@ -8,8 +8,9 @@
 //! - A **page history**: the last version of each page that crossed, by page key, for deltas.
 //!   Bounded; the oldest page first in is forgotten first.
 //!
-//! Both hold their bytes in one region each, reserved whole at first use (address space only:
-//! the kernel gives pages as they are first written), not one allocation per page.
+//! Both hold their bytes in one buffer each, taken whole at first use from the process's
+//! [`region`](crate::region) pool (a buffer an earlier dictionary left, already mapped, or a
+//! new one, address space only) and given back when they go.
 
 use std::collections::VecDeque;
 
@@ -96,11 +97,10 @@ impl BlockCache {
             self.data[start..start + BLOCK_SIZE].copy_from_slice(block);
         } else {
             if self.filled == 0 {
-                // The whole ring at once (address space only: the kernel gives pages as they
-                // are first written). Grown by doubling, it copied and faulted in some 150 MB
-                // more on its way to 100 MB.
+                // The whole ring at once. Grown by doubling, it copied and faulted in some
+                // 150 MB more on its way to 100 MB.
                 let slots = self.capacity as usize;
-                self.data.reserve_exact(slots * BLOCK_SIZE);
+                self.data = crate::region::take(slots * BLOCK_SIZE);
                 self.slot_hash.reserve_exact(slots);
                 self.index.reserve(slots);
             }
@@ -110,6 +110,12 @@ impl BlockCache {
         }
         self.index.insert(hash, slot);
         self.next = (slot + 1) % self.capacity;
+    }
+}
+
+impl Drop for BlockCache {
+    fn drop(&mut self) {
+        crate::region::give(std::mem::take(&mut self.data));
     }
 }
 
@@ -190,8 +196,7 @@ impl PageHistory {
                 }
                 None => {
                     if self.store.capacity() == 0 {
-                        // Address space only, as the block cache's ring.
-                        self.store.reserve_exact(self.max_pages * PAGE_SIZE);
+                        self.store = crate::region::take(self.max_pages * PAGE_SIZE);
                     }
                     let slot = self.store.len() / PAGE_SIZE;
                     self.store.extend_from_slice(page);
@@ -224,6 +229,12 @@ impl PageHistory {
             }
         }
         None
+    }
+}
+
+impl Drop for PageHistory {
+    fn drop(&mut self) {
+        crate::region::give(std::mem::take(&mut self.store));
     }
 }
 

@@ -1,5 +1,6 @@
-//! ferry's codec: what turns the pages of a migration into fewer bytes on the WAN. Pure: no
-//! I/O, no clocks, no threads; the agents call it on each side of the wire.
+//! ferry's codec: what turns the pages of a migration into fewer bytes on the WAN. No I/O, no
+//! threads of its own; its one piece of process-wide state is the pool of buffers in
+//! [`region`]. The agents call it on each side of the wire.
 //!
 //! - [`page`]: one record per 4 KiB page, the cheapest of zero, unchanged, an XOR run-length
 //!   delta against the version the other side has ([`rle`]), 1 KiB blocks the other side
@@ -12,6 +13,8 @@
 //! - [`seed`]: pages the other side already holds in an earlier image, indexed by content
 //!   there, sent as references to that image.
 //! - [`shard`]: which shard of a parallel codec a page belongs to.
+//! - [`region`]: the dictionaries' big buffers, kept by the process from one migration to the
+//!   next so that their pages are mapped once, not once per migration.
 //!
 //! Every technique can be switched off on its own ([`Options`]) for ablations. Both ends must
 //! use the same options; the decoder checks everything it is given and fails with a
@@ -23,6 +26,7 @@ pub mod disk;
 pub mod disk_base;
 pub mod disk_since;
 pub mod page;
+pub mod region;
 pub mod rle;
 pub mod seed;
 pub mod shard;
