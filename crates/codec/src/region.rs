@@ -5,7 +5,7 @@
 //! 4 KiB first written. A migration's first pass writes every page it sends into the history
 //! and every new block into the cache, so that was paid for most of the guest's memory, every
 //! migration: 16% of a source agent's CPU at 1 Gbit/s (the 2026-11-29 profile), and the codec
-//! alone at half its speed. An agent runs one migration after another; the next one's
+//! alone at two thirds of its speed. An agent runs one migration after another; the next one's
 //! dictionaries write into the last one's buffers, already mapped.
 //!
 //! A buffer handed back is marked free to the kernel (`MADV_FREE`): under memory pressure the
